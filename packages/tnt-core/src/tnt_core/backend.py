@@ -1,0 +1,182 @@
+"""The contract every communication backend keeps (see DESIGN.md, "CommBackend contract").
+
+A backend moves bytes; policy (which backend, fusion, timeouts from the environment)
+lives in tnt-core. Rules every backend keeps:
+
+* collectives are issued in the same order on every rank and executed in that order;
+* ``Handle.wait`` never spins a core (block in C with the GIL released, or sleep/poll
+  with back-off);
+* a dead peer or a wait past the timeout raises :class:`~tnt_core.CommError` naming the
+  rank and the operation, never a hang;
+* ``close`` is idempotent.
+
+``tnt_core.testing`` checks all of this against a backend with real processes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = [
+    "REDUCE_OPS",
+    "SUPPORTED_DTYPES",
+    "BackendSpec",
+    "CommBackend",
+    "CompletedHandle",
+    "Handle",
+    "check_buffer",
+    "check_op",
+]
+
+REDUCE_OPS: tuple[str, ...] = ("sum", "min", "max", "product")
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")
+)
+
+
+def check_op(op: str) -> str:
+    """Return ``op`` if it is a reduction every backend supports, else raise ValueError."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    return op
+
+
+def check_buffer(buf: Any, operation: str, *, writeable: bool = True) -> np.ndarray:
+    """Validate a host buffer handed to a collective; errors say what to pass instead."""
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(
+            f"{operation} needs a numpy.ndarray, got {type(buf).__name__}; "
+            "convert with numpy.asarray(...) (GPU tensors: pass an object exposing DLPack "
+            "to a backend that supports device buffers)"
+        )
+    if buf.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{operation} does not support dtype {buf.dtype}; use one of {names}")
+    if not buf.flags.c_contiguous:
+        raise ValueError(
+            f"{operation} needs a C-contiguous buffer (it is reduced in place); "
+            "pass numpy.ascontiguousarray(buf) and use the returned array"
+        )
+    if writeable and not buf.flags.writeable:
+        raise ValueError(f"{operation} reduces in place but the buffer is read-only; pass a copy")
+    return buf
+
+
+class Handle(abc.ABC):
+    """An operation in flight. Keeps its buffer alive until :meth:`wait` returns it."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """Block (without spinning) until the operation is done; return the buffer.
+
+        ``timeout`` (seconds) defaults to the backend's ``TNT_TIMEOUT_S``; past it,
+        :class:`~tnt_core.CommError` is raised.
+        """
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the operation has completed (successfully or not)."""
+
+
+class CompletedHandle(Handle):
+    """A handle for an operation that finished when it was issued (e.g. size-1 jobs)."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self._buf = buf
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        return self._buf
+
+    def done(self) -> bool:
+        return True
+
+
+class CommBackend(abc.ABC):
+    """A communicator over all ranks of the job.
+
+    Subclasses set ``name``, ``rank``, ``size``, ``local_rank`` and ``local_size`` in
+    ``__init__`` and implement the abstract collectives. The blocking ``allreduce`` is
+    derived from ``allreduce_async``.
+    """
+
+    name: str = "abstract"
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    @abc.abstractmethod
+    def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
+        """Start reducing ``buf`` over all ranks, in place. Nonblocking."""
+
+    def allreduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Reduce ``buf`` over all ranks, in place; return it."""
+        return self.allreduce_async(buf, op).wait()
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
+        """Overwrite ``buf`` on every rank with the ``root`` rank's ``buf``; return it."""
+
+    @abc.abstractmethod
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        """Return an array of shape ``(size, *buf.shape)`` holding every rank's ``buf``.
+
+        All ranks pass buffers of the same shape and dtype.
+        """
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the communicator. Idempotent."""
+
+    def __enter__(self) -> CommBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}>"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin returns from ``tnt_comm_backends``: how to build one backend.
+
+    :param name: the name users pass to ``TNT_BACKEND`` / ``tnt run --backend``.
+    :param factory: ``factory(config) -> CommBackend``; called once per process.
+    :param priority: without ``TNT_BACKEND`` the available backend of highest priority
+        wins; the built-in ``local`` backend has priority 0.
+    :param available: a bool, or ``available(config) -> bool`` deciding whether this
+        backend can serve the job described by ``config`` (e.g. an MPI backend only when
+        started by ``mpiexec``); evaluated lazily.
+    :param description: one line shown when backends are listed.
+    """
+
+    name: str
+    factory: Callable[[Config], CommBackend]
+    priority: int = 0
+    available: bool | Callable[[Config], bool] = True
+    description: str = ""
+    extras: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def is_available(self, config: Config) -> bool:
+        if callable(self.available):
+            try:
+                return bool(self.available(config))
+            except Exception:  # a broken probe means "not available", not a crash
+                return False
+        return bool(self.available)

@@ -1,0 +1,46 @@
+"""Every exception tnt-core raises, in one module.
+
+Backends translate their native failures into :class:`CommError` in one place so
+that users and tnt-keras handle a single exception type for "the collective failed".
+"""
+
+from __future__ import annotations
+
+__all__ = ["TntError", "CommError", "ConfigError", "PluginError", "ShardingError"]
+
+
+class TntError(Exception):
+    """Base class of all Tarantella-NT errors."""
+
+
+class CommError(TntError):
+    """A collective failed: a peer died, the wait timed out, or the transport broke.
+
+    The message names the rank that raised it and the operation; ``rank``,
+    ``operation`` and ``peer`` (when known) are kept as attributes for programs.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None,
+                 operation: str | None = None, peer: int | None = None) -> None:
+        parts = []
+        if rank is not None:
+            parts.append(f"rank {rank}")
+        if operation:
+            parts.append(operation)
+        prefix = f"[{': '.join(parts)}] " if parts else ""
+        super().__init__(prefix + message)
+        self.rank = rank
+        self.operation = operation
+        self.peer = peer
+
+
+class ConfigError(TntError, ValueError):
+    """The launcher environment or an argument is invalid; the message says what to change."""
+
+
+class PluginError(TntError):
+    """A plugin could not be loaded, or the requested backend is unknown or unavailable."""
+
+
+class ShardingError(TntError, ValueError):
+    """A batch cannot be split over the ranks as asked (e.g. fewer samples than ranks)."""

@@ -1,0 +1,92 @@
+"""The plugin manager: loads ``tnt`` entry points, registers built-ins, checks specs.
+
+Load order (as tox does): specs -> names blocked by ``TNT_DISABLE_PLUGINS`` -> the
+``tnt`` entry-point group (unless ``TNT_DISABLE_PLUGIN_AUTOLOAD``) -> modules named in
+``TNT_PLUGINS`` (like ``pytest -p``: a plugin without packaging) -> built-ins ->
+``check_pending()``, so a hook name typo in any plugin fails at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from importlib import metadata
+
+import pluggy
+
+from . import hookspecs
+from ._markers import ENTRY_POINT_GROUP, PROJECT_NAME
+from .config import parse_bool
+from .errors import PluginError
+
+__all__ = ["get_plugin_manager", "reset_plugin_manager", "BUILTIN_PLUGINS"]
+
+#: Modules of tnt-core that implement hooks themselves.
+BUILTIN_PLUGINS = ("tnt_core.local_backend", "tnt_core.testing.store_backend")
+
+_lock = threading.Lock()
+_manager: pluggy.PluginManager | None = None
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    seen: set[str] = set()
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in seen or pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+            continue
+        seen.add(ep.name)
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # name the broken plugin instead of a bare ImportError
+            dist = ep.dist.name if ep.dist else "an unknown distribution"
+            raise PluginError(
+                f"cannot load tnt plugin {ep.name!r} ({ep.value}) from {dist}: {exc}. "
+                f"Reinstall or uninstall it, or set TNT_DISABLE_PLUGINS={ep.name} to skip it"
+            ) from exc
+        pm.register(plugin, name=ep.name)
+
+
+def _env_list(name: str) -> list[str]:
+    return [n.strip() for n in os.environ.get(name, "").split(",") if n.strip()]
+
+
+def _new_manager() -> pluggy.PluginManager:
+    import importlib
+
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    for name in _env_list("TNT_DISABLE_PLUGINS"):
+        pm.set_blocked(name)
+    if not parse_bool("TNT_DISABLE_PLUGIN_AUTOLOAD", os.environ.get("TNT_DISABLE_PLUGIN_AUTOLOAD", "")):
+        _load_entry_points(pm)
+    for module_name in _env_list("TNT_PLUGINS"):
+        if pm.has_plugin(module_name) or pm.is_blocked(module_name):
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            raise PluginError(f"cannot import plugin module {module_name!r} named in TNT_PLUGINS: {exc}") from exc
+        pm.register(module, name=module_name)
+    for module_name in BUILTIN_PLUGINS:
+        if not pm.has_plugin(module_name):
+            pm.register(importlib.import_module(module_name), name=module_name)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"a tnt plugin implements an unknown hook: {exc}") from exc
+    return pm
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, created on first use."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            _manager = _new_manager()
+        return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the manager so the next call reloads plugins (for tests and notebooks)."""
+    global _manager
+    with _lock:
+        _manager = None

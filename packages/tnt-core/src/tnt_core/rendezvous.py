@@ -1,0 +1,389 @@
+"""The rendezvous store: a small authenticated TCP key-value server and its client.
+
+The launcher hosts one server per job (``TNT_RENDEZVOUS=host:port``); ranks use it to
+exchange addresses before the real transport exists. Standard library only.
+
+Wire protocol (big-endian; simple enough for a C++ client):
+
+* handshake: server sends ``b"TNTR"``, version byte ``1`` and a 32-byte random nonce;
+  the client answers ``HMAC-SHA256(job key, nonce)``; the server replies one status byte
+  (0 accepted, 1 refused, then closes). No request is read on a connection before it has
+  proven it knows ``TNT_RENDEZVOUS_KEY``, and the key never crosses the wire.
+* request: one op byte, then ``str`` = u32 length + UTF-8, ``bytes`` = u64 length + data:
+  ``SET str bytes`` · ``GET str i64-timeout-ms`` · ``WAIT u32-n str*n i64-timeout-ms`` ·
+  ``CHECK u32-n str*n`` · ``ADD str i64`` · ``DELETE str`` (timeout < 0: no limit).
+* reply: status byte (0 ok, 1 timeout, 2 error + ``bytes`` message), then for GET
+  ``bytes``, for CHECK and DELETE one byte, for ADD an i64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+from .errors import CommError, ConfigError
+
+__all__ = ["StoreServer", "StoreClient", "connect_store"]
+
+log = logging.getLogger("tnt.rendezvous")
+
+MAGIC = b"TNTR"
+VERSION = 1
+NONCE_LEN = 32
+OP_SET, OP_GET, OP_WAIT, OP_CHECK, OP_ADD, OP_DELETE = 1, 2, 3, 4, 5, 6
+ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
+MAX_KEY = 1 << 16
+MAX_VALUE = 1 << 32
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def _digest(key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, nonce, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed by peer")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _pack_str(s: str) -> bytes:
+    b = s.encode()
+    if len(b) > MAX_KEY:
+        raise ValueError(f"rendezvous key longer than {MAX_KEY} bytes")
+    return struct.pack(">I", len(b)) + b
+
+
+def _pack_bytes(b: bytes) -> bytes:
+    return struct.pack(">Q", len(b)) + b
+
+
+def _read_str(sock: socket.socket) -> str:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > MAX_KEY:
+        raise ValueError("key too long")
+    return _recv_exact(sock, n).decode()
+
+
+def _read_bytes(sock: socket.socket) -> bytes:
+    (n,) = struct.unpack(">Q", _recv_exact(sock, 8))
+    if n > MAX_VALUE:
+        raise ValueError("value too large")
+    return _recv_exact(sock, n)
+
+
+def _timeout_s(ms: int) -> float | None:
+    return None if ms < 0 else ms / 1000.0
+
+
+class _Data:
+    """The store's contents and the condition every blocked GET/WAIT sleeps on."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+
+    def wait_for(self, keys: Sequence[str], timeout: float | None) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: all(k in self.values for k in keys), timeout)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _TCPServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = f"{self.client_address[0]}:{self.client_address[1]}"
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            nonce = secrets.token_bytes(NONCE_LEN)
+            sock.sendall(MAGIC + bytes([VERSION]) + nonce)
+            answer = _recv_exact(sock, 32)
+            if not hmac.compare_digest(answer, _digest(self.server.key, nonce)):
+                log.warning("refused rendezvous peer %s: it does not know the job key "
+                            "(TNT_RENDEZVOUS_KEY)", peer)
+                sock.sendall(bytes([1]))
+                return
+            sock.sendall(bytes([ST_OK]))
+            sock.settimeout(None)
+            while not self.server.closing:
+                try:
+                    op = _recv_exact(sock, 1)[0]
+                except ConnectionError:
+                    return
+                sock.sendall(self._serve(sock, op))
+        except (OSError, ValueError, struct.error) as exc:
+            if not self.server.closing:
+                log.debug("rendezvous connection %s ended: %s", peer, exc)
+
+    def _serve(self, sock: socket.socket, op: int) -> bytes:
+        data = self.server.data
+        if op == OP_SET:
+            key, value = _read_str(sock), _read_bytes(sock)
+            with data.cond:
+                data.values[key] = value
+                data.cond.notify_all()
+            return bytes([ST_OK])
+        if op == OP_GET:
+            key = _read_str(sock)
+            (ms,) = struct.unpack(">q", _recv_exact(sock, 8))
+            if not data.wait_for([key], _timeout_s(ms)):
+                return bytes([ST_TIMEOUT])
+            with data.cond:
+                return bytes([ST_OK]) + _pack_bytes(data.values[key])
+        if op == OP_WAIT:
+            (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+            keys = [_read_str(sock) for _ in range(n)]
+            (ms,) = struct.unpack(">q", _recv_exact(sock, 8))
+            return bytes([ST_OK if data.wait_for(keys, _timeout_s(ms)) else ST_TIMEOUT])
+        if op == OP_CHECK:
+            (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+            keys = [_read_str(sock) for _ in range(n)]
+            with data.cond:
+                present = all(k in data.values for k in keys)
+            return bytes([ST_OK, int(present)])
+        if op == OP_ADD:
+            key = _read_str(sock)
+            (amount,) = struct.unpack(">q", _recv_exact(sock, 8))
+            with data.cond:
+                try:
+                    value = int(data.values.get(key, b"0")) + amount
+                except ValueError:
+                    return bytes([ST_ERROR]) + _pack_bytes(f"ADD on non-counter key {key!r}".encode())
+                data.values[key] = str(value).encode()
+                data.cond.notify_all()
+            return bytes([ST_OK]) + struct.pack(">q", value)
+        if op == OP_DELETE:
+            key = _read_str(sock)
+            with data.cond:
+                existed = data.values.pop(key, None) is not None
+            return bytes([ST_OK, int(existed)])
+        raise ValueError(f"unknown op {op}")
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], key: bytes) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.key = key
+        self.data = _Data()
+        self.closing = False
+        super().__init__(address, _Handler)
+
+
+class StoreServer:
+    """A rendezvous store serving in a background thread.
+
+    :param host: address to bind, chosen by the launcher (``127.0.0.1`` for one node, an
+        address the other nodes reach for several).
+    :param port: 0 picks a free port; read it back from :attr:`address`.
+    :param key: the job key; a random one is made if not given (:attr:`key`).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, key: str | None = None) -> None:
+        self.key = key or secrets.token_hex(16)
+        try:
+            self._server = _TCPServer((host, port), self.key.encode())
+        except OSError as exc:
+            raise ConfigError(f"cannot host the rendezvous store on {host}:{port}: {exc}") from exc
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+            name="tnt-rendezvous", daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return host, port
+
+    @property
+    def url(self) -> str:
+        """``host:port`` as it goes into ``TNT_RENDEZVOUS``."""
+        host, port = self.address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def close(self) -> None:
+        if self._server.closing:
+            return
+        self._server.closing = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StoreClient:
+    """A connection to the rendezvous store. Thread-safe (one request at a time).
+
+    :param connect_timeout: keep retrying the connection this long (ranks may start
+        before the server listens).
+    :param timeout: default for blocking ``get``/``wait``, seconds (None: no limit).
+    """
+
+    def __init__(self, host: str, port: int, key: str, *, connect_timeout: float = 60.0,
+                 timeout: float | None = None, rank: int | None = None) -> None:
+        self.address = (host, port)
+        self.timeout = timeout
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._sock = self._connect(key.encode(), connect_timeout)
+
+    def _error(self, message: str, operation: str) -> CommError:
+        return CommError(message, rank=self.rank, operation=operation)
+
+    def _connect(self, key: bytes, connect_timeout: float) -> socket.socket:
+        deadline = time.monotonic() + connect_timeout
+        delay = 0.02
+        host, port = self.address
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+                break
+            except OSError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise self._error(
+                        f"cannot reach the rendezvous store at {host}:{port} within "
+                        f"{connect_timeout:g}s ({exc}); is the launcher (tnt run) still running?",
+                        "rendezvous connect",
+                    ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        try:
+            hello = _recv_exact(sock, len(MAGIC) + 1 + NONCE_LEN)
+            if hello[:4] != MAGIC or hello[4] != VERSION:
+                raise self._error(f"{host}:{port} is not a tnt rendezvous store", "rendezvous connect")
+            sock.sendall(_digest(key, hello[5:]))
+            if _recv_exact(sock, 1)[0] != ST_OK:
+                raise self._error(
+                    f"the rendezvous store at {host}:{port} refused this process: wrong job key "
+                    "(TNT_RENDEZVOUS_KEY); ranks must be started by the same `tnt run`",
+                    "rendezvous connect",
+                )
+        except (OSError, ConnectionError) as exc:
+            sock.close()
+            raise self._error(f"handshake with {host}:{port} failed: {exc}", "rendezvous connect") from exc
+        except CommError:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _request(self, payload: bytes, operation: str) -> socket.socket:
+        try:
+            self._sock.sendall(payload)
+        except OSError as exc:
+            raise self._error(f"rendezvous store connection lost: {exc}", operation) from exc
+        return self._sock
+
+    def _status(self, operation: str) -> int:
+        try:
+            status = _recv_exact(self._sock, 1)[0]
+            if status == ST_ERROR:
+                raise self._error(_read_bytes(self._sock).decode(), operation)
+        except (OSError, ConnectionError) as exc:
+            raise self._error(f"rendezvous store connection lost: {exc}", operation) from exc
+        return status
+
+    def _ms(self, timeout: float | None) -> int:
+        timeout = self.timeout if timeout is None else timeout
+        return -1 if timeout is None else max(0, int(timeout * 1000))
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (overwrites) and wake every waiter."""
+        with self._lock:
+            self._request(bytes([OP_SET]) + _pack_str(key) + _pack_bytes(bytes(value)), f"set {key!r}")
+            self._status(f"set {key!r}")
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting until it is set."""
+        op = f"get {key!r}"
+        with self._lock:
+            self._request(bytes([OP_GET]) + _pack_str(key) + struct.pack(">q", self._ms(timeout)), op)
+            if self._status(op) == ST_TIMEOUT:
+                raise self._error(f"key {key!r} was not set within the timeout", op)
+            try:
+                return _read_bytes(self._sock)
+            except (OSError, ConnectionError) as exc:
+                raise self._error(f"rendezvous store connection lost: {exc}", op) from exc
+
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Return once every key in ``keys`` is set; CommError past the timeout."""
+        keys = list(keys)
+        op = f"wait {keys[:4]!r}"
+        payload = bytes([OP_WAIT]) + struct.pack(">I", len(keys)) + b"".join(map(_pack_str, keys))
+        with self._lock:
+            self._request(payload + struct.pack(">q", self._ms(timeout)), op)
+            if self._status(op) == ST_TIMEOUT:
+                missing = [k for k in keys if not self._check_locked([k])]
+                raise self._error(f"keys {missing[:8]} were not set within the timeout", op)
+
+    def _check_locked(self, keys: list[str]) -> bool:
+        self._request(bytes([OP_CHECK]) + struct.pack(">I", len(keys)) + b"".join(map(_pack_str, keys)), "check")
+        self._status("check")
+        return bool(_recv_exact(self._sock, 1)[0])
+
+    def check(self, keys: Iterable[str]) -> bool:
+        """True if every key is set. Does not block."""
+        with self._lock:
+            return self._check_locked(list(keys))
+
+    def add(self, key: str, amount: int = 1) -> int:
+        """Atomically add to the integer counter ``key``; return the new value."""
+        op = f"add {key!r}"
+        with self._lock:
+            self._request(bytes([OP_ADD]) + _pack_str(key) + struct.pack(">q", amount), op)
+            self._status(op)
+            return struct.unpack(">q", _recv_exact(self._sock, 8))[0]
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it existed."""
+        op = f"delete {key!r}"
+        with self._lock:
+            self._request(bytes([OP_DELETE]) + _pack_str(key), op)
+            self._status(op)
+            return bool(_recv_exact(self._sock, 1)[0])
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect_store(config, *, connect_timeout: float = 60.0) -> StoreClient:
+    """A client for the job's store from ``TNT_RENDEZVOUS`` / ``TNT_RENDEZVOUS_KEY``."""
+    host, port = config.rendezvous_address()
+    if not config.rendezvous_key:
+        raise ConfigError("TNT_RENDEZVOUS_KEY is not set; it comes from the launcher (tnt run)")
+    return StoreClient(host, port, config.rendezvous_key, connect_timeout=connect_timeout,
+                       timeout=config.timeout_s, rank=config.rank)

@@ -1,0 +1,110 @@
+"""pytest base class that runs the conformance suite against a backend with real ranks.
+
+A backend package tests itself with::
+
+    from tnt_core.testing.suite import BackendConformance
+
+    class TestGlooConformance(BackendConformance):
+        backend = "gloo"
+        nprocs = (2, 3, 4)
+
+Each ``nprocs`` value starts one job that runs every case (one pytest test per case reads
+its result), plus one job for the dead-peer scenario. Set ``launcher`` to start the ranks
+through e.g. ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from .conformance import CASE_NAMES
+from .launch import LaunchResult, launch_ranks
+
+__all__ = ["BackendConformance"]
+
+
+def _read_reports(directory: Path) -> dict[int, dict]:
+    reports = {}
+    for path in sorted(directory.glob("rank*.json")):
+        data = json.loads(path.read_text())
+        reports[data["rank"]] = data
+    return reports
+
+
+class BackendConformance:
+    """Mix-in test class; subclasses set ``backend`` (and optionally the rest)."""
+
+    backend: str = ""
+    nprocs: Sequence[int] = (2, 3, 4)
+    #: ``launcher(n) -> argv prefix`` (e.g. ``["mpiexec", "-n", str(n)]``) or None for one
+    #: process per rank started directly.
+    launcher: Callable[[int], list[str]] | None = None
+    #: deadline of one whole suite run, seconds
+    timeout: float = 600.0
+    #: TNT_TIMEOUT_S of the dead-peer job: the survivors must fail within this (+ slack)
+    dead_peer_timeout_s: float = 15.0
+    extra_env: dict[str, str] = {}
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "nprocs" in metafunc.fixturenames:
+            metafunc.parametrize("nprocs", list(self.nprocs), scope="class", ids=lambda n: f"np{n}")
+
+    @classmethod
+    def _launch(cls, nprocs: int, args: list[str], timeout: float, tnt_timeout_s: float) -> LaunchResult:
+        if not cls.backend:
+            raise RuntimeError(f"{cls.__name__} must set `backend`")
+        launcher = cls.launcher
+        return launch_ranks(
+            ["-m", "tnt_core.testing.conformance", *args], nprocs, backend=cls.backend,
+            timeout=timeout, tnt_timeout_s=tnt_timeout_s, env=cls.extra_env,
+            launcher=launcher(nprocs) if launcher else None, python=sys.executable,
+        )
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_run(cls, nprocs: int, tmp_path_factory: pytest.TempPathFactory):
+        report_dir = tmp_path_factory.mktemp(f"conformance-{cls.backend}-np{nprocs}")
+        result = cls._launch(nprocs, ["--report", str(report_dir)], cls.timeout, 120.0)
+        return result, _read_reports(report_dir)
+
+    @pytest.mark.parametrize("case", CASE_NAMES)
+    def test_conformance(self, conformance_run, nprocs: int, case: str) -> None:
+        result, reports = conformance_run
+        missing = sorted(set(range(nprocs)) - set(reports))
+        assert not missing, f"ranks {missing} wrote no report\n{result.describe()}"
+        failures = []
+        for rank, report in sorted(reports.items()):
+            entry = report["cases"].get(case)
+            if entry is None:
+                failures.append(f"rank {rank}: case never ran (hang or crash before it)")
+            elif entry["status"] == "skip":
+                pytest.skip(f"rank {rank}: {entry['detail']}")
+            elif entry["status"] != "ok":
+                failures.append(f"rank {rank}:\n{entry['detail']}")
+        assert not failures, "\n".join(failures) + "\n" + result.describe()
+
+    def test_all_ranks_exit_cleanly(self, conformance_run) -> None:
+        result, _ = conformance_run
+        assert result.ok, result.describe()
+
+    def test_dead_peer_raises_comm_error(self, nprocs: int, tmp_path: Path) -> None:
+        limit = self.dead_peer_timeout_s
+        result = self._launch(nprocs, ["--report", str(tmp_path), "--dead-peer"],
+                              timeout=limit + 90.0, tnt_timeout_s=limit)
+        reports = _read_reports(tmp_path)
+        assert not result.timed_out, f"dead peer made the job hang\n{result.describe()}"
+        survivors = range(nprocs - 1)
+        for rank in survivors:
+            assert rank in reports, f"rank {rank} wrote no report\n{result.describe()}"
+            entry = reports[rank]["cases"].get("dead-peer")
+            assert entry is not None, f"rank {rank} never finished the allreduce\n{result.describe()}"
+            assert entry["status"] == "ok", f"rank {rank}: {entry['detail']}\n{result.describe()}"
+            assert entry["seconds"] <= limit + 10.0, f"rank {rank} took {entry['seconds']}s > {limit}+10s"
+            assert "rank" in entry["detail"], f"CommError does not name the rank: {entry['detail']}"
+            closing = reports[rank]["cases"].get("close-after-failure")
+            assert closing and closing["status"] == "ok", f"rank {rank} close after failure: {closing}"
