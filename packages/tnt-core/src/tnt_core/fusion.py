@@ -176,6 +176,11 @@ class FusedAllreducer:
         bucket = self.plan.buckets[bucket_index]
         spec = bucket.specs[pos]
         src = np.asarray(array)
+        if scale is not None and spec.dtype.kind in "iu" and float(scale) != int(scale):
+            raise ValueError(
+                f"tensor {tensor_id} is {spec.dtype}: scaling it by {scale} would truncate; "
+                "scale only floating-point tensors"
+            )
         if src.size != spec.size:
             raise ValueError(
                 f"tensor {tensor_id} has shape {src.shape}, the plan expects {spec.shape}"

@@ -1,0 +1,53 @@
+# Tarantella-NT: the two commands of the README.
+#   make run    the main job: a distributed training (2 ranks) of the quick-start model
+#   make test   every test of every package, the docs build included
+# Both install what they need first: Debian packages (ci/install-system-deps.sh), a
+# virtual environment in .venv, every package in editable mode.
+
+SHELL   := /bin/bash
+PYTHON  ?= python3.11
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+NP      ?= 2
+PACKAGES := tnt-core tnt-comm-gloo tnt-comm-mpi tnt-keras tnt-cli
+STAMP   := $(VENV)/.stamp-installed
+INPUTS  := Makefile ci/install-system-deps.sh ci/requirements-test.txt \
+           $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
+           $(wildcard packages/tnt-comm-gloo/CMakeLists.txt packages/tnt-comm-gloo/csrc/*)
+
+.PHONY: help setup run test tox docs bench clean
+
+help:
+	@echo "make run    distributed training of the quick-start model on $(NP) ranks"
+	@echo "make test   every test (installs system packages, .venv and the packages first)"
+	@echo "make tox    the same through tox, one environment per package"
+	@echo "make docs   build the documentation into docs/_build/html"
+	@echo "make bench  the allreduce benchmarks"
+
+$(STAMP): $(INPUTS)
+	bash ci/install-system-deps.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r ci/requirements-test.txt $(foreach p,$(PACKAGES),-e packages/$(p))
+	touch $@
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/tnt run -n $(NP) -- examples/quickstart/lenet5.py --compare-serial
+
+test: setup
+	bash ci/test.sh
+
+tox: setup
+	$(BIN)/tox
+
+docs: setup
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+
+bench: setup
+	$(BIN)/python benchmarks/allreduce.py --backend gloo
+	$(BIN)/python benchmarks/allreduce.py --backend mpi
+
+clean:
+	rm -rf $(VENV) .tox docs/_build
