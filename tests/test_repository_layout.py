@@ -1,0 +1,66 @@
+"""Guards on how the packages fit together: entry-point groups, layout, the README's
+set-up and CI calling exactly the README's test command."""
+
+import re
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["tnt-core", "tnt-comm-gloo", "tnt-comm-mpi", "tnt-keras", "tnt-cli"]
+
+
+def pyproject(package):
+    return tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_layout(package):
+    base = ROOT / "packages" / package
+    assert (base / "pyproject.toml").is_file()
+    assert (base / "README.md").is_file()
+    assert (base / "tests").is_dir()
+    assert (base / "src").is_dir(), "src/ layout"
+    assert pyproject(package)["project"]["name"] == package
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_entry_points_use_the_tnt_group_only(package):
+    """A typo in a group name would silently hide a plugin; catch it here."""
+    groups = pyproject(package)["project"].get("entry-points", {})
+    for group in groups:
+        assert group == "tnt", f"{package}: unexpected entry-point group {group!r}"
+    dist = metadata.distribution(package)
+    for ep in dist.entry_points:
+        if ep.group not in ("console_scripts",):
+            assert ep.group == "tnt", f"{package}: installed entry point in group {ep.group!r}"
+            ep.load()  # the module it names imports
+
+
+def test_no_package_imports_tensorflow_into_tnt_core():
+    for path in (ROOT / "packages/tnt-core/src").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(tensorflow|keras)\b", text, re.M), path
+
+
+def test_packages_meet_only_through_public_tnt_core_names():
+    private = re.compile(r"tnt_core\.(?!testing\b)(_\w+|backend|config|fusion|runtime|plugins|rendezvous|"
+                         r"sharding|comm_thread|local_backend|hookspecs|log|errors)\b")
+    for package in PACKAGES[1:]:
+        for path in (ROOT / "packages" / package / "src").rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if re.match(r"\s*(from|import)\s", line):
+                    assert not private.search(line), f"{path}:{n} reaches into tnt_core internals: {line.strip()}"
+
+
+def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^```(?:console|sh|bash)?\n(.*?)```", setup, re.M | re.S)
+    lines = [l.strip().lstrip("$ ").strip() for block in commands for l in block.splitlines() if l.strip()]
+    assert lines == ["make run", "make test"], lines
+    ci = [l.strip() for l in (ROOT / ".ci/run").read_text().splitlines()
+          if l.strip() and not l.startswith("#") and not l.startswith(("set ", "cd "))]
+    assert ci == ["make test"], ci
