@@ -37,6 +37,7 @@ from .runtime import (
     select_backend,
     shutdown,
 )
+from .timeline import Timeline, timeline_path
 from .sharding import (
     ShardContext,
     micro_batch_offset,
@@ -75,6 +76,7 @@ __all__ = [
     "StoreClient",
     "StoreServer",
     "TensorSpec",
+    "Timeline",
     "TntError",
     "check_buffer",
     "check_op",
@@ -97,5 +99,6 @@ __all__ = [
     "reset_plugin_manager",
     "select_backend",
     "shutdown",
+    "timeline_path",
     "__version__",
 ]

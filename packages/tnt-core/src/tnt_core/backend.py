@@ -16,6 +16,7 @@ lives in tnt-core. Rules every backend keeps:
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,14 +86,23 @@ class Handle(abc.ABC):
     def done(self) -> bool:
         """True once the operation has completed (successfully or not)."""
 
+    def completion_time(self) -> float | None:
+        """When the operation completed, in ``time.perf_counter()`` seconds, if the backend
+        records it (timelines use it); None if unknown or not yet done."""
+        return None
+
 
 class CompletedHandle(Handle):
     """A handle for an operation that finished when it was issued (e.g. size-1 jobs)."""
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_buf", "_t")
 
     def __init__(self, buf: np.ndarray) -> None:
         self._buf = buf
+        self._t = time.perf_counter()
+
+    def completion_time(self) -> float | None:
+        return self._t
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
         return self._buf

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ __all__ = ["CommThread", "FutureHandle"]
 class FutureHandle(Handle):
     """The result of one operation submitted to a :class:`CommThread`."""
 
-    __slots__ = ("_event", "_result", "_error", "_operation", "_thread", "_buf")
+    __slots__ = ("_event", "_result", "_error", "_operation", "_thread", "_buf", "_t")
 
     def __init__(self, thread: CommThread, operation: str, buf: np.ndarray | None) -> None:
         self._event = threading.Event()
@@ -33,10 +34,15 @@ class FutureHandle(Handle):
         self._operation = operation
         self._thread = thread
         self._buf = buf  # owned until completion, as an MPI request owns its buffer
+        self._t: float | None = None
 
     def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
+        self._t = time.perf_counter()
         self._event.set()
+
+    def completion_time(self) -> float | None:
+        return self._t
 
     def done(self) -> bool:
         return self._event.is_set()

@@ -78,6 +78,8 @@ class Config:
     output_all: bool = False
     num_threads: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: TNT_TIMELINE: write a Chrome-trace timeline of the training steps to this path
+    timeline: str | None = None
     #: True when TNT_SIZE was set, i.e. a launcher started this process.
     launched: bool = False
 
@@ -168,6 +170,7 @@ class Config:
             output_all=parse_bool("TNT_OUTPUT_ALL", env.get("TNT_OUTPUT_ALL", "")),
             num_threads=_int(env, "TNT_NUM_THREADS", None, 1),
             timeout_s=_float(env, "TNT_TIMEOUT_S", DEFAULT_TIMEOUT_S, 0.0),
+            timeline=(env.get("TNT_TIMELINE") or "").strip() or None,
             launched=launched,
         )
         cfg.validate()

@@ -21,6 +21,7 @@ Rules of the plan:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .backend import CommBackend, Handle, check_op
+from .timeline import Timeline
 
 __all__ = ["TensorSpec", "Bucket", "BucketPlan", "plan_buckets", "FusedAllreducer"]
 
@@ -146,14 +148,21 @@ class FusedAllreducer:
     One step: ``push`` every tensor (any order, any thread), then ``finish`` returns the
     reduced tensors in plan order. Buffers are allocated once and reused every step; the
     arrays ``finish`` returns are views into them, valid until the next step's ``push``.
+
+    :param overlap: False defers every allreduce to ``finish`` (after backprop), the
+        baseline benchmarks compare overlap against.
+    :param timeline: records each bucket's allreduce from issue to completion.
     """
 
     def __init__(self, backend: CommBackend, plan: BucketPlan, op: str = "sum",
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, *, overlap: bool = True,
+                 timeline: Timeline | None = None) -> None:
         self.backend = backend
         self.plan = plan
         self.op = check_op(op)
         self.observer = observer
+        self.overlap = overlap
+        self.timeline = timeline
         self._buffers = [np.empty(b.size, dtype=b.dtype) for b in plan.buckets]
         self._views = [
             [buf[o:o + s.size].reshape(s.shape) for o, s in zip(b.offsets, b.specs)]
@@ -167,6 +176,7 @@ class FusedAllreducer:
         self._missing = [len(b.tensor_ids) for b in self.plan.buckets]
         self._complete = [False] * len(self.plan.buckets)
         self._handles: list[Handle | None] = [None] * len(self.plan.buckets)
+        self._issued_at = [0.0] * len(self.plan.buckets)
         self._next_to_issue = 0
 
     def push(self, tensor_id: int, array: Any, scale: float | None = None) -> None:
@@ -198,7 +208,8 @@ class FusedAllreducer:
             self._missing[bucket_index] -= 1
             if self._missing[bucket_index] == 0:
                 self._complete[bucket_index] = True
-                self._issue_ready()
+                if self.overlap:
+                    self._issue_ready()
 
     def _issue_ready(self) -> None:
         # called with the lock held: issue in bucket order, as far as complete
@@ -206,6 +217,7 @@ class FusedAllreducer:
             i = self._next_to_issue
             if self.observer:
                 self.observer("start", i)
+            self._issued_at[i] = time.perf_counter()
             if self._buffers[i].size:
                 self._handles[i] = self.backend.allreduce_async(self._buffers[i], self.op)
             self._next_to_issue += 1
@@ -213,6 +225,8 @@ class FusedAllreducer:
     def finish(self, timeout: float | None = None) -> list[np.ndarray]:
         """Wait for every bucket; return the reduced tensors in plan order (views)."""
         with self._lock:
+            if not self.overlap:
+                self._issue_ready()
             if self._next_to_issue != len(self.plan.buckets):
                 missing = [
                     b.tensor_ids[p]
@@ -224,7 +238,7 @@ class FusedAllreducer:
                 raise ValueError(
                     f"finish() before every tensor was pushed; missing tensor ids {missing[:10]}"
                 )
-            handles = self._handles
+            handles, issued_at = self._handles, self._issued_at
             self._reset()
         try:
             for i, handle in enumerate(handles):
@@ -232,6 +246,10 @@ class FusedAllreducer:
                     handle.wait(timeout)
                 if self.observer:
                     self.observer("done", i)
+                if self.timeline is not None:
+                    end = (handle.completion_time() if handle is not None else None) or time.perf_counter()
+                    self.timeline.complete(f"allreduce bucket {i}", f"bucket {i}", issued_at[i], end,
+                                           bytes=self.plan.buckets[i].nbytes)
         except BaseException:
             for handle in handles:  # keep buffers owned until in-flight ops end or fail
                 if handle is not None and not handle.done():
