@@ -70,3 +70,5 @@ def test_overlap_off_defers_every_allreduce_to_finish():
 def test_config_reads_timeline_path():
     assert Config.from_env({"TNT_TIMELINE": "/tmp/x.json"}).timeline == "/tmp/x.json"
     assert Config.from_env({}).timeline is None
+    assert Config.from_env({}).overlap is True
+    assert Config.from_env({"TNT_OVERLAP": "false"}).overlap is False

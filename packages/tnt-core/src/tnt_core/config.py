@@ -80,6 +80,8 @@ class Config:
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: TNT_TIMELINE: write a Chrome-trace timeline of the training steps to this path
     timeline: str | None = None
+    #: TNT_OVERLAP=false: start allreduces only after backprop (to measure what overlap buys)
+    overlap: bool = True
     #: True when TNT_SIZE was set, i.e. a launcher started this process.
     launched: bool = False
 
@@ -171,6 +173,7 @@ class Config:
             num_threads=_int(env, "TNT_NUM_THREADS", None, 1),
             timeout_s=_float(env, "TNT_TIMEOUT_S", DEFAULT_TIMEOUT_S, 0.0),
             timeline=(env.get("TNT_TIMELINE") or "").strip() or None,
+            overlap=parse_bool("TNT_OVERLAP", env.get("TNT_OVERLAP", "true")),
             launched=launched,
         )
         cfg.validate()

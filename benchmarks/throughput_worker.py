@@ -1,0 +1,113 @@
+"""One process of a throughput measurement: trains a benchmark model and reports samples/s.
+
+Modes:
+  keras  a plain Keras 3 process (the serial reference)
+  tnt    one rank of a Tarantella-NT job (start it with `tnt run`)
+  mwms   one worker of tf.distribute.MultiWorkerMirroredStrategy; needs legacy tf-keras
+         (TF_USE_LEGACY_KERAS=1) and TF_CONFIG, set by benchmarks/scaling.py
+
+Every mode uses 1 intra-op thread unless --threads says otherwise, trains --warmup steps
+untimed, then --steps timed steps, and writes a JSON line to --out (rank 0 / chief only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("keras", "tnt", "mwms"), required=True)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--micro-batch", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-overlap", action="store_true", help="tnt: all allreduces after backprop")
+    p.add_argument("--out", type=Path, required=True)
+    return p.parse_args()
+
+
+class StepTimer:
+    """Records the wall time at the end of every training batch."""
+
+    def __init__(self):
+        self.times = []
+
+    def callback(self, keras):
+        timer = self
+
+        class _Cb(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                timer.times.append(time.perf_counter())
+
+        return _Cb()
+
+
+def main() -> int:
+    args = parse()
+    if args.mode == "mwms":
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(args.threads, 2))
+    import models
+
+    steps = args.warmup + args.steps
+    workers, rank, is_chief = 1, 0, True
+    if args.mode == "mwms":
+        import tf_keras as keras
+
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        workers = strategy.num_replicas_in_sync
+        rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        is_chief = rank == 0
+        with strategy.scope():
+            model = models.compile_for_benchmark(models.build(args.model, keras), keras)
+    else:
+        import keras
+
+        model = models.build(args.model, keras)
+        if args.mode == "tnt":
+            if args.no_overlap:
+                os.environ["TNT_OVERLAP"] = "0"
+            import tarantella as tnt
+
+            workers, rank = tnt.get_size(), tnt.get_rank()
+            is_chief = tnt.is_master_rank()
+            model = tnt.Model(model)
+        models.compile_for_benchmark(model, keras)
+
+    global_batch = args.micro_batch * workers
+    x, y = models.synthetic_data(args.model, global_batch * steps)
+    timer = StepTimer()
+    if args.mode == "mwms":
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer.callback(keras)])
+    else:
+        model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[timer.callback(keras)])
+    timed = timer.times[args.warmup - 1:]
+    seconds = timed[-1] - timed[0]
+    result = {
+        "mode": args.mode, "model": args.model, "workers": workers, "micro_batch": args.micro_batch,
+        "global_batch": global_batch, "steps": len(timed) - 1, "seconds": seconds,
+        "samples_per_s": global_batch * (len(timed) - 1) / seconds, "overlap": not args.no_overlap,
+        "params": int(model.count_params()),
+    }
+    if is_chief:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
