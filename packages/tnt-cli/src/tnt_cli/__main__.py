@@ -1,0 +1,7 @@
+"""``python -m tnt_cli run ...`` is ``tnt run ...``."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

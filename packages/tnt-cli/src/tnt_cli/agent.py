@@ -1,0 +1,355 @@
+"""The rank agent: ``python -m tnt_cli.agent`` runs one rank and answers for it.
+
+``tnt run`` starts one agent per rank (directly, over ssh, or under mpirun/srun). The
+agent reads its job description, starts the rank in a session of its own, applies the
+output policy (master only, or every line prefixed ``[rank]``), and makes sure the rank
+never outlives the job:
+
+* local and ssh: the description arrives as the first line on stdin and stdin stays open;
+  end of file (launcher closed it, died, or the ssh connection dropped) ends the rank;
+* mpirun/srun: the description is in ``TNT_AGENT_SPEC``; rank, size and local rank come
+  from the launcher's variables; the agent ends the rank when its parent goes away;
+* the rank gets ``PR_SET_PDEATHSIG`` so even a SIGKILLed agent takes its rank along.
+
+Ending a rank means SIGTERM to its process group, then SIGKILL after the grace period.
+The exit code is the rank's (128+N when a signal N killed it). Standard library only.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+
+__all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "expand_tasks_per_node"]
+
+SPEC_ENV = "TNT_AGENT_SPEC"
+SPEC_VERSION = 1
+#: lines of a hidden rank's stderr shown when that rank fails
+STDERR_TAIL_LINES = 40
+_PR_SET_PDEATHSIG = 1
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """Slurm's ``2(x3),1`` notation as ``[2, 2, 2, 1]``."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        count, _, rep = part.partition("(x")
+        out.extend([int(count)] * (int(rep.rstrip(")")) if rep else 1))
+    return out
+
+
+def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int, int] | None:
+    """``(rank, size, local_rank, local_size)`` from MPICH/Intel MPI, Open MPI or Slurm."""
+    sources = (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+    )
+    for rank, size, lrank, lsize in sources:
+        if rank in env and size in env and lrank in env and lsize in env:
+            return int(env[rank]), int(env[size]), int(env[lrank]), int(env[lsize])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_LOCALID" in env:
+        per_node = expand_tasks_per_node(
+            env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+        node = int(env.get("SLURM_NODEID", "0"))
+        local_size = per_node[node] if node < len(per_node) else 1
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]), local_size
+    return None
+
+
+def _cpu_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _numa_nodes() -> int:
+    try:
+        return max(1, sum(1 for n in os.listdir("/sys/devices/system/node")
+                          if n.startswith("node") and n[4:].isdigit()))
+    except OSError:
+        return 1
+
+
+def numactl_prefix(local_rank: int, pin_cpu: bool, pin_memory: bool, nodes: int) -> list[str]:
+    """``numactl`` arguments binding local rank ``local_rank`` to socket ``local_rank % nodes``."""
+    if not (pin_cpu or pin_memory):
+        return []
+    socket_id = local_rank % max(1, nodes)
+    args = ["numactl"]
+    if pin_cpu:
+        args.append(f"--cpunodebind={socket_id}")
+    args.append(f"--membind={socket_id}" if pin_memory else f"--preferred={socket_id}")
+    return args
+
+
+class _Writer:
+    """Whole lines to one file descriptor; a closed reader (EPIPE) is not an error."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            if self.broken:
+                return
+            try:
+                while data:
+                    data = data[os.write(self.fd, data):]
+            except OSError:
+                self.broken = True
+
+
+def _pump(pipe, sink: Callable[[bytes], None]) -> None:
+    with pipe:
+        for line in iter(pipe.readline, b""):
+            sink(line if line.endswith(b"\n") else line + b"\n")
+
+
+class Agent:
+    def __init__(self, spec: Mapping, stdin_watch: bool) -> None:
+        self.spec = spec
+        self.stdin_watch = stdin_watch
+        self.host = spec.get("host") or socket.gethostname()
+        self.grace_s = float(spec.get("grace_s", 3.0))
+        self.stop_requested = threading.Event()
+        self.proc: subprocess.Popen | None = None
+        self.out = _Writer(1)
+        self.err = _Writer(2)
+        self.tail: collections.deque[bytes] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._pid = os.getpid()
+        try:  # looked up before fork: the child must not load libraries
+            self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            self._prctl = None
+
+    # -- environment ------------------------------------------------------------------
+    def build_env(self) -> tuple[dict[str, str], int]:
+        spec = self.spec
+        pairs: list[tuple[str, str]] = [tuple(p) for p in spec["env"]]  # type: ignore[misc]
+        env = dict(os.environ)
+        env.pop(SPEC_ENV, None)
+        rank = spec.get("rank")
+        identity: list[tuple[str, str]] = []
+        if rank is None:
+            ident = rank_identity(env)
+            if ident is None:
+                raise RuntimeError("rank unknown: no MPI or Slurm rank variables "
+                                   "(PMI_RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID) are set")
+            rank, size, local_rank, local_size = ident
+            names = {k for k, _ in pairs}
+            identity += [("TNT_RANK", str(rank)), ("TNT_SIZE", str(size)),
+                         ("TNT_LOCAL_RANK", str(local_rank)), ("TNT_LOCAL_SIZE", str(local_size))]
+            if "TNT_NUM_THREADS" not in names:
+                identity.append(("TNT_NUM_THREADS", str(max(1, _cpu_count() // max(1, local_size)))))
+            gpus = spec.get("gpus")
+            if spec.get("hide_gpus"):
+                identity.append(("CUDA_VISIBLE_DEVICES", "-1"))
+            elif gpus and local_rank < len(gpus):
+                identity.append(("CUDA_VISIBLE_DEVICES", str(gpus[local_rank])))
+        # the launcher's order is kept: remove, then insert in order (later wins)
+        for name, value in identity + pairs:
+            env.pop(name, None)
+            env[name] = value
+        return env, int(rank)
+
+    # -- life cycle -------------------------------------------------------------------
+    def _preexec(self) -> None:
+        """Runs in the child between fork and exec: only what is safe there."""
+        os.setsid()
+        if self._prctl is not None:
+            self._prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != self._pid:  # the agent died between fork and prctl
+            os._exit(137)
+
+    def terminate(self) -> None:
+        """SIGTERM the rank's process group, SIGKILL it after the grace period."""
+        self.stop_requested.set()
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        _killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.grace_s)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid, signal.SIGKILL)
+
+    def _watch_stdin(self) -> None:
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        if self.proc is not None and self.proc.poll() is None:
+            threading.Thread(target=self.terminate, daemon=True).start()
+        self.stop_requested.set()
+
+    def _watch_parent(self, parent: int) -> None:
+        while not self.stop_requested.wait(0.5):
+            if os.getppid() != parent:
+                self.terminate()
+                return
+
+    def run(self) -> int:
+        spec = self.spec
+        env, rank = self.build_env()
+        ident_local = int(env.get("TNT_LOCAL_RANK", "0"))
+        argv = numactl_prefix(ident_local, bool(spec.get("pin_cpu")), bool(spec.get("pin_memory")),
+                              _numa_nodes()) + list(spec["argv"])
+        output_all, master = bool(spec.get("output_all")), rank == 0
+        prefix = f"[{rank}] ".encode()
+
+        def show_out(line: bytes) -> None:
+            if output_all:
+                self.out.write(prefix + line)
+            elif master:
+                self.out.write(line)
+
+        def show_err(line: bytes) -> None:
+            if output_all:
+                self.err.write(prefix + line)
+            elif master:
+                self.err.write(line)
+            else:
+                self.tail.append(line)
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: threading.Thread(target=self.terminate, daemon=True).start())
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        cwd = spec.get("cwd") or None
+        if cwd and not os.path.isdir(cwd):
+            self.err.write(f"[{rank}] tnt: cannot start rank {rank} on {self.host}: the working "
+                           f"directory {cwd} does not exist here (tnt run needs the same paths on "
+                           "every host)\n".encode())
+            return 127
+        try:
+            self.proc = subprocess.Popen(argv, env=env, cwd=cwd,
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, preexec_fn=self._preexec)
+        except OSError as exc:
+            what = argv[0]
+            self.err.write(f"[{rank}] tnt: cannot start rank {rank} on {self.host}: {what}: "
+                           f"{exc.strerror or exc}\n".encode())
+            return 127
+        pumps = [threading.Thread(target=_pump, args=(self.proc.stdout, show_out), daemon=True),
+                 threading.Thread(target=_pump, args=(self.proc.stderr, show_err), daemon=True)]
+        for t in pumps:
+            t.start()
+        if self.stop_requested.is_set():  # a signal came while the rank was starting
+            threading.Thread(target=self.terminate, daemon=True).start()
+        if self.stdin_watch:
+            threading.Thread(target=self._watch_stdin, daemon=True).start()
+        else:
+            threading.Thread(target=self._watch_parent, args=(os.getppid(),), daemon=True).start()
+        while True:
+            try:
+                code = self.proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _killpg(self.proc.pid, signal.SIGKILL)  # helpers the rank left in its group
+        for t in pumps:
+            t.join(timeout=2.0)
+        if code != 0 and not self.stop_requested.is_set():
+            if not (output_all or master):
+                for line in self.tail:
+                    self.err.write(prefix + line)
+            if spec.get("rank") is None:  # under mpirun/srun only the agent can name the rank
+                self.err.write(f"[{rank}] tnt: rank {rank} on {self.host} {describe_exit(code)}\n".encode())
+                report_failure(env, rank, code)
+        return 128 - code if code < 0 else code
+
+
+#: store key an agent under mpirun/srun sets when its rank fails: mpirun/srun may wait for
+#: the other ranks instead of ending them, so the launcher does it
+FAILURE_KEY = "tnt/launcher/rank-failed"
+
+
+def report_failure(env: Mapping[str, str], rank: int, code: int) -> None:
+    """Tell ``tnt run`` through the rendezvous store that ``rank`` failed (best effort)."""
+    url, key = env.get("TNT_RENDEZVOUS", ""), env.get("TNT_RENDEZVOUS_KEY", "")
+    host, sep, port = url.rpartition(":")
+    if not (sep and key and port.isdigit()):
+        return
+    try:
+        from tnt_core.rendezvous import StoreClient
+
+        client = StoreClient(host.strip("[]"), int(port), key, connect_timeout=5.0, timeout=5.0)
+        try:
+            client.set(FAILURE_KEY, f"{rank} {code}".encode())
+        finally:
+            client.close()
+    except Exception:  # the launcher may be gone already; nothing left to tell
+        pass
+
+
+def describe_exit(code: int) -> str:
+    """``exited with code 3`` / ``was killed by signal SIGSEGV``."""
+    if code < 0:
+        return f"was killed by signal {_signame(-code)}"
+    if code > 128 and code - 128 < 65:
+        return f"exited with code {code} (signal {_signame(code - 128)}?)"
+    return f"exited with code {code}"
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_spec_line() -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(0, 1)  # byte by byte: what follows the line stays unread
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = os.environ.get(SPEC_ENV)
+    stdin_watch = raw is None
+    try:
+        if raw is None:
+            raw = _read_spec_line().decode()
+            if not raw.strip():
+                print("tnt agent: no job description on stdin; this program is started by "
+                      "`tnt run`, not by hand", file=sys.stderr)
+                return 2
+        spec = json.loads(raw)
+        if spec.get("version") != SPEC_VERSION:
+            print(f"tnt agent: job description version {spec.get('version')} but this "
+                  f"tnt-cli speaks {SPEC_VERSION}; install the same tnt-cli on every host",
+                  file=sys.stderr)
+            return 2
+        spec.setdefault("watch", "stdin" if stdin_watch else "parent")
+        return Agent(spec, stdin_watch=spec["watch"] == "stdin").run()
+    except (ValueError, KeyError, RuntimeError) as exc:
+        print(f"tnt agent on {socket.gethostname()}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""``--cleanup``: end leftover ranks of a script on every host of the job.
+
+A leftover rank is a process of the current user that ``tnt run`` started (it has
+``TNT_RENDEZVOUS_KEY`` in its environment) and whose command line names the script
+(same path or same file name). Ranks lead their own process group, so the whole group
+(helpers the rank started included) is signalled. ``python -m tnt_cli.cleanup`` does the
+work on one host; ``tnt run --cleanup`` runs it here and over ssh on remote hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+
+__all__ = ["find_ranks", "end_ranks", "main", "MARKER_VARIABLE"]
+
+MARKER_VARIABLE = b"TNT_RENDEZVOUS_KEY"
+WAIT_S = 5.0
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+def _matches(argv: list[str], script: str) -> bool:
+    base = os.path.basename(script.rstrip("/"))
+    return any(arg == script or (base and os.path.basename(arg) == base) for arg in argv)
+
+
+def find_ranks(script: str) -> list[int]:
+    """PIDs of this user's tnt ranks running ``script``."""
+    uid, skip, found = os.getuid(), _ancestors(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in skip:
+            continue
+        pid = int(entry)
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                names = {item.split(b"=", 1)[0] for item in fh.read().split(b"\0")}
+            if MARKER_VARIABLE not in names:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+        except OSError:
+            continue  # gone, or not ours to read
+        if _matches(argv, script):
+            found.append(pid)
+    return found
+
+
+def _alive(pids: Iterable[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+            if state != b"Z":
+                alive.append(pid)
+        except (OSError, IndexError):
+            continue
+    return alive
+
+
+def end_ranks(script: str, force: bool, wait_s: float = WAIT_S) -> tuple[list[int], list[int]]:
+    """Signal the ranks of ``script``; ``(ended, still_running)`` PIDs."""
+    pids = find_ranks(script)
+    sig = signal.SIGKILL if force else signal.SIGTERM
+    for pid in pids:
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + wait_s
+    alive = _alive(pids)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = _alive(alive)
+    return [p for p in pids if p not in alive], alive
+
+
+def cleanup_host(script: str, force: bool, host: str | None = None) -> tuple[str, bool]:
+    """End the ranks here; a one-line report and whether all are gone."""
+    host = host or socket.gethostname()
+    ended, alive = end_ranks(script, force)
+    if not ended and not alive:
+        return f"{host}: no ranks of {script} running", True
+    msg = f"{host}: ended {len(ended)} rank(s) of {script}"
+    if ended:
+        msg += f" (pids {' '.join(map(str, ended))})"
+    if alive:
+        msg += f"; {len(alive)} still running (pids {' '.join(map(str, alive))}), retry with --force"
+    return msg, not alive
+
+
+def cleanup_remote(host: str, script: str, force: bool, python: str, ssh_args: list[str]) -> tuple[str, bool]:
+    from .launchers.ssh import ssh_command
+
+    remote = [python, "-m", "tnt_cli.cleanup", "--host", host, *(["--force"] if force else []),
+              "--", script]
+    try:
+        out = subprocess.run(ssh_command(host, remote, ssh_args), capture_output=True, text=True,
+                             stdin=subprocess.DEVNULL, timeout=60 + WAIT_S)
+    except subprocess.TimeoutExpired:
+        return f"{host}: no answer within {60 + WAIT_S:g}s", False
+    except OSError as exc:
+        return f"{host}: cannot run ssh: {exc.strerror or exc}", False
+    text = (out.stdout.strip() or out.stderr.strip() or f"ssh exited with {out.returncode}")
+    return f"{host}: {text}" if out.returncode == 255 else text, out.returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tnt_cli.cleanup",
+                                description="End this user's tnt ranks of SCRIPT on this host.")
+    p.add_argument("--force", action="store_true", help="SIGKILL instead of SIGTERM")
+    p.add_argument("--host", help="the name this host has in the report")
+    p.add_argument("script")
+    ns = p.parse_args(argv)
+    message, ok = cleanup_host(ns.script, ns.force, ns.host)
+    print(message)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

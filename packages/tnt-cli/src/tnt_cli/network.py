@@ -1,0 +1,74 @@
+"""Which hosts are this machine, and which address the other hosts reach us at."""
+
+from __future__ import annotations
+
+import functools
+import socket
+
+from .errors import UsageError
+
+__all__ = ["is_local_host", "route_source_address", "store_bind_address", "LOOPBACK"]
+
+LOOPBACK = "127.0.0.1"
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
+
+
+def _strip_user(host: str) -> str:
+    return host.rpartition("@")[2].strip("[]")
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(_strip_user(host), None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+@functools.lru_cache(maxsize=256)
+def is_local_host(host: str) -> bool:
+    """True when ``host`` names this machine (its name, or an address assigned to it).
+
+    An address is ours when a socket can bind to it, which needs no privileges and no
+    interface listing.
+    """
+    name = _strip_user(host)
+    if name in _LOCAL_NAMES or name in {socket.gethostname(), socket.getfqdn()}:
+        return True
+    for addr in _resolve(name):
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((addr, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def route_source_address(host: str) -> str:
+    """The local address packets to ``host`` leave from (no packet is sent)."""
+    addrs = _resolve(host)
+    if not addrs:
+        raise UsageError(f"cannot resolve host {host!r}; check the hostfile (or /etc/hosts, DNS)")
+    last: OSError | None = None
+    for addr in addrs:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((addr, 9))
+                return s.getsockname()[0]
+        except OSError as exc:
+            last = exc
+    raise UsageError(f"no route to host {host!r} ({last}); pass --rendezvous-host ADDR")
+
+
+def store_bind_address(hosts: list[str], override: str | None) -> str:
+    """Where the rendezvous store listens: ``override``, loopback when every rank is on
+    this machine, else the address that routes to the first remote host."""
+    if override:
+        return override
+    remote = [h for h in hosts if not is_local_host(h)]
+    if not remote:
+        return LOOPBACK
+    return route_source_address(remote[0])

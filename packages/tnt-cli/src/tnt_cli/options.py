@@ -1,0 +1,250 @@
+"""Command-line options of ``tnt run`` / ``tarantella``: parsing and validation.
+
+Everything the user typed becomes one :class:`RunOptions`; every mistake becomes one line
+on stderr and exit code 2 (argparse's convention), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from . import __version__
+from .errors import USAGE_EXIT_CODE, UsageError
+
+__all__ = ["RunOptions", "build_parser", "parse_run_args", "LAUNCHER_CHOICES", "LOG_LEVELS"]
+
+LAUNCHER_CHOICES = ("auto", "local", "ssh", "mpirun", "srun")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass
+class RunOptions:
+    command: list[str]
+    nranks: int | None = None
+    hostfile: str | None = None
+    per_node: int | None = None
+    no_gpu: bool = False
+    launcher: str = "auto"
+    backend: str | None = None
+    env: list[tuple[str, str]] = field(default_factory=list)
+    fusion_threshold_kb: float | None = None
+    log_level: str = "WARNING"
+    log_all: bool = False
+    output_all: bool = False
+    python: list[str] = field(default_factory=list)  # empty: run the command as a binary
+    pin_cpu: bool = False
+    pin_memory: bool = False
+    timeout_s: float | None = None
+    rendezvous_host: str | None = None
+    rendezvous_port: int = 0
+    ssh_args: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    cleanup: bool = False
+    force: bool = False
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``tnt run: error: ... (see tnt run --help)``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(USAGE_EXIT_CODE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535, 0 picks a free one)")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _nonneg_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def _env_assignment(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=VALUE (put the script after '--', e.g. -x A=1 -- train.py)"
+        )
+    if not _ENV_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"{name!r} in {text!r} is not a valid variable name")
+    return name, value
+
+
+def _shell_words(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"cannot split {text!r} into words: {exc}") from None
+
+
+_DESCRIPTION = """\
+Start SCRIPT as a distributed Tarantella-NT job: N ranks on this machine or on the hosts
+of a hostfile. tnt run hosts the job's rendezvous store, gives every rank its TNT_*
+environment, streams the master rank's output, and ends every rank when one fails or on
+Ctrl+C. The exit code is the first failing rank's exit code (0 when all succeed).
+"""
+
+_EPILOG = """\
+examples:
+  tnt run -n 4 -- train.py --batch_size=64       4 ranks on this machine
+  tnt run --hostfile hosts --n-per-node 2 -- train.py
+  tnt run -n 2 -x DATASET=/scratch/data -- train.py
+  tnt run --dry-run --hostfile hosts -- train.py  show what would run where
+  tnt run --hostfile hosts --cleanup -- train.py  end leftover ranks of train.py
+
+hostfile: one host name per line, 'HOST slots=K' allowed, '#' starts a comment; names must
+be unique. Remote ranks need passwordless ssh and the same paths (script, virtualenv) on
+every host.
+"""
+
+
+def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
+                usage=f"{prog} [options] -- SCRIPT [ARGS...]",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_argument_group("where ranks run")
+    where.add_argument("-n", "--np", dest="nranks", type=_positive_int, metavar="N",
+                       help="number of ranks (default: one per GPU of each host, or one CPU rank "
+                            "per host when there is no GPU)")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help="run on the hosts listed in FILE (default: this machine only)")
+    where.add_argument("--n-per-node", "--npernode", "--devices-per-node", dest="per_node",
+                       type=_positive_int, metavar="K",
+                       help="ranks per host (overrides 'slots=' of the hostfile)")
+    where.add_argument("--no-gpu", action="store_true",
+                       help="run on CPUs even when GPUs are present (hides them from the ranks)")
+    where.add_argument("--launcher", choices=LAUNCHER_CHOICES, default="auto",
+                       help="how ranks are started: local processes, ssh to each host, or an "
+                            "existing launcher (mpirun, srun). auto: srun inside a multi-node "
+                            "Slurm allocation, mpirun for --backend mpi, ssh with a hostfile, "
+                            "else local")
+    where.add_argument("--ssh-args", type=_shell_words, default=[], metavar="ARGS",
+                       help="extra arguments for ssh, e.g. \"-p 2222 -i ~/.ssh/cluster\"")
+    where.add_argument("--rendezvous-host", metavar="ADDR",
+                       help="address of this machine the other hosts reach the rendezvous "
+                            "store at (default: 127.0.0.1 on one node, else the address "
+                            "routing to the first remote host)")
+    where.add_argument("--rendezvous-port", type=_port, default=0, metavar="PORT",
+                       help="TCP port of the rendezvous store (default: a free one)")
+
+    rank = p.add_argument_group("what each rank gets")
+    rank.add_argument("--backend", metavar="NAME",
+                      help="communication backend (an installed tnt plugin: gloo, mpi, ...; "
+                           "default: the ranks pick the best available one)")
+    rank.add_argument("-x", "--env", dest="env", action="extend", nargs="+",
+                      type=_env_assignment, default=[], metavar="NAME=VALUE",
+                      help="set an environment variable on every rank (repeatable, order kept)")
+    rank.add_argument("--fusion-threshold", dest="fusion_threshold_kb", type=_nonneg_float,
+                      metavar="KB", help="tensor fusion threshold in KB (TNT_FUSION_THRESHOLD_KB)")
+    rank.add_argument("--log-level", type=_log_level, default="WARNING",
+                      metavar="{" + ",".join(LOG_LEVELS) + "}", help="log level of the ranks")
+    rank.add_argument("--log-on-all-devices", dest="log_all", action="store_true",
+                      help="log on every rank, not only on the master rank")
+    rank.add_argument("--output-on-all-devices", dest="output_all", action="store_true",
+                      help="show the output of every rank, each line prefixed with [rank] "
+                           "(default: only the master rank's)")
+    rank.add_argument("--python-interpreter", dest="python", type=_shell_words, metavar="CMD",
+                      help="interpreter that runs SCRIPT, may include arguments (default: the "
+                           "Python running tnt); an empty string runs SCRIPT as a program")
+    rank.add_argument("--pin-to-socket", dest="pin_cpu", action="store_true",
+                      help="bind each rank of a host to its own socket (NUMA node) with numactl")
+    rank.add_argument("--pin-memory-to-socket", dest="pin_memory", action="store_true",
+                      help="allocate each rank's memory only on its socket (numactl --membind)")
+    rank.add_argument("--timeout", dest="timeout_s", type=_positive_float, metavar="SECONDS",
+                      help="seconds a rank waits for a peer (collective, rendezvous) before "
+                           "failing (TNT_TIMEOUT_S; default 1800)")
+
+    ctl = p.add_argument_group("control")
+    ctl.add_argument("--dry-run", action="store_true",
+                     help="print what would run on which host, start nothing")
+    ctl.add_argument("--cleanup", action="store_true",
+                     help="end leftover ranks of SCRIPT on every host instead of starting it")
+    ctl.add_argument("--force", action="store_true",
+                     help="with --cleanup: kill (SIGKILL) instead of asking ranks to stop")
+    ctl.add_argument("--version", action="version", version=f"%(prog)s (tnt-cli) {__version__}")
+    p.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_run_args(argv: Sequence[str], prog: str = "tnt run") -> RunOptions:
+    """Parse ``argv`` (options, ``--``, script and its arguments) into :class:`RunOptions`.
+
+    Exits with code 2 and one line on stderr for bad input, like argparse.
+    """
+    argv = list(argv)
+    parser = build_parser(prog)
+    if "--" in argv:
+        cut = argv.index("--")
+        ns = parser.parse_args(argv[:cut])
+        if ns.command:
+            parser.error(f"unexpected {ns.command[0]!r} before '--'; the script and its "
+                         "arguments go after '--'")
+        ns.command = argv[cut + 1:]
+    else:
+        ns = parser.parse_args(argv)
+    try:
+        return _validate(ns)
+    except UsageError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: error() exits
+
+
+def _validate(ns: argparse.Namespace) -> RunOptions:
+    command = list(ns.command or [])
+    if not command:
+        raise UsageError("missing script: put it after '--', e.g. tnt run -n 2 -- train.py")
+    if ns.force and not ns.cleanup:
+        raise UsageError("--force only goes with --cleanup")
+    if ns.cleanup and ns.dry_run:
+        raise UsageError("--cleanup and --dry-run cannot be combined")
+    python = [sys.executable] if ns.python is None else ns.python
+    return RunOptions(
+        command=command, nranks=ns.nranks, hostfile=ns.hostfile, per_node=ns.per_node,
+        no_gpu=ns.no_gpu, launcher=ns.launcher, backend=ns.backend, env=list(ns.env),
+        fusion_threshold_kb=ns.fusion_threshold_kb, log_level=ns.log_level, log_all=ns.log_all,
+        output_all=ns.output_all, python=python, pin_cpu=ns.pin_cpu, pin_memory=ns.pin_memory,
+        timeout_s=ns.timeout_s, rendezvous_host=ns.rendezvous_host,
+        rendezvous_port=ns.rendezvous_port, ssh_args=ns.ssh_args, dry_run=ns.dry_run,
+        cleanup=ns.cleanup, force=ns.force,
+    )

@@ -1,0 +1,175 @@
+"""``tnt run``: resolve options into a job, then dry-run it, clean up after it, or run it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .devices import cpu_count, visible_gpus
+from .dryrun import dry_run_rendezvous, render_dry_run
+from .errors import USAGE_EXIT_CODE, UsageError
+from .hostfile import Host, read_hostfile
+from .job import Job, Rendezvous
+from .launchers import Launcher, choose_launcher
+from .network import is_local_host, store_bind_address
+from .options import RunOptions, parse_run_args
+from .placement import LOCALHOST, place_ranks
+
+if TYPE_CHECKING:
+    from tnt_core import StoreServer
+
+    from .supervisor import Supervisor
+
+__all__ = ["run_command", "resolve_job"]
+
+
+def _command(options: RunOptions) -> list[str]:
+    """Interpreter + script + arguments, checked on this machine (same paths everywhere)."""
+    script = options.command[0]
+    if options.python:
+        if shutil.which(options.python[0]) is None:
+            raise UsageError(f"--python-interpreter: {options.python[0]!r} not found")
+        if not script.startswith("-") and not os.path.isfile(script):
+            raise UsageError(f"script {script!r} not found (in {os.getcwd()})")
+        return [*options.python, *options.command]
+    if shutil.which(script) is None:
+        raise UsageError(f"program {script!r} not found or not executable "
+                         "(--python-interpreter '' runs SCRIPT as a program)")
+    return list(options.command)
+
+
+def _check_backend(name: str, size: int, local_size: int) -> None:
+    """``--backend`` must name an installed backend that can serve a job of ``size`` ranks."""
+    from tnt_core import Config, TntError, list_backends
+
+    try:
+        specs = list_backends()
+    except TntError as exc:
+        raise UsageError(f"cannot list backends: {exc}") from None
+    names = [spec.name for spec in specs]
+    if name not in names:
+        raise UsageError(f"unknown backend {name!r}; installed: {', '.join(names) or 'none'} "
+                         f"(pip install tnt-comm-{name}?)")
+    # what rank 0 will see (the address is a stand-in: the store does not exist yet)
+    config = Config(rank=0, size=size, local_rank=0, local_size=local_size, backend=name,
+                    rendezvous="127.0.0.1:1", rendezvous_key="-", launched=True)
+    spec = specs[names.index(name)]
+    if not spec.is_available(config):
+        fits = [s.name for s in specs if s.is_available(config)]
+        raise UsageError(f"backend {name!r} cannot run a job of {size} rank(s)"
+                         + (f"; backends that can: {', '.join(fits)}" if fits else ""))
+
+
+def resolve_job(options: RunOptions, launcher: Launcher) -> Job:
+    """Hosts, devices and placement of the job ``options`` describe; warnings for the user
+    go to ``Job.warnings`` (printed once all input has been checked)."""
+    warnings: list[str] = []
+    if options.hostfile:
+        hosts = read_hostfile(options.hostfile)
+    else:
+        hint = launcher.hosts_hint()
+        hosts = [Host(h) for h in hint] if hint else [Host(LOCALHOST)]
+    command = _command(options)
+    if (options.pin_cpu or options.pin_memory) and shutil.which("numactl") is None:
+        raise UsageError("--pin-to-socket/--pin-memory-to-socket need numactl, which is not "
+                         "installed (apt install numactl / dnf install numactl)")
+    gpus = [] if options.no_gpu else visible_gpus()
+    hide_gpus = options.no_gpu and bool(visible_gpus())
+    if not gpus and not options.no_gpu and options.nranks is None and options.per_node is None \
+            and all(h.slots is None for h in hosts):
+        warnings.append("no GPU found: starting one CPU rank per host "
+                        "(-n / --n-per-node for more, --no-gpu silences this warning)")
+    placement = place_ranks(hosts, options.nranks, options.per_node,
+                            default_per_node=len(gpus) or 1, gpus=gpus or None)
+    if gpus and placement.max_local_size > len(gpus):
+        warnings.append(f"{placement.max_local_size} ranks per host but only {len(gpus)} GPU(s): "
+                        "running every rank on the CPU")
+        placement = place_ranks(hosts, options.nranks, options.per_node,
+                                default_per_node=len(gpus), gpus=None)
+        gpus, hide_gpus = [], True
+    if options.backend:
+        _check_backend(options.backend, placement.size, placement.max_local_size)
+    return Job(options=options, placement=placement, command=command, cwd=os.getcwd(),
+               gpus=gpus or None, hide_gpus=hide_gpus, agent_python=sys.executable,
+               cores=cpu_count(), warnings=warnings)
+
+
+def _cleanup(options: RunOptions, launcher: Launcher) -> int:
+    from .cleanup import cleanup_host, cleanup_remote
+
+    if options.hostfile:
+        hosts = [h.name for h in read_hostfile(options.hostfile)]
+    else:
+        hosts = launcher.hosts_hint() or [LOCALHOST]
+    script, all_ok = options.command[0], True
+    for host in hosts:
+        if is_local_host(host):
+            line, ok = cleanup_host(script, options.force, host)
+        else:
+            line, ok = cleanup_remote(host, script, options.force, sys.executable, options.ssh_args)
+        print(line, flush=True)
+        all_ok &= ok
+    return 0 if all_ok else 1
+
+
+def _run(options: RunOptions, prog: str) -> int:
+    from .supervisor import Supervisor
+
+    launcher = choose_launcher(options)
+    if options.cleanup:
+        return _cleanup(options, launcher)
+    job = resolve_job(options, launcher)
+    launcher.check(job)
+    bind = store_bind_address(job.placement.hosts, options.rendezvous_host)
+    for warning in job.warnings:
+        print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
+    if options.dry_run:
+        rendezvous = dry_run_rendezvous(bind, options.rendezvous_port)
+        sys.stdout.write(render_dry_run(job, launcher, launcher.processes(job, rendezvous), rendezvous))
+        return 0
+    from tnt_core import ConfigError, StoreServer
+
+    try:
+        store = StoreServer(bind, options.rendezvous_port)
+    except ConfigError as exc:
+        raise UsageError(f"{exc} (--rendezvous-host / --rendezvous-port)") from None
+    with store:
+        procs = launcher.processes(job, Rendezvous(store.url, store.key))
+        supervisor = Supervisor(procs, job.grace_s, prog=prog)
+        if any(spec["rank"] is None for proc in procs for spec in proc.specs):
+            _watch_rank_failures(store, supervisor)
+        return supervisor.run()
+
+
+def _watch_rank_failures(store: StoreServer, supervisor: Supervisor) -> None:
+    """Under mpirun/srun, agents report a failed rank through the store (agent.FAILURE_KEY)."""
+    import threading
+
+    from tnt_core import StoreClient, TntError
+
+    from .agent import FAILURE_KEY
+
+    host, port = store.address
+
+    def watch() -> None:
+        try:
+            client = StoreClient(host, port, store.key, connect_timeout=10.0)
+            rank, code = client.get(FAILURE_KEY, timeout=None).decode().split()
+        except (TntError, OSError, ValueError):
+            return  # the store closed: the job is over
+        supervisor.rank_failed(int(rank), int(code))
+
+    threading.Thread(target=watch, name="tnt-failure-watch", daemon=True).start()
+
+
+def run_command(argv: Sequence[str], prog: str = "tnt run") -> int:
+    """The ``tnt run`` command; returns the exit code."""
+    options = parse_run_args(argv, prog)
+    try:
+        return _run(options, prog)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT_CODE

@@ -1,0 +1,89 @@
+"""Bad input: one clear line on stderr, exit code 2, nothing started."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _hostfile(tmp_path, text):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    return str(path)
+
+
+CASES = {
+    "unknown option": (lambda t, s: ["--bogus", "--", s], "unrecognized arguments: --bogus"),
+    "-n 0": (lambda t, s: ["-n", "0", "--", s], "argument -n/--np: must be at least 1, got 0"),
+    "-n not a number": (lambda t, s: ["-n", "four", "--", s], "'four' is not a whole number"),
+    "missing script": (lambda t, s: ["-n", "2"], "missing script"),
+    "missing script after --": (lambda t, s: ["-n", "2", "--"], "missing script"),
+    "malformed -x": (lambda t, s: ["-x", "NOEQUALS", "--", s], "'NOEQUALS' is not NAME=VALUE"),
+    "bad -x name": (lambda t, s: ["-x", "1A=2", "--", s], "'1A' in '1A=2' is not a valid variable name"),
+    "duplicate hostfile names": (
+        lambda t, s: ["--hostfile", _hostfile(t, "nodeA\n# c\n\nnodeB slots=2\nnodeA\n"), "--", s],
+        "host 'nodeA' is listed twice (first on line 1)"),
+    "unreadable hostfile": (lambda t, s: ["--hostfile", str(t / "nope"), "--", s],
+                            "cannot read hostfile"),
+    "hostfile is a directory": (lambda t, s: ["--hostfile", str(t), "--", s], "cannot read hostfile"),
+    "empty hostfile": (lambda t, s: ["--hostfile", _hostfile(t, "# nothing\n\n"), "--", s],
+                       "lists no hosts"),
+    "bad slots": (lambda t, s: ["--hostfile", _hostfile(t, "a slots=0\n"), "--", s],
+                  "slots='0' must be a positive integer"),
+    "too many ranks for the hosts": (
+        lambda t, s: ["--hostfile", _hostfile(t, "localhost slots=2\n"), "-n", "3", "--", s],
+        "-n 3 asks for more ranks than the hosts offer"),
+    "script not found": (lambda t, s: ["-n", "2", "--", str(t / "missing.py")], "not found"),
+    "unknown backend": (lambda t, s: ["--backend", "no-such-backend", "--", s],
+                        "unknown backend 'no-such-backend'; installed:"),
+    "backend that cannot serve the job": (lambda t, s: ["-n", "2", "--backend", "local", "--", s],
+                                          "backend 'local' cannot run a job of 2 rank(s)"),
+    "unknown launcher": (lambda t, s: ["--launcher", "pbs", "--", s], "invalid choice: 'pbs'"),
+    "bad log level": (lambda t, s: ["--log-level", "loud", "--", s], "'loud' is not one of DEBUG"),
+    "negative fusion threshold": (lambda t, s: ["--fusion-threshold", "-1", "--", s],
+                                  "must be a finite number >= 0"),
+    "zero timeout": (lambda t, s: ["--timeout", "0", "--", s], "must be greater than 0"),
+    "--force without --cleanup": (lambda t, s: ["--force", "--", s], "--force only goes with --cleanup"),
+    "script before --": (lambda t, s: [s, "--", "x"], "before '--'"),
+    "local launcher with a remote host": (
+        lambda t, s: ["--launcher", "local", "--hostfile", _hostfile(t, "not-here.invalid\n"), "--", s],
+        "is not this machine"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gives_one_line_and_exit_2(run_tnt, h, tmp_path, case):
+    make_args, expected = CASES[case]
+    marker = h.rank_script("marker.py")
+    res = run_tnt(*make_args(tmp_path, marker))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("tnt run: error: "), lines[0]
+    assert expected in lines[0]
+    assert res.stdout == ""
+    assert not list(tmp_path.glob("ran.*"))
+
+
+def test_tarantella_reports_under_its_own_name(run_tnt):
+    res = run_tnt("-n", "0", "--", "x.py", program="tarantella", subcommand=())
+    assert res.returncode == 2
+    assert res.stderr.startswith("tarantella: error: argument -n/--np: must be at least 1")
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((), "usage: tnt COMMAND"),
+    (("frobnicate",), "tnt: error: unknown command 'frobnicate'"),
+])
+def test_tnt_without_a_valid_command(run_tnt, args, expected):
+    res = run_tnt(*args, subcommand=())
+    assert res.returncode == 2
+    assert expected in res.stderr
+
+
+def test_tnt_backends_lists_installed_backends(run_tnt):
+    res = run_tnt(subcommand=("backends",))
+    assert res.returncode == 0, res.stderr
+    names = [line.split()[0] for line in res.stdout.splitlines()]
+    assert {"local", "store"} <= set(names)

@@ -1,0 +1,82 @@
+"""Hostfile parsing, placement, rank identity under MPI/Slurm: no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tnt_cli.agent import expand_tasks_per_node, numactl_prefix, rank_identity
+from tnt_cli.errors import UsageError
+from tnt_cli.hostfile import Host, parse_hostfile
+from tnt_cli.placement import place_ranks
+
+
+def test_hostfile_comments_blank_lines_and_slots():
+    hosts = parse_hostfile("# cluster\nnode1\n\n  node2 slots=4   # big one\nuser@node3\n")
+    assert hosts == [Host("node1"), Host("node2", 4), Host("user@node3")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a\nb\na\n", "hf:3: host 'a' is listed twice (first on line 1)"),
+    ("a cores=2\n", "hf:1: unknown entry 'cores=2'"),
+    ("a slots=x\n", "hf:1: slots='x' must be a positive integer"),
+    ("a/b\n", "hf:1: 'a/b' is not a host name"),
+    ("\n# only comments\n", "hf lists no hosts"),
+])
+def test_hostfile_errors_name_file_and_line(text, message):
+    with pytest.raises(UsageError) as err:
+        parse_hostfile(text, "hf")
+    assert message in str(err.value)
+
+
+def _layout(placement):
+    return [(s.rank, s.host, s.local_rank, s.local_size) for s in placement.slots]
+
+
+def test_placement_blocks_per_node():
+    p = place_ranks([Host("a"), Host("b")], None, 2, 1, None)
+    assert _layout(p) == [(0, "a", 0, 2), (1, "a", 1, 2), (2, "b", 0, 2), (3, "b", 1, 2)]
+
+
+def test_placement_uses_slots_and_fills_in_order():
+    p = place_ranks([Host("a", 3), Host("b", 3)], 4, None, 1, None)
+    assert _layout(p) == [(0, "a", 0, 3), (1, "a", 1, 3), (2, "a", 2, 3), (3, "b", 0, 1)]
+
+
+def test_placement_spreads_n_without_capacity():
+    p = place_ranks([Host("a"), Host("b")], 3, None, 1, None)
+    assert _layout(p) == [(0, "a", 0, 2), (1, "a", 1, 2), (2, "b", 0, 1)]
+    assert p.hosts == ["a", "b"]
+
+
+def test_placement_assigns_gpus_by_local_rank():
+    p = place_ranks([Host("a"), Host("b")], None, None, 2, ["4", "7"])
+    assert [(s.host, s.gpu) for s in p.slots] == [("a", "4"), ("a", "7"), ("b", "4"), ("b", "7")]
+
+
+def test_placement_too_many_ranks():
+    with pytest.raises(UsageError, match="-n 5 asks for more ranks than the hosts offer \\(4: a=2, b=2\\)"):
+        place_ranks([Host("a"), Host("b")], 5, 2, 1, None)
+
+
+def test_rank_identity_from_launchers():
+    assert rank_identity({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1",
+                          "MPI_LOCALNRANKS": "2"}) == (3, 4, 1, 2)
+    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert rank_identity(ompi) == (5, 8, 1, 4)
+    slurm = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+             "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}
+    assert rank_identity(slurm) == (4, 5, 0, 1)
+    assert rank_identity({}) is None
+
+
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("4") == [4]
+
+
+def test_numactl_prefix():
+    assert numactl_prefix(3, True, False, 2) == ["numactl", "--cpunodebind=1", "--preferred=1"]
+    assert numactl_prefix(2, True, True, 2) == ["numactl", "--cpunodebind=0", "--membind=0"]
+    assert numactl_prefix(1, False, True, 4) == ["numactl", "--membind=1"]
+    assert numactl_prefix(0, False, False, 2) == []
