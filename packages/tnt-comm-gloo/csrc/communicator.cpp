@@ -1,0 +1,387 @@
+#include "communicator.h"
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/types.h>
+
+#include <stdexcept>
+
+#include "errors.h"
+
+namespace tnt_gloo {
+
+// ---------------------------------------------------------------- Work
+
+bool Work::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+bool Work::wait_for(std::chrono::duration<double> timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  // wait_until on the steady clock: a very long timeout must not overflow a duration.
+  const auto limit = std::chrono::duration<double>(24.0 * 3600.0 * 365.0);
+  const auto deadline = std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          timeout < limit ? timeout : limit);
+  return cv_.wait_until(lock, deadline, [this] { return done_; });
+}
+
+std::string Work::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+void Work::complete(std::string error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = std::move(error);
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------- collectives
+
+namespace {
+
+// Slot prefix of recursive doubling; Gloo's own collectives use small prefixes, and the
+// per-operation tag keeps operations apart anyway.
+constexpr std::uint8_t kDoublingSlotPrefix = 0x7d;
+
+// Recursive doubling: in step k every rank swaps its whole (partially reduced) buffer with
+// rank ^ 2^k and combines the two, the lower rank's data always first, so every rank ends
+// with bitwise the same result. log2(p) exchanges against bcube's 2 log2(p): the fastest
+// for buffers small enough that latency, not bandwidth, decides.
+void allreduce_doubling(const Exec& exec, void* data, std::size_t count, std::size_t elsize,
+                        const gloo::AllreduceOptions::Func& reduce) {
+  const auto& context = exec.context;
+  const int rank = context->rank;
+  const int size = context->size;
+  if (size & (size - 1)) {
+    throw std::invalid_argument("recursive doubling needs a power-of-two number of ranks");
+  }
+  const std::size_t nbytes = count * elsize;
+  if (exec.scratch.size() < nbytes) exec.scratch.resize(nbytes);
+  char* incoming = exec.scratch.data();
+  auto out = context->createUnboundBuffer(data, nbytes);
+  auto in = context->createUnboundBuffer(incoming, nbytes);
+  std::uint8_t step = 0;
+  for (int mask = 1; mask < size; mask <<= 1, ++step) {
+    const int peer = rank ^ mask;
+    const std::uint64_t slot = gloo::Slot::build(kDoublingSlotPrefix, exec.tag) + step;
+    in->recv(peer, slot);
+    out->send(peer, slot);
+    // Both throw gloo::IoException on timeout or a broken connection.
+    if (!in->waitRecv(exec.timeout) || !out->waitSend(exec.timeout)) {
+      throw GlooError("recursive doubling was aborted");
+    }
+    if (rank < peer) {
+      reduce(data, data, incoming, count);
+    } else {
+      reduce(data, incoming, data, count);
+    }
+  }
+}
+
+template <typename T>
+void allreduce_typed(const Exec& exec, void* data, std::size_t count, ReduceOp op,
+                     DType dtype, Algorithm algorithm) {
+  if (algorithm == Algorithm::kDoubling) {
+    return allreduce_doubling(exec, data, count, sizeof(T), reduce_function(dtype, op));
+  }
+  gloo::AllreduceOptions opts(exec.context);
+  opts.setOutput<T>(static_cast<T*>(data), count);  // no input: reduced in place
+  opts.setAlgorithm(algorithm == Algorithm::kBcube
+                        ? gloo::AllreduceOptions::Algorithm::BCUBE
+                        : gloo::AllreduceOptions::Algorithm::RING);
+  opts.setReduceFunction(reduce_function(dtype, op));
+  opts.setTag(exec.tag);
+  opts.setTimeout(exec.timeout);
+  gloo::allreduce(opts);
+}
+
+}  // namespace
+
+void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
+                   ReduceOp op, Algorithm algorithm) {
+  if (count == 0 || exec.context->size == 1) return;
+  switch (dtype) {
+    case DType::kFloat16:
+      return allreduce_typed<gloo::float16>(exec, data, count, op, dtype, algorithm);
+    case DType::kFloat32:
+      return allreduce_typed<float>(exec, data, count, op, dtype, algorithm);
+    case DType::kFloat64:
+      return allreduce_typed<double>(exec, data, count, op, dtype, algorithm);
+    case DType::kInt32:
+      return allreduce_typed<std::int32_t>(exec, data, count, op, dtype, algorithm);
+    case DType::kInt64:
+      return allreduce_typed<std::int64_t>(exec, data, count, op, dtype, algorithm);
+  }
+}
+
+void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root) {
+  if (nbytes == 0 || exec.context->size == 1) return;
+  gloo::BroadcastOptions opts(exec.context);
+  opts.setOutput<std::uint8_t>(static_cast<std::uint8_t*>(data), nbytes);
+  opts.setRoot(root);
+  opts.setTag(exec.tag);
+  opts.setTimeout(exec.timeout);
+  gloo::broadcast(opts);
+}
+
+void run_allgather(const Exec& exec, const void* in, void* out, std::size_t nbytes) {
+  if (nbytes == 0) return;
+  // Gloo's allgather copies its own contribution; it never writes through `in`.
+  auto* src = static_cast<std::uint8_t*>(const_cast<void*>(in));
+  auto* dst = static_cast<std::uint8_t*>(out);
+  if (exec.context->size == 1) {
+    std::copy(src, src + nbytes, dst);
+    return;
+  }
+  gloo::AllgatherOptions opts(exec.context);
+  opts.setInput<std::uint8_t>(src, nbytes);
+  opts.setOutput<std::uint8_t>(dst, nbytes * static_cast<std::size_t>(exec.context->size));
+  opts.setTag(exec.tag);
+  opts.setTimeout(exec.timeout);
+  gloo::allgather(opts);
+}
+
+void run_barrier(const Exec& exec) {
+  if (exec.context->size == 1) return;
+  gloo::BarrierOptions opts(exec.context);
+  opts.setTag(exec.tag);
+  opts.setTimeout(exec.timeout);
+  gloo::barrier(opts);
+}
+
+// ---------------------------------------------------------------- Communicator
+
+struct Communicator::Shared {
+  std::shared_ptr<gloo::Context> context;
+  std::chrono::milliseconds timeout{0};
+
+  std::mutex mu;  // guards the fields below
+  std::condition_variable cv;  // queue filled, stopping, worker idle, worker exited
+  std::deque<Task> queue;
+  bool stopping = false;
+  bool busy = false;
+  bool exited = false;
+  bool connections_closed = false;
+  std::string failure;
+
+  // Held by whichever thread runs a Gloo call on the context (the worker, a waiting
+  // thread running its operation inline, or the benchmark baseline); guards next_tag
+  // and scratch too.
+  std::mutex context_mu;
+  std::uint32_t next_tag = 0;
+  std::vector<char> scratch;
+};
+
+Communicator::Communicator(const ConnectOptions& options, gloo::rendezvous::Store& store)
+    : rank_(options.rank), size_(options.size), shared_(std::make_shared<Shared>()) {
+  shared_->timeout = options.timeout;
+  try {
+    gloo::transport::tcp::attr attr;
+    if (!options.iface.empty()) {
+      attr.iface = options.iface;
+    } else {
+      attr.hostname = options.hostname;
+    }
+    auto device = gloo::transport::tcp::CreateDevice(attr);
+    auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+    context->setTimeout(options.timeout);
+    context->connectFullMesh(store, device);
+    shared_->context = std::move(context);
+  } catch (...) {
+    throw GlooError("building the full TCP mesh failed: " +
+                    describe_exception(std::current_exception()));
+  }
+  worker_ = std::thread(&Communicator::run, shared_);
+}
+
+Communicator::~Communicator() { close(std::chrono::milliseconds(5000)); }
+
+std::shared_ptr<Work> Communicator::submit(std::string name, Body body, bool inline_ok) {
+  auto work = std::make_shared<Work>(std::move(name));
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    if (shared_->stopping) {
+      throw GlooError("the communicator is closed");
+    }
+    if (!shared_->failure.empty()) {
+      throw GlooError("an earlier collective failed: " + shared_->failure);
+    }
+    shared_->queue.push_back(Task{work, std::move(body), inline_ok});
+  }
+  shared_->cv.notify_all();
+  return work;
+}
+
+void Communicator::poison(Shared& shared, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(shared.mu);
+    if (shared.failure.empty()) shared.failure = reason;
+    if (shared.connections_closed || !shared.context) return;
+    shared.connections_closed = true;
+  }
+  // Closing our ends makes every peer blocked on this rank fail now, not at its timeout.
+  try {
+    shared.context->closeConnections();
+  } catch (...) {
+    // The connections may already be broken; there is nothing left to release.
+  }
+}
+
+void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
+  std::string error;
+  if (!failure.empty()) {
+    error = "an earlier collective failed: " + failure;
+  } else {
+    std::lock_guard<std::mutex> guard(s.context_mu);
+    try {
+      task.body(Exec{s.context, s.timeout, s.next_tag++, s.scratch});
+    } catch (...) {
+      error = describe_exception(std::current_exception());
+    }
+  }
+  if (!error.empty() && failure.empty()) {
+    poison(s, task.work->name() + ": " + error);
+  }
+  task.body = nullptr;  // drop captured state before the work is reported done
+  task.work->complete(std::move(error));
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.busy = false;
+  }
+  s.cv.notify_all();
+}
+
+void Communicator::run(std::shared_ptr<Shared> shared) {
+  Shared& s = *shared;
+  for (;;) {
+    Task task;
+    std::string failure;
+    {
+      std::unique_lock<std::mutex> lock(s.mu);
+      // `busy` also covers a task a waiting thread runs itself (see wait): one at a
+      // time, in queue order.
+      s.cv.wait(lock, [&s] { return (!s.queue.empty() || s.stopping) && !s.busy; });
+      if (s.queue.empty()) break;  // stopping, and everything queued has run
+      task = std::move(s.queue.front());
+      s.queue.pop_front();
+      s.busy = true;
+      failure = s.failure;
+    }
+    execute(s, task, failure);
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.exited = true;
+  }
+  s.cv.notify_all();
+}
+
+bool Communicator::wait(const std::shared_ptr<Work>& work,
+                        std::chrono::duration<double> timeout) {
+  // If the work is next in line and the worker has not picked it up yet (it sleeps, or
+  // is not scheduled yet on a busy machine), the waiting thread runs it itself: same
+  // order, same code, two thread hand-offs fewer. Only when the caller waits at least
+  // as long as the operation's own timeout, since a running operation cannot stop early.
+  if (timeout >= shared_->timeout) {
+    Task task;
+    std::string failure;
+    bool claimed = false;
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      const bool next = !shared_->queue.empty() && shared_->queue.front().work == work;
+      if (next && !shared_->busy && shared_->queue.front().inline_ok) {
+        task = std::move(shared_->queue.front());
+        shared_->queue.pop_front();
+        shared_->busy = true;
+        failure = shared_->failure;
+        claimed = true;
+      }
+    }
+    if (claimed) execute(*shared_, task, failure);
+  }
+  return work->wait_for(timeout);
+}
+
+std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t count,
+                                                         DType dtype, Algorithm algorithm,
+                                                         int iters) {
+  {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    shared_->cv.wait(lock, [this] { return shared_->queue.empty() && !shared_->busy; });
+    if (!shared_->failure.empty()) {
+      throw GlooError("an earlier collective failed: " + shared_->failure);
+    }
+  }
+  std::lock_guard<std::mutex> guard(shared_->context_mu);
+  std::vector<double> seconds;
+  seconds.reserve(static_cast<std::size_t>(iters > 0 ? iters : 0));
+  try {
+    for (int i = 0; i < iters; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run_allreduce(Exec{shared_->context, shared_->timeout, shared_->next_tag++, shared_->scratch},
+                    data,
+                    count, dtype, ReduceOp::kSum, algorithm);
+      seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  } catch (...) {
+    const std::string error = describe_exception(std::current_exception());
+    poison(*shared_, "baseline allreduce: " + error);
+    throw GlooError(error);
+  }
+  return seconds;
+}
+
+void Communicator::abort(const std::string& reason) { poison(*shared_, reason); }
+
+std::string Communicator::failure() const {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  return shared_->failure;
+}
+
+bool Communicator::close(std::chrono::milliseconds grace) {
+  if (closed_) return true;
+  closed_ = true;
+  if (!worker_.joinable()) return true;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared_->stopping = true;
+  }
+  shared_->cv.notify_all();
+  auto exited = [this](std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    return shared_->cv.wait_for(lock, limit, [this] { return shared_->exited; });
+  };
+  bool clean = exited(grace);
+  if (!clean) {
+    // Operations are still running past the grace period: fail them (and the rest).
+    poison(*shared_, "the communicator was closed while collectives were in flight");
+    clean = exited(std::chrono::milliseconds(5000));
+  }
+  if (!clean) {
+    // A transport call ignored the abort. Leave the thread the shared state (it keeps
+    // the context alive) rather than hang the process.
+    worker_.detach();
+    return false;
+  }
+  worker_.join();
+  std::shared_ptr<gloo::Context> context;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    context = std::move(shared_->context);
+  }
+  context.reset();  // closes the sockets and stops using the device
+  return true;
+}
+
+}  // namespace tnt_gloo

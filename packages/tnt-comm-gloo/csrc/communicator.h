@@ -1,0 +1,137 @@
+// A Gloo full-mesh TCP communicator whose collectives run on one worker thread.
+//
+// Python submits operations; the worker executes them strictly in submission order
+// (the contract's "same order on every rank"), never touching Python objects, so it runs
+// without the GIL. Each submission returns a Work whose wait() blocks on a condition
+// variable. After one operation fails the communicator is poisoned: its connections are
+// closed (so peers blocked on this rank fail fast instead of waiting for their timeout)
+// and every later operation fails at once with the first error.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gloo/context.h>
+#include <gloo/rendezvous/store.h>
+
+#include "types.h"
+
+namespace tnt_gloo {
+
+// One submitted operation. Shared by the worker (which completes it) and the Python
+// handle (which waits on it).
+class Work {
+ public:
+  explicit Work(std::string name) : name_(std::move(name)) {}
+
+  const std::string& name() const { return name_; }
+  bool done() const;
+  // Block until done or `timeout` passed; true if done. Call without the GIL.
+  bool wait_for(std::chrono::duration<double> timeout) const;
+  // The failure message, empty on success. Only meaningful once done().
+  std::string error() const;
+
+  void complete(std::string error);
+
+ private:
+  const std::string name_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+};
+
+struct ConnectOptions {
+  int rank = 0;
+  int size = 1;
+  std::string hostname;  // address to listen on (used when iface is empty)
+  std::string iface;     // network interface to listen on (wins over hostname)
+  std::chrono::milliseconds timeout{1800000};
+};
+
+// What a queued body gets: the context to itself, the timeout, a fresh tag, and a
+// scratch buffer that only the thread running the body uses (reused between calls).
+struct Exec {
+  const std::shared_ptr<gloo::Context>& context;
+  std::chrono::milliseconds timeout;
+  std::uint32_t tag;
+  std::vector<char>& scratch;
+};
+
+// Synchronous Gloo collectives (in place where it applies); they throw on failure.
+void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
+                   ReduceOp op, Algorithm algorithm);
+void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root);
+void run_allgather(const Exec& exec, const void* in, void* out, std::size_t nbytes);
+void run_barrier(const Exec& exec);
+
+class Communicator {
+ public:
+  // Builds the full mesh through `store` (blocking). Call without the GIL; the store
+  // may call back into Python itself.
+  Communicator(const ConnectOptions& options, gloo::rendezvous::Store& store);
+  ~Communicator();
+
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  using Body = std::function<void(const Exec&)>;
+
+  // Queue a collective; `body` runs on the worker, after every earlier submission.
+  // Buffers it touches must stay alive until the Work is done (Python keeps them).
+  // `inline_ok`: a thread waiting for it may run it itself (see wait); false for bodies
+  // with thread-local side effects (cudaSetDevice).
+  std::shared_ptr<Work> submit(std::string name, Body body, bool inline_ok = true);
+
+  // Block until `work` is done or `timeout` passed; true if done. Call without the GIL.
+  // May run `work` on the calling thread if it is next and the worker is idle.
+  bool wait(const std::shared_ptr<Work>& work, std::chrono::duration<double> timeout);
+
+  // Gloo's ring allreduce called directly on the calling thread, `iters` times,
+  // bypassing the queue; returns the seconds each call took. For the benchmark's
+  // baseline. Waits until the worker is idle and keeps it off the context meanwhile.
+  std::vector<double> time_direct_allreduce(void* data, std::size_t count, DType dtype,
+                                            Algorithm algorithm, int iters);
+
+  // Poison the communicator with `reason` and close its connections.
+  void abort(const std::string& reason);
+  // First failure, empty if none.
+  std::string failure() const;
+
+  // Stop the worker after the queued operations (at most `grace`, then abort them);
+  // close the connections. Idempotent. Returns false if the worker had to be abandoned
+  // (it was stuck in a transport call that did not honour the abort).
+  bool close(std::chrono::milliseconds grace);
+
+ private:
+  struct Task {
+    std::shared_ptr<Work> work;
+    Body body;
+    bool inline_ok = true;
+  };
+  struct Shared;  // state the worker thread shares; outlives this object if abandoned
+
+  static void run(std::shared_ptr<Shared> shared);
+  static void execute(Shared& shared, Task& task, const std::string& failure);
+  static void poison(Shared& shared, const std::string& reason);
+
+  const int rank_;
+  const int size_;
+  std::shared_ptr<Shared> shared_;
+  std::thread worker_;
+  bool closed_ = false;  // close() ran; only close() and the destructor use it
+};
+
+}  // namespace tnt_gloo

@@ -1,0 +1,379 @@
+// tnt_comm_gloo._gloo: the private native module. It moves bytes; policy (algorithm
+// choice, addresses, timeouts, error wording) lives in tnt_comm_gloo/backend.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/store.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "communicator.h"
+#include "cuda_staging.h"
+#include "errors.h"
+#include "types.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace tnt_gloo {
+namespace {
+
+using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+using ReadOnlyHostArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+// ----------------------------------------------------------- rendezvous store
+
+// gloo::rendezvous::Store over a Python object with set(key, bytes), get(key) -> bytes
+// and wait(keys, timeout_s): tnt_core.StoreClient, which speaks the launcher's
+// authenticated protocol. Gloo calls it from the thread building the mesh, which does
+// not hold the GIL; each call takes the GIL for the Python call only.
+class PythonStore : public gloo::rendezvous::Store {
+ public:
+  PythonStore(nb::object client, std::chrono::milliseconds timeout)
+      : client_(std::move(client)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    nb::gil_scoped_acquire gil;
+    call("set " + key, [&] { client_.attr("set")(key, nb::bytes(data.data(), data.size())); });
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    nb::gil_scoped_acquire gil;
+    std::vector<char> out;
+    call("get " + key, [&] {
+      nb::bytes value(client_.attr("get")(key, seconds(timeout_)));
+      out.assign(value.c_str(), value.c_str() + value.size());
+    });
+    return out;
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    nb::gil_scoped_acquire gil;
+    call("wait", [&] {
+      nb::list names;
+      for (const auto& key : keys) names.append(nb::str(key.c_str(), key.size()));
+      client_.attr("wait")(names, seconds(timeout));
+    });
+  }
+
+ private:
+  static double seconds(std::chrono::milliseconds ms) {
+    return ms.count() > 0 ? static_cast<double>(ms.count()) / 1000.0 : 0.0;
+  }
+
+  // Python errors become GlooError here, with the GIL still held: no Python object
+  // travels through Gloo's frames.
+  template <typename Fn>
+  void call(const std::string& what, Fn&& fn) {
+    try {
+      fn();
+    } catch (nb::python_error& e) {
+      std::string message;
+      try {
+        message = nb::cast<std::string>(nb::str(e.value()));
+      } catch (...) {
+        message = e.what();
+      }
+      throw GlooError("rendezvous store " + what + ": " + message);
+    }
+  }
+
+  nb::object client_;
+  std::chrono::milliseconds timeout_;
+};
+
+std::chrono::milliseconds to_ms(double seconds, const char* what) {
+  if (!(seconds > 0.0) || !std::isfinite(seconds)) {
+    throw std::invalid_argument(std::string(what) + " must be a positive number of seconds");
+  }
+  return std::chrono::milliseconds(static_cast<long long>(std::ceil(seconds * 1000.0)));
+}
+
+// ----------------------------------------------------------- buffers
+
+DType dtype_of(const nb::dlpack::dtype& dt) {
+  if (dt.lanes == 1) {
+    if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
+      if (dt.bits == 16) return DType::kFloat16;
+      if (dt.bits == 32) return DType::kFloat32;
+      if (dt.bits == 64) return DType::kFloat64;
+    } else if (dt.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int)) {
+      if (dt.bits == 32) return DType::kInt32;
+      if (dt.bits == 64) return DType::kInt64;
+    }
+  }
+  throw std::invalid_argument("unsupported element type (code " + std::to_string(dt.code) + ", " +
+                  std::to_string(dt.bits) + " bits); use float16/32/64 or int32/64");
+}
+
+// The part of a DLPack capsule a staged collective needs.
+struct DeviceTensor {
+  void* data = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::kFloat32;
+  int device_type = 0;
+  int device_id = 0;
+};
+
+DeviceTensor parse_capsule(nb::handle capsule) {
+  if (!PyCapsule_IsValid(capsule.ptr(), "dltensor")) {
+    throw std::invalid_argument(
+        "expected an unconsumed DLPack capsule named 'dltensor' (from obj.__dlpack__())");
+  }
+  auto* managed =
+      static_cast<dlpack::ManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  const dlpack::Tensor& t = managed->dl_tensor;
+  DeviceTensor out;
+  out.device_type = t.device.device_type;
+  out.device_id = t.device.device_id;
+  nb::dlpack::dtype dt;
+  dt.code = t.dtype.code;
+  dt.bits = t.dtype.bits;
+  dt.lanes = t.dtype.lanes;
+  out.dtype = dtype_of(dt);
+  std::size_t count = 1;
+  std::int64_t expected_stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    const std::int64_t extent = t.shape[d];
+    if (t.strides != nullptr && extent != 1 && t.strides[d] != expected_stride) {
+      throw std::invalid_argument(
+          "the DLPack tensor is not C-contiguous; pass a contiguous tensor "
+          "(e.g. tensor.contiguous())");
+    }
+    expected_stride *= extent;
+    count *= static_cast<std::size_t>(extent);
+  }
+  out.count = count;
+  out.data = static_cast<char*>(t.data) + t.byte_offset;
+  return out;
+}
+
+// ----------------------------------------------------------- the Python-facing object
+
+class PyCommunicator {
+ public:
+  PyCommunicator(std::unique_ptr<Communicator> comm)
+      : comm_(std::move(comm)), staging_(std::make_shared<StagingBuffer>()) {}
+
+  Communicator& comm() { return *comm_; }
+
+  std::shared_ptr<Work> allreduce(HostArray buf, const std::string& op,
+                                  const std::string& algorithm, std::string name) {
+    void* data = buf.data();
+    const std::size_t count = buf.size();
+    const DType dtype = dtype_of(buf.dtype());
+    const ReduceOp rop = parse_op(op);
+    const Algorithm algo = parse_algorithm(algorithm);
+    return comm_->submit(std::move(name), [=](const Exec& exec) {
+      run_allreduce(exec, data, count, dtype, rop, algo);
+    });
+  }
+
+  std::shared_ptr<Work> allreduce_dlpack(nb::handle capsule, const std::string& op,
+                                         const std::string& algorithm, std::string name) {
+    const DeviceTensor t = parse_capsule(capsule);
+    const ReduceOp rop = parse_op(op);
+    const Algorithm algo = parse_algorithm(algorithm);
+    const std::size_t nbytes = t.count * element_size(t.dtype);
+    switch (t.device_type) {
+      case dlpack::kCPU:
+        return comm_->submit(std::move(name), [=](const Exec& exec) {
+          run_allreduce(exec, t.data, t.count, t.dtype, rop, algo);
+        });
+      case dlpack::kCUDAHost: {  // pinned host memory: reduced in place once the GPU is done
+        CudaRuntime::get();
+        return comm_->submit(std::move(name), [=](const Exec& exec) {
+          auto& cuda = CudaRuntime::get();
+          cuda.set_device(t.device_id);
+          cuda.synchronize();
+          run_allreduce(exec, t.data, t.count, t.dtype, rop, algo);
+        }, /*inline_ok=*/false);
+      }
+      case dlpack::kCUDA:
+      case dlpack::kCUDAManaged: {
+        CudaRuntime::get();  // fail now, on the caller's thread, if CUDA is missing
+        auto staging = staging_;
+        return comm_->submit(std::move(name), [=](const Exec& exec) {
+          if (nbytes == 0) return;
+          auto& cuda = CudaRuntime::get();
+          cuda.set_device(t.device_id);
+          void* host = staging->reserve(nbytes);
+          cuda.copy_to_host(host, t.data, nbytes);
+          run_allreduce(exec, host, t.count, t.dtype, rop, algo);
+          cuda.copy_to_device(t.data, host, nbytes);
+        }, /*inline_ok=*/false);  // cudaSetDevice must not touch the caller's thread
+      }
+      default:
+        throw std::invalid_argument("DLPack device type " + std::to_string(t.device_type) +
+                        " is not supported; tnt-comm-gloo takes CPU and CUDA buffers");
+    }
+  }
+
+  std::shared_ptr<Work> broadcast(HostArray buf, int root, std::string name) {
+    if (root < 0 || root >= comm_->size()) {
+      throw std::invalid_argument("broadcast root " + std::to_string(root) + " is not a rank in [0, " +
+                      std::to_string(comm_->size()) + ")");
+    }
+    void* data = buf.data();
+    const std::size_t nbytes = buf.nbytes();
+    return comm_->submit(std::move(name), [=](const Exec& exec) {
+      run_broadcast(exec, data, nbytes, root);
+    });
+  }
+
+  std::shared_ptr<Work> allgather(ReadOnlyHostArray in, HostArray out, std::string name) {
+    const std::size_t nbytes = in.nbytes();
+    if (out.nbytes() != nbytes * static_cast<std::size_t>(comm_->size())) {
+      throw std::invalid_argument("allgather output must hold size * input bytes");
+    }
+    const void* src = in.data();
+    void* dst = out.data();
+    return comm_->submit(std::move(name), [=](const Exec& exec) {
+      run_allgather(exec, src, dst, nbytes);
+    });
+  }
+
+  std::shared_ptr<Work> barrier(std::string name) {
+    return comm_->submit(std::move(name), [](const Exec& exec) { run_barrier(exec); });
+  }
+
+  std::vector<double> time_direct_allreduce(HostArray buf, const std::string& algorithm,
+                                            int iters) {
+    void* data = buf.data();
+    const std::size_t count = buf.size();
+    const DType dtype = dtype_of(buf.dtype());
+    const Algorithm algo = parse_algorithm(algorithm);
+    nb::gil_scoped_release release;
+    return comm_->time_direct_allreduce(data, count, dtype, algo, iters);
+  }
+
+ private:
+  std::unique_ptr<Communicator> comm_;
+  std::shared_ptr<StagingBuffer> staging_;
+};
+
+std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_client,
+                                        const std::string& file_store, const std::string& prefix,
+                                        const std::string& hostname, const std::string& iface,
+                                        double timeout_s) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw std::invalid_argument("rank " + std::to_string(rank) + " is not in [0, " +
+                    std::to_string(size) + ")");
+  }
+  if (store_client.is_none() == file_store.empty()) {
+    throw std::invalid_argument("give exactly one of a store client or a file store directory");
+  }
+  if (hostname.empty() && iface.empty()) {
+    throw std::invalid_argument("give a hostname or a network interface to listen on");
+  }
+  ConnectOptions options;
+  options.rank = rank;
+  options.size = size;
+  options.hostname = hostname;
+  options.iface = iface;
+  options.timeout = to_ms(timeout_s, "timeout");
+
+  std::unique_ptr<gloo::rendezvous::Store> base;
+  if (!store_client.is_none()) {
+    base = std::make_unique<PythonStore>(store_client, options.timeout);
+  } else {
+    base = std::make_unique<gloo::rendezvous::FileStore>(file_store);
+  }
+  gloo::rendezvous::PrefixStore store(prefix, *base);
+  std::unique_ptr<Communicator> comm;
+  {
+    nb::gil_scoped_release release;
+    comm = std::make_unique<Communicator>(options, store);
+  }
+  return std::make_unique<PyCommunicator>(std::move(comm));
+}
+
+bool wait_on(PyCommunicator& comm, std::shared_ptr<Work> work, double timeout_s) {
+  bool done;
+  {
+    nb::gil_scoped_release release;
+    done = comm.comm().wait(work,
+                            std::chrono::duration<double>(timeout_s > 0 ? timeout_s : 0.0));
+  }
+  if (done) {
+    std::string error = work->error();
+    if (!error.empty()) throw GlooError(error);
+  }
+  return done;
+}
+
+}  // namespace
+}  // namespace tnt_gloo
+
+NB_MODULE(_gloo, m) {
+  using namespace tnt_gloo;
+  m.doc() = "Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread.";
+
+  nb::exception<GlooError>(m, "GlooError");
+
+  nb::class_<Work>(m, "Work", "An operation queued on the worker thread.")
+      .def("done", &Work::done, "True once the operation has finished, successfully or not.")
+      .def_prop_ro("name", &Work::name);
+
+  nb::class_<PyCommunicator>(m, "Communicator", "A full-mesh TCP Gloo context.")
+      .def_prop_ro("rank", [](PyCommunicator& c) { return c.comm().rank(); })
+      .def_prop_ro("size", [](PyCommunicator& c) { return c.comm().size(); })
+      .def_prop_ro("failure", [](PyCommunicator& c) { return c.comm().failure(); })
+      .def("allreduce", &PyCommunicator::allreduce, "buf"_a.noconvert(), "op"_a,
+           "algorithm"_a, "name"_a, "Queue an in-place allreduce of a host array.")
+      .def("allreduce_dlpack", &PyCommunicator::allreduce_dlpack, "capsule"_a, "op"_a,
+           "algorithm"_a, "name"_a,
+           "Queue an in-place allreduce of a DLPack tensor (CUDA: staged through pinned "
+           "host memory).")
+      .def("broadcast", &PyCommunicator::broadcast, "buf"_a.noconvert(), "root"_a, "name"_a,
+           "Queue an in-place broadcast from root.")
+      .def("allgather", &PyCommunicator::allgather, "src"_a.noconvert(), "dst"_a.noconvert(),
+           "name"_a, "Queue gathering every rank's src into dst (size * src bytes).")
+      .def("barrier", &PyCommunicator::barrier, "name"_a, "Queue a barrier.")
+      .def("wait", &wait_on, "work"_a, "timeout_s"_a,
+           "Block (GIL released) up to timeout_s for work; True once done, False if still "
+           "running. Raises GlooError if it failed. If work is next in line and the worker "
+           "idle, runs it on this thread.")
+      .def("time_direct_allreduce", &PyCommunicator::time_direct_allreduce,
+           "buf"_a.noconvert(), "algorithm"_a, "iters"_a,
+           "Benchmark baseline: the allreduce algorithm (sum) called directly iters times "
+           "on this thread, bypassing the queue; seconds per call.")
+      .def("abort", [](PyCommunicator& c, const std::string& reason) { c.comm().abort(reason); },
+           "reason"_a, "Fail this and every later operation; close the connections.")
+      .def("close",
+           [](PyCommunicator& c, double grace_s) {
+             nb::gil_scoped_release release;
+             return c.comm().close(std::chrono::milliseconds(
+                 static_cast<long long>(grace_s > 0 ? grace_s * 1000.0 : 0.0)));
+           },
+           "grace_s"_a,
+           "Finish queued operations (up to grace_s), stop the worker, close connections. "
+           "False if the worker had to be abandoned.");
+
+  m.def("dlpack_nbytes",
+        [](nb::handle capsule) {
+          const DeviceTensor t = parse_capsule(capsule);
+          return t.count * element_size(t.dtype);
+        },
+        "capsule"_a, "Bytes of the tensor in an unconsumed DLPack capsule (checks it too).");
+
+  m.def("connect", &connect, "rank"_a, "size"_a, "store"_a.none(), "file_store"_a,
+        "prefix"_a, "hostname"_a, "iface"_a, "timeout_s"_a,
+        "Build the full TCP mesh (blocking, GIL released) through the store client or the "
+        "file store directory.");
+}

@@ -1,0 +1,70 @@
+"""Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread.
+
+Every operation is queued on one C++ worker thread and runs in submission order without
+the GIL. Buffers must stay alive until their Work is done (backend.py keeps them).
+Input errors raise ValueError/TypeError; everything the transport does raises GlooError.
+"""
+
+from typing import Any, Protocol
+
+import numpy as np
+
+class GlooError(Exception):
+    """A Gloo operation failed (transport error, timeout, dead peer, store failure)."""
+
+class _StoreClient(Protocol):
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str, timeout: float | None = ...) -> bytes: ...
+    def wait(self, keys: list[str], timeout: float | None = ...) -> None: ...
+
+class Work:
+    """An operation queued on the worker thread."""
+
+    @property
+    def name(self) -> str: ...
+    def done(self) -> bool:
+        """True once the operation has finished, successfully or not."""
+
+class Communicator:
+    """A full-mesh TCP Gloo context."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def failure(self) -> str:
+        """The first failure ('' while healthy)."""
+    def allreduce(self, buf: np.ndarray, op: str, algorithm: str, name: str) -> Work:
+        """Queue an in-place allreduce of a host array (op: sum/min/max/product;
+        algorithm: ring/bcube (Gloo's) or doubling (recursive doubling, power-of-two
+        groups))."""
+    def allreduce_dlpack(self, capsule: Any, op: str, algorithm: str, name: str) -> Work:
+        """Queue an in-place allreduce of a DLPack tensor (CUDA: staged through pinned
+        host memory)."""
+    def broadcast(self, buf: np.ndarray, root: int, name: str) -> Work:
+        """Queue an in-place broadcast from root."""
+    def allgather(self, src: np.ndarray, dst: np.ndarray, name: str) -> Work:
+        """Queue gathering every rank's src into dst (size * src bytes)."""
+    def barrier(self, name: str) -> Work:
+        """Queue a barrier."""
+    def wait(self, work: Work, timeout_s: float) -> bool:
+        """Block (GIL released) up to timeout_s for work; True once done, False if still
+        running. Raises GlooError if it failed. If work is next in line and the worker
+        idle, runs it on this thread."""
+    def time_direct_allreduce(self, buf: np.ndarray, algorithm: str, iters: int) -> list[float]:
+        """Benchmark baseline: the allreduce algorithm (sum) called directly iters times
+        on this thread, bypassing the queue; seconds per call."""
+    def abort(self, reason: str) -> None:
+        """Fail this and every later operation; close the connections."""
+    def close(self, grace_s: float) -> bool:
+        """Finish queued operations (up to grace_s), stop the worker, close connections.
+        False if the worker had to be abandoned."""
+
+def dlpack_nbytes(capsule: Any) -> int:
+    """Bytes of the tensor in an unconsumed DLPack capsule (checks it too)."""
+
+def connect(rank: int, size: int, store: _StoreClient | None, file_store: str, prefix: str,
+            hostname: str, iface: str, timeout_s: float) -> Communicator:
+    """Build the full TCP mesh (blocking, GIL released) through the store client or the
+    file store directory."""

@@ -1,0 +1,409 @@
+"""The ``gloo`` backend: the policy around the native Gloo communicator.
+
+The native module (:mod:`tnt_comm_gloo._gloo`) moves bytes: a C++ worker thread runs
+the collectives in submission order without the GIL, and ``Handle.wait`` blocks on a
+condition variable with the GIL released. This module decides everything else: where
+to listen, how to meet the other ranks, which allreduce algorithm a buffer gets, how
+long to wait, and how a native failure reads as :class:`tnt_core.CommError`.
+
+Environment (besides the launcher's ``TNT_*`` contract):
+
+``TNT_GLOO_IFACE``
+    network interface to listen on (e.g. ``eth0``, ``ib0``); wins over the host name.
+``TNT_GLOO_HOSTNAME``
+    address or host name to listen on. Default: ``127.0.0.1`` when every rank runs on
+    this node, else this host's name (which must not resolve to a loopback address).
+``TNT_GLOO_ALGORITHM``
+    ``auto`` (default), ``ring``, ``bcube`` or ``doubling``: the allreduce algorithm.
+``TNT_GLOO_BCUBE_MAX_BYTES``
+    with ``auto``, buffers up to this size are "small" (bcube or recursive doubling),
+    larger ones take the ring (default :data:`DEFAULT_BCUBE_MAX_BYTES`, measured).
+``TNT_GLOO_DOUBLING_MAX_BYTES``
+    with ``auto`` on a power-of-two number of ranks, small buffers up to this size use
+    recursive doubling instead of bcube (default :data:`DEFAULT_DOUBLING_MAX_BYTES`;
+    with 2 ranks doubling is used for every small buffer, see ``algorithm_for``).
+``TNT_GLOO_CUDART``
+    the CUDA runtime library GPU buffers are staged with (read by the native module;
+    default: ``libcudart.so`` and its versioned names).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+from tnt_core import (
+    CommBackend,
+    CommError,
+    Config,
+    ConfigError,
+    Handle,
+    check_buffer,
+    check_op,
+    connect_store,
+)
+
+from . import _gloo
+
+__all__ = [
+    "DEFAULT_BCUBE_MAX_BYTES",
+    "DEFAULT_DOUBLING_MAX_BYTES",
+    "GlooBackend",
+    "GlooHandle",
+    "GlooSettings",
+]
+
+log = logging.getLogger("tnt.gloo")
+
+#: Largest allreduce (bytes) that ``auto`` treats as small (bcube or recursive
+#: doubling); bigger ones take the ring. Measured on 2 ranks over loopback (README).
+DEFAULT_BCUBE_MAX_BYTES = 1 << 20
+#: Largest allreduce that ``auto`` gives to recursive doubling on more than 2 ranks
+#: (it sends log2(p) whole buffers, against bcube's two; see the README's cost model).
+DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
+ALGORITHMS = ("auto", "ring", "bcube", "doubling")
+
+_KDL_CPU = 1  # DLPack device type of host memory
+_generation = itertools.count()  # one store prefix per communicator made by this process
+#: in-flight buffers of communicators whose worker could not be stopped: never freed
+_abandoned: list[object] = []
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer (bytes)") from None
+    if value < 0:
+        raise ConfigError(f"{name}={value} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class GlooSettings:
+    """The ``TNT_GLOO_*`` variables, validated."""
+
+    iface: str | None = None
+    hostname: str | None = None
+    algorithm: str = "auto"
+    bcube_max_bytes: int = DEFAULT_BCUBE_MAX_BYTES
+    doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> GlooSettings:
+        env = os.environ if environ is None else environ
+        algorithm = (env.get("TNT_GLOO_ALGORITHM") or "auto").strip().lower()
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(
+                f"TNT_GLOO_ALGORITHM={algorithm!r} is not one of {', '.join(ALGORITHMS)}"
+            )
+        return cls(
+            iface=(env.get("TNT_GLOO_IFACE") or "").strip() or None,
+            hostname=(env.get("TNT_GLOO_HOSTNAME") or "").strip() or None,
+            algorithm=algorithm,
+            bcube_max_bytes=_bytes(env, "TNT_GLOO_BCUBE_MAX_BYTES", DEFAULT_BCUBE_MAX_BYTES),
+            doubling_max_bytes=_bytes(env, "TNT_GLOO_DOUBLING_MAX_BYTES",
+                                      DEFAULT_DOUBLING_MAX_BYTES),
+        )
+
+    def listen_address(self, config: Config) -> tuple[str, str]:
+        """``(hostname, iface)`` for Gloo's TCP device; exactly one is non-empty."""
+        if self.iface:
+            try:
+                socket.if_nametoindex(self.iface)
+            except OSError:
+                names = ", ".join(name for _, name in socket.if_nameindex())
+                raise ConfigError(
+                    f"TNT_GLOO_IFACE={self.iface!r} is not a network interface of "
+                    f"{socket.gethostname()}; it has: {names}"
+                ) from None
+            return "", self.iface
+        if self.hostname:
+            return self.hostname, ""
+        if config.local_size == config.size:
+            return "127.0.0.1", ""  # one node: loopback is fastest and needs no DNS
+        name = socket.gethostname()
+        try:
+            infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+        except OSError as exc:
+            raise ConfigError(
+                f"this host's name {name!r} does not resolve ({exc}); set TNT_GLOO_IFACE "
+                "to the interface the ranks reach each other on (e.g. eth0)"
+            ) from None
+        if all(info[4][0].startswith("127.") or info[4][0] == "::1" for info in infos):
+            raise ConfigError(
+                f"this host's name {name!r} resolves to a loopback address, which other "
+                "nodes cannot reach; set TNT_GLOO_IFACE to the interface the ranks reach "
+                "each other on (e.g. eth0), or TNT_GLOO_HOSTNAME to this node's address"
+            )
+        return name, ""
+
+    def algorithm_for(self, nbytes: int, size: int) -> str:
+        """The allreduce algorithm for a buffer of ``nbytes`` on ``size`` ranks.
+
+        Large buffers take Gloo's ring (bandwidth-optimal, pipelined). Small ones need few
+        steps: recursive doubling (log2 p exchanges of the whole buffer) on a power-of-two
+        group, else Gloo's bcube (2 log2 p exchanges of shrinking pieces). On 2 ranks
+        doubling sends no more bytes than bcube in half the steps, so it takes every
+        small buffer; on more ranks it sends log2(p)/2 times the bytes, so only the
+        smallest.
+        """
+        if self.algorithm != "auto":
+            return self.algorithm
+        if nbytes > self.bcube_max_bytes:
+            return "ring"
+        if _is_power_of_two(size) and (size == 2 or nbytes <= self.doubling_max_bytes):
+            return "doubling"
+        return "bcube"
+
+
+def _file_store_dir(rendezvous: str) -> str | None:
+    """The directory of a ``file:///dir`` rendezvous, None for ``host:port``."""
+    if not rendezvous.startswith("file:"):
+        return None
+    parsed = urlparse(rendezvous)
+    if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise ConfigError(
+            f"TNT_RENDEZVOUS={rendezvous!r}: a file store is file:///absolute/dir on a file "
+            "system every rank shares"
+        )
+    return parsed.path
+
+
+class GlooHandle(Handle):
+    """An allreduce in flight on the worker thread; owns its buffer until done."""
+
+    __slots__ = ("_backend", "_keep", "_operation", "_result", "_work")
+
+    def __init__(self, backend: GlooBackend, work: _gloo.Work, operation: str,
+                 result: Any, keep: tuple[object, ...] = ()) -> None:
+        self._backend = backend
+        self._work = work
+        self._operation = operation
+        self._result = result
+        self._keep = keep  # e.g. the DLPack capsule a staged copy reads from
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self._backend._wait(self._work, self._operation, timeout)
+        return self._result
+
+    def done(self) -> bool:
+        return self._work.done()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<GlooHandle {self._operation} {state}>"
+
+
+class GlooBackend(CommBackend):
+    """A communicator over all ranks through Gloo's full-mesh TCP transport."""
+
+    name = "gloo"
+
+    def __init__(self, config: Config, settings: GlooSettings | None = None) -> None:
+        if config.size < 2:
+            raise ConfigError(
+                "the gloo backend needs TNT_SIZE >= 2; a single process uses the 'local' "
+                "backend (leave TNT_BACKEND unset)"
+            )
+        if not config.rendezvous:
+            raise ConfigError(
+                "the gloo backend needs TNT_RENDEZVOUS (host:port of the launcher's store, "
+                "or file:///shared/dir); start the script with `tnt run -n N -- script.py`"
+            )
+        self.rank, self.size = config.rank, config.size
+        self.local_rank, self.local_size = config.local_rank, config.local_size
+        self._settings = settings or GlooSettings.from_env()
+        if self._settings.algorithm == "doubling" and not _is_power_of_two(config.size):
+            raise ConfigError(
+                f"TNT_GLOO_ALGORITHM=doubling needs a power-of-two number of ranks, not "
+                f"{config.size}; use auto, bcube or ring"
+            )
+        self._timeout = config.timeout_s
+        self._seq = 0
+        self._inflight: collections.deque[GlooHandle] = collections.deque()
+        self._closed = False
+        hostname, iface = self._settings.listen_address(config)
+        generation = next(_generation)
+        file_dir = _file_store_dir(config.rendezvous)
+        store = None
+        try:
+            if file_dir is None:
+                store = connect_store(config)
+                prefix = f"tnt/gloo/{generation}"
+            else:
+                os.makedirs(file_dir, exist_ok=True)
+                # Files outlive the job: when the launcher gave a job key, keys of this
+                # job cannot be mistaken for those a previous job left in the directory.
+                job = (hashlib.sha256(config.rendezvous_key.encode()).hexdigest()[:16]
+                       if config.rendezvous_key else "nokey")
+                prefix = f"tnt_gloo_{job}_{generation}"
+            with self._translate("connect"):
+                self._comm = _gloo.connect(
+                    self.rank, self.size, store, file_dir or "", prefix, hostname, iface,
+                    self._timeout,
+                )
+        finally:
+            if store is not None:
+                store.close()
+        log.debug("rank %d/%d connected (listening on %s)", self.rank, self.size,
+                  iface or hostname)
+
+    # -- the one place a native failure becomes CommError
+    def _comm_error(self, exc: _gloo.GlooError, operation: str) -> CommError:
+        return CommError(str(exc), rank=self.rank, operation=operation)
+
+    @contextlib.contextmanager
+    def _translate(self, operation: str) -> Iterator[None]:
+        try:
+            yield
+        except _gloo.GlooError as exc:
+            raise self._comm_error(exc, operation) from None
+
+    def _name(self, what: str) -> str:
+        self._seq += 1
+        return f"{what} #{self._seq}"
+
+    def _check_open(self, operation: str) -> None:
+        if self._closed:
+            raise CommError("the backend is closed", rank=self.rank, operation=operation)
+
+    def _wait(self, work: _gloo.Work, operation: str, timeout: float | None) -> None:
+        timeout = self._timeout if timeout is None else timeout
+        try:
+            done = self._comm.wait(work, timeout)
+        except _gloo.GlooError as exc:  # not _translate: this is the hot path
+            raise self._comm_error(exc, operation) from None
+        if not done:
+            error = CommError(
+                f"did not complete within {timeout:g}s (TNT_TIMEOUT_S); a peer may be hung "
+                "or dead", rank=self.rank, operation=operation,
+            )
+            # The ranks' collectives can no longer be matched: fail everything after it.
+            self._comm.abort(str(error))
+            raise error
+
+    def _track(self, handle: GlooHandle) -> GlooHandle:
+        # Buffers stay referenced until their operation is done, even if the caller
+        # drops the handle: the worker thread writes into them.
+        inflight = self._inflight
+        while inflight and inflight[0].done():
+            inflight.popleft()
+        inflight.append(handle)
+        return handle
+
+    # -- collectives
+    def allreduce_async(self, buf: Any, op: str = "sum") -> Handle:
+        """Start reducing ``buf`` over all ranks, in place. Nonblocking.
+
+        ``buf`` is a C-contiguous numpy array, or any tensor exposing DLPack: host
+        tensors are reduced in place through their data pointer, CUDA tensors are staged
+        through pinned host memory. ``wait()`` returns ``buf`` itself.
+        """
+        check_op(op)
+        if not isinstance(buf, np.ndarray) and hasattr(buf, "__dlpack_device__"):
+            return self._allreduce_dlpack(buf, op)
+        array = check_buffer(buf, "allreduce")
+        self._check_open("allreduce")
+        name = self._name("allreduce")
+        algorithm = self._settings.algorithm_for(array.nbytes, self.size)
+        try:
+            work = self._comm.allreduce(array, op, algorithm, name)
+        except _gloo.GlooError as exc:  # not _translate: this is the hot path
+            raise self._comm_error(exc, name) from None
+        return self._track(GlooHandle(self, work, name, array))
+
+    def _allreduce_dlpack(self, tensor: Any, op: str) -> Handle:
+        # The native side reads the capsule: host memory (CPU, CUDA-pinned) is reduced
+        # in place through its pointer, CUDA memory is staged through pinned host memory.
+        # The capsule is borrowed, not consumed: the handle keeps it (and so the tensor's
+        # memory) alive until the operation is done, then the producer's deleter runs.
+        device_type, _ = tensor.__dlpack_device__()
+        self._check_open("allreduce")
+        if device_type == _KDL_CPU:
+            capsule = tensor.__dlpack__()
+        else:
+            try:
+                capsule = tensor.__dlpack__(stream=1)  # CUDA: after the legacy stream
+            except TypeError:
+                capsule = tensor.__dlpack__()
+        name = self._name("allreduce" if device_type == _KDL_CPU else "allreduce (device)")
+        algorithm = self._settings.algorithm_for(_gloo.dlpack_nbytes(capsule), self.size)
+        with self._translate(name):
+            work = self._comm.allreduce_dlpack(capsule, op, algorithm, name)
+        return self._track(GlooHandle(self, work, name, tensor, (capsule,)))
+
+    def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
+        """Overwrite ``buf`` on every rank with the ``root`` rank's ``buf``; return it."""
+        check_buffer(buf, "broadcast")
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
+                or not 0 <= root < self.size:
+            raise ValueError(f"broadcast root {root!r} is not a rank in [0, {self.size})")
+        self._check_open("broadcast")
+        name = self._name(f"broadcast from {root}")
+        with self._translate(name):
+            work = self._comm.broadcast(buf, int(root), name)
+        self._wait(work, name, None)
+        return buf
+
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        """Return an array of shape ``(size, *buf.shape)`` holding every rank's ``buf``."""
+        check_buffer(buf, "allgather", writeable=False)
+        self._check_open("allgather")
+        out = np.empty((self.size, *buf.shape), dtype=buf.dtype)
+        name = self._name("allgather")
+        with self._translate(name):
+            work = self._comm.allgather(buf, out, name)
+        self._wait(work, name, None)
+        return out
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        self._check_open("barrier")
+        name = self._name("barrier")
+        with self._translate(name):
+            work = self._comm.barrier(name)
+        self._wait(work, name, None)
+
+    def close(self) -> None:
+        """Finish queued collectives, stop the worker, close the connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        # A failed communicator fails its queue at once; a healthy one gets the
+        # collective timeout to finish what was queued and not waited for.
+        grace = 5.0 if self._comm.failure else self._timeout
+        if not self._comm.close(grace):
+            log.warning("rank %d: the gloo worker thread did not stop; abandoning it",
+                        self.rank)
+            _abandoned.extend(self._inflight)
+        self._inflight.clear()
+
+    # -- benchmark support
+    def time_direct_allreduce(self, buf: np.ndarray, iters: int,
+                              algorithm: str = "ring") -> list[float]:
+        """Seconds per call of ``algorithm`` (``ring``: Gloo's ``RING``) summing ``buf``,
+        invoked directly from C++ on this thread, bypassing the queue: the baseline
+        ``benchmarks/allreduce_gloo.py`` compares :meth:`allreduce_async` against.
+        Every rank must call it alike."""
+        check_buffer(buf, "allreduce")
+        self._check_open("baseline allreduce")
+        with self._translate("baseline allreduce"):
+            return self._comm.time_direct_allreduce(buf, algorithm, iters)

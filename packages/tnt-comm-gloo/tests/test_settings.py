@@ -1,0 +1,98 @@
+"""Policy in backend.py that needs no second process: settings, addresses, algorithm."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from tnt_comm_gloo.backend import (
+    DEFAULT_BCUBE_MAX_BYTES,
+    DEFAULT_DOUBLING_MAX_BYTES,
+    GlooBackend,
+    GlooSettings,
+    _file_store_dir,
+)
+from tnt_core import Config, ConfigError
+
+
+def test_defaults() -> None:
+    s = GlooSettings.from_env({})
+    assert (s.iface, s.hostname, s.algorithm, s.bcube_max_bytes, s.doubling_max_bytes) == (
+        None, None, "auto", DEFAULT_BCUBE_MAX_BYTES, DEFAULT_DOUBLING_MAX_BYTES)
+
+
+@pytest.mark.parametrize(("env", "fragment"), [
+    ({"TNT_GLOO_ALGORITHM": "tree"}, "TNT_GLOO_ALGORITHM"),
+    ({"TNT_GLOO_BCUBE_MAX_BYTES": "lots"}, "not an integer"),
+    ({"TNT_GLOO_BCUBE_MAX_BYTES": "-1"}, ">= 0"),
+    ({"TNT_GLOO_DOUBLING_MAX_BYTES": "1e3"}, "TNT_GLOO_DOUBLING_MAX_BYTES"),
+])
+def test_bad_settings_name_the_variable(env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        GlooSettings.from_env(env)
+
+
+def test_algorithm_choice() -> None:
+    auto = GlooSettings.from_env({"TNT_GLOO_BCUBE_MAX_BYTES": "4096",
+                                  "TNT_GLOO_DOUBLING_MAX_BYTES": "1024"})
+    # 2 ranks: doubling for every small buffer, the ring above
+    assert auto.algorithm_for(4096, 2) == "doubling"
+    assert auto.algorithm_for(4097, 2) == "ring"
+    # more ranks, power of two: doubling only for the smallest, then bcube
+    assert auto.algorithm_for(1024, 8) == "doubling"
+    assert auto.algorithm_for(1025, 8) == "bcube"
+    assert auto.algorithm_for(4097, 8) == "ring"
+    # not a power of two: never doubling
+    assert auto.algorithm_for(16, 3) == "bcube"
+    assert auto.algorithm_for(4097, 3) == "ring"
+    assert GlooSettings.from_env({"TNT_GLOO_ALGORITHM": "RING"}).algorithm_for(4, 2) == "ring"
+    forced = GlooSettings.from_env({"TNT_GLOO_ALGORITHM": "bcube"})
+    assert forced.algorithm_for(1 << 30, 2) == "bcube"
+
+
+def test_single_node_listens_on_loopback() -> None:
+    cfg = Config(rank=0, size=4, local_rank=0, local_size=4)
+    assert GlooSettings().listen_address(cfg) == ("127.0.0.1", "")
+
+
+def test_explicit_interface_and_hostname_win() -> None:
+    cfg = Config(rank=0, size=4, local_rank=0, local_size=2)
+    loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    assert GlooSettings(iface=loopback).listen_address(cfg) == ("", loopback)
+    assert GlooSettings(hostname="10.0.0.7").listen_address(cfg) == ("10.0.0.7", "")
+
+
+def test_unknown_interface_lists_the_real_ones() -> None:
+    cfg = Config(rank=0, size=2, local_rank=0, local_size=2)
+    with pytest.raises(ConfigError, match="not a network interface") as info:
+        GlooSettings(iface="nosuchif0").listen_address(cfg)
+    assert "lo" in str(info.value)
+
+
+def test_multi_node_refuses_a_loopback_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = Config(rank=0, size=4, local_rank=0, local_size=2)
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
+    with pytest.raises(ConfigError, match="TNT_GLOO_IFACE"):
+        GlooSettings().listen_address(cfg)
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("10.1.2.3", 0))])
+    assert GlooSettings().listen_address(cfg) == (socket.gethostname(), "")
+
+
+def test_file_store_urls() -> None:
+    assert _file_store_dir("127.0.0.1:29500") is None
+    assert _file_store_dir("file:///shared/job7") == "/shared/job7"
+    with pytest.raises(ConfigError, match="absolute"):
+        _file_store_dir("file://relative/dir")
+
+
+@pytest.mark.parametrize(("cfg", "settings", "fragment"), [
+    (Config(rank=0, size=1), None, "TNT_SIZE >= 2"),
+    (Config(rank=0, size=2, local_size=2), None, "TNT_RENDEZVOUS"),
+    (Config(rank=0, size=3, local_size=3, rendezvous="127.0.0.1:1"),
+     GlooSettings(algorithm="doubling"), "power-of-two"),
+])
+def test_backend_refuses_jobs_it_cannot_serve(cfg: Config, settings, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        GlooBackend(cfg, settings)

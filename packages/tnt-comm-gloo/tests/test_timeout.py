@@ -1,0 +1,14 @@
+"""A hung peer: the collective fails with CommError after TNT_TIMEOUT_S, later ones fail
+at once, and closing does not hang."""
+
+from __future__ import annotations
+
+TIMEOUT_S = 3.0
+
+
+def test_hung_peer_times_out_and_poisons(scenario) -> None:
+    run = scenario("timeout", 2, args=["--hang", str(TIMEOUT_S + 4)], tnt_timeout_s=TIMEOUT_S)
+    run.assert_ok(2)
+    info = run.reports[0]["info"]
+    assert TIMEOUT_S * 0.9 <= info["seconds"] <= TIMEOUT_S + 3.0, info
+    assert info["close_s"] < 2.0, f"closing after the failure took {info['close_s']:.1f}s"
