@@ -1,0 +1,405 @@
+"""The MPI backend: tnt-core's ``CommBackend`` over mpi4py.
+
+Every MPI call of the backend runs on one communication thread, in submission order
+(``tnt_core.CommThread``): the ranks' collectives match because every rank issues them in
+the same order, MPI progresses the non-blocking collective the thread is waiting on, and
+the caller's thread (backprop) keeps running meanwhile. The thread waits with
+:class:`~tnt_comm_mpi.progress.Poller` (spin briefly, then sleep with back-off), never
+with MPICH's busy-polling ``MPI_Wait``.
+
+MPI errors become :class:`tnt_core.CommError` in one place (:meth:`MpiBackend._submit`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from tnt_core import (
+    CommBackend,
+    CommError,
+    CommThread,
+    Config,
+    ConfigError,
+    Handle,
+    check_op,
+    connect_store,
+)
+
+from .buffers import Staged, prepare
+from .launch_env import MpiLaunch, detect_mpi_launch
+from . import library
+from .library import cuda_support, host_pmi_server, load_mpi, mark_failed, register_backend
+from .pmi_server import start_helper
+from .progress import Poller, PollSettings
+
+__all__ = ["MpiBackend", "NOT_UNDER_MPI", "MPI_IMPORTED_TOO_EARLY", "NOT_JOINED", "PMI_FD_CLOSED"]
+
+log = logging.getLogger("tnt.mpi")
+
+NOT_UNDER_MPI = (
+    "the mpi backend needs its {size} ranks started by an MPI launcher or by `tnt run`, "
+    "but this process has neither an MPI launcher's variables (PMI_RANK, "
+    "OMPI_COMM_WORLD_RANK, PMIX_RANK, a Slurm step's SLURM_PROCID) nor TNT_RENDEZVOUS. "
+    "Start the job with `mpiexec -n {size} python SCRIPT` (or `srun`), or "
+    "`tnt run -n {size} --backend mpi -- SCRIPT`."
+)
+MPI_IMPORTED_TOO_EARLY = (
+    "mpi4py.MPI was imported before the mpi backend started, so MPI already runs as a "
+    "single-process job and cannot join the other {size} ranks that tnt run started. Let "
+    "tnt start MPI (call tnt_core.init() before importing mpi4py.MPI, or set "
+    "mpi4py.rc.initialize = False), or start the job with mpiexec."
+)
+NOT_JOINED = (
+    "TNT_SIZE={size} but MPI started as a job of {mpi_size}: this MPI library ({library}) did "
+    "not use tnt's PMI server. Ranks started by `tnt run` can form an MPI job only with an "
+    "MPICH-family MPI (MPICH, Intel MPI, MVAPICH); with Open MPI start the job with mpirun "
+    "(`tnt run --launcher mpirun`)."
+)
+
+PMI_FD_CLOSED = (
+    "PMI_FD={fd} is set but file descriptor {fd} is not open in this process: a process "
+    "between mpiexec and Python closed it, so MPI cannot reach its process manager "
+    "(MPI_Init would abort with 'PMI_Init returned -1'). A wrapper that starts the script "
+    "as a child must keep the descriptor open (subprocess.Popen(..., pass_fds=[{fd}])); "
+    "or start the script directly: mpiexec -n N python SCRIPT."
+)
+
+_OP_NAMES = {"sum": "SUM", "min": "MIN", "max": "MAX", "product": "PROD"}
+
+
+class MpiBackend(CommBackend):
+    """A communicator over all ranks of an MPI job (a duplicate of ``MPI_COMM_WORLD``).
+
+    :param config: the launcher environment; under ``mpiexec`` rank and size come from
+        MPI, and ``TNT_SIZE``, when set, must agree with MPI's size.
+    :param environ: the environment to read launcher and ``TNT_MPI_*`` settings from
+        (default ``os.environ``).
+    """
+
+    name = "mpi"
+
+    def __init__(self, config: Config, *, environ: Mapping[str, str] | None = None) -> None:
+        self._closed = False
+        launch = detect_mpi_launch(environ)
+        self.launch: MpiLaunch | None = launch
+        self.joined_through_tnt = False
+        if launch is None and config.size > 1 and not library.loaded():
+            _join_through_rendezvous(config)
+            self.joined_through_tnt = True
+        elif launch is None and config.size > 1:  # a later runtime: MPI already joined
+            self.joined_through_tnt = True
+        else:
+            _check_pmi_fd(os.environ if environ is None else environ)
+        MPI = load_mpi()
+        self._MPI = MPI
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise ConfigError(
+                "MPI was initialised with a thread level below MPI_THREAD_SERIALIZED; the mpi "
+                "backend calls MPI from its communication thread. Do not lower "
+                "mpi4py.rc.thread_level (default 'multiple') before importing tnt"
+            )
+        self._timeout = config.timeout_s
+        rank = launch.rank if launch else config.rank
+        self.rank, self.size, self.local_rank, self.local_size = rank, 0, 0, 0
+        self._thread = CommThread("tnt-mpi-comm", rank, config.timeout_s)
+        self._poller = Poller(PollSettings.from_env(environ), rank, self._abort_reason)
+        self._seq = itertools.count(1)
+        self._ops = {name: getattr(MPI, mpi_name) for name, mpi_name in _OP_NAMES.items()}
+        self._half_as_single = False
+        self._cuda_aware, self.cuda_reason = False, ""
+        self._library = ""
+        self._comm: Any = None
+        try:
+            self._submit(self._setup, "init").wait()
+        except CommError:
+            self._thread.close(timeout=1.0)
+            mark_failed()
+            raise
+        self._thread.rank = self._poller.rank = self.rank
+        if self.joined_through_tnt and config.size != self.size:
+            self.close()
+            raise ConfigError(NOT_JOINED.format(size=config.size, mpi_size=self.size,
+                                                library=self._library))
+        if config.launched and config.size != self.size:
+            self.close()
+            raise ConfigError(
+                f"TNT_SIZE={config.size} but MPI started {self.size} ranks; start as many "
+                f"ranks as TNT_SIZE says (mpiexec -n {config.size}) or unset TNT_SIZE"
+            )
+        register_backend(self)
+        log.info(
+            "mpi backend: %d ranks (%d on this node) via %s; %s; thread level %s; "
+            "device buffers: %s (%s)",
+            self.size, self.local_size,
+            launch.launcher if launch else "tnt run (PMI helper of rank 0)"
+            if self.joined_through_tnt else "singleton",
+            self._library,
+            _thread_level_name(MPI),
+            "passed to CUDA-aware MPI" if self._cuda_aware else "staged through host memory",
+            self.cuda_reason,
+        )
+
+    # -- on the communication thread -------------------------------------------------
+
+    def _setup(self) -> None:
+        """Everything MPI tells the backend, asked on the communication thread."""
+        MPI = self._MPI
+        self._library = " ".join(MPI.Get_library_version().split()[:3])
+        self._half_as_single = not _has_mpi_type(np.dtype("float16"))
+        self._cuda_aware, self.cuda_reason = cuda_support()
+        comm, request = MPI.COMM_WORLD.Idup()
+        self._poller.wait(request, "init (MPI_Comm_idup)", 0, self._timeout)
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+
+    def _abort_reason(self) -> BaseException | None:
+        failure = self._thread.failure
+        if failure is None:
+            return None
+        return CommError(f"given up after an earlier failure: {failure}", rank=self.rank)
+
+    def _run(self, staged: Staged, start: Callable[[Any], Any], operation: str) -> Any:
+        """Start one non-blocking MPI operation on ``staged`` and wait for it."""
+        if staged.load is not None:
+            staged.load()
+        data = staged.host
+        if self._half_as_single and staged.dtype == np.float16 and isinstance(data, np.ndarray):
+            data = data.astype(np.float32)
+        request = start(data)
+        self._poller.wait(request, operation, staged.nbytes, self._timeout)
+        if data is not staged.host:
+            staged.host[...] = data
+        if staged.finish is not None:
+            staged.finish()
+        return staged.host
+
+    # -- on the caller's thread --------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], Any], operation: str, buf: Any = None) -> Handle:
+        """Queue ``fn`` on the communication thread; the one place MPI errors are translated."""
+        MPI = self._MPI
+
+        def guarded() -> Any:
+            try:
+                return fn()
+            except MPI.Exception as exc:
+                raise CommError(f"MPI error: {exc.Get_error_string().strip()}", rank=self.rank,
+                                operation=operation) from exc
+            except CommError:
+                raise
+            except Exception as exc:  # e.g. a failed copy back into a device buffer
+                raise CommError(f"{type(exc).__name__}: {exc}", rank=self.rank,
+                                operation=operation) from exc
+
+        if self._closed:
+            raise CommError("the backend is closed", rank=self.rank, operation=operation)
+        return self._thread.submit(guarded, operation, buf)
+
+    def _prepare(self, buf: Any, operation: str, *, writeable: bool = True) -> Staged:
+        staged = prepare(buf, operation, cuda_aware=self._cuda_aware, writeable=writeable)
+        if staged.path != "host":
+            _log_device_path_once(staged.path, self.cuda_reason)
+        return staged
+
+    def allreduce_async(self, buf: Any, op: str = "sum") -> Handle:
+        """Start reducing ``buf`` over all ranks, in place (MPI_Iallreduce). Nonblocking."""
+        check_op(op)
+        staged = self._prepare(buf, "allreduce")
+        name = f"allreduce #{next(self._seq)} ({_dtype_name(staged.dtype)}, {op})"
+        mpi_op, comm, in_place = self._ops[op], self._comm, self._MPI.IN_PLACE
+
+        def run() -> Any:
+            self._run(staged, lambda data: comm.Iallreduce(in_place, data, mpi_op), name)
+            return buf
+
+        return self._submit(run, name, buf)
+
+    def broadcast(self, buf: Any, root: int = 0) -> Any:
+        """Overwrite ``buf`` with ``root``'s ``buf`` (MPI_Ibcast); return it."""
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"broadcast root {root!r} is not a rank in [0, {self.size})")
+        staged = self._prepare(buf, "broadcast")
+        name = f"broadcast #{next(self._seq)} from {root}"
+        comm, root = self._comm, int(root)
+
+        def run() -> Any:
+            self._run(staged, lambda data: comm.Ibcast(_as_bytes(data), root=root), name)
+            return buf
+
+        return self._submit(run, name, buf).wait()
+
+    def allgather(self, buf: Any) -> np.ndarray:
+        """Every rank's ``buf`` stacked: shape ``(size, *buf.shape)`` (MPI_Iallgather)."""
+        staged = self._prepare(buf, "allgather", writeable=False)
+        name = f"allgather #{next(self._seq)}"
+        comm, size = self._comm, self.size
+
+        def run() -> np.ndarray:
+            if staged.load is not None:
+                staged.load()
+            data = staged.host
+            shape = tuple(data.shape)
+            out = np.empty((size, *shape), dtype=staged.dtype)
+            if staged.path == "device":
+                request = comm.Iallgather(data, out)
+            else:
+                request = comm.Iallgather(_as_bytes(data), _as_bytes(out))
+            self._poller.wait(request, name, out.nbytes, self._timeout)
+            return out
+
+        return self._submit(run, name, buf).wait()
+
+    def barrier(self) -> None:
+        """Return once every rank entered the barrier (MPI_Ibarrier)."""
+        name = f"barrier #{next(self._seq)}"
+        comm = self._comm
+
+        def run() -> None:
+            self._poller.wait(comm.Ibarrier(), name, 0, self._timeout)
+
+        self._submit(run, name).wait()
+
+    @property
+    def failed(self) -> bool:
+        """True once a collective failed; the backend then refuses further collectives."""
+        return self._thread.failure is not None
+
+    def close(self) -> None:
+        """Finish queued collectives, free the communicator, stop the thread. Idempotent.
+
+        After a failure nothing waits on the dead peer: the communicator is left as it is
+        and ``MPI_Finalize`` is skipped at exit (see :mod:`tnt_comm_mpi.library`).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        comm = self._comm
+        if comm is not None and not self.failed:
+            try:
+                self._thread.submit(comm.Free, "close (MPI_Comm_free)").wait(self._timeout)
+                self._comm = None
+            except CommError as exc:
+                log.debug("rank %d: closing after a failure: %s", self.rank, exc)
+        self._thread.close(timeout=5.0)
+        if self.failed:
+            mark_failed()
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {np.dtype(t): t for t in
+                                    ("float16", "float32", "float64", "int32", "int64")}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``str(dtype)`` costs microseconds in numpy; this runs once per collective."""
+    return _DTYPE_NAMES.get(dtype) or str(dtype)
+
+
+def _reachable_address(rendezvous_host: str) -> str:
+    """This machine's address as seen from the rendezvous host's network."""
+    if rendezvous_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((rendezvous_host, 9))  # UDP: no packet is sent
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
+
+
+def _join_through_rendezvous(config: Config) -> None:
+    """Ranks started by ``tnt run``: rank 0 serves PMI, every rank's MPI_Init connects to it.
+
+    Sets ``PMI_PORT``/``PMI_ID`` in this process's environment, where MPICH's PMI client
+    reads them during ``MPI_Init`` (see :mod:`tnt_comm_mpi.pmi_server`).
+    """
+    if not config.rendezvous:
+        raise ConfigError(NOT_UNDER_MPI.format(size=config.size))
+    if "mpi4py.MPI" in sys.modules:
+        raise ConfigError(MPI_IMPORTED_TOO_EARLY.format(size=config.size))
+    host, _ = config.rendezvous_address()
+    keys = [f"tnt/mpi/host/{r}" for r in range(config.size)]
+    with connect_store(config) as store:
+        store.set(keys[config.rank], socket.gethostname().encode())
+        if config.rank == 0:
+            store.wait(keys, config.timeout_s)
+            hosts = [store.get(k, config.timeout_s).decode() for k in keys]
+            address = _reachable_address(host)
+            try:
+                helper, port = start_helper(config.size, hosts, address, config.timeout_s)
+            except (OSError, RuntimeError) as exc:
+                raise CommError(f"cannot start the PMI server: {exc}", rank=0, operation="init") from exc
+            host_pmi_server(helper)
+            store.set("tnt/mpi/pmi-port", f"{address}:{port}".encode())
+        try:
+            pmi_port = store.get("tnt/mpi/pmi-port", config.timeout_s).decode()
+        except CommError as exc:
+            raise CommError(f"rank 0 did not publish its PMI server within {config.timeout_s:g}s "
+                            f"(TNT_TIMEOUT_S): {exc}", rank=config.rank, operation="init") from exc
+    for name in ("PMI_FD", "PMI_RANK", "PMI_SIZE", "PMI_PORT", "PMI_ID"):
+        os.environ.pop(name, None)
+    os.environ.update(PMI_PORT=pmi_port, PMI_ID=str(config.rank))
+
+
+def _check_pmi_fd(env: Mapping[str, str]) -> None:
+    """Fail clearly, before MPI_Init aborts the process, if Hydra's PMI socket is gone."""
+    raw = (env.get("PMI_FD") or "").strip()
+    if not raw.isdigit() or "mpi4py.MPI" in sys.modules:
+        return
+    try:
+        os.fstat(int(raw))
+    except OSError:
+        raise ConfigError(PMI_FD_CLOSED.format(fd=int(raw))) from None
+
+
+def _thread_level_name(MPI: Any) -> str:
+    level = MPI.Query_thread()
+    for name in ("multiple", "serialized", "funneled", "single"):
+        if level == getattr(MPI, f"THREAD_{name.upper()}"):
+            return name
+    return str(level)
+
+
+def _has_mpi_type(dtype: np.dtype) -> bool:
+    """Whether this MPI has a datatype for ``dtype`` (float16 is an MPICH extension)."""
+    from mpi4py.util import dtlib
+
+    try:
+        dtlib.from_numpy_dtype(dtype)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _as_bytes(data: Any) -> Any:
+    """A byte view of a host array (type-agnostic transfers); device objects pass unchanged."""
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return data
+
+
+_logged_paths: set[str] = set()
+
+
+def _log_device_path_once(path: str, reason: str) -> None:
+    if path in _logged_paths:
+        return
+    _logged_paths.add(path)
+    if path == "device":
+        log.info("device buffers go to MPI directly: the MPI library is CUDA-aware (%s)", reason)
+    else:
+        log.info("device buffers are staged through host memory: the MPI library is not "
+                 "CUDA-aware (%s); set TNT_MPI_CUDA_AWARE=1 if it is", reason)

@@ -1,0 +1,153 @@
+"""Every launch mode the README names, with real processes.
+
+Ranks started by an MPI launcher (plain ``mpiexec``, ``mpiexec`` inside a ``tnt``-style
+environment, an agent process per rank under ``mpiexec``) and ranks started independently
+by ``tnt run``'s own launcher (rank 0 serves PMI to the others).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi_jobs import WORKERS, mpiexec
+
+from tnt_core.testing import launch_ranks
+
+WORKER = str(WORKERS / "launch_worker.py")
+
+
+def _reports(directory: Path) -> tuple[dict[int, dict], list[dict]]:
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in directory.glob("rank*.json")}
+    errors = [json.loads(p.read_text()) for p in directory.glob("error-*.json")]
+    return ranks, errors
+
+
+def test_plain_mpiexec_without_any_tnt_variable(have_mpiexec, tmp_path) -> None:
+    """``mpiexec -n 3 python script.py``: MPI is chosen by priority, ranks come from MPI."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    proc = subprocess.run([*mpiexec(3, cleanup=True), sys.executable, WORKER, str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks, errors = _reports(tmp_path)
+    assert not errors, errors
+    assert sorted(ranks) == [0, 1, 2], ranks
+    for rank, r in ranks.items():
+        assert r["backend"] == "mpi" and r["size"] == 3 and r["allreduce_ok"], r
+        assert r["local_size"] == 3 and r["local_rank"] == rank, r
+
+
+def test_mpiexec_with_tnt_environment_picks_mpi_over_gloo(have_mpiexec, tmp_path) -> None:
+    """TNT_SIZE/TNT_RENDEZVOUS set (Gloo would be available) but no TNT_BACKEND: MPI wins."""
+    result = launch_ranks([WORKER, str(tmp_path)], 2, backend=None, timeout=120.0,
+                          launcher=mpiexec(2, cleanup=True))
+    assert result.ok, result.describe()
+    ranks, errors = _reports(tmp_path)
+    assert not errors and sorted(ranks) == [0, 1], (ranks, errors)
+    assert all(r["backend"] == "mpi" and r["allreduce_ok"] for r in ranks.values()), ranks
+
+
+def test_tnt_size_disagreeing_with_mpi_is_a_config_error(have_mpiexec, tmp_path) -> None:
+    result = launch_ranks([WORKER, str(tmp_path)], 2, backend="mpi", timeout=120.0,
+                          env={"TNT_SIZE": "3"}, launcher=mpiexec(2, cleanup=True))
+    ranks, errors = _reports(tmp_path)
+    assert not ranks, f"ranks started despite TNT_SIZE=3 under mpiexec -n 2: {ranks}"
+    assert errors and all(e["error"] == "ConfigError" for e in errors), result.describe()
+    assert "TNT_SIZE=3 but MPI started 2 ranks" in errors[0]["message"]
+
+
+def test_ranks_started_by_tnt_run_form_one_mpi_job(tmp_path) -> None:
+    """``tnt run``'s own launcher: one process per rank, no MPI launcher. Rank 0's PMI
+    helper lets MPI_Init of every rank join one job; ranks and sizes match TNT_*."""
+    result = launch_ranks([WORKER, str(tmp_path)], 3, backend="mpi", timeout=120.0,
+                          env={"TNT_LOG_LEVEL": "INFO"})
+    assert result.ok, result.describe()
+    ranks, errors = _reports(tmp_path)
+    assert not errors and sorted(ranks) == [0, 1, 2], (ranks, errors)
+    for rank, r in ranks.items():
+        assert r["backend"] == "mpi" and r["size"] == 3 and r["allreduce_ok"], r
+        assert (r["local_rank"], r["local_size"]) == (rank, 3), r
+    assert "via tnt run (PMI helper of rank 0)" in result.ranks[0].stderr, result.ranks[0].stderr
+
+
+def test_mpi4py_imported_before_tnt_under_tnt_run_is_a_config_error(tmp_path) -> None:
+    result = launch_ranks([WORKER, str(tmp_path), "--import-mpi4py-first"], 2, backend="mpi",
+                          timeout=120.0)
+    assert not result.timed_out, result.describe()
+    ranks, errors = _reports(tmp_path)
+    assert not ranks and len(errors) == 2, result.describe()
+    for e in errors:
+        assert e["error"] == "ConfigError" and "before the mpi backend started" in e["message"], e
+
+
+def test_hydra_default_cleanup_ends_the_job_when_a_rank_dies(have_mpiexec, tmp_path) -> None:
+    """Without -disable-auto-cleanup Hydra SIGKILLs all ranks once one exits without
+    MPI_Finalize: the job ends at once (no hang), the survivors never see the error.
+    (mpiexec's own exit status is then 0 or 9 depending on timing, so it is not checked.)"""
+    limit = 30.0
+    result = launch_ranks(["-m", "tnt_core.testing.conformance", "--report", str(tmp_path),
+                           "--dead-peer"], 3, backend="mpi", timeout=limit + 60, tnt_timeout_s=limit,
+                          launcher=mpiexec(3, cleanup=True))
+    assert not result.timed_out, result.describe()
+    assert result.elapsed < limit, f"the job took {result.elapsed:.1f}s: Hydra did not end it"
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "dead-peer" not in report["cases"], f"rank {rank} was not ended by Hydra: {report}"
+
+
+AGENT = r"""
+import os, subprocess, sys
+keep = sys.argv[1] == "keep"
+fds = (int(os.environ["PMI_FD"]),) if keep and os.environ.get("PMI_FD") else ()
+sys.exit(subprocess.call([sys.executable, *sys.argv[2:]], pass_fds=fds))
+"""
+
+
+@pytest.mark.parametrize("keep_pmi_fd", [True, False], ids=["fd-passed", "fd-closed"])
+def test_ranks_started_through_an_agent_process(have_mpiexec, tmp_path, keep_pmi_fd) -> None:
+    """``tnt run --launcher mpirun`` runs an agent per rank that starts the script as a
+    child. That works when the agent passes Hydra's PMI_FD on; when it does not, the
+    backend says so instead of letting MPI_Init abort with 'PMI_Init returned -1'."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    env["TNT_BACKEND"] = "mpi"
+    proc = subprocess.run([*mpiexec(2, cleanup=True), sys.executable, str(agent),
+                           "keep" if keep_pmi_fd else "close", WORKER, str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    ranks, errors = _reports(out)
+    if keep_pmi_fd:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert sorted(ranks) == [0, 1] and all(r["allreduce_ok"] for r in ranks.values()), ranks
+    else:
+        assert not ranks and len(errors) == 2, proc.stdout + proc.stderr
+        for e in errors:
+            assert e["error"] == "ConfigError" and "pass_fds" in e["message"], e
+
+
+def test_the_tnt_run_cli_with_its_own_launcher(tmp_path) -> None:
+    """The real ``tnt run -n 2 --backend mpi --launcher local`` (tnt-cli), when installed.
+
+    tnt-cli ends a finished rank by killing its process group: rank 0's PMI helper must
+    survive that until the other ranks have finalised MPI (it once did not, and rank 1
+    died with SIGSEGV in MPI_Finalize)."""
+    tnt = Path(sys.executable).parent / "tnt"
+    if not tnt.exists():
+        pytest.skip("tnt-cli is not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        out.mkdir()
+        proc = subprocess.run([str(tnt), "run", "-n", "2", "--backend", "mpi", "--launcher", "local",
+                               "--", WORKER, str(out)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        ranks, errors = _reports(out)
+        assert not errors and sorted(ranks) == [0, 1], (ranks, errors)
+        assert all(r["allreduce_ok"] and r["backend"] == "mpi" for r in ranks.values()), ranks
