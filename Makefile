@@ -10,6 +10,9 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 NP      ?= 2
 PACKAGES := tnt-core tnt-comm-gloo tnt-comm-mpi tnt-keras tnt-cli
+# what pip installs for each: the MPI backend brings the mpich wheel so no system MPI is needed
+INSTALL := -e packages/tnt-core -e packages/tnt-comm-gloo -e "packages/tnt-comm-mpi[mpich]" \
+           -e packages/tnt-keras -e packages/tnt-cli
 STAMP   := $(VENV)/.stamp-installed
 INPUTS  := Makefile ci/install-system-deps.sh ci/requirements-test.txt \
            $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
@@ -28,7 +31,7 @@ $(STAMP): $(INPUTS)
 	bash ci/install-system-deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r ci/requirements-test.txt $(foreach p,$(PACKAGES),-e packages/$(p))
+	$(BIN)/python -m pip install -q -r ci/requirements-test.txt $(INSTALL)
 	touch $@
 
 setup: $(STAMP)

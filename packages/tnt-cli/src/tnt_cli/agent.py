@@ -235,9 +235,13 @@ class Agent:
                            "every host)\n".encode())
             return 127
         try:
+            # under mpirun/srun the rank inherits the MPI launcher's PMI socket, which an MPI
+            # backend needs to start; every other descriptor of the agent stays closed
+            pmi_fd = os.environ.get("PMI_FD", "")
             self.proc = subprocess.Popen(argv, env=env, cwd=cwd,
                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, preexec_fn=self._preexec)
+                                         stderr=subprocess.PIPE, preexec_fn=self._preexec,
+                                         pass_fds=(int(pmi_fd),) if pmi_fd.isdigit() else ())
         except OSError as exc:
             what = argv[0]
             self.err.write(f"[{rank}] tnt: cannot start rank {rank} on {self.host}: {what}: "
@@ -284,7 +288,7 @@ def report_failure(env: Mapping[str, str], rank: int, code: int) -> None:
     if not (sep and key and port.isdigit()):
         return
     try:
-        from tnt_core.rendezvous import StoreClient
+        from tnt_core import StoreClient
 
         client = StoreClient(host.strip("[]"), int(port), key, connect_timeout=5.0, timeout=5.0)
         try:

@@ -59,7 +59,7 @@ class Job:
         if o.fusion_threshold_kb is not None:
             env.append(("TNT_FUSION_THRESHOLD_KB", f"{o.fusion_threshold_kb:g}"))
         else:
-            from tnt_core.config import DEFAULT_FUSION_THRESHOLD_KB
+            from tnt_core import DEFAULT_FUSION_THRESHOLD_KB
             env.append(("TNT_FUSION_THRESHOLD_KB", str(DEFAULT_FUSION_THRESHOLD_KB)))
         env += [
             ("TNT_LOG_LEVEL", o.log_level),
@@ -69,7 +69,7 @@ class Job:
         if o.timeout_s is not None:
             env.append(("TNT_TIMEOUT_S", f"{o.timeout_s:g}"))
         else:
-            from tnt_core.config import DEFAULT_TIMEOUT_S
+            from tnt_core import DEFAULT_TIMEOUT_S
             env.append(("TNT_TIMEOUT_S", f"{DEFAULT_TIMEOUT_S:g}"))
         env.append(("PYTHONUNBUFFERED", "1"))  # stream output line by line
         return env

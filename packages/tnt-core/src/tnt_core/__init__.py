@@ -19,7 +19,7 @@ from .backend import (
     check_op,
 )
 from .comm_thread import CommThread, FutureHandle
-from .config import Config
+from .config import DEFAULT_FUSION_THRESHOLD_KB, DEFAULT_TIMEOUT_S, Config
 from .errors import CommError, ConfigError, PluginError, ShardingError, TntError
 from .fusion import Bucket, BucketPlan, FusedAllreducer, TensorSpec, plan_buckets
 from .local_backend import LocalBackend
@@ -52,6 +52,8 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "DEFAULT_FUSION_THRESHOLD_KB",
+    "DEFAULT_TIMEOUT_S",
     "ENTRY_POINT_GROUP",
     "PROJECT_NAME",
     "REDUCE_OPS",

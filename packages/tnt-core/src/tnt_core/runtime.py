@@ -171,7 +171,7 @@ def init(backend: str | None = None) -> Runtime:
                 f"backend {spec.name!r} factory returned {type(comm).__name__}, "
                 "not a tnt_core.CommBackend"
             )
-        if comm.rank != config.rank and config.launched:
+        if comm.rank != config.rank:  # e.g. under mpiexec, MPI knows the rank
             configure_logging(config, rank=comm.rank)
         runtime = Runtime(config, comm, spec, pm)
         _runtime = runtime
