@@ -37,12 +37,22 @@ std::string Work::error() const {
 }
 
 void Work::complete(std::string error) {
+  // steady_clock is CLOCK_MONOTONIC on Linux, the clock of Python's time.perf_counter,
+  // so timelines can put this next to Python-side timestamps
+  const double now = std::chrono::duration<double>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
   {
     std::lock_guard<std::mutex> lock(mu_);
     error_ = std::move(error);
+    completed_at_ = now;
     done_ = true;
   }
   cv_.notify_all();
+}
+
+double Work::completion_time() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return completed_at_;
 }
 
 // ---------------------------------------------------------------- collectives

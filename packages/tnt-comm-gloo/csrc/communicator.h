@@ -41,12 +41,15 @@ class Work {
   std::string error() const;
 
   void complete(std::string error);
+  // CLOCK_MONOTONIC seconds (Python's time.perf_counter) at completion, or -1 if not done.
+  double completion_time() const;
 
  private:
   const std::string name_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   bool done_ = false;
+  double completed_at_ = -1.0;
   std::string error_;
 };
 

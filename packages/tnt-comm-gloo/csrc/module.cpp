@@ -328,6 +328,8 @@ NB_MODULE(_gloo, m) {
 
   nb::class_<Work>(m, "Work", "An operation queued on the worker thread.")
       .def("done", &Work::done, "True once the operation has finished, successfully or not.")
+      .def("completion_time", &Work::completion_time,
+           "time.perf_counter() seconds at completion, or -1 while not done.")
       .def_prop_ro("name", &Work::name);
 
   nb::class_<PyCommunicator>(m, "Communicator", "A full-mesh TCP Gloo context.")

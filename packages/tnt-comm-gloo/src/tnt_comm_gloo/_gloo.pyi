@@ -24,6 +24,8 @@ class Work:
     def name(self) -> str: ...
     def done(self) -> bool:
         """True once the operation has finished, successfully or not."""
+    def completion_time(self) -> float:
+        """time.perf_counter() seconds at completion, or -1 while not done."""
 
 class Communicator:
     """A full-mesh TCP Gloo context."""

@@ -207,6 +207,10 @@ class GlooHandle(Handle):
     def done(self) -> bool:
         return self._work.done()
 
+    def completion_time(self) -> float | None:
+        t = self._work.completion_time()
+        return t if t >= 0 else None
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
         return f"<GlooHandle {self._operation} {state}>"
