@@ -1,0 +1,46 @@
+"""Tarantella-NT for Keras 3: ``import tarantella as tnt; model = tnt.Model(keras_model)``.
+
+Data-parallel, synchronous training that gives the weights of serial training with the same
+global batch size, on any number of ranks. Start the script with ``tnt run -n N -- script.py``;
+a plain ``python script.py`` is one rank.
+
+Import tarantella before running TensorFlow code: importing it starts the rank runtime
+(``tnt_core.init()``), gives this rank its GPU (or its share of CPU threads) and fixes the
+default shuffle seed (``tarantella.environment``).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import tnt_core as _tnt_core
+
+from . import environment as _environment
+
+_environment.configure_process(_tnt_core.init())
+
+from tnt_core import get_master_rank, get_rank, get_size, is_master_rank  # noqa: E402
+
+from . import keras, models  # noqa: E402
+from .errors import DatasetError, NotSupportedError, TntKerasError  # noqa: E402
+from .model import Model, ParallelStrategy  # noqa: E402
+
+try:
+    __version__ = version("tnt-keras")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "DatasetError",
+    "Model",
+    "NotSupportedError",
+    "ParallelStrategy",
+    "TntKerasError",
+    "get_master_rank",
+    "get_rank",
+    "get_size",
+    "is_master_rank",
+    "keras",
+    "models",
+    "__version__",
+]

@@ -1,0 +1,272 @@
+"""Keras callbacks in a data-parallel run (``tnt_wrap_callback`` for Keras).
+
+Logs are the same on every rank and equal the serial ones (metric states are reduced every
+step, ``tarantella.metrics``), so callbacks that *decide* (EarlyStopping, ReduceLROnPlateau,
+LearningRateScheduler, TerminateOnNaN, user callbacks) run on every rank and decide
+identically. Callbacks that *write* (ModelCheckpoint, BackupAndRestore, CSVLogger,
+RemoteMonitor, TensorBoard) run on the master only; BackupAndRestore still restores on every
+rank, so all ranks resume at the same epoch. TensorBoard runs on every rank, each writing to
+``<log_dir>/rank_<r>``, when ``TNT_TENSORBOARD_ON_ALL_DEVICES=true``. The progress bar prints
+on the master only.
+
+Master-only callbacks get the wrapped Keras model (``self.model.save`` then writes directly);
+callbacks on all ranks get the ``tnt.Model`` (``self.model.save`` is a collective there).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tnt_core
+
+from .weights import broadcast_model_state
+
+__all__ = ["Callback", "distribute_callbacks", "wrap_callback"]
+
+_HOOKS = (
+    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+    "on_test_begin", "on_test_end", "on_predict_begin", "on_predict_end",
+    "on_train_batch_begin", "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end",
+    "on_predict_batch_begin", "on_predict_batch_end", "on_batch_begin", "on_batch_end",
+)
+
+#: callbacks that write files or send data: master only
+_WRITERS = (
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.RemoteMonitor,
+)
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    raise tnt_core.ConfigError(f"{name}={value!r} is not a boolean; use true/false (or 1/0)")
+
+
+class Callback(keras.callbacks.Callback):
+    """Run a Keras callback in a distributed ``fit``/``evaluate``/``predict``.
+
+    :param keras_callback: the callback to run.
+    :param aggregate_logs: True (default): the callback sees the logs of the whole job
+        (equal to the serial logs). False: the metrics in the logs are this rank's own,
+        computed from the samples this rank processed (e.g. to look at one rank's data).
+    :param run_on_all_ranks: True (default): run on every rank; False: on the master only
+        (e.g. printing or timing). A master-only callback that stops training stops it on
+        every rank.
+    """
+
+    def __init__(self, keras_callback: keras.callbacks.Callback, aggregate_logs: bool = True,
+                 run_on_all_ranks: bool = True) -> None:
+        super().__init__()
+        if isinstance(keras_callback, Callback):
+            keras_callback = keras_callback.keras_callback
+        if not isinstance(keras_callback, keras.callbacks.Callback):
+            raise TypeError(f"tnt.keras.callbacks.Callback wraps a keras.callbacks.Callback, got "
+                            f"{type(keras_callback).__name__}")
+        self.keras_callback = keras_callback
+        self.aggregate_logs = bool(aggregate_logs)
+        self.run_on_all_ranks = bool(run_on_all_ranks)
+        self._is_master = tnt_core.is_master_rank()
+        #: hooks that run on every rank even when the callback is master-only
+        self._everywhere: frozenset[str] = frozenset()
+        #: give the callback the Keras model instead of the tnt.Model
+        self._keras_model_only = not self.run_on_all_ranks
+
+    @property
+    def runs_here(self) -> bool:
+        """True when this callback runs (some of) its hooks on this rank."""
+        return self.run_on_all_ranks or self._is_master or bool(self._everywhere)
+
+    def _runs(self, hook: str) -> bool:
+        return self.run_on_all_ranks or self._is_master or hook in self._everywhere
+
+    def set_params(self, params: dict) -> None:
+        super().set_params(params)
+        if self.runs_here:
+            self.keras_callback.set_params(params)
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        if self.runs_here:
+            inner = getattr(model, "keras_model", model) if self._keras_model_only else model
+            self.keras_callback.set_model(inner)
+
+    def __repr__(self) -> str:
+        where = "all ranks" if self.run_on_all_ranks else "master rank"
+        return f"<tnt Callback {type(self.keras_callback).__name__} on {where}>"
+
+
+#: hooks whose logs hold metrics of training ("train") or evaluation ("test")
+_LOG_KIND = {"on_train_batch_end": "train", "on_batch_end": "train", "on_epoch_end": "epoch",
+             "on_test_batch_end": "test", "on_test_end": "test"}
+
+
+def local_metric_logs(model: Any, increments: np.ndarray | None, prefix: str = "") -> dict[str, Any]:
+    """The metric results of ``model`` for states equal to ``increments`` (this rank's own
+    increments since the metrics were reset); the model's states are left unchanged."""
+    keras_model = getattr(model, "keras_model", model)
+    variables = list(keras_model.metrics_variables)
+    saved = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
+    offset = 0
+    try:
+        for v, old in zip(variables, saved):
+            part = (increments[offset:offset + old.size] if increments is not None
+                    else np.zeros(old.size))
+            v.assign(part.reshape(old.shape).astype(old.dtype))
+            offset += old.size
+        results = keras_model.get_metrics_result()
+    finally:
+        for v, old in zip(variables, saved):
+            v.assign(old)
+    return {prefix + k: (float(r) if np.ndim(r) == 0 else np.asarray(r))
+            for k, r in ((k, keras.ops.convert_to_numpy(r)) for k, r in results.items())}
+
+
+def _local_logs(callback: Callback, hook: str, logs: dict | None) -> dict | None:
+    steps = getattr(callback.model, "_tnt_steps", None)
+    kind = _LOG_KIND.get(hook)
+    if logs is None or steps is None or kind is None:
+        return logs
+    local = dict(logs)
+    if kind in ("train", "epoch"):
+        local.update(local_metric_logs(callback.model, steps.train_reducer.local_increments))
+    if kind == "test":
+        local.update(local_metric_logs(callback.model, steps.test_reducer.local_increments))
+    if kind == "epoch" and any(k.startswith("val_") for k in logs):
+        local.update(local_metric_logs(callback.model, steps.test_reducer.local_increments, "val_"))
+    return {k: v for k, v in local.items() if k in logs}
+
+
+def _make_hook(name: str):
+    def hook(self: Callback, *args: Any, **kwargs: Any) -> None:
+        if not self._runs(name):
+            return
+        if not self.aggregate_logs and name in _LOG_KIND:
+            if "logs" in kwargs:
+                kwargs["logs"] = _local_logs(self, name, kwargs["logs"])
+            elif len(args) == (1 if name == "on_test_end" else 2):
+                args = (*args[:-1], _local_logs(self, name, args[-1]))
+        getattr(self.keras_callback, name)(*args, **kwargs)
+
+    hook.__name__ = name
+    hook.__doc__ = f"Run the wrapped callback's {name} where it runs."
+    return hook
+
+
+for _name in _HOOKS:
+    setattr(Callback, _name, _make_hook(_name))
+
+
+def _master_only(cb: keras.callbacks.Callback, master: bool, everywhere: Sequence[str] = ()) -> Callback:
+    wrapped = Callback(cb, run_on_all_ranks=False)
+    wrapped._is_master = master
+    wrapped._everywhere = frozenset(everywhere)
+    return wrapped
+
+
+def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -> Any:
+    """``tnt_wrap_callback`` for Keras: how ``callback`` runs on this rank."""
+    if isinstance(callback, Callback):
+        return callback
+    rank = context.get("rank", tnt_core.get_rank())
+    master = rank == tnt_core.get_master_rank()
+    if isinstance(callback, keras.callbacks.ProgbarLogger):
+        # as-is on the master, so Keras does not add a second one; silent elsewhere
+        return callback if master else _master_only(callback, master)
+    if isinstance(callback, keras.callbacks.History):
+        return callback
+    if isinstance(callback, keras.callbacks.TensorBoard):
+        if _parse_bool("TNT_TENSORBOARD_ON_ALL_DEVICES",
+                       os.environ.get("TNT_TENSORBOARD_ON_ALL_DEVICES", "")):
+            callback.log_dir = os.path.join(str(callback.log_dir), f"rank_{rank}")
+            wrapped = Callback(callback)
+            wrapped._keras_model_only = True
+            return wrapped
+        return _master_only(callback, master)
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+        # every rank restores (all resume at the same epoch); only the master writes
+        return _master_only(callback, master, everywhere=("on_train_begin",))
+    if isinstance(callback, _WRITERS):
+        return _master_only(callback, master)
+    return Callback(callback)
+
+
+class _Coordinator(keras.callbacks.Callback):
+    """tarantella's own callback, run last on every rank.
+
+    * on_train_begin: broadcast the master's weights, after every other callback (e.g.
+      BackupAndRestore) had its chance to load some;
+    * when master-only callbacks exist, make a stop requested on the master stop every rank.
+    """
+
+    def __init__(self, runtime: tnt_core.Runtime, sync_stop: bool, local_logs: bool = False) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.sync_stop = sync_stop and runtime.size > 1
+        self.local_logs = local_logs
+
+    def _keras_model(self) -> keras.Model:
+        return getattr(self.model, "keras_model", self.model)
+
+    def _reducers(self) -> list:
+        steps = getattr(self.model, "_tnt_steps", None)
+        return [] if steps is None else [steps.train_reducer, steps.test_reducer]
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        for reducer in self._reducers():  # rank-local metrics only when a callback wants them
+            reducer.track_local = self.local_logs
+            reducer.reset_local()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        for reducer in self._reducers()[:1]:  # Keras reset the metrics before this hook
+            reducer.reset_local()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        for reducer in self._reducers()[1:]:
+            reducer.reset_local()
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        broadcast_model_state(self._keras_model(), self.runtime)
+
+    def _sync_stop(self) -> None:
+        model = self._keras_model()
+        flag = np.array([1 if getattr(model, "stop_training", False) else 0], dtype=np.int32)
+        self.runtime.backend.allreduce(flag, "max")
+        if flag[0]:
+            model.stop_training = True
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.sync_stop:
+            self._sync_stop()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.sync_stop:
+            self._sync_stop()
+
+
+def distribute_callbacks(callbacks: Sequence[Any], model: Any,
+                         runtime: tnt_core.Runtime) -> list[keras.callbacks.Callback]:
+    """The user's callbacks as they run on this rank, plus tarantella's coordinator."""
+    hook = runtime.plugin_manager.hook.tnt_wrap_callback
+    context = {"rank": runtime.rank, "size": runtime.size, "framework": "keras", "model": model}
+    out: list[keras.callbacks.Callback] = []
+    for cb in callbacks:
+        wrapped = hook(callback=cb, context=context)
+        out.append(cb if wrapped is None else wrapped)
+    sync_stop = any(isinstance(cb, Callback) and not cb.run_on_all_ranks
+                    and not isinstance(cb.keras_callback, (keras.callbacks.ProgbarLogger, *_WRITERS,
+                                                           keras.callbacks.TensorBoard,
+                                                           keras.callbacks.BackupAndRestore))
+                    for cb in out)
+    local_logs = any(isinstance(cb, Callback) and not cb.aggregate_logs for cb in out)
+    out.append(_Coordinator(runtime, sync_stop, local_logs))
+    return out

@@ -1,0 +1,22 @@
+"""Errors raised by tnt-keras. All derive from :class:`tnt_core.TntError`."""
+
+from __future__ import annotations
+
+from tnt_core import TntError
+
+__all__ = ["TntKerasError", "NotSupportedError", "DatasetError"]
+
+
+class TntKerasError(TntError):
+    """Base class of tnt-keras errors."""
+
+
+class NotSupportedError(TntKerasError):
+    """A Keras feature that distributed training cannot give serial results for.
+
+    The message says what to do instead.
+    """
+
+
+class DatasetError(TntKerasError, ValueError):
+    """Data that cannot be split into micro-batches (e.g. an unbatched dataset)."""

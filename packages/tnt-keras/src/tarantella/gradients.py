@@ -1,0 +1,128 @@
+"""Gradient (and metric-state) reduction inside the compiled train step.
+
+One :class:`StepReducer` per kind of step owns a ``tnt_core.FusedAllreducer`` whose bucket
+plan is made once, when the step is first traced (before the first step runs), with the
+fusion threshold of ``TNT_FUSION_THRESHOLD_KB``. Tensors are planned in the order they
+become ready: the metric-state increments (ready after the forward pass), then the
+gradients in backward order (last layer first).
+
+Inside the ``tf.function`` every tensor is handed to the reducer by its own stateful
+``tf.numpy_function`` that depends only on that tensor, so TensorFlow's dataflow executor
+runs it as soon as the gradient exists: the copy into the bucket happens, and a full
+bucket's allreduce starts, while backprop of earlier layers goes on. One finishing
+``numpy_function`` that consumes every push's token waits for all buckets and returns the
+reduced tensors; the optimizer runs only after it.
+
+Weighting: Keras' default loss reduction averages over the micro-batch, so rank ``r``'s
+gradient is ``mean_r``; pushed times ``n_r / B`` and summed over ranks it is
+``sum_i g_i / B``, the serial gradient of the global batch, also for uneven micro-batches
+and for a rank with no sample (``n_r = 0``: it pushes zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+import tnt_core
+
+__all__ = ["StepReducer", "global_batch_size_op"]
+
+
+class StepReducer:
+    """Pushes tensors of one step into a fused allreducer from graph ops; finishes it."""
+
+    def __init__(self, runtime: tnt_core.Runtime, name: str) -> None:
+        self.runtime = runtime
+        self.name = name
+        self.threshold_bytes = runtime.config.fusion_threshold_bytes
+        self._plans: dict[tuple, tnt_core.FusedAllreducer] = {}
+        self._reducer: tnt_core.FusedAllreducer | None = None
+        self._zeros: dict[int, np.ndarray] = {}
+        #: when True, :attr:`local_increments` sums this rank's own metric increments
+        self.track_local = False
+        self.local_increments: np.ndarray | None = None
+
+    def reset_local(self) -> None:
+        """Forget this rank's metric increments (the metrics were reset)."""
+        self.local_increments = None
+
+    # -- at trace time -------------------------------------------------------------------
+
+    def plan(self, tensors: Sequence[tf.Tensor]) -> tnt_core.BucketPlan:
+        """Make (once per set of shapes) the bucket plan of ``tensors``, in push order."""
+        specs = tuple(tnt_core.TensorSpec(tuple(int(d) for d in t.shape), np.dtype(t.dtype.as_numpy_dtype))
+                      for t in tensors)
+        for spec, t in zip(specs, tensors):
+            if spec.dtype not in tnt_core.SUPPORTED_DTYPES:
+                raise tnt_core.TntError(
+                    f"cannot allreduce {t.name if hasattr(t, 'name') else 'a tensor'} of dtype "
+                    f"{spec.dtype}; supported: {', '.join(map(str, tnt_core.SUPPORTED_DTYPES))}"
+                )
+        reducer = self._plans.get(specs)
+        if reducer is None:
+            plan = tnt_core.plan_buckets(specs, self.threshold_bytes)
+            reducer = tnt_core.FusedAllreducer(self.runtime.backend, plan)
+            self._plans[specs] = reducer
+        self._reducer = reducer
+        return reducer.plan
+
+    def push(self, tensor_id: int, tensor: tf.Tensor, n: tf.Tensor, b: tf.Tensor,
+             weighted: bool, metrics: bool = False) -> tf.Tensor:
+        """Graph op: hand ``tensor`` (times ``n / b`` when ``weighted``; zeros when ``n == 0``)
+        to the reducer; returns a token for :meth:`finish`. ``metrics``: ``tensor`` holds
+        this rank's metric increments (kept in :attr:`local_increments` when tracked)."""
+        reducer = self._reducer
+
+        def run(array: np.ndarray, n_: np.ndarray, b_: np.ndarray) -> np.ndarray:
+            n_, b_ = int(n_), int(b_)
+            if metrics and self.track_local and n_ > 0:
+                if self.local_increments is None or self.local_increments.shape != array.shape:
+                    self.local_increments = np.array(array, dtype=np.float64, copy=True)
+                else:
+                    self.local_increments += array
+            if n_ == 0:
+                zeros = self._zeros.get(tensor_id)
+                if zeros is None or zeros.shape != array.shape or zeros.dtype != array.dtype:
+                    zeros = self._zeros[tensor_id] = np.zeros_like(array)
+                reducer.push(tensor_id, zeros)
+            elif weighted:
+                reducer.push(tensor_id, array, n_ / b_)
+            else:
+                reducer.push(tensor_id, array)
+            return np.int64(tensor_id)
+
+        token = tf.numpy_function(run, [tensor, n, b], tf.int64, stateful=True,
+                                  name=f"tnt_push_{self.name}_{tensor_id}")
+        return token
+
+    def finish(self, tokens: Sequence[tf.Tensor], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Graph op: wait for every bucket; the reduced tensors, shaped like ``like``."""
+        reducer = self._reducer
+        timeout = self.runtime.config.timeout_s
+
+        def run(*_tokens: np.ndarray) -> list[np.ndarray]:
+            # copies: the reducer's buffers are reused by the next step
+            return [np.array(a, copy=True) for a in reducer.finish(timeout)]
+
+        outs = tf.numpy_function(run, list(tokens), [t.dtype for t in like], stateful=True,
+                                 name=f"tnt_finish_{self.name}")
+        if not isinstance(outs, (list, tuple)):
+            outs = [outs]
+        for out, t in zip(outs, like):
+            out.set_shape(t.shape)
+        return list(outs)
+
+
+def global_batch_size_op(runtime: tnt_core.Runtime, n: tf.Tensor) -> tf.Tensor:
+    """Graph op: the sum of ``n`` over ranks (data the user distributed by hand)."""
+    backend = runtime.backend
+
+    def run(n_: np.ndarray) -> np.ndarray:
+        buf = np.array([int(n_)], dtype=np.int64)
+        return backend.allreduce(buf)[0]
+
+    total = tf.numpy_function(run, [n], tf.int64, stateful=True, name="tnt_global_batch")
+    total.set_shape([])
+    return total

@@ -1,0 +1,39 @@
+"""Weights broadcast from the master rank, so every rank starts from the same model."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tnt_core
+
+__all__ = ["broadcast_model_state"]
+
+
+def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None:
+    """Overwrite weights (and built optimizer state) on every rank with the master's."""
+    if runtime.size == 1:
+        return
+    variables, seen = [], set()
+    candidates = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        candidates += list(optimizer.variables)
+    for v in candidates:
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if np.dtype(v.dtype) in tnt_core.SUPPORTED_DTYPES:  # skips e.g. uint32 RNG states
+            variables.append(v)
+    by_dtype: dict[np.dtype, list] = {}
+    for v in variables:
+        by_dtype.setdefault(np.dtype(v.dtype), []).append(v)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        group = by_dtype[dtype]
+        values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in group]
+        buf = np.concatenate([a.reshape(-1) for a in values]) if values else np.zeros(0, dtype)
+        buf = np.ascontiguousarray(buf, dtype=dtype)
+        runtime.backend.broadcast(buf, root=tnt_core.get_master_rank())
+        offset = 0
+        for v, a in zip(group, values):
+            v.assign(buf[offset:offset + a.size].reshape(a.shape))
+            offset += a.size

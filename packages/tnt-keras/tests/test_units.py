@@ -1,0 +1,373 @@
+"""Single-process checks of tnt-keras' pieces (no launched ranks; fast).
+
+The sharding tables against ``tnt_core``'s arithmetic for every rank, the batch-size
+detection, the plugin registration and hook behaviour on foreign objects, callback
+placement, the ``tnt.Model`` proxy and its errors, and the process set-up rules.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tnt_core
+
+import tarantella as tnt
+from tarantella import callbacks as tcb
+from tarantella import datasets, environment
+
+
+def _ids(ds) -> list[list[int]]:
+    return [np.asarray(batch).tolist()[: int(info[0])] for batch, info in ds]
+
+
+@pytest.mark.parametrize("size,global_batch,samples", [
+    (size, batch, samples) for size in (1, 2, 3, 4, 5)
+    for batch, samples in ((7, 23), (4, 9), (10, 31), (6, 6)) if batch >= size])
+def test_shards_follow_tnt_core_and_rejoin_to_the_global_batch(size, global_batch, samples):
+    base = tf.data.Dataset.range(samples).batch(global_batch)
+    per_rank = []
+    for rank in range(size):
+        ctx = tnt_core.ShardContext(rank=rank, size=size, global_batch_size=global_batch)
+        per_rank.append(_ids(datasets.shard_dataset(base, ctx)))
+    serial = [np.asarray(b).tolist() for b in base]
+    for step, batch in enumerate(serial):
+        parts = [r[step] for r in per_rank]
+        assert [len(p) for p in parts] == tnt_core.micro_batch_sizes(len(batch), size, allow_empty=True)
+        for rank, part in enumerate(parts):
+            assert part == batch[tnt_core.micro_batch_slice(len(batch), rank, size, allow_empty=True)]
+        assert [i for p in parts for i in p] == batch
+
+
+def test_rank_without_samples_gets_a_stand_in_with_zero_weight():
+    base = tf.data.Dataset.range(5).batch(4)  # last batch: 1 sample for 3 ranks
+    ctx = tnt_core.ShardContext(rank=2, size=3, global_batch_size=4)
+    steps = list(datasets.shard_dataset(base, ctx))
+    batch, info = steps[-1]
+    assert info.numpy().tolist() == [0, 1]
+    assert batch.numpy().tolist() == [4], "one stand-in sample, so no layer sees an empty batch"
+
+
+def test_batch_larger_than_detected_global_batch_fails_clearly():
+    ctx = tnt_core.ShardContext(rank=0, size=2, global_batch_size=3)
+    ds = datasets.shard_dataset(tf.data.Dataset.range(10).batch(5), ctx)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="larger than the global batch size"):
+        list(ds)
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda: tf.data.Dataset.range(10).batch(4), 4),
+    (lambda: tf.data.Dataset.range(10).batch(4).map(lambda x: x * 2).prefetch(1), 4),
+    (lambda: tf.data.Dataset.range(10).shuffle(5).batch(3, drop_remainder=True).repeat(), 3),
+    (lambda: tf.data.Dataset.range(10).map(lambda x: tf.fill([x % 3 + 1], x)).padded_batch(5), 5),
+    (lambda: tf.data.Dataset.range(10).cache(), None),
+])
+def test_detect_batch_size(make, expected):
+    assert datasets.detect_batch_size(make()) == expected
+
+
+def test_detect_batch_size_refuses_to_guess():
+    flat = tf.data.Dataset.range(3).flat_map(lambda i: tf.data.Dataset.range(6).batch(2))
+    with pytest.raises(tnt.DatasetError, match="batch_size="):
+        datasets.detect_batch_size(flat)
+    assert datasets.detect_batch_size(tf.data.Dataset.range(10).batch(4).unbatch()) is None
+
+
+def test_unbatched_dataset_without_batch_size_is_an_error():
+    with pytest.raises(tnt.DatasetError, match="not batched"):
+        datasets.prepare_data(tf.data.Dataset.range(10))
+
+
+def test_generators_are_refused_with_advice():
+    def gen():
+        yield np.zeros(3)
+
+    with pytest.raises(tnt.DatasetError, match="from_generator"):
+        datasets.prepare_data(gen())
+
+
+def test_plugin_is_registered_and_ignores_foreign_objects():
+    eps = [ep for ep in importlib.metadata.entry_points(group="tnt") if ep.name == "keras"]
+    assert eps and eps[0].value == "tarantella_plugin"
+    pm = tnt_core.get_plugin_manager()
+    ctx = tnt_core.ShardContext(rank=0, size=1, global_batch_size=2)
+    assert pm.hook.tnt_shard_data(data=[1, 2, 3], context=ctx) is None
+    assert pm.hook.tnt_wrap_callback(callback=object(), context={"rank": 0, "size": 1}) is None
+    assert isinstance(pm.hook.tnt_shard_data(data=tf.data.Dataset.range(4).batch(2), context=ctx),
+                      tf.data.Dataset)
+
+
+def test_plugin_module_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, tarantella_plugin; "
+            "print('tensorflow' in sys.modules, 'keras' in sys.modules, 'tarantella' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_callback_placement(rank, tmp_path, monkeypatch):
+    ctx = {"rank": rank, "size": 2}
+    master = rank == 0
+
+    def placed(cb):
+        wrapped = tcb.wrap_callback(cb, ctx)
+        if wrapped is cb:
+            return "as-is"
+        return "all" if wrapped.run_on_all_ranks else ("master" if wrapped._is_master else "silent")
+
+    assert placed(keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))) == ("master" if master else "silent")
+    assert placed(keras.callbacks.CSVLogger(str(tmp_path / "l.csv"))) == ("master" if master else "silent")
+    assert placed(keras.callbacks.EarlyStopping()) == "all"
+    assert placed(keras.callbacks.ReduceLROnPlateau()) == "all"
+    assert placed(keras.callbacks.History()) == "as-is"
+    assert placed(keras.callbacks.ProgbarLogger()) == ("as-is" if master else "silent")
+    backup = tcb.wrap_callback(keras.callbacks.BackupAndRestore(str(tmp_path / "b")), ctx)
+    assert backup._runs("on_train_begin") and backup._runs("on_epoch_end") == master
+    monkeypatch.setenv("TNT_TENSORBOARD_ON_ALL_DEVICES", "true")
+    tb = tcb.wrap_callback(keras.callbacks.TensorBoard(str(tmp_path / "tb")), ctx)
+    assert tb.run_on_all_ranks and tb.keras_callback.log_dir.endswith(f"rank_{rank}")
+    monkeypatch.setenv("TNT_TENSORBOARD_ON_ALL_DEVICES", "maybe")
+    with pytest.raises(tnt_core.ConfigError, match="TNT_TENSORBOARD_ON_ALL_DEVICES"):
+        tcb.wrap_callback(keras.callbacks.TensorBoard(str(tmp_path / "tb")), ctx)
+
+
+def test_user_callback_wrapper():
+    inner = keras.callbacks.LambdaCallback()
+    wrapped = tnt.keras.callbacks.Callback(inner, aggregate_logs=False, run_on_all_ranks=False)
+    assert wrapped.keras_callback is inner and not wrapped.run_on_all_ranks
+    assert tcb.wrap_callback(wrapped, {"rank": 0, "size": 2}) is wrapped
+    with pytest.raises(TypeError, match="keras.callbacks.Callback"):
+        tnt.keras.callbacks.Callback(object())
+
+
+def _mlp():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def test_model_proxy_behaves_as_the_keras_model():
+    inner = _mlp()
+    model = tnt.Model(inner)
+    assert model.keras_model is inner and model.layers == inner.layers
+    assert model.count_params() == inner.count_params()
+    model.stop_training = True  # what callbacks do
+    assert inner.stop_training is True
+    model.compile(optimizer="adam", loss="mse", jit_compile=False)
+    assert inner.compiled and isinstance(model.optimizer, keras.optimizers.Adam)
+    x = np.ones((4, 3), dtype=np.float32)
+    np.testing.assert_array_equal(model(x), inner(x))
+    assert model.get_config() == inner.get_config()
+
+
+def test_xla_is_switched_off_with_a_warning():
+    model = tnt.Model(_mlp())
+    with pytest.warns(UserWarning, match="jit_compile=False"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert model.jit_compile is False
+
+
+def test_unsupported_uses_raise_with_advice():
+    model = tnt.Model(_mlp())
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tnt.NotSupportedError, match="fit"):
+        model.train_on_batch(np.ones((2, 3)), np.ones((2, 2)))
+
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return {}
+
+    with pytest.raises(tnt.NotSupportedError, match="compute_loss"):
+        tnt.Model(Custom())
+    with pytest.raises(TypeError, match="keras.Model"):
+        tnt.Model(object())
+
+
+def test_ftrl_trains_like_serial_in_one_process():
+    """Ftrl applied to the reduced gradient is the serial update; the multi-rank proof is
+    the mlp-ftrl case of test_equivalence."""
+    model = tnt.Model(_mlp())
+    model.compile(optimizer=keras.optimizers.Ftrl(0.1), loss="mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), batch_size=2, epochs=1, verbose=0)
+
+
+def test_default_seed_is_tensorflows_own():
+    from tensorflow.python.framework import random_seed
+
+    assert environment.DEFAULT_SHUFFLE_SEED == random_seed.DEFAULT_GRAPH_SEED
+
+
+@pytest.mark.parametrize("num_threads,cores,local_size,expected", [
+    (None, 16, 4, 4), (None, 2, 4, 1), (3, 16, 4, 3), (None, 8, 1, 8)])
+def test_intra_op_threads(num_threads, cores, local_size, expected):
+    assert environment.intra_op_threads_for(num_threads, local_size, cores) == expected
+
+
+def test_rank_api():
+    assert tnt.get_size() == 1 and tnt.get_rank() == 0
+    assert tnt.get_master_rank() == 0 and tnt.is_master_rank()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_runtime_afterwards():
+    """Importing tarantella started a (local) runtime in pytest's process; stop it so that
+    tests of other packages that run later in this process start from a clean state."""
+    yield
+    tnt_core.shutdown()
+
+
+def test_multi_output_model_matches_keras_in_one_process():
+    """Two named outputs, one loss each (per-output loss metrics), dict targets."""
+    def make():
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((4,))
+        h = keras.layers.Dense(5, activation="relu")(inp)
+        out = {"cls": keras.layers.Dense(3, activation="softmax", name="cls")(h),
+               "reg": keras.layers.Dense(1, name="reg")(h)}
+        model = keras.Model(inp, out)
+        model.compile(optimizer="adam", loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                      metrics={"cls": ["accuracy"], "reg": ["mae"]})
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(13, 4)).astype("float32")
+    y = {"cls": rng.integers(0, 3, size=13), "reg": rng.normal(size=(13, 1)).astype("float32")}
+    serial, dist = make(), tnt.Model(make())
+    h_serial = serial.fit(x, y, batch_size=5, epochs=2, verbose=0, shuffle=False)
+    h_dist = dist.fit(x, y, batch_size=5, epochs=2, verbose=0, shuffle=False)
+    assert h_dist.history.keys() == h_serial.history.keys()
+    for key, values in h_serial.history.items():
+        np.testing.assert_allclose(h_dist.history[key], values, rtol=1e-5)
+    for a, b in zip(dist.get_weights(), serial.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    p_serial, p_dist = serial.predict(x, batch_size=5, verbose=0), dist.predict(x, batch_size=5, verbose=0)
+    assert p_dist.keys() == p_serial.keys()
+    for key in p_serial:
+        np.testing.assert_allclose(p_dist[key], p_serial[key], rtol=1e-5, atol=1e-7)
+    e_serial = serial.evaluate(x, y, batch_size=5, verbose=0, return_dict=True)
+    e_dist = dist.evaluate(x, y, batch_size=5, verbose=0, return_dict=True)
+    assert e_dist == pytest.approx(e_serial, rel=1e-5)
+
+
+def test_a_loss_summed_over_the_batch_is_warned_about():
+    model = tnt.Model(_mlp())
+    with pytest.warns(UserWarning, match="reduction='sum'"):
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+
+
+def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
+    """Overlap, shown without timing: a probe in the middle of the network blocks the
+    backward pass (of the layers before it) until the reducer has received a gradient
+    (of a layer after it). Without overlap the pushes would only start once backprop is
+    over, and the probe would time out."""
+    import threading
+
+    pushed = threading.Event()
+    original = tnt_core.FusedAllreducer.push
+
+    def push(self, tensor_id, array, scale=None):
+        if tensor_id > 0:  # a gradient (tensor 0 holds the metric increments)
+            pushed.set()
+        return original(self, tensor_id, array, scale)
+
+    monkeypatch.setattr(tnt_core.FusedAllreducer, "push", push)
+    waited = []
+
+    def wait_for_a_push(dy):
+        waited.append(pushed.wait(timeout=30))
+        return dy
+
+    @tf.custom_gradient
+    def probe(x):
+        def grad(dy):
+            out = tf.numpy_function(wait_for_a_push, [dy], dy.dtype, stateful=False)
+            out.set_shape(dy.shape)
+            return out
+        return tf.identity(x), grad
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            return probe(x)
+
+    model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), Probe(),
+                                        keras.layers.Dense(4)]))
+    model.compile(optimizer="sgd", loss="mse")
+    for _ in range(2):
+        pushed.clear()
+        model.fit(np.ones((4, 8)), np.ones((4, 4)), batch_size=4, epochs=1, verbose=0)
+    assert waited and all(waited), "backprop of the first layer waited for a push that never came"
+
+
+def test_batch_size_for_datasets():
+    unbatched = tf.data.Dataset.range(10)
+    data = datasets.prepare_data(unbatched, batch_size=4)  # batched for the user
+    assert data.global_batch_size == 4 and data.steps == 3
+    data = datasets.prepare_data(unbatched, micro_batch_size=3)  # x 1 rank
+    assert data.global_batch_size == 3
+    opaque = tf.data.Dataset.range(10).batch(5).unbatch().batch(2)  # the last batch() is read
+    assert datasets.prepare_data(opaque).global_batch_size == 2
+    samples = tf.data.Dataset.range(10).batch(5).unbatch()  # single samples again
+    with pytest.raises(tnt.DatasetError, match="not batched"):
+        datasets.prepare_data(samples)
+    assert datasets.prepare_data(samples, batch_size=4).global_batch_size == 4
+    flat = tf.data.Dataset.range(3).flat_map(lambda i: tf.data.Dataset.range(6).batch(2))
+    with pytest.raises(tnt.DatasetError, match="batch_size="):
+        datasets.prepare_data(flat)  # cannot be read from the graph: the user says
+    assert datasets.prepare_data(flat, batch_size=2).global_batch_size == 2
+    with pytest.raises(tnt.DatasetError, match="do not pass batch_size"):
+        datasets.prepare_data(tf.data.Dataset.range(10).batch(5), batch_size=4)
+
+
+@pytest.mark.parametrize("steps_per_execution,policy", [(3, "float32"), (1, "mixed_float16")])
+def test_steps_per_execution_and_mixed_precision(steps_per_execution, policy):
+    """Several steps per tf.function call (a tf.while_loop around the step) and the loss
+    scaling of mixed precision go through the distributed step unchanged."""
+    def make():
+        keras.utils.set_random_seed(1)
+        keras.config.set_dtype_policy(policy)
+        try:
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(3, activation="softmax", dtype="float32")])
+        finally:
+            keras.config.set_dtype_policy("float32")
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(23, 6)).astype("float32"), rng.integers(0, 3, 23)
+    serial, dist = make(), tnt.Model(make())
+    h_serial = serial.fit(x, y, batch_size=5, epochs=2, verbose=0, shuffle=False)
+    h_dist = dist.fit(x, y, batch_size=5, epochs=2, verbose=0, shuffle=False)
+    for key, values in h_serial.history.items():
+        np.testing.assert_allclose(h_dist.history[key], values, rtol=1e-5)
+    for a, b in zip(dist.get_weights(), serial.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_list_inputs_and_outputs_match_keras_in_one_process():
+    def make():
+        keras.utils.set_random_seed(4)
+        a, b = keras.Input((3,)), keras.Input((2,))
+        h = keras.layers.Concatenate()([keras.layers.Dense(4)(a), b])
+        model = keras.Model([a, b], [keras.layers.Dense(1, name="o1")(h),
+                                     keras.layers.Dense(2, name="o2")(h)])
+        model.compile(optimizer="sgd", loss=["mse", "mse"])
+        return model
+
+    rng = np.random.default_rng(1)
+    x = [rng.normal(size=(11, 3)), rng.normal(size=(11, 2))]
+    y = [rng.normal(size=(11, 1)), rng.normal(size=(11, 2))]
+    serial, dist = make(), tnt.Model(make())
+    h_serial = serial.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    h_dist = dist.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    for key, values in h_serial.history.items():
+        np.testing.assert_allclose(h_dist.history[key], values, rtol=1e-5)
+    p_serial, p_dist = serial.predict(x, batch_size=4, verbose=0), dist.predict(x, batch_size=4, verbose=0)
+    assert len(p_dist) == len(p_serial) == 2
+    for a, b in zip(p_dist, p_serial):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

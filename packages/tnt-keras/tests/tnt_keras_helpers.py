@@ -1,0 +1,100 @@
+"""Helpers of the tnt-keras tests (imported by the test modules; conftest puts this folder on sys.path).
+
+Multi-rank tests run once per *launchable* backend. The rule, small and explicit:
+
+* ``store`` (tnt-core's reference backend, never chosen unless named) is always launchable;
+* any other installed backend except ``local`` is launchable when it declares itself
+  available (``BackendSpec.is_available``) to a rank started the way ``tnt run`` and
+  ``tnt_core.testing.launch_ranks`` start ranks — ``TNT_RANK``/``TNT_SIZE``/``TNT_RENDEZVOUS``
+  set, *no* backend named. Gloo says yes. The MPI backend says yes only under ``mpiexec``/
+  ``srun`` (it takes rank and size from MPI), so it is skipped here and tested by its own
+  package under ``mpiexec``; should it learn tnt-run-style launch, it is picked up.
+
+``TNT_KERAS_TEST_BACKENDS=gloo`` (comma-separated) narrows the list.
+
+TensorFlow costs seconds per process, so each test module starts its ranks once per
+(backend, number of ranks) with a worker script that does all its checks and writes results
+to files; the tests compare those files.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import tnt_core
+from tnt_core.testing import launch_ranks
+
+HERE = Path(__file__).parent
+WORKERS = HERE / "workers"
+#: quiet TensorFlow's C++ start-up chatter in rank outputs
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONWARNINGS": "ignore"}
+
+
+def launchable_backends() -> list[str]:
+    """Installed backends that can serve ranks started by a launcher (see module doc)."""
+    names = []
+    for spec in tnt_core.list_backends():
+        if spec.name == "local":
+            continue
+        probe = tnt_core.Config(rank=0, size=2, local_rank=0, local_size=2, backend=None,
+                                rendezvous="127.0.0.1:1", rendezvous_key="probe", launched=True)
+        if spec.name == "store" or spec.is_available(probe):
+            names.append(spec.name)
+    return names
+
+
+def _selected(names: list[str]) -> list[str]:
+    """``TNT_KERAS_TEST_BACKENDS=a,b`` narrows the backends (e.g. CI time); unknown names fail."""
+    wanted = [n.strip() for n in os.environ.get("TNT_KERAS_TEST_BACKENDS", "").split(",") if n.strip()]
+    if not wanted:
+        return names
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise RuntimeError(f"TNT_KERAS_TEST_BACKENDS names {missing}, which cannot serve launched "
+                           f"ranks here; launchable: {names}")
+    return wanted
+
+
+BACKENDS = _selected(launchable_backends())
+
+
+def run_workers(script: str, args: list[str], nprocs: int, backend: str, *,
+                timeout: float = 600, env: dict | None = None, cwd: str | None = None):
+    """Start ``nprocs`` ranks of a worker script; fail the test with every rank's output."""
+    backend = None if backend == "local" else backend  # a 1-rank job: the launcher's default
+    result = launch_ranks([str(WORKERS / script), *args], nprocs, backend=backend, timeout=timeout,
+                          tnt_timeout_s=300, env={**QUIET, **(env or {})}, cwd=cwd)
+    return result.check()
+
+
+def run_serial(script: str, args: list[str], *, timeout: float = 600, cwd: str | None = None):
+    """Run a worker script as one plain process (no launcher environment)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    env.update(QUIET)
+    proc = subprocess.run([sys.executable, str(WORKERS / script), *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"serial worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
+    return proc
+
+
+def backend_params(nprocs_list: tuple[int, ...]) -> list:
+    """``(backend, nprocs)`` parameters. One rank runs once, on the backend a launcher picks
+    for a 1-rank job (``local``); more ranks run on every launchable backend. A clear skip
+    when no backend can serve several ranks."""
+    params = []
+    for n in nprocs_list:
+        if n == 1:
+            params.append(pytest.param(("local", 1), id="local-1rank"))
+        elif not BACKENDS:
+            params.append(pytest.param((None, n), id=f"nobackend-{n}ranks", marks=pytest.mark.skip(
+                reason="no installed backend can serve launched ranks")))
+        else:
+            params += [pytest.param((b, n), id=f"{b}-{n}ranks") for b in BACKENDS]
+    return params

@@ -1,0 +1,147 @@
+"""Train every model x optimizer combination of the equivalence matrix; write results.
+
+Run as ``python train_worker.py --mode serial --out DIR`` (plain Keras, no tarantella: the
+reference) or under ``launch_ranks`` with ``--mode tnt`` (every rank writes its own files).
+One process trains all combinations, so TensorFlow is imported once per rank.
+
+Everything runs in float64: the test compares against serial training with a relative
+tolerance of 1e-5 after 2 epochs of Adam/RMSprop, which divide by the root of the squared
+gradients; in float32 the round-off of summing micro-batch gradients in another order
+(~1e-7 relative per step) is amplified there for tiny gradient components, so float32 could
+not show 1e-5 honestly. float64 shows the algorithm is exact; float32 only adds round-off.
+Measured with ``TNT_TEST_FLOATX=float32`` on 3 ranks: History within 2.4e-7, weights within
+2.7e-6 except LeNet-5 with Adam (1.1e-4) and RMSprop (3.3e-5); in float64 everything is
+within 1e-13.
+
+Files per combination ``<tag>.<who>.npz`` (``who`` = ``serial`` or ``rank<r>``): ``w<i>``
+weights, ``history`` (JSON), and for some combinations ``evaluate`` (JSON) and ``predict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+MODELS = ("mlp", "lenet5", "cnn", "subclassed", "two_input")
+OPTIMIZERS = ("sgd", "momentum", "adam", "rmsprop")
+#: (samples, global batch): none of 2, 3 ranks divides every batch; last batches are partial,
+#: the MLP's last batch has a single sample (ranks 1 and 2 get none).
+DATA = {"mlp": (31, 10), "lenet5": (22, 8), "cnn": (25, 7), "subclassed": (20, 5), "two_input": (17, 6)}
+#: combinations that also check validation, evaluate and predict
+FULL = {("mlp", "adam"), ("lenet5", "sgd"), ("cnn", "rmsprop"), ("subclassed", "momentum"),
+        ("two_input", "adam")}
+
+
+def tags() -> list[str]:
+    return [f"{m}-{o}" for m in MODELS for o in OPTIMIZERS]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("serial", "tnt"), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="", help="comma-separated tags")
+    args = parser.parse_args(argv)
+
+    if args.mode == "tnt":
+        import tarantella as tnt
+    import keras
+    import tensorflow as tf
+
+    # float64 (see the module docstring); TNT_TEST_FLOATX=float32 measures float32 round-off
+    keras.config.set_floatx(os.environ.get("TNT_TEST_FLOATX", "float64"))
+    L = keras.layers
+
+    def make_model(name: str) -> keras.Model:
+        keras.utils.set_random_seed(7)
+        if name == "mlp":
+            return keras.Sequential([keras.Input((12,)), L.Dense(16, activation="relu"),
+                                     L.Dense(3, activation="softmax")])
+        if name == "lenet5":
+            return keras.Sequential([
+                keras.Input((28, 28, 1)),
+                L.Conv2D(6, 5, padding="same", activation="tanh"), L.AveragePooling2D(2),
+                L.Conv2D(16, 5, activation="tanh"), L.AveragePooling2D(2), L.Flatten(),
+                L.Dense(120, activation="tanh"), L.Dense(84, activation="tanh"),
+                L.Dense(10, activation="softmax")])
+        if name == "cnn":
+            return keras.Sequential([keras.Input((10, 10, 2)), L.Conv2D(4, 3, activation="relu"),
+                                     L.MaxPooling2D(2), L.Flatten(), L.Dense(5, activation="softmax")])
+        if name == "subclassed":
+            class Sub(keras.Model):
+                def __init__(self):
+                    super().__init__()
+                    self.d1 = L.Dense(8, activation="tanh")
+                    self.d2 = L.Dense(4, activation="softmax")
+
+                def call(self, x):
+                    return self.d2(self.d1(x))
+
+            return Sub()  # unbuilt: tarantella must build it before the first step
+        if name == "two_input":
+            a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
+            h = L.Concatenate()([L.Dense(5, activation="relu")(a), b])
+            return keras.Model({"a": a, "b": b}, L.Dense(2)(h))
+        raise ValueError(name)
+
+    def make_optimizer(name: str) -> keras.optimizers.Optimizer:
+        return {"sgd": lambda: keras.optimizers.SGD(0.05),
+                "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+                "adam": lambda: keras.optimizers.Adam(0.01),
+                "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+                "ftrl": lambda: keras.optimizers.Ftrl(0.05)}[name]()
+
+    def make_data(name: str, n: int, seed: int):
+        rng = np.random.default_rng(seed)
+        if name == "two_input":
+            x = {"a": rng.normal(size=(n, 6)), "b": rng.normal(size=(n, 4))}
+            return x, rng.normal(size=(n, 2))
+        shape, classes = {"mlp": ((12,), 3), "lenet5": ((28, 28, 1), 10), "cnn": ((10, 10, 2), 5),
+                          "subclassed": ((7,), 4)}[name]
+        return rng.normal(size=(n,) + shape), rng.integers(0, classes, size=n)
+
+    selected = [t for t in tags() if not args.only or t in args.only.split(",")]
+    if not args.only or "mlp-ftrl" in args.only.split(","):
+        selected.append("mlp-ftrl")
+    who = "serial" if args.mode == "serial" else f"rank{tnt.get_rank()}"
+    os.makedirs(args.out, exist_ok=True)
+    for tag in selected:
+        model_name, opt_name = tag.split("-")
+        samples, batch = DATA[model_name]
+        x, y = make_data(model_name, samples, 1)
+        vx, vy = make_data(model_name, 11, 2)
+        full = (model_name, opt_name) in FULL
+        model = make_model(model_name)
+        if args.mode == "tnt":
+            model = tnt.Model(model)
+        loss = "mse" if model_name == "two_input" else "sparse_categorical_crossentropy"
+        metrics = ["mae"] if model_name == "two_input" else ["accuracy"]
+        model.compile(optimizer=make_optimizer(opt_name), loss=loss, metrics=metrics)
+        if model_name == "two_input":  # NumPy dicts with batch_size=
+            fit_args = dict(x=x, y=y, batch_size=batch, shuffle=False)
+            val = (vx, vy)
+        else:
+            fit_args = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
+            val = tf.data.Dataset.from_tensor_slices((vx, vy)).batch(4)
+        history = model.fit(**fit_args, epochs=2, verbose=0, validation_data=val if full else None)
+        result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+        result["history"] = np.array(json.dumps(history.history))
+        if full:
+            if model_name == "two_input":
+                ev = model.evaluate(vx, vy, batch_size=4, verbose=0, return_dict=True)
+                pred = model.predict(vx, batch_size=4, verbose=0)
+            else:
+                ev = model.evaluate(val, verbose=0, return_dict=True)
+                pred = model.predict(val, verbose=0)
+            result["evaluate"] = np.array(json.dumps(ev))
+            result["predict"] = pred
+        np.savez(os.path.join(args.out, f"{tag}.{who}.npz"), **result)
+        print(f"{who} done {tag}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
