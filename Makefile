@@ -36,8 +36,9 @@ $(STAMP): $(INPUTS)
 
 setup: $(STAMP)
 
+# TF_CPP_MIN_LOG_LEVEL=2 keeps TensorFlow's C++ start-up chatter out of the job's output
 run: setup
-	$(BIN)/tnt run -n $(NP) -- examples/quickstart/lenet5.py --compare-serial
+	TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/tnt run -n $(NP) -- examples/quickstart/lenet5.py --compare-serial
 
 test: setup
 	bash ci/test.sh
