@@ -186,8 +186,21 @@ def _wait_pids(directory: Path, n: int, timeout: float = 60) -> list[int]:
     return [int((directory / f"pid.{r}").read_text()) for r in range(n)]
 
 
+def _alive_procs(pids):
+    """The ranks still running (a rank may exit between any two psutil calls)."""
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                procs.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
 def _alive(pids):
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return [p.pid for p in _alive_procs(pids)]
 
 
 def test_remote_rank_failure_ends_the_job(hosts, h, tmp_path):
@@ -215,7 +228,7 @@ def test_sigint_ends_the_remote_rank(hosts, h, tmp_path):
         proc.send_signal(signal.SIGINT)  # `ip netns exec` became tnt run itself
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 130, err
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in _alive(pids)], timeout=5)
+        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
         assert alive == [], f"left behind: {alive}"
     finally:
         if proc.poll() is None:
@@ -234,7 +247,7 @@ def test_dropped_ssh_connection_ends_the_remote_rank_and_the_job(hosts, h, tmp_p
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 255, err
         assert f"rank 1 on {ADDR_B} failed: exited with code 255 (ssh could not reach {ADDR_B}?" in err
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in _alive(pids)], timeout=5)
+        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
         assert alive == [], f"left behind: {alive}"
     finally:
         if proc.poll() is None:
@@ -248,7 +261,7 @@ def test_killed_launcher_ends_the_remote_rank(hosts, h, tmp_path):
         pids = _wait_pids(tmp_path, 2)
         proc.kill()  # SIGKILL: tnt run cannot clean up; ssh's stdin closes with it
         proc.communicate(timeout=10)
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in _alive(pids)], timeout=10)
+        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=10)
         assert alive == [], f"left behind: {alive}"
     finally:
         if proc.poll() is None:
@@ -272,7 +285,7 @@ def test_cleanup_over_ssh(hosts, h, tmp_path):
                              stdin=subprocess.DEVNULL)
         assert res.returncode == 0, res.stdout + res.stderr
         assert res.stdout.startswith(f"{ADDR_B}: ended 2 rank(s) of {script.name} (pids "), res.stdout
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in _alive(pids)], timeout=5)
+        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
         assert alive == []
         proc.communicate(timeout=30)
         assert proc.returncode != 0
