@@ -26,7 +26,7 @@ def test_settings_defaults_and_env() -> None:
     def values(s: PollSettings) -> tuple[float, float, float]:
         return s.spin_min_s, s.spin_max_s, s.max_sleep_s
 
-    assert values(PollSettings.from_env({})) == pytest.approx((200e-6, 100e-3, 1e-3))
+    assert values(PollSettings.from_env({})) == pytest.approx((200e-6, 1e-3, 1e-3))
     s = PollSettings.from_env({"TNT_MPI_SPIN_US": "10", "TNT_MPI_MAX_SPIN_MS": "5",
                                "TNT_MPI_MAX_SLEEP_US": "200"})
     assert values(s) == pytest.approx((10e-6, 5e-3, 200e-6))

@@ -178,3 +178,24 @@ def test_fused_allreduce_across_three_processes(tmp_path, threshold):
                 np.testing.assert_array_equal(np.asarray(got, dtype=expected.dtype).reshape(expected.shape), expected)
     buckets = per_rank[0]["buckets"]
     assert buckets == {0: 7, 256: 5, 10**9: 4}[threshold]
+
+
+def test_a_bucket_closes_with_the_last_tensor_of_its_dtype():
+    # the small float64 tensor first (metric states) is not held back to the end
+    plan = plan_buckets([spec(2, "float64"), spec(4), spec(4), spec(4)], threshold_bytes=32)
+    assert [b.tensor_ids for b in plan.buckets] == [(0,), (1, 2), (3,)]
+
+
+def test_aligned_plan_gives_64_byte_aligned_views():
+    specs = [spec(10), spec(3, "float64"), spec(7), spec(16), spec(1, "float64")]
+    plan = plan_buckets(specs, threshold_bytes=10**6, align_bytes=64)
+    f32 = next(b for b in plan.buckets if b.dtype == np.float32)
+    assert f32.offsets == (0, 16, 32) and f32.size == 48
+    reducer = FusedAllreducer(LocalBackend(), plan)
+    arrays = [np.full(s[0], i + 1, dtype=s[1]) for i, s in enumerate(specs)]
+    out = reducer.allreduce(arrays)
+    for a, o in zip(arrays, out):
+        assert o.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(a, o)
+    with pytest.raises(ValueError, match="alignment"):
+        plan_buckets(specs, 0, align_bytes=-1)

@@ -21,13 +21,20 @@ and for a rank with no sample (``n_r = 0``: it pushes zeros).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 import tnt_core
 
+from . import timeline as _timeline
+
 __all__ = ["StepReducer", "global_batch_size_op"]
+
+#: bucket views start at multiples of this (TensorFlow's EIGEN_MAX_ALIGN_BYTES with AVX-512):
+#: the reduced tensors are handed to TensorFlow without a copy
+_ALIGN = 64
 
 
 class StepReducer:
@@ -37,6 +44,12 @@ class StepReducer:
         self.runtime = runtime
         self.name = name
         self.threshold_bytes = runtime.config.fusion_threshold_bytes
+        self.overlap = runtime.config.overlap
+        #: the rank's timeline (TNT_TIMELINE), None when off: then no timeline op is traced
+        self.timeline = _timeline.get(runtime)
+        self._backprop_start: float | None = None
+        self._push_times: list[float] = []
+        self._finished_at = 0.0
         self._plans: dict[tuple, tnt_core.FusedAllreducer] = {}
         self._reducer: tnt_core.FusedAllreducer | None = None
         self._zeros: dict[int, np.ndarray] = {}
@@ -62,8 +75,9 @@ class StepReducer:
                 )
         reducer = self._plans.get(specs)
         if reducer is None:
-            plan = tnt_core.plan_buckets(specs, self.threshold_bytes)
-            reducer = tnt_core.FusedAllreducer(self.runtime.backend, plan)
+            plan = tnt_core.plan_buckets(specs, self.threshold_bytes, align_bytes=_ALIGN)
+            reducer = tnt_core.FusedAllreducer(self.runtime.backend, plan, overlap=self.overlap,
+                                               timeline=self.timeline)
             self._plans[specs] = reducer
         self._reducer = reducer
         return reducer.plan
@@ -74,8 +88,11 @@ class StepReducer:
         to the reducer; returns a token for :meth:`finish`. ``metrics``: ``tensor`` holds
         this rank's metric increments (kept in :attr:`local_increments` when tracked)."""
         reducer = self._reducer
+        push_times = self._push_times if self.timeline is not None else None
 
         def run(array: np.ndarray, n_: np.ndarray, b_: np.ndarray) -> np.ndarray:
+            if push_times is not None:
+                push_times.append(time.perf_counter())
             n_, b_ = int(n_), int(b_)
             if metrics and self.track_local and n_ > 0:
                 if self.local_increments is None or self.local_increments.shape != array.shape:
@@ -102,9 +119,20 @@ class StepReducer:
         reducer = self._reducer
         timeout = self.runtime.config.timeout_s
 
+        timeline = self.timeline
+
         def run(*_tokens: np.ndarray) -> list[np.ndarray]:
-            # copies: the reducer's buffers are reused by the next step
-            return [np.array(a, copy=True) for a in reducer.finish(timeout)]
+            if timeline is not None:
+                self._record_backprop(timeline)
+            # No copy: TensorFlow wraps a 64-byte aligned array without copying (every view
+            # is, see _ALIGN). The reducer writes these buffers again only in the next step's
+            # pushes, which depend on that step's forward pass, which reads the variables
+            # this step's optimizer updated from them: nothing reads them after that.
+            out = [a if a.ctypes.data % _ALIGN == 0 else np.array(a, copy=True)
+                   for a in reducer.finish(timeout)]
+            if timeline is not None:
+                self._finished_at = time.perf_counter()
+            return out
 
         outs = tf.numpy_function(run, list(tokens), [t.dtype for t in like], stateful=True,
                                  name=f"tnt_finish_{self.name}")
@@ -113,6 +141,38 @@ class StepReducer:
         for out, t in zip(outs, like):
             out.set_shape(t.shape)
         return list(outs)
+
+
+    # -- timeline (only traced when TNT_TIMELINE is set) ------------------------------------
+
+    def mark_backprop_start(self, loss: tf.Tensor) -> tf.Tensor:
+        """Graph op: backprop begins once ``loss`` exists (records the time)."""
+
+        def run(_loss: np.ndarray) -> np.ndarray:
+            self._backprop_start = time.perf_counter()
+            return np.int64(0)
+
+        return tf.numpy_function(run, [loss], tf.int64, stateful=True,
+                                 name=f"tnt_timeline_{self.name}_backprop")
+
+    def _record_backprop(self, timeline: tnt_core.Timeline) -> None:
+        # from the loss to the last gradient pushed (pushes run as gradients appear)
+        times, self._push_times[:] = list(self._push_times), []
+        start, self._backprop_start = self._backprop_start, None
+        if start is not None and times:
+            timeline.complete("backprop", "backprop", start, max(times))
+
+    def mark_optimizer_done(self, after: Sequence[tf.Tensor]) -> tf.Tensor:
+        """Graph op run after ``after`` (the optimizer's update): records the optimizer
+        apply, from the reduced gradients being back to now."""
+        timeline = self.timeline
+
+        def run(*_after: np.ndarray) -> np.ndarray:
+            timeline.complete("optimizer apply", "optimizer", self._finished_at, time.perf_counter())
+            return np.int64(0)
+
+        return tf.numpy_function(run, list(after), tf.int64, stateful=True,
+                                 name=f"tnt_timeline_{self.name}_optimizer")
 
 
 def global_batch_size_op(runtime: tnt_core.Runtime, n: tf.Tensor) -> tf.Tensor:

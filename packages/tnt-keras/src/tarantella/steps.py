@@ -79,6 +79,9 @@ class DistributedSteps:
             )
             if model.optimizer is not None:
                 loss = model.optimizer.scale_loss(loss)
+        reducer = self.train_reducer
+        if reducer.timeline is not None:
+            reducer.mark_backprop_start(loss)
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         increments = states.increments()
 
@@ -87,7 +90,6 @@ class DistributedSteps:
         # backward order: the last layer's gradients exist first
         order = [i for i in reversed(range(len(variables))) if grads[i] is not None]
         tensors = [increments] + [_dense(grads[i]) for i in order]
-        reducer = self.train_reducer
         reducer.plan(tensors)
         tokens = [reducer.push(0, increments, n, b, weighted=False, metrics=True)]
         tokens += [reducer.push(k + 1, t, n, b, weighted=True) for k, t in enumerate(tensors[1:])]
@@ -104,6 +106,9 @@ class DistributedSteps:
             model.optimizer.apply_gradients(
                 [(g, v) for g, v in zip(new_grads, variables) if g is not None]
             )
+            if reducer.timeline is not None:  # reads what the update wrote: runs after it
+                reducer.mark_optimizer_done([tf.convert_to_tensor(model.optimizer.iterations)]
+                                            + [tf.convert_to_tensor(v) for v in variables[:1]])
         return model.get_metrics_result()
 
     # -- test --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 from tnt_core import ShardContext, hookimpl
 
-__all__ = ["tnt_shard_data", "tnt_wrap_callback"]
+__all__ = ["tnt_runtime_stopping", "tnt_shard_data", "tnt_wrap_callback"]
 
 
 @hookimpl
@@ -44,3 +44,11 @@ def tnt_wrap_callback(callback: Any, context: dict[str, Any]) -> Any | None:
     from tarantella.callbacks import wrap_callback
 
     return wrap_callback(callback, context)
+
+
+@hookimpl
+def tnt_runtime_stopping(runtime: Any) -> None:
+    """Write this rank's ``TNT_TIMELINE`` trace, if tarantella recorded one."""
+    timeline = sys.modules.get("tarantella.timeline")
+    if timeline is not None:
+        timeline.close()
