@@ -1,0 +1,141 @@
+"""Render the committed benchmark results as Markdown tables for docs/performance_results.md.
+
+Reads ``scaling.json`` (benchmarks/scaling.py) and ``fusion_sweep.json``
+(benchmarks/fusion_sweep.py) from --results (default docs/_static/benchmarks) and replaces
+the part of --page between the ``<!-- BEGIN GENERATED -->`` / ``<!-- END GENERATED -->``
+markers (the hand-written analysis around it stays). ``--print`` only prints the tables.
+
+    python benchmarks/render_results.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
+
+
+def _fmt(x: float | None, spec: str = ".0f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def scaling_tables(results: list[dict]) -> str:
+    backends = sorted({k[4:] for r in results for k in r if k.startswith("tnt-") and not k.endswith("-no-overlap")})
+    ranks, micro = results[0]["ranks"], results[0]["micro_batch"]
+    lines = [f"**Throughput and scaling efficiency**, {ranks} ranks, micro-batch {micro} per rank "
+             "(samples/s of the whole job; efficiency = throughput / "
+             f"({ranks} x plain Keras))", "",
+             "| model | params | plain Keras (1 process) | "
+             + " | ".join(f"tnt {b}: samples/s | efficiency | ours/MWMS" for b in backends)
+             + " | MWMS: samples/s | efficiency |",
+             "|---|---:|---:|" + "---:|---:|---:|" * len(backends) + "---:|---:|"]
+    for r in results:
+        cells = [r["model"], f"{r['keras']['params'] / 1e6:.2f} M", _fmt(r["keras"]["samples_per_s"])]
+        for b in backends:
+            t = r.get(f"tnt-{b}", {})
+            cells += [_fmt(t.get("samples_per_s")), _fmt(t.get("efficiency"), ".2f"),
+                      _fmt(t.get("vs_mwms"), ".2f") + ("x" if "vs_mwms" in t else "")]
+        m = r.get("mwms", {})
+        cells += [_fmt(m.get("samples_per_s")), _fmt(m.get("efficiency"), ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if any(f"tnt-{b}-no-overlap" in r for r in results for b in backends):
+        lines += ["", "**Overlap on vs off** (`TNT_OVERLAP=false`: every allreduce after backprop)", "",
+                  "| model | backend | overlap on | overlap off | on / off |", "|---|---|---:|---:|---:|"]
+        for r in results:
+            for b in backends:
+                on, off = r.get(f"tnt-{b}"), r.get(f"tnt-{b}-no-overlap")
+                if on and off:
+                    lines.append(f"| {r['model']} | {b} | {on['samples_per_s']:.0f} | "
+                                 f"{off['samples_per_s']:.0f} | {on['samples_per_s'] / off['samples_per_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def sweep_table(sweep: dict) -> str:
+    ts = sweep["thresholds_kb"]
+    lines = ["**Fusion threshold sweep** (`TNT_FUSION_THRESHOLD_KB`; samples/s, in brackets relative "
+             "to the best threshold of the row; best in bold)", "",
+             "| model | backend | " + " | ".join(f"{t} KB" for t in ts) + " |",
+             "|---|---|" + "---:|" * len(ts)]
+    for row in sweep["rows"]:
+        rel = row["relative_to_best"]
+        cells = []
+        for t in ts:
+            text = f"{row['samples_per_s'][str(t)]:.0f} ({rel[str(t)]:.2f})"
+            cells.append(f"**{text}**" if rel[str(t)] == 1.0 else text)
+        lines.append(f"| {row['model']} | {row['backend']} | " + " | ".join(cells) + " |")
+    # geometric mean of the relative throughput of each threshold over all rows
+    import math
+
+    lines += ["", "| threshold | " + " | ".join(f"{t} KB" for t in ts) + " |", "|---|" + "---:|" * len(ts),
+              "| geometric mean of (throughput / best of its row) | " + " | ".join(
+                  f"{math.exp(sum(math.log(r['relative_to_best'][str(t)]) for r in sweep['rows']) / len(sweep['rows'])):.3f}"
+                  for t in ts) + " |"]
+    return "\n".join(lines)
+
+
+def timeline_table(results_dir: Path) -> str | None:
+    """From the rank-0 traces of the overlapping runs: how much allreduce ran during backprop."""
+    rows = []
+    for path in sorted(results_dir.glob("timeline-*-overlap1.json")):
+        _, backend, model, _ = path.stem.split("-")
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        backprops = sorted((e for e in events if e["name"] == "backprop"), key=lambda e: e["ts"])
+        optimizers = sorted((e for e in events if e["name"] == "optimizer apply"), key=lambda e: e["ts"])
+        buckets = [e for e in events if e["name"].startswith("allreduce") and e["args"]["dtype"] != "float64"]
+        steps = overlapped = 0
+        inside = total = 0.0
+        for bp, opt in zip(backprops, optimizers):
+            end = bp["ts"] + bp["dur"]
+            mine = [e for e in buckets if bp["ts"] <= e["ts"] <= opt["ts"]]
+            if not mine:
+                continue
+            steps += 1
+            overlapped += min(e["ts"] for e in mine) < end
+            for e in mine:
+                total += e["dur"]
+                inside += max(0.0, min(end, e["ts"] + e["dur"]) - e["ts"])
+        if steps:
+            med = sorted(b["dur"] for b in backprops)[len(backprops) // 2] / 1e3
+            rows.append(f"| {model} | {backend} | {med:.1f} | {overlapped}/{steps} | {100 * inside / total:.0f} % |")
+    if not rows:
+        return None
+    return "\n".join(["**What the timelines show** (rank 0, overlap on; `TNT_TIMELINE` traces in "
+                      "`docs/_static/benchmarks/timeline-*.json`, open them in https://ui.perfetto.dev)", "",
+                      "| model | backend | backprop, median ms | steps with a gradient allreduce started "
+                      "before backprop ended | share of gradient-allreduce time inside backprop |",
+                      "|---|---|---:|---:|---:|", *rows])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=ROOT / "docs/_static/benchmarks")
+    p.add_argument("--page", type=Path, default=ROOT / "docs/performance_results.md")
+    p.add_argument("--print", action="store_true")
+    args = p.parse_args()
+    parts = []
+    scaling = args.results / "scaling.json"
+    if scaling.exists():
+        parts.append(scaling_tables(json.loads(scaling.read_text())))
+    timelines = timeline_table(args.results)
+    if timelines:
+        parts.append(timelines)
+    sweep = args.results / "fusion_sweep.json"
+    if sweep.exists():
+        parts.append(sweep_table(json.loads(sweep.read_text())))
+    generated = "\n\n".join(parts) or "(no results yet)"
+    if args.print:
+        print(generated)
+        return 0
+    page = args.page.read_text()
+    head, rest = page.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    args.page.write_text(f"{head}{BEGIN}\n\n{generated}\n\n{END}{tail}")
+    print(f"updated {args.page}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
