@@ -1,5 +1,10 @@
 """Sphinx configuration of the Tarantella-NT documentation."""
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "_ext"))  # tnt_docs: generated reference parts
+
 project = "Tarantella-NT"
 author = "The Tarantella-NT developers"
 copyright = "2026, The Tarantella-NT developers"
@@ -9,6 +14,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
+    "tnt_docs",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 myst_enable_extensions = ["colon_fence", "deflist"]
@@ -25,3 +31,4 @@ html_title = "Tarantella-NT"
 html_static_path = ["_static"]
 exclude_patterns = ["_build"]
 nitpicky = False
+smartquotes = False  # keep -- and quotes as typed: option names and commands are copied

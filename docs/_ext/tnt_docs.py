@@ -1,0 +1,232 @@
+"""Sphinx directives that generate parts of the Tarantella-NT docs from the code itself.
+
+``{tnt-cli-reference} tnt_cli.options:build_parser`` (MyST)
+    The options of an argparse parser, group by group, taken from the real parser: the
+    page cannot drift from ``tnt run --help``.
+
+``{tnt-optional-toctree}`` (MyST)
+    A toctree listing only those of its entries that exist, so a page may point to a
+    document another change adds (e.g. measured results) without breaking the build.
+
+``{tnt-benchmark-results}`` (MyST)
+    The benchmark results committed under ``benchmarks/results/`` (``scaling.json`` and
+    ``scaling.png`` from ``benchmarks/scaling.py``, ``allreduce_<backend>_<time>.json``
+    from ``benchmarks/allreduce.py``), rendered as tables; a note saying how to produce
+    them when there are none. Numbers only ever come from those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+from pathlib import Path
+
+from docutils import nodes
+from docutils.parsers.rst import directives
+from docutils.statemachine import StringList
+from sphinx.directives.other import TocTree
+from sphinx.util.docutils import SphinxDirective
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def _code(text: str) -> str:
+    """``text`` as a Markdown code span."""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def _escape(text: str) -> str:
+    """Plain text safe inside Markdown (CommonMark escapes any ASCII punctuation)."""
+    return "".join("\\" + ch if ch in "\\`*_[]<>|#" else ch for ch in text)
+
+
+def _option_label(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return ", ".join(_code(s) for s in action.option_strings)
+    metavar = action.metavar
+    if metavar is None:
+        metavar = ("{" + ",".join(map(str, action.choices)) + "}" if action.choices is not None
+                   else action.dest.upper())
+    return ", ".join(_code(f"{s} {metavar}") for s in action.option_strings)
+
+
+def _parse_markdown(directive: SphinxDirective, lines: list[str], source: str,
+                    classes: list[str]) -> list[nodes.Node]:
+    """Parse generated MyST Markdown (these directives are used from .md pages)."""
+    container = nodes.container(classes=classes)
+    directive.state.nested_parse(StringList(lines, source=source), directive.content_offset, container)
+    return container.children
+
+
+def cli_reference(parser: argparse.ArgumentParser) -> list[str]:
+    """MyST Markdown describing every option of ``parser``, group by group."""
+    lines = ["```text", parser.format_usage().strip(), "```", ""]
+    if parser.description:
+        lines += [_escape(" ".join(parser.description.split())), ""]
+    for group in parser._action_groups:  # argparse keeps its groups only here
+        actions = [a for a in group._group_actions
+                   if a.help is not argparse.SUPPRESS and a.option_strings]
+        if not actions:
+            continue
+        title = group.title or "options"
+        lines += [f":::{{rubric}} {title[0].upper() + title[1:]}", ":::", ""]
+        for action in actions:
+            help_text = action.help or ""
+            if "%(" in help_text:
+                help_text = help_text % {"prog": parser.prog, "default": action.default}
+            body = _escape(" ".join(help_text.split()))
+            extra = []
+            if action.choices is not None:
+                extra.append("choices: " + ", ".join(_code(str(c)) for c in action.choices))
+            default = action.default
+            if default not in (None, False, [], argparse.SUPPRESS) and action.nargs != 0:
+                extra.append(f"default: {_code(str(default))}")
+            if extra:
+                body += " (" + "; ".join(extra) + ")"
+            lines += [_option_label(action), f": {body}", ""]
+    if parser.epilog:
+        lines += ["```text", *parser.epilog.rstrip().splitlines(), "```", ""]
+    return lines
+
+
+class CliReference(SphinxDirective):
+    """Render an argparse parser's options from ``module:function`` returning the parser."""
+
+    required_arguments = 1
+    option_spec = {"prog": directives.unchanged}
+
+    def run(self) -> list[nodes.Node]:
+        target = self.arguments[0]
+        module_name, _, func_name = target.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), func_name)
+            parser = factory(self.options["prog"]) if "prog" in self.options else factory()
+        except Exception as exc:  # the docs build must say which parser broke
+            raise self.error(f"tnt-cli-reference: cannot build the parser {target!r}: {exc}")
+        return _parse_markdown(self, cli_reference(parser), target, ["tnt-cli-reference"])
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _size(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor} {unit}"
+    return f"{n} B"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""]
+
+
+def result_files(results: Path) -> list[Path]:
+    """``scaling.json`` and the newest ``allreduce_<backend>_<time>.json`` of each backend."""
+    if not results.is_dir():
+        return []
+    files = [results / "scaling.json"] if (results / "scaling.json").exists() else []
+    latest: dict[str, Path] = {}
+    for path in sorted(results.glob("allreduce_*_*.json")):
+        latest[path.name.split("_")[1]] = path  # names end in a UTC time stamp: last is newest
+    return files + [latest[b] for b in sorted(latest)]
+
+
+def benchmark_results(results: Path, docdir: Path, repo: Path = REPO) -> list[str]:
+    """MyST Markdown tables of the result files in ``results``; a note when there are none.
+
+    Raises ``ValueError`` (naming the file) for a file that cannot be read.
+    """
+    lines: list[str] = []
+    for path in result_files(results):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from exc
+        rel = path.relative_to(repo) if path.is_relative_to(repo) else path
+        if path.name == "scaling.json":
+            lines += _scaling(data, rel, path.with_suffix(".png"), docdir)
+        else:
+            lines += _allreduce(data, path.name.split("_")[1], rel)
+    if not lines:
+        lines = [":::{note}",
+                 "No results in `benchmarks/results/` of this tree (no `scaling.json` or",
+                 "`allreduce_*.json`; the directory is git-ignored, so results stay on the",
+                 "machine that measured them). Produce them with the commands above; this",
+                 "section then shows them.", ":::", ""]
+    return lines
+
+
+def _scaling(data: list[dict], rel: Path, png: Path, docdir: Path) -> list[str]:
+    first = data[0]
+    lines = [f":::{{rubric}} Training throughput (`{rel}`)", ":::", "",
+             f"{first['ranks']} ranks, micro-batch {first['micro_batch']} per rank; "
+             "efficiency = throughput of N ranks / (N x throughput of one plain Keras process).", ""]
+    rows = []
+    for row in data:
+        rows.append([f"`{row['model']}`", "Keras, 1 process", _fmt(row["keras"]["samples_per_s"], 0), "", ""])
+        for key, r in row.items():
+            if not isinstance(r, dict) or key == "keras":
+                continue
+            rows.append(["", f"`{key}`", _fmt(r["samples_per_s"], 0),
+                         _fmt(r["efficiency"]) if "efficiency" in r else "",
+                         _fmt(r["vs_mwms"]) + "x" if "vs_mwms" in r else ""])
+    lines += _table(["model", "run", "samples/s", "efficiency", "ours / MWMS"], rows)
+    if png.exists():
+        lines += [f"![throughput per model and run]({os.path.relpath(png, docdir)})", ""]
+    return lines
+
+
+def _allreduce(data: dict, backend: str, rel: Path) -> list[str]:
+    lines = [f":::{{rubric}} Allreduce, {backend} backend (`{rel}`)", ":::", "",
+             f"{data.get('nprocs', '?')} ranks, {data.get('iters', '?')} iterations per size, "
+             f"started {data.get('started_utc', '?')} on host `{data.get('host', '?')}`. "
+             "Bandwidth is algorithm bandwidth (bytes / median time). *ours* is "
+             "`allreduce_async(buf).wait()` through the backend; *baseline* is the "
+             "backend's library called directly.", ""]
+    rows = [[_size(r["size_bytes"]), _fmt(r["ours_median_us"], 0), _fmt(r["baseline_median_us"], 0),
+             _fmt(r["ours_gbps"], 3), _fmt(r["baseline_gbps"], 3), _fmt(r["ratio"])]
+            for r in data.get("rows", [])]
+    return lines + _table(["size", "ours median µs", "baseline median µs", "ours GB/s",
+                           "baseline GB/s", "ours / baseline"], rows)
+
+
+class BenchmarkResults(SphinxDirective):
+    """Tables (and the plot) of the result files under ``benchmarks/results``."""
+
+    def run(self) -> list[nodes.Node]:
+        for path in result_files(RESULTS):
+            self.env.note_dependency(str(path))
+        docdir = Path(self.env.doc2path(self.env.docname)).parent
+        try:
+            lines = benchmark_results(RESULTS, docdir)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise self.error(f"tnt-benchmark-results: {exc!r}")
+        return _parse_markdown(self, lines, str(RESULTS), ["tnt-benchmark-results"])
+
+
+class OptionalTocTree(TocTree):
+    """``toctree`` of the entries that exist; nothing at all when none does."""
+
+    def run(self) -> list[nodes.Node]:
+        kept = [(line, self.content.info(i)) for i, line in enumerate(self.content)
+                if line.strip() in self.env.found_docs]
+        if not kept:
+            return []
+        content = StringList()
+        for line, (source, offset) in kept:
+            content.append(line, source, offset)
+        self.content = content
+        return super().run()
+
+
+def setup(app):
+    app.add_directive("tnt-cli-reference", CliReference)
+    app.add_directive("tnt-benchmark-results", BenchmarkResults)
+    app.add_directive("tnt-optional-toctree", OptionalTocTree)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
