@@ -83,3 +83,38 @@ def test_completed_request_returns_at_once() -> None:
     req = ScriptedRequest(0.0)
     p.wait(req, "barrier #1", 0, timeout_s=1)
     assert req.tests == 1
+
+
+def test_waited_settings_default_and_env() -> None:
+    assert PollSettings.from_env({}).spin_waited_max_s == pytest.approx(50e-3)
+    s = PollSettings.from_env({"TNT_MPI_MAX_WAITED_SPIN_MS": "7"})
+    assert s.spin_waited_max_s == pytest.approx(7e-3)
+    with pytest.raises(ConfigError, match="TNT_MPI_MAX_WAITED_SPIN_MS"):
+        PollSettings.from_env({"TNT_MPI_MAX_WAITED_SPIN_MS": "lots"})
+    # never below the cap for an operation nobody waits for
+    assert PollSettings.from_env({"TNT_MPI_MAX_SPIN_MS": "9", "TNT_MPI_MAX_WAITED_SPIN_MS": "2"}
+                                 ).spin_waited_max_s == pytest.approx(9e-3)
+
+
+def test_a_waited_transfer_is_polled_without_sleeping() -> None:
+    # 8 MiB at the initial 1 GB/s guess: a transfer of ~8 ms, longer than the 1 ms cap
+    settings = PollSettings(50e-6, 1e-3, 1e-3, spin_waited_max_s=50e-3)
+    nbytes = 8 << 20
+    waited = Poller(settings, 0, lambda: None, waited=lambda: True)
+    alone = Poller(settings, 0, lambda: None, waited=lambda: False)
+    assert waited.spin_budget(nbytes, waited=True) > 10 * alone.spin_budget(nbytes)
+    spun, slept = ScriptedRequest(0.02), ScriptedRequest(0.02)
+    waited.wait(spun, "allreduce #1", nbytes, timeout_s=10)
+    alone.wait(slept, "allreduce #2", nbytes, timeout_s=10)
+    # spinning tests many times per millisecond; sleeping (20 us growing to 1 ms) a few
+    assert spun.tests > 20 * slept.tests, (spun.tests, slept.tests)
+
+
+def test_a_waited_operation_still_backs_off_for_a_late_peer() -> None:
+    p = Poller(PollSettings(50e-6, 1e-3, 1e-3, spin_waited_max_s=20e-3), 0, lambda: None,
+               waited=lambda: True)
+    req = ScriptedRequest(0.5)
+    c0 = time.process_time()
+    p.wait(req, "allreduce #1", 1 << 20, timeout_s=10)
+    cpu = time.process_time() - c0
+    assert cpu < 0.15, f"waiting 0.5 s for a late peer cost {cpu:.3f}s CPU"

@@ -55,3 +55,83 @@ def test_waiting_does_not_spin_a_core():
     worker.close()
     with pytest.raises(CommError, match="closed"):
         worker.submit(lambda: None, "late")
+
+
+def test_a_waiter_runs_queued_operations_itself_in_order():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    ran_on = []
+    gate = threading.Event()
+    # the first operation occupies the thread; the waiter must not run anything meanwhile
+    first = worker.submit(lambda: (gate.wait(5), ran_on.append(("first", threading.current_thread().name)))[1], "op0")
+    time.sleep(0.05)
+    later = [worker.submit(lambda i=i: ran_on.append((i, threading.current_thread().name)), f"op{i + 1}")
+             for i in range(3)]
+    threading.Timer(0.1, gate.set).start()
+    later[-1].wait()
+    assert [what for what, _ in ran_on] == ["first", 0, 1, 2]
+    assert ran_on[0][1] == "t"
+    assert all(h.done() for h in [first, *later])
+    # nothing queued and the thread idle: the waiter runs its operation itself
+    ran_on.clear()
+    worker.submit(lambda: ran_on.append(threading.current_thread().name), "op5").wait()
+    assert len(ran_on) == 1
+    worker.close()
+
+
+def test_inline_run_is_the_caller_thread_when_the_worker_is_asleep():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    names = set()
+    for _ in range(200):
+        worker.submit(lambda: names.add(threading.current_thread().name), "op").wait()
+    assert threading.current_thread().name in names  # at least some ran inline
+    worker.close()
+
+
+def test_a_short_wait_timeout_never_runs_inline_and_times_out():
+    worker = CommThread("t", rank=1, timeout_s=10, run_in_waiter=True)
+    gate = threading.Event()
+    blocker = worker.submit(lambda: gate.wait(5), "slow #1")
+    queued = worker.submit(lambda: time.sleep(2), "queued #2")
+    t0 = time.perf_counter()
+    with pytest.raises(CommError, match=r"queued #2\] did not complete within 0.2s"):
+        queued.wait(0.2)
+    assert time.perf_counter() - t0 < 1.0
+    gate.set()
+    blocker.wait()
+    worker.close()
+
+
+def test_inline_failure_poisons_later_operations():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    with pytest.raises(CommError, match="ZeroDivisionError"):
+        worker.submit(lambda: 1 / 0, "bad #1").wait()
+    with pytest.raises(CommError, match="an earlier collective failed"):
+        worker.submit(lambda: None, "after #2")
+    worker.close()
+
+
+def test_has_waiters_while_a_thread_is_blocked():
+    worker = CommThread("t", rank=0, timeout_s=10)
+    seen = []
+    gate = threading.Event()
+
+    def op():
+        gate.wait(5)
+        seen.append(worker.has_waiters)
+
+    handle = worker.submit(op, "op")
+    assert not worker.has_waiters
+    threading.Timer(0.1, gate.set).start()
+    handle.wait()
+    assert seen == [True]
+    assert not worker.has_waiters
+    worker.close()
+
+
+def test_close_runs_what_is_queued():
+    worker = CommThread("t", rank=0, timeout_s=10)
+    seen = []
+    handles = [worker.submit(lambda i=i: (time.sleep(0.01), seen.append(i)), f"op{i}") for i in range(5)]
+    worker.close()
+    assert seen == list(range(5))
+    assert all(h.done() for h in handles)

@@ -16,7 +16,11 @@ calls ``MPI_Test`` in a loop of two phases:
    starts during backprop and waits for the peer's backprop, so the cap is short (1 ms):
    a longer spin burns the core the rank's own backprop (or, with ranks sharing cores, the
    peer's) needs. Measured in the mlp train step (2 ranks, 2 cores, benchmarks/): a 100 ms
-   cap gave 3,600-5,400 samples/s, a 1 ms cap 8,700-9,400;
+   cap gave 3,600-5,400 samples/s, a 1 ms cap 8,700-9,400.
+   While a caller is blocked waiting for the result (``waited()``), the rank has nothing
+   else to compute, so the cap is ``spin_waited_max_s`` (default 50 ms) instead: measured
+   on 2 ranks, the 1 ms cap cost 22 % of the bandwidth of an 8 MiB allreduce, whose
+   transfer outlasts it;
 2. then *back off*: sleep between tests, growing by 25 % from 20 us up to ``max_sleep_s``.
    A rank waiting for a late peer sleeps almost all the time.
 
@@ -28,8 +32,10 @@ A wait past the timeout, a failure reported by another thread (``Handle.wait`` t
 or a close all end the loop with :class:`tnt_core.CommError`.
 
 Settings (environment, read once per backend): ``TNT_MPI_SPIN_US`` (default 200),
-``TNT_MPI_MAX_SPIN_MS`` (1), ``TNT_MPI_MAX_SLEEP_US`` (1000). A rank waiting ``T``
-seconds for a late peer spins at most ``TNT_MPI_MAX_SPIN_MS`` of it.
+``TNT_MPI_MAX_SPIN_MS`` (1), ``TNT_MPI_MAX_WAITED_SPIN_MS`` (50),
+``TNT_MPI_MAX_SLEEP_US`` (1000). A rank waiting ``T`` seconds for a late peer spins at
+most ``TNT_MPI_MAX_WAITED_SPIN_MS`` of it, and only as long as the typical transfer of the
+operation's size takes (times :data:`SPIN_FACTOR`).
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class PollSettings:
     spin_min_s: float = 200e-6
     spin_max_s: float = 1e-3
     max_sleep_s: float = 1e-3
+    spin_waited_max_s: float = 50e-3
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PollSettings:
@@ -83,7 +90,8 @@ class PollSettings:
         spin_min = _env_float(env, "TNT_MPI_SPIN_US", 200.0, 1e-6)
         spin_max = max(spin_min, _env_float(env, "TNT_MPI_MAX_SPIN_MS", 1.0, 1e-3))
         sleep = max(_MIN_SLEEP_S, _env_float(env, "TNT_MPI_MAX_SLEEP_US", 1000.0, 1e-6))
-        return cls(spin_min, spin_max, sleep)
+        waited = max(spin_max, _env_float(env, "TNT_MPI_MAX_WAITED_SPIN_MS", 50.0, 1e-3))
+        return cls(spin_min, spin_max, sleep, waited)
 
 
 class Poller:
@@ -91,42 +99,50 @@ class Poller:
 
     :param abort: returns an exception to end the wait with (failure elsewhere, closing),
         or None to go on waiting. Called a few times per millisecond at most.
+    :param waited: True while a caller is blocked on the result (then spinning costs the
+        rank nothing it would otherwise compute).
     """
 
     def __init__(self, settings: PollSettings, rank: int,
-                 abort: Callable[[], BaseException | None]) -> None:
+                 abort: Callable[[], BaseException | None],
+                 waited: Callable[[], bool] = lambda: False) -> None:
         self.settings = settings
         self.rank = rank
         self._abort = abort
+        self._waited = waited
         self._bandwidth = _INITIAL_BANDWIDTH  # median bytes/s of recent operations
         self._recent: deque[float] = deque(maxlen=WINDOW)
 
-    def spin_budget(self, nbytes: int) -> float:
+    def spin_budget(self, nbytes: int, waited: bool = False) -> float:
         s = self.settings
-        return min(s.spin_max_s, s.spin_min_s + SPIN_FACTOR * nbytes / self._bandwidth)
+        cap = s.spin_waited_max_s if waited else s.spin_max_s
+        return min(cap, s.spin_min_s + SPIN_FACTOR * nbytes / self._bandwidth)
 
     def wait(self, request: Any, operation: str, nbytes: int, timeout_s: float) -> None:
         """Return once ``request`` completed; CommError on timeout or abort."""
         start = time.perf_counter()
-        if request.Test():
+        test = request.Test
+        if test():
             return
         spin_end = start + self.spin_budget(nbytes)
+        waited_end = start + self.spin_budget(nbytes, waited=True)
         deadline = start + timeout_s
-        test = request.Test
-        checks = 0
-        while time.perf_counter() < spin_end:
-            if test():
-                self._learn(nbytes, time.perf_counter() - start)
-                return
-            checks += 1
-            if checks & 0x3FF == 0 and (error := self._abort()) is not None:
-                raise error
-        delay = _MIN_SLEEP_S
+        waited, clock = self._waited, time.perf_counter
         sleep, max_sleep = time.sleep, self.settings.max_sleep_s
+        delay = _MIN_SLEEP_S
+        checks = 0
         while True:
+            now = clock()
+            if now < spin_end or (now < waited_end and waited()):
+                if test():  # spin: MPI progresses inside the test
+                    break
+                checks += 1
+                if checks & 0x3FF == 0 and (error := self._abort()) is not None:
+                    raise error
+                delay = _MIN_SLEEP_S
+                continue
             if (error := self._abort()) is not None:
                 raise error
-            now = time.perf_counter()
             if now > deadline:
                 raise CommError(
                     f"did not complete within {timeout_s:g}s (TNT_TIMEOUT_S); a peer is dead, "
@@ -135,8 +151,8 @@ class Poller:
             sleep(delay)
             delay = min(delay * _BACKOFF, max_sleep)
             if test():
-                self._learn(nbytes, time.perf_counter() - start)
-                return
+                break
+        self._learn(nbytes, clock() - start)
 
     def _learn(self, nbytes: int, seconds: float) -> None:
         """Track the median bandwidth of recent operations big enough to time."""
