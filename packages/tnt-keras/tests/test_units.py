@@ -263,7 +263,8 @@ def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
     """Overlap, shown without timing: a probe in the middle of the network blocks the
     backward pass (of the layers before it) until the reducer has received a gradient
     (of a layer after it). Without overlap the pushes would only start once backprop is
-    over, and the probe would time out."""
+    over, and the probe would time out. Pushes are per bucket, so the gradients must fall
+    into more than one bucket: fusion threshold 0, a bucket per tensor."""
     import threading
 
     pushed = threading.Event()
@@ -278,7 +279,7 @@ def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
     waited = []
 
     def wait_for_a_push(dy):
-        waited.append(pushed.wait(timeout=30))
+        waited.append(pushed.wait(timeout=10))
         return dy
 
     @tf.custom_gradient
@@ -295,6 +296,7 @@ def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
 
     model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), Probe(),
                                         keras.layers.Dense(4)]))
+    model._tnt_steps.train_reducer.threshold_bytes = 0  # noqa: SLF001
     model.compile(optimizer="sgd", loss="mse")
     for _ in range(2):
         pushed.clear()

@@ -91,8 +91,8 @@ class DistributedSteps:
         order = [i for i in reversed(range(len(variables))) if grads[i] is not None]
         tensors = [increments] + [_dense(grads[i]) for i in order]
         reducer.plan(tensors)
-        tokens = [reducer.push(0, increments, n, b, weighted=False, metrics=True)]
-        tokens += [reducer.push(k + 1, t, n, b, weighted=True) for k, t in enumerate(tensors[1:])]
+        tokens = reducer.push_buckets(tensors, n, b, weighted=[False] + [True] * (len(tensors) - 1),
+                                      metrics_id=0)
         reduced = reducer.finish(tokens, tensors)
 
         states.end(before, reduced[0])
@@ -131,8 +131,8 @@ class DistributedSteps:
         increments = states.increments()
         reducer = self.test_reducer
         reducer.plan([increments])
-        token = reducer.push(0, increments, n, b, weighted=False, metrics=True)
-        (total,) = reducer.finish([token], [increments])
+        tokens = reducer.push_buckets([increments], n, b, weighted=[False], metrics_id=0)
+        (total,) = reducer.finish(tokens, [increments])
         states.end(before, total)
         return model.get_metrics_result()
 
