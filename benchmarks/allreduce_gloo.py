@@ -1,18 +1,30 @@
 """tnt-comm-gloo's allreduce next to Gloo's own ring allreduce, same buffers, same run.
 
 Used by ``benchmarks/allreduce.py --backend gloo``. Starts ``--nprocs`` ranks (2 by
-default) over loopback with tnt-core's test launcher. Every rank, for every size:
+default) on this host with tnt-core's test launcher. Every rank, for every size:
 
 * ours: ``backend.allreduce_async(buf).wait()`` timed from Python, one call at a time —
   what tnt-keras pays: validation, the hand-off to the C++ worker thread and back, and
-  the algorithm tnt-comm-gloo picks for the size (recursive doubling or bcube for
-  small buffers, the ring for large ones);
+  the transport the backend chose: shared memory (the ranks share this host, so with the
+  default ``TNT_GLOO_SHM=auto``), or with ``TNT_GLOO_SHM=0`` TCP and the algorithm
+  tnt-comm-gloo picks for the size (recursive doubling or bcube for small buffers, the
+  ring for large ones). The transport is printed above the table and stored per row
+  (``ours_transport``, ``ours_algorithm``);
 * baseline: ``gloo::allreduce`` with ``RING`` called directly in a C++ loop on the
   calling thread (``GlooBackend.time_direct_allreduce``), on the same context and buffer,
-  timed per call in C++;
+  timed per call in C++: always Gloo over TCP, whatever ours uses;
+* with shared memory, the shared-memory allreduce called directly from C++ too (key
+  ``shm_direct_median_us``): what the queue and Python add on top of it;
+* ours again, back to back (key ``ours_back_to_back_median_us``): alternating with the
+  baseline leaves the ranks as far apart as the TCP ring's last message, which a
+  shared-memory allreduce then waits out; back to back the ranks stay in step, as in a
+  training step's successive bucket allreduces;
 * for sizes up to 4 MiB also Gloo's ``BCUBE`` and tnt-comm-gloo's recursive doubling
   called directly, to place the crossovers (keys ``bcube_median_us``,
   ``doubling_median_us``).
+
+``TNT_GLOO_SHM=0 python benchmarks/allreduce.py --backend gloo ...`` benchmarks the TCP
+transport instead (the ranks inherit the environment).
 
 Ours and the baseline alternate call by call so that load from other processes on the
 machine hits both alike; medians are reported (and 10th percentiles in the JSON, which
@@ -49,6 +61,11 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
     backend = runtime.backend
     if backend.name != "gloo":
         raise SystemExit(f"expected the gloo backend, got {backend.name!r}")
+    transport = backend.allreduce_transport
+    if backend.rank == 0:
+        why = "" if transport == "shm" else f" ({backend._comm.shm_reason})"
+        print(f"ours: tnt-comm-gloo allreduce over {transport}{why}; baseline: Gloo RING "
+              f"over TCP; {backend.size} ranks", file=sys.stderr, flush=True)
     rows = []
     for size in sizes:
         buf = np.zeros(size // 4, dtype=np.float32)
@@ -60,12 +77,22 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
         base: list[float] = []
         bcube: list[float] = []
         doubling: list[float] = []
+        shm_direct: list[float] = []
         power_of_two = backend.size & (backend.size - 1) == 0
         for _ in range(total):  # one of each in turn: both see the same machine load
             t0 = time.perf_counter()
             backend.allreduce_async(buf).wait()
             ours.append(time.perf_counter() - t0)
             base.extend(backend.time_direct_allreduce(buf, 1, "ring"))
+        back_to_back: list[float] = []
+        for _ in range(total):
+            t0 = time.perf_counter()
+            backend.allreduce_async(buf).wait()
+            back_to_back.append(time.perf_counter() - t0)
+        if transport == "shm":
+            backend.time_direct_allreduce(buf, 2, "shm")
+            for _ in range(total):
+                shm_direct.extend(backend.time_direct_allreduce(buf, 1, "shm"))
         if size <= SMALL_UP_TO:  # the other algorithms, for the crossovers
             for _ in range(total):
                 bcube.extend(backend.time_direct_allreduce(buf, 1, "bcube"))
@@ -80,7 +107,9 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
             "ours_median_us": ours_us,
             "baseline_median_us": base_us,
             "iters": total,
-            "ours_algorithm": backend._settings.algorithm_for(size, backend.size),
+            "ours_transport": transport,
+            "ours_algorithm": ("shm" if transport == "shm"
+                               else backend._settings.algorithm_for(size, backend.size)),
             "ours_p10_us": float(np.percentile(ours, 10)) * 1e6,
             "baseline_p10_us": float(np.percentile(base, 10)) * 1e6,
         }
@@ -90,9 +119,14 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
             row["bcube_median_us"] = _median_us(bcube)
         if doubling:
             row["doubling_median_us"] = _median_us(doubling)
+        row["ours_back_to_back_median_us"] = _median_us(back_to_back)
+        if shm_direct:
+            row["shm_direct_median_us"] = _median_us(shm_direct)
         rows.append(row)
         if backend.rank == 0:
-            print(f"{size:>10} B  ours {ours_us:10.1f} us  ring {base_us:10.1f} us"
+            print(f"{size:>10} B  ours ({transport}) {ours_us:10.1f} us  ring {base_us:10.1f} us"
+                  f"  ours back to back {row['ours_back_to_back_median_us']:10.1f} us"
+                  + (f"  shm direct {row['shm_direct_median_us']:10.1f} us" if shm_direct else "")
                   + (f"  bcube {row['bcube_median_us']:10.1f} us" if bcube else "")
                   + (f"  doubling {row['doubling_median_us']:10.1f} us" if doubling else ""),
                   file=sys.stderr, flush=True)
@@ -116,7 +150,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         )
         if not result.ok or not out.exists():
             raise SystemExit("the benchmark ranks failed:\n" + result.describe())
-        return json.loads(out.read_text())
+        rows = json.loads(out.read_text())
+        if rows:  # above the driver's table: what "gloo" and "baseline" are
+            print(f"gloo = tnt-comm-gloo allreduce_async().wait() over {rows[0]['ours_transport']}"
+                  "; baseline = Gloo's RING allreduce over TCP called from C++")
+        return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,7 @@ void allreduce_typed(const Exec& exec, void* data, std::size_t count, ReduceOp o
 void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
                    ReduceOp op, Algorithm algorithm) {
   if (count == 0 || exec.context->size == 1) return;
+  if (exec.shm != nullptr) return exec.shm->allreduce(data, count, dtype, op, exec.timeout);
   switch (dtype) {
     case DType::kFloat16:
       return allreduce_typed<gloo::float16>(exec, data, count, op, dtype, algorithm);
@@ -174,6 +175,9 @@ void run_barrier(const Exec& exec) {
 struct Communicator::Shared {
   std::shared_ptr<gloo::Context> context;
   std::chrono::milliseconds timeout{0};
+  // Set before the worker starts, released by close() after it exited; poison() reads
+  // it under `mu`.
+  std::shared_ptr<ShmAllreduce> shm;
 
   std::mutex mu;  // guards the fields below
   std::condition_variable cv;  // queue filled, stopping, worker idle, worker exited
@@ -211,6 +215,19 @@ Communicator::Communicator(const ConnectOptions& options, gloo::rendezvous::Stor
     throw GlooError("building the full TCP mesh failed: " +
                     describe_exception(std::current_exception()));
   }
+  try {
+    ShmOptions shm = options.shm;
+    shm.rank = rank_;
+    shm.size = size_;
+    shm.timeout = options.timeout;
+    ShmSetup setup = setup_shm(shm, store);
+    shared_->shm = std::move(setup.shm);
+    shm_reason_ = std::move(setup.reason);
+    if (shared_->shm) shm_name_ = shared_->shm->segment_name();
+  } catch (...) {
+    throw GlooError("setting up the shared-memory allreduce failed: " +
+                    describe_exception(std::current_exception()));
+  }
   worker_ = std::thread(&Communicator::run, shared_);
 }
 
@@ -233,9 +250,17 @@ std::shared_ptr<Work> Communicator::submit(std::string name, Body body, bool inl
 }
 
 void Communicator::poison(Shared& shared, const std::string& reason) {
+  std::shared_ptr<ShmAllreduce> shm;
   {
     std::lock_guard<std::mutex> lock(shared.mu);
     if (shared.failure.empty()) shared.failure = reason;
+    shm = shared.shm;
+  }
+  // Peers waiting in a shared-memory allreduce see the flag and fail now (and so does
+  // our own worker if it waits there).
+  if (shm) shm->abort(ShmAllreduce::kFailed);
+  {
+    std::lock_guard<std::mutex> lock(shared.mu);
     if (shared.connections_closed || !shared.context) return;
     shared.connections_closed = true;
   }
@@ -254,7 +279,7 @@ void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
   } else {
     std::lock_guard<std::mutex> guard(s.context_mu);
     try {
-      task.body(Exec{s.context, s.timeout, s.next_tag++, s.scratch});
+      task.body(Exec{s.context, s.timeout, s.next_tag++, s.scratch, s.shm.get()});
     } catch (...) {
       error = describe_exception(std::current_exception());
     }
@@ -324,12 +349,15 @@ bool Communicator::wait(const std::shared_ptr<Work>& work,
 
 std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t count,
                                                          DType dtype, Algorithm algorithm,
-                                                         int iters) {
+                                                         int iters, bool shm) {
   {
     std::unique_lock<std::mutex> lock(shared_->mu);
     shared_->cv.wait(lock, [this] { return shared_->queue.empty() && !shared_->busy; });
     if (!shared_->failure.empty()) {
       throw GlooError("an earlier collective failed: " + shared_->failure);
+    }
+    if (shm && !shared_->shm) {
+      throw std::invalid_argument("this communicator's allreduce does not use shared memory");
     }
   }
   std::lock_guard<std::mutex> guard(shared_->context_mu);
@@ -338,9 +366,9 @@ std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t 
   try {
     for (int i = 0; i < iters; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      run_allreduce(Exec{shared_->context, shared_->timeout, shared_->next_tag++, shared_->scratch},
-                    data,
-                    count, dtype, ReduceOp::kSum, algorithm);
+      run_allreduce(Exec{shared_->context, shared_->timeout, shared_->next_tag++,
+                         shared_->scratch, shm ? shared_->shm.get() : nullptr},
+                    data, count, dtype, ReduceOp::kSum, algorithm);
       seconds.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
@@ -386,10 +414,16 @@ bool Communicator::close(std::chrono::milliseconds grace) {
   }
   worker_.join();
   std::shared_ptr<gloo::Context> context;
+  std::shared_ptr<ShmAllreduce> shm;
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     context = std::move(shared_->context);
+    shm = std::move(shared_->shm);
   }
+  // A peer still waiting for us in an allreduce we will never join fails at once.
+  // (Peers still reading our last chunk keep their mapping of it: unaffected.)
+  if (shm) shm->abort(ShmAllreduce::kClosed);
+  shm.reset();  // unmaps the segments
   context.reset();  // closes the sockets and stops using the device
   return true;
 }

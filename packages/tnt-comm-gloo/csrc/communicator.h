@@ -23,6 +23,7 @@
 #include <gloo/context.h>
 #include <gloo/rendezvous/store.h>
 
+#include "shm_allreduce.h"
 #include "types.h"
 
 namespace tnt_gloo {
@@ -59,18 +60,24 @@ struct ConnectOptions {
   std::string hostname;  // address to listen on (used when iface is empty)
   std::string iface;     // network interface to listen on (wins over hostname)
   std::chrono::milliseconds timeout{1800000};
+  // Shared-memory allreduce (mode, names, chunk, spin); rank, size and timeout are
+  // taken from the fields above.
+  ShmOptions shm;
 };
 
-// What a queued body gets: the context to itself, the timeout, a fresh tag, and a
-// scratch buffer that only the thread running the body uses (reused between calls).
+// What a queued body gets: the context to itself, the timeout, a fresh tag, a
+// scratch buffer that only the thread running the body uses (reused between calls), and
+// the shared-memory allreduce when all ranks share a host (null: Gloo over TCP).
 struct Exec {
   const std::shared_ptr<gloo::Context>& context;
   std::chrono::milliseconds timeout;
   std::uint32_t tag;
   std::vector<char>& scratch;
+  ShmAllreduce* shm = nullptr;
 };
 
-// Synchronous Gloo collectives (in place where it applies); they throw on failure.
+// Synchronous collectives (in place where it applies); they throw on failure.
+// run_allreduce uses exec.shm when set, else `algorithm` over Gloo's TCP transport.
 void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
                    ReduceOp op, Algorithm algorithm);
 void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root);
@@ -89,6 +96,12 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // "shm" or "tcp": what allreduce runs over; the same on every rank.
+  const char* allreduce_transport() const { return shm_name_.empty() ? "tcp" : "shm"; }
+  // Why shared memory is not used ("" when it is).
+  const std::string& shm_reason() const { return shm_reason_; }
+  // The (already unlinked) name of this rank's segment, "" without shared memory.
+  const std::string& shm_segment_name() const { return shm_name_; }
 
   using Body = std::function<void(const Exec&)>;
 
@@ -104,9 +117,12 @@ class Communicator {
 
   // Gloo's ring allreduce called directly on the calling thread, `iters` times,
   // bypassing the queue; returns the seconds each call took. For the benchmark's
-  // baseline. Waits until the worker is idle and keeps it off the context meanwhile.
+  // baseline, so over TCP even when allreduce uses shared memory, unless `shm` asks for
+  // the shared-memory allreduce itself (to tell its cost from the queue's). Waits until
+  // the worker is idle and keeps it off the context meanwhile.
   std::vector<double> time_direct_allreduce(void* data, std::size_t count, DType dtype,
-                                            Algorithm algorithm, int iters);
+                                            Algorithm algorithm, int iters,
+                                            bool shm = false);
 
   // Poison the communicator with `reason` and close its connections.
   void abort(const std::string& reason);
@@ -134,6 +150,8 @@ class Communicator {
   const int size_;
   std::shared_ptr<Shared> shared_;
   std::thread worker_;
+  std::string shm_reason_;
+  std::string shm_name_;
   bool closed_ = false;  // close() ran; only close() and the destructor use it
 };
 

@@ -257,9 +257,10 @@ class PyCommunicator {
     void* data = buf.data();
     const std::size_t count = buf.size();
     const DType dtype = dtype_of(buf.dtype());
-    const Algorithm algo = parse_algorithm(algorithm);
+    const bool shm = algorithm == "shm";
+    const Algorithm algo = shm ? Algorithm::kRing : parse_algorithm(algorithm);
     nb::gil_scoped_release release;
-    return comm_->time_direct_allreduce(data, count, dtype, algo, iters);
+    return comm_->time_direct_allreduce(data, count, dtype, algo, iters, shm);
   }
 
  private:
@@ -267,10 +268,20 @@ class PyCommunicator {
   std::shared_ptr<StagingBuffer> staging_;
 };
 
+ShmMode parse_shm_mode(const std::string& mode) {
+  if (mode == "auto") return ShmMode::kAuto;
+  if (mode == "0") return ShmMode::kOff;
+  if (mode == "1") return ShmMode::kRequired;
+  throw std::invalid_argument("shm mode must be 'auto', '0' or '1', not '" + mode + "'");
+}
+
 std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_client,
                                         const std::string& file_store, const std::string& prefix,
                                         const std::string& hostname, const std::string& iface,
-                                        double timeout_s) {
+                                        double timeout_s, const std::string& shm,
+                                        const std::string& shm_prefix,
+                                        const std::string& shm_host_id,
+                                        std::size_t shm_chunk_bytes, int shm_spin_us) {
   if (size < 1 || rank < 0 || rank >= size) {
     throw std::invalid_argument("rank " + std::to_string(rank) + " is not in [0, " +
                     std::to_string(size) + ")");
@@ -287,6 +298,17 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
   options.hostname = hostname;
   options.iface = iface;
   options.timeout = to_ms(timeout_s, "timeout");
+  options.shm.mode = parse_shm_mode(shm);
+  if (shm_prefix.empty() || shm_prefix.find('/') != std::string::npos) {
+    throw std::invalid_argument("shm_prefix must be a non-empty name without '/'");
+  }
+  options.shm.name_prefix = shm_prefix;
+  options.shm.host_id = shm_host_id;
+  if (shm_chunk_bytes < 4096 || shm_chunk_bytes % 64 != 0) {
+    throw std::invalid_argument("shm_chunk_bytes must be a multiple of 64, at least 4096");
+  }
+  options.shm.chunk_bytes = shm_chunk_bytes;
+  options.shm.spin_us = shm_spin_us;
 
   std::unique_ptr<gloo::rendezvous::Store> base;
   if (!store_client.is_none()) {
@@ -336,6 +358,11 @@ NB_MODULE(_gloo, m) {
       .def_prop_ro("rank", [](PyCommunicator& c) { return c.comm().rank(); })
       .def_prop_ro("size", [](PyCommunicator& c) { return c.comm().size(); })
       .def_prop_ro("failure", [](PyCommunicator& c) { return c.comm().failure(); })
+      .def_prop_ro("allreduce_transport",
+                   [](PyCommunicator& c) { return std::string(c.comm().allreduce_transport()); })
+      .def_prop_ro("shm_reason", [](PyCommunicator& c) { return c.comm().shm_reason(); })
+      .def_prop_ro("shm_segment_name",
+                   [](PyCommunicator& c) { return c.comm().shm_segment_name(); })
       .def("allreduce", &PyCommunicator::allreduce, "buf"_a.noconvert(), "op"_a,
            "algorithm"_a, "name"_a, "Queue an in-place allreduce of a host array.")
       .def("allreduce_dlpack", &PyCommunicator::allreduce_dlpack, "capsule"_a, "op"_a,
@@ -353,8 +380,9 @@ NB_MODULE(_gloo, m) {
            "idle, runs it on this thread.")
       .def("time_direct_allreduce", &PyCommunicator::time_direct_allreduce,
            "buf"_a.noconvert(), "algorithm"_a, "iters"_a,
-           "Benchmark baseline: the allreduce algorithm (sum) called directly iters times "
-           "on this thread, bypassing the queue; seconds per call.")
+           "Benchmark baseline: the allreduce algorithm (sum; ring, bcube, doubling over "
+           "TCP, or shm) called directly iters times on this thread, bypassing the queue; "
+           "seconds per call.")
       .def("abort", [](PyCommunicator& c, const std::string& reason) { c.comm().abort(reason); },
            "reason"_a, "Fail this and every later operation; close the connections.")
       .def("close",
@@ -375,7 +403,11 @@ NB_MODULE(_gloo, m) {
         "capsule"_a, "Bytes of the tensor in an unconsumed DLPack capsule (checks it too).");
 
   m.def("connect", &connect, "rank"_a, "size"_a, "store"_a.none(), "file_store"_a,
-        "prefix"_a, "hostname"_a, "iface"_a, "timeout_s"_a,
+        "prefix"_a, "hostname"_a, "iface"_a, "timeout_s"_a, "shm"_a = "auto",
+        "shm_prefix"_a = "tnt-gloo-", "shm_host_id"_a = "", "shm_chunk_bytes"_a = 1 << 20,
+        "shm_spin_us"_a = -1,
         "Build the full TCP mesh (blocking, GIL released) through the store client or the "
-        "file store directory.");
+        "file store directory; then, collectively, the shared-memory allreduce when every "
+        "rank is on this host (shm: 'auto', '0' off, '1' try even so; the caller decides "
+        "what a failure means).");
 }

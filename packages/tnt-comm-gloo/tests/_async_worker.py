@@ -122,6 +122,7 @@ def main() -> int:
     runtime = tnt_core.init()
     backend = runtime.backend
     report = {"backend": backend.name,
+              "transport": backend.allreduce_transport,
               "progress": progress_phase(backend, args.delay),
               "cpu": cpu_phase(backend, args.delay)}
     if backend.rank == 0:

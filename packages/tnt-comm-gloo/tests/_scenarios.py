@@ -10,6 +10,7 @@ import argparse
 import ctypes
 import json
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -266,6 +267,147 @@ def dlpack(report: Report, backend, fake_cudart: str) -> None:
     report.check("still-usable", lambda: backend.barrier())
 
 
+# ------------------------------------------------------------------ shared memory
+
+_UFUNCS = {"sum": np.add, "product": np.multiply, "max": np.maximum, "min": np.minimum}
+_SHM_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+
+
+def _shm_info(report: Report, backend) -> None:
+    from tnt_comm_gloo.backend import _job_token
+    from tnt_core import Config
+
+    report.data["info"].update(
+        transport=backend.allreduce_transport, reason=backend._comm.shm_reason,
+        segment=backend._comm.shm_segment_name, pid=os.getpid(),
+        job_prefix=f"tnt-gloo-{_job_token(Config.from_env())}-")
+    report.write()
+
+
+def _shm_input(rank: int, n: int, dtype: str, op: str) -> np.ndarray:
+    """Random values whose reduction is well defined bit for bit: no NaN, no -0.0 for
+    min/max (numpy and std::min disagree on 0 vs -0), products that stay finite."""
+    rng = np.random.default_rng([rank, n, _SHM_DTYPES.index(dtype), list(_UFUNCS).index(op)])
+    if dtype.startswith("int"):
+        if op == "product":
+            return rng.choice(np.array([-1, 1, 2, 3], dtype=dtype), n)
+        return rng.integers(-10_000, 10_000, n).astype(dtype)
+    if op == "product":
+        values = rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n)
+    else:
+        values = rng.normal(0.0, 100.0, n)
+    values = values.astype(dtype)
+    if op in ("min", "max"):
+        values[values == 0] = 1
+    return values
+
+
+def shm_reduce(report: Report, backend, chunk_bytes: int) -> None:
+    """Every dtype x op, sizes around the chunk, against numpy's reduction in rank order
+    (which the shared-memory allreduce follows for every element: bitwise equal)."""
+    _shm_info(report, backend)
+    report.check("transport-is-shm", lambda: _expect(backend.allreduce_transport == "shm",
+                                                     backend._comm.shm_reason))
+    for dtype in _SHM_DTYPES:
+        per_chunk = chunk_bytes // np.dtype(dtype).itemsize
+        sizes = (0, 1, 1001, per_chunk + 1, 3 * per_chunk + per_chunk // 2)
+        for op, ufunc in _UFUNCS.items():
+            def check(dtype=dtype, op=op, ufunc=ufunc, sizes=sizes) -> None:
+                for n in sizes:
+                    buf = _shm_input(backend.rank, n, dtype, op)
+                    out = backend.allreduce_async(buf, op).wait()
+                    assert out is buf
+                    want = _shm_input(0, n, dtype, op)
+                    for r in range(1, backend.size):
+                        want = ufunc(want, _shm_input(r, n, dtype, op))
+                    bits = f"u{np.dtype(dtype).itemsize}"
+                    diff = np.flatnonzero(buf.view(bits) != want.view(bits))
+                    assert diff.size == 0, (
+                        f"n={n}: {diff.size} elements differ, e.g. index {diff[0]}: got "
+                        f"{buf[diff[0]]!r}, numpy {want[diff[0]]!r}")
+            report.check(f"{dtype}-{op}", check)
+
+    def interleaved() -> None:
+        # allreduces over shared memory, the rest over TCP, all in one queue order
+        bufs = [np.full(70_000 + k, backend.rank + k, np.float64) for k in range(8)]
+        handles = [backend.allreduce_async(b) for b in bufs[:4]]
+        root = np.full(3, backend.rank, np.int64)
+        backend.broadcast(root, root=backend.size - 1)
+        handles += [backend.allreduce_async(b, "max") for b in bufs[4:]]
+        backend.barrier()
+        for k, h in enumerate(handles):
+            h.wait()
+            base = sum(range(backend.size)) + backend.size * k
+            want = base if k < 4 else backend.size - 1 + k
+            assert np.all(bufs[k] == want), (k, bufs[k][:3], want)
+        assert np.all(root == backend.size - 1)
+
+    report.check("interleaved-with-tcp-collectives", interleaved)
+
+
+def _expect(condition: bool, detail: str) -> None:
+    assert condition, detail
+
+
+def shm_kill(report: Report, backend, after: float) -> None:
+    """The last rank exits (os._exit) `after` seconds into a stream of large allreduces;
+    the others must get CommError naming it."""
+    _shm_info(report, backend)
+    victim = backend.size - 1
+    buf = np.ones(16 << 20, np.float32)  # 64 MiB: with small chunks, thousands of steps
+    backend.barrier()
+    if backend.rank == victim:
+        report.data["info"]["dies_at"] = time.time() + after
+        report.write()
+        threading.Timer(after, lambda: os._exit(0)).start()
+        while True:
+            backend.allreduce(buf)
+
+    def fails() -> None:
+        t0 = time.time()
+        try:
+            for _ in range(10_000):
+                backend.allreduce(buf)
+        except CommError as exc:
+            report.data["info"].update(error=str(exc), failed_at=time.time(),
+                                       ops_s=time.time() - t0)
+        else:
+            raise AssertionError("allreduce went on after a peer exited")
+
+    report.check("fails", fails)
+
+
+def shm_setup(report: Report, variant: str) -> None:
+    """Start-up decisions, with this rank's environment changed first."""
+    rank = int(os.environ["TNT_RANK"])
+    if variant in ("hosts-auto", "hosts-required"):
+        os.environ["TNT_GLOO_SHM_HOST_ID"] = f"host-{rank}"  # as if on different hosts
+    if variant == "hosts-required":
+        os.environ["TNT_GLOO_SHM"] = "1"
+    if variant == "chunks-differ":  # rank 1's segments cannot be mapped by the others
+        os.environ["TNT_GLOO_SHM_CHUNK_BYTES"] = str(65536 * (1 + (rank == 1)))
+    if variant == "one-rank-off":
+        os.environ["TNT_GLOO_SHM"] = "0" if rank == 1 else "auto"
+    try:
+        runtime = tnt_core.init()
+    except tnt_core.ConfigError as exc:
+        report.data["info"]["error"] = str(exc)
+        report.write()
+        return
+    backend = runtime.backend
+    _shm_info(report, backend)
+    report.data["info"]["repr"] = repr(backend)
+
+    def collectives() -> None:
+        buf = np.arange(1000, dtype=np.float32) + backend.rank
+        backend.allreduce(buf)
+        want = np.arange(1000, dtype=np.float32) * backend.size + sum(range(backend.size))
+        assert np.array_equal(buf, want)
+        backend.barrier()
+
+    report.check("collectives", collectives)
+
+
 # ------------------------------------------------------------------ timeout
 
 def timeout(report: Report, backend, hang_s: float) -> None:
@@ -307,11 +449,19 @@ def timeout(report: Report, backend, hang_s: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=("file-store", "float16", "dlpack", "timeout"))
+    parser.add_argument("scenario", choices=("file-store", "float16", "dlpack", "timeout",
+                                             "shm-reduce", "shm-kill", "shm-setup"))
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--fake-cudart", default="")
     parser.add_argument("--hang", type=float, default=0.0)
+    parser.add_argument("--chunk", type=int, default=0)
+    parser.add_argument("--after", type=float, default=0.0)
+    parser.add_argument("--variant", default="")
     args = parser.parse_args()
+    if args.scenario == "shm-setup":
+        shm_setup(Report(args.report, int(os.environ["TNT_RANK"])), args.variant)
+        tnt_core.shutdown()
+        return 0
     runtime = tnt_core.init()
     report = Report(args.report, runtime.rank)
     report.data["info"]["backend"] = runtime.backend.name
@@ -321,6 +471,10 @@ def main() -> int:
         float16(report, runtime.backend)
     elif args.scenario == "dlpack":
         dlpack(report, runtime.backend, args.fake_cudart)
+    elif args.scenario == "shm-reduce":
+        shm_reduce(report, runtime.backend, args.chunk)
+    elif args.scenario == "shm-kill":
+        shm_kill(report, runtime.backend, args.after)
     else:
         timeout(report, runtime.backend, args.hang)
     t0 = time.monotonic()

@@ -1,5 +1,6 @@
 """Across real processes: a 64 MiB allreduce in flight leaves Python running, and the
-rank waiting for it does not burn a core (DESIGN.md: ``wait`` never spins)."""
+rank waiting for it does not burn a core (DESIGN.md: ``wait`` never spins), over shared
+memory (a short spin, then a futex) and over TCP alike."""
 
 from __future__ import annotations
 
@@ -16,15 +17,18 @@ WORKER = Path(__file__).with_name("_async_worker.py")
 DELAY_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("async-overlap")
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    transport = request.param
+    out = tmp_path_factory.mktemp(f"async-overlap-{transport}")
     result = launch_ranks([str(WORKER), "--report", str(out), "--delay", str(DELAY_S)], 2,
                           backend="gloo", timeout=180.0, tnt_timeout_s=60.0,
+                          env={"TNT_GLOO_SHM": "1" if transport == "shm" else "0"},
                           python=sys.executable)
     assert result.ok, result.describe()
     data = json.loads((out / "rank0.json").read_text())
     assert data["backend"] == "gloo"
+    assert data["transport"] == transport
     return data
 
 

@@ -1,8 +1,10 @@
 """tnt-core's backend conformance suite against the gloo backend, with real processes.
 
-With the default algorithm choice the runs cover every allreduce path: 2 ranks use
-recursive doubling and the ring, 3 ranks bcube and the ring, 4 ranks all three. The
-second class forces Gloo's ring onto the small buffers too.
+By default (``TNT_GLOO_SHM=auto``, every rank on this host) allreduce runs over shared
+memory: 2 ranks reduce every chunk whole, 3 and 4 ranks reduce-scatter the large ones;
+broadcast, allgather and barrier run over TCP in the same queue. With ``TNT_GLOO_SHM=0``
+the TCP algorithms take the allreduce: 2 ranks use recursive doubling and the ring, 3
+ranks (ring forced) the ring for every size.
 """
 
 from typing import ClassVar
@@ -15,7 +17,13 @@ class TestGlooConformance(BackendConformance):
     nprocs = (2, 3, 4)
 
 
-class TestGlooConformanceRingOnly(BackendConformance):
+class TestGlooConformanceTcp(BackendConformance):
+    backend = "gloo"
+    nprocs = (2,)
+    extra_env: ClassVar[dict[str, str]] = {"TNT_GLOO_SHM": "0"}
+
+
+class TestGlooConformanceTcpRingOnly(BackendConformance):
     backend = "gloo"
     nprocs = (3,)
-    extra_env: ClassVar[dict[str, str]] = {"TNT_GLOO_ALGORITHM": "ring"}
+    extra_env: ClassVar[dict[str, str]] = {"TNT_GLOO_SHM": "0", "TNT_GLOO_ALGORITHM": "ring"}

@@ -37,10 +37,19 @@ class Communicator:
     @property
     def failure(self) -> str:
         """The first failure ('' while healthy)."""
+    @property
+    def allreduce_transport(self) -> str:
+        """'shm' (every rank on this host, shared memory) or 'tcp' (Gloo's algorithms)."""
+    @property
+    def shm_reason(self) -> str:
+        """Why the allreduce does not use shared memory ('' when it does)."""
+    @property
+    def shm_segment_name(self) -> str:
+        """This rank's shared-memory segment name (unlinked once all ranks mapped it)."""
     def allreduce(self, buf: np.ndarray, op: str, algorithm: str, name: str) -> Work:
         """Queue an in-place allreduce of a host array (op: sum/min/max/product;
-        algorithm: ring/bcube (Gloo's) or doubling (recursive doubling, power-of-two
-        groups))."""
+        algorithm, when over TCP: ring/bcube (Gloo's) or doubling (recursive doubling,
+        power-of-two groups))."""
     def allreduce_dlpack(self, capsule: Any, op: str, algorithm: str, name: str) -> Work:
         """Queue an in-place allreduce of a DLPack tensor (CUDA: staged through pinned
         host memory)."""
@@ -55,8 +64,9 @@ class Communicator:
         running. Raises GlooError if it failed. If work is next in line and the worker
         idle, runs it on this thread."""
     def time_direct_allreduce(self, buf: np.ndarray, algorithm: str, iters: int) -> list[float]:
-        """Benchmark baseline: the allreduce algorithm (sum) called directly iters times
-        on this thread, bypassing the queue; seconds per call."""
+        """Benchmark baseline: the allreduce algorithm (sum; ring, bcube, doubling over
+        TCP, or shm) called directly iters times on this thread, bypassing the queue;
+        seconds per call."""
     def abort(self, reason: str) -> None:
         """Fail this and every later operation; close the connections."""
     def close(self, grace_s: float) -> bool:
@@ -67,6 +77,10 @@ def dlpack_nbytes(capsule: Any) -> int:
     """Bytes of the tensor in an unconsumed DLPack capsule (checks it too)."""
 
 def connect(rank: int, size: int, store: _StoreClient | None, file_store: str, prefix: str,
-            hostname: str, iface: str, timeout_s: float) -> Communicator:
+            hostname: str, iface: str, timeout_s: float, shm: str = "auto",
+            shm_prefix: str = "tnt-gloo-", shm_host_id: str = "",
+            shm_chunk_bytes: int = 1048576, shm_spin_us: int = -1) -> Communicator:
     """Build the full TCP mesh (blocking, GIL released) through the store client or the
-    file store directory."""
+    file store directory; then, collectively, the shared-memory allreduce when every rank
+    is on this host (shm: 'auto', '0' off, '1' try even so; the caller decides what a
+    failure means)."""

@@ -22,6 +22,20 @@ Environment (besides the launcher's ``TNT_*`` contract):
     with ``auto`` on a power-of-two number of ranks, small buffers up to this size use
     recursive doubling instead of bcube (default :data:`DEFAULT_DOUBLING_MAX_BYTES`;
     with 2 ranks doubling is used for every small buffer, see ``algorithm_for``).
+``TNT_GLOO_SHM``
+    ``auto`` (default): allreduce through shared memory when every rank runs on this
+    host, else Gloo over TCP; ``0``: always Gloo over TCP; ``1``: shared memory or a
+    :class:`tnt_core.ConfigError` saying why not. Broadcast, allgather and barrier always
+    use TCP.
+``TNT_GLOO_SHM_CHUNK_BYTES``
+    bytes per shared-memory slot (default :data:`DEFAULT_SHM_CHUNK_BYTES`); each rank's
+    segment holds two slots. The same on every rank.
+``TNT_GLOO_SHM_SPIN_US``
+    microseconds a rank waiting for a peer spins (yielding the CPU every few µs) before it
+    sleeps on a futex (default 50).
+``TNT_GLOO_SHM_HOST_ID``
+    overrides this rank's host identity (default: host name and kernel boot id), e.g. for
+    containers on one host that share ``/dev/shm`` under different host names.
 ``TNT_GLOO_CUDART``
     the CUDA runtime library GPU buffers are staged with (read by the native module;
     default: ``libcudart.so`` and its versioned names).
@@ -58,6 +72,7 @@ from . import _gloo
 __all__ = [
     "DEFAULT_BCUBE_MAX_BYTES",
     "DEFAULT_DOUBLING_MAX_BYTES",
+    "DEFAULT_SHM_CHUNK_BYTES",
     "GlooBackend",
     "GlooHandle",
     "GlooSettings",
@@ -72,6 +87,12 @@ DEFAULT_BCUBE_MAX_BYTES = 1 << 20
 #: (it sends log2(p) whole buffers, against bcube's two; see the README's cost model).
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
 ALGORITHMS = ("auto", "ring", "bcube", "doubling")
+#: ``TNT_GLOO_SHM`` values: use shared memory when possible, never, always (or fail).
+SHM_MODES = ("auto", "0", "1")
+#: Bytes per shared-memory slot: two per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's
+#: default /dev/shm is 64 MiB); large enough that the per-chunk synchronisation is noise.
+DEFAULT_SHM_CHUNK_BYTES = 1 << 20
+_SHM_CHUNK_LIMITS = (4096, 64 << 20)
 
 _KDL_CPU = 1  # DLPack device type of host memory
 _generation = itertools.count()  # one store prefix per communicator made by this process
@@ -96,6 +117,29 @@ def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _shm_chunk_bytes(env: Mapping[str, str]) -> int:
+    value = _bytes(env, "TNT_GLOO_SHM_CHUNK_BYTES", DEFAULT_SHM_CHUNK_BYTES)
+    lo, hi = _SHM_CHUNK_LIMITS
+    if not lo <= value <= hi or value % 64:
+        raise ConfigError(
+            f"TNT_GLOO_SHM_CHUNK_BYTES={value} must be a multiple of 64 between {lo} and {hi}"
+        )
+    return value
+
+
+def _shm_spin_us(env: Mapping[str, str]) -> int | None:
+    raw = (env.get("TNT_GLOO_SHM_SPIN_US") or "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"TNT_GLOO_SHM_SPIN_US={raw!r} is not an integer (µs)") from None
+    if not 0 <= value <= 1_000_000:
+        raise ConfigError(f"TNT_GLOO_SHM_SPIN_US={value} must be between 0 and 1000000")
+    return value
+
+
 @dataclass(frozen=True)
 class GlooSettings:
     """The ``TNT_GLOO_*`` variables, validated."""
@@ -105,6 +149,10 @@ class GlooSettings:
     algorithm: str = "auto"
     bcube_max_bytes: int = DEFAULT_BCUBE_MAX_BYTES
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
+    shm: str = "auto"
+    shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES
+    shm_spin_us: int | None = None  # None: the native default
+    shm_host_id: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GlooSettings:
@@ -114,6 +162,12 @@ class GlooSettings:
             raise ConfigError(
                 f"TNT_GLOO_ALGORITHM={algorithm!r} is not one of {', '.join(ALGORITHMS)}"
             )
+        shm = (env.get("TNT_GLOO_SHM") or "auto").strip().lower()
+        if shm not in SHM_MODES:
+            raise ConfigError(
+                f"TNT_GLOO_SHM={shm!r} is not one of auto (shared memory when every rank "
+                "is on this host), 0 (always TCP) or 1 (shared memory, else fail)"
+            )
         return cls(
             iface=(env.get("TNT_GLOO_IFACE") or "").strip() or None,
             hostname=(env.get("TNT_GLOO_HOSTNAME") or "").strip() or None,
@@ -121,6 +175,10 @@ class GlooSettings:
             bcube_max_bytes=_bytes(env, "TNT_GLOO_BCUBE_MAX_BYTES", DEFAULT_BCUBE_MAX_BYTES),
             doubling_max_bytes=_bytes(env, "TNT_GLOO_DOUBLING_MAX_BYTES",
                                       DEFAULT_DOUBLING_MAX_BYTES),
+            shm=shm,
+            shm_chunk_bytes=_shm_chunk_bytes(env),
+            shm_spin_us=_shm_spin_us(env),
+            shm_host_id=(env.get("TNT_GLOO_SHM_HOST_ID") or "").strip() or None,
         )
 
     def listen_address(self, config: Config) -> tuple[str, str]:
@@ -156,7 +214,8 @@ class GlooSettings:
         return name, ""
 
     def algorithm_for(self, nbytes: int, size: int) -> str:
-        """The allreduce algorithm for a buffer of ``nbytes`` on ``size`` ranks.
+        """The TCP allreduce algorithm for a buffer of ``nbytes`` on ``size`` ranks
+        (ignored when the allreduce runs over shared memory).
 
         Large buffers take Gloo's ring (bandwidth-optimal, pipelined). Small ones need few
         steps: recursive doubling (log2 p exchanges of the whole buffer) on a power-of-two
@@ -216,8 +275,15 @@ class GlooHandle(Handle):
         return f"<GlooHandle {self._operation} {state}>"
 
 
+def _job_token(config: Config) -> str:
+    """A short token naming this job in shared-memory segment names."""
+    text = f"{config.rendezvous}|{config.rendezvous_key or ''}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 class GlooBackend(CommBackend):
-    """A communicator over all ranks through Gloo's full-mesh TCP transport."""
+    """A communicator over all ranks through Gloo's full-mesh TCP transport, with the
+    allreduce over shared memory when every rank runs on one host."""
 
     name = "gloo"
 
@@ -259,16 +325,50 @@ class GlooBackend(CommBackend):
                 job = (hashlib.sha256(config.rendezvous_key.encode()).hexdigest()[:16]
                        if config.rendezvous_key else "nokey")
                 prefix = f"tnt_gloo_{job}_{generation}"
+            settings = self._settings
+            spin_us = -1 if settings.shm_spin_us is None else settings.shm_spin_us
             with self._translate("connect"):
                 self._comm = _gloo.connect(
                     self.rank, self.size, store, file_dir or "", prefix, hostname, iface,
-                    self._timeout,
+                    self._timeout, shm=settings.shm,
+                    shm_prefix=f"tnt-gloo-{_job_token(config)}-{generation}-",
+                    shm_host_id=settings.shm_host_id or "",
+                    shm_chunk_bytes=settings.shm_chunk_bytes, shm_spin_us=spin_us,
                 )
         finally:
             if store is not None:
                 store.close()
-        log.debug("rank %d/%d connected (listening on %s)", self.rank, self.size,
-                  iface or hostname)
+        self._check_transport(config)
+        log.debug("rank %d/%d connected (listening on %s; allreduce over %s)", self.rank,
+                  self.size, iface or hostname, self.allreduce_transport)
+
+    def _check_transport(self, config: Config) -> None:
+        # Every rank got the same decision and the same reason from the native set-up, so
+        # every rank raises alike and rank 0 alone explains a fallback.
+        if self.allreduce_transport == "shm":
+            return
+        reason = self._comm.shm_reason
+        if self._settings.shm == "1":
+            self._comm.close(5.0)
+            self._closed = True
+            raise ConfigError(
+                f"TNT_GLOO_SHM=1 but the shared-memory allreduce cannot be used: {reason}; "
+                "unset it (or set auto) to fall back to TCP"
+            )
+        if self.rank == 0 and self._settings.shm == "auto":
+            # one node by the launcher's account: shared memory was expected to work
+            level = logging.WARNING if config.local_size == config.size else logging.INFO
+            log.log(level, "allreduce over TCP, not shared memory: %s", reason)
+
+    @property
+    def allreduce_transport(self) -> str:
+        """``"shm"`` (shared memory, all ranks on this host) or ``"tcp"`` (Gloo's
+        algorithms): what :meth:`allreduce_async` runs over; the same on every rank."""
+        return self._comm.allreduce_transport
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}, "
+                f"allreduce over {self.allreduce_transport}>")
 
     # -- the one place a native failure becomes CommError
     def _comm_error(self, exc: _gloo.GlooError, operation: str) -> CommError:
@@ -405,8 +505,9 @@ class GlooBackend(CommBackend):
                               algorithm: str = "ring") -> list[float]:
         """Seconds per call of ``algorithm`` (``ring``: Gloo's ``RING``) summing ``buf``,
         invoked directly from C++ on this thread, bypassing the queue: the baseline
-        ``benchmarks/allreduce_gloo.py`` compares :meth:`allreduce_async` against.
-        Every rank must call it alike."""
+        ``benchmarks/allreduce_gloo.py`` compares :meth:`allreduce_async` against. Over
+        TCP even when :attr:`allreduce_transport` is ``"shm"``; ``algorithm="shm"``
+        times the shared-memory allreduce itself. Every rank must call it alike."""
         check_buffer(buf, "allreduce")
         self._check_open("baseline allreduce")
         with self._translate("baseline allreduce"):
