@@ -23,23 +23,31 @@ def _fmt(x: float | None, spec: str = ".0f") -> str:
 
 
 def scaling_tables(results: list[dict]) -> str:
-    backends = sorted({k[4:] for r in results for k in r if k.startswith("tnt-") and not k.endswith("-no-overlap")})
+    backends = sorted({k[4:] for r in results for k in r
+                       if k.startswith("tnt-") and not k.endswith(("-no-overlap", "-comm-free"))})
     ranks, micro = results[0]["ranks"], results[0]["micro_batch"]
     lines = [f"**Throughput and scaling efficiency**, {ranks} ranks, micro-batch {micro} per rank "
              "(samples/s of the whole job; efficiency = throughput / "
-             f"({ranks} x plain Keras))", "",
-             "| model | params | plain Keras (1 process) | "
+             f"({ranks} x plain Keras), against the plain Keras process free to use every CPU and, "
+             "in brackets, held to one CPU)", "",
+             "| model | params | plain Keras (1 process) | on 1 CPU | "
              + " | ".join(f"tnt {b}: samples/s | efficiency | ours/MWMS" for b in backends)
              + " | MWMS: samples/s | efficiency |",
-             "|---|---:|---:|" + "---:|---:|---:|" * len(backends) + "---:|---:|"]
+             "|---|---:|---:|---:|" + "---:|---:|---:|" * len(backends) + "---:|---:|"]
+
+    def eff(t: dict) -> str:
+        text = _fmt(t.get("efficiency"), ".2f")
+        return text + (f" ({t['efficiency_1cpu']:.2f})" if "efficiency_1cpu" in t else "")
+
     for r in results:
-        cells = [r["model"], f"{r['keras']['params'] / 1e6:.2f} M", _fmt(r["keras"]["samples_per_s"])]
+        cells = [r["model"], f"{r['keras']['params'] / 1e6:.2f} M", _fmt(r["keras"]["samples_per_s"]),
+                 _fmt(r.get("keras_1cpu", {}).get("samples_per_s"))]
         for b in backends:
             t = r.get(f"tnt-{b}", {})
-            cells += [_fmt(t.get("samples_per_s")), _fmt(t.get("efficiency"), ".2f"),
+            cells += [_fmt(t.get("samples_per_s")), eff(t),
                       _fmt(t.get("vs_mwms"), ".2f") + ("x" if "vs_mwms" in t else "")]
         m = r.get("mwms", {})
-        cells += [_fmt(m.get("samples_per_s")), _fmt(m.get("efficiency"), ".2f")]
+        cells += [_fmt(m.get("samples_per_s")), eff(m)]
         lines.append("| " + " | ".join(cells) + " |")
     if any(f"tnt-{b}-no-overlap" in r for r in results for b in backends):
         lines += ["", "**Overlap on vs off** (`TNT_OVERLAP=false`: every allreduce after backprop)", "",
@@ -50,6 +58,17 @@ def scaling_tables(results: list[dict]) -> str:
                 if on and off:
                     lines.append(f"| {r['model']} | {b} | {on['samples_per_s']:.0f} | "
                                  f"{off['samples_per_s']:.0f} | {on['samples_per_s'] / off['samples_per_s']:.2f}x |")
+    if any(f"tnt-{b}-comm-free" in r for r in results for b in backends):
+        lines += ["", "**Without communication** (diagnostic, `--comm-free`: every gradient allreduce a "
+                  "no-op, so the ranks train apart; the throughput faster collectives could reach at best)",
+                  "", "| model | backend | with communication | without | efficiency without |",
+                  "|---|---|---:|---:|---:|"]
+        for r in results:
+            for b in backends:
+                on, free = r.get(f"tnt-{b}"), r.get(f"tnt-{b}-comm-free")
+                if on and free:
+                    lines.append(f"| {r['model']} | {b} | {on['samples_per_s']:.0f} | "
+                                 f"{free['samples_per_s']:.0f} | {eff(free)} |")
     return "\n".join(lines)
 
 

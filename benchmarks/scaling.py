@@ -3,12 +3,19 @@
 For each model (see models.py) it measures, with the same micro-batch and 1 intra-op
 thread per process:
 
-* a plain Keras 3 process (the serial reference, throughput(1));
+* a plain Keras 3 process (the serial reference, throughput(1)), twice: free to use every
+  core, and held to one core (``--cpus 1``). With 1 intra-op thread TensorFlow still runs
+  independent ops and the input pipeline on other threads, so the free process uses more
+  than one core, while each of N ranks on an N-core machine gets one. Both efficiencies are
+  printed; the one-core baseline gives every rank what the single process had;
 * Tarantella-NT with N ranks for every backend asked for (global batch = N x micro-batch);
   scaling efficiency = throughput(N) / (N x throughput(1));
 * with --vs-mwms, tf.distribute.MultiWorkerMirroredStrategy with N workers (legacy
   tf-keras, installed here on first use) and the ratio ours / theirs;
-* with --overlap, Tarantella-NT again with overlap off (every allreduce after backprop).
+* with --overlap, Tarantella-NT again with overlap off (every allreduce after backprop);
+* with --comm-free, a diagnostic: Tarantella-NT with every gradient allreduce replaced by a
+  no-op (the training itself is then wrong), the throughput faster communication could
+  reach at best.
 
 Results: a table on stdout, JSON and a PNG plot in --out-dir. Machines are noisy: compare
 the ratios of one run, read absolute numbers only as context.
@@ -70,15 +77,17 @@ def _read(out: Path, what: str, procs_output: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_keras(args, model: str, tmp: Path) -> dict:
-    out = tmp / f"keras-{model}.json"
+def run_keras(args, model: str, tmp: Path, cpus: int = 0) -> dict:
+    out = tmp / f"keras-{model}-{cpus}.json"
     p = subprocess.run([sys.executable, str(WORKER), "--mode", "keras", *_common(args, model),
-                        "--out", str(out)], capture_output=True, text=True, timeout=args.timeout)
+                        "--cpus", str(cpus), "--out", str(out)],
+                       capture_output=True, text=True, timeout=args.timeout)
     return _read(out, "plain keras", p.stdout + p.stderr)
 
 
-def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True) -> dict:
-    out = tmp / f"tnt-{backend}-{model}-{overlap}.json"
+def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
+            comm_free: bool = False) -> dict:
+    out = tmp / f"tnt-{backend}-{model}-{overlap}-{comm_free}.json"
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
     cmd = [tnt, "run", "-n", str(args.ranks), "--backend", backend, "-x", "TNT_NUM_THREADS=1"]
     if args.timeline:
@@ -86,6 +95,8 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True) -> 
     cmd += ["--", str(WORKER), "--mode", "tnt", *_common(args, model), "--out", str(out)]
     if not overlap:
         cmd.append("--no-overlap")
+    if comm_free:
+        cmd.append("--comm-free")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     return _read(out, f"tnt run ({backend})", p.stdout + p.stderr)
 
@@ -151,6 +162,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--vs-mwms", action="store_true")
     p.add_argument("--overlap", action="store_true", help="also run with overlap off")
+    p.add_argument("--comm-free", action="store_true",
+                   help="also run with every allreduce a no-op (diagnostic: the bound without communication)")
     p.add_argument("--timeline", action="store_true", help="write TNT_TIMELINE traces to --out-dir")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -165,18 +178,23 @@ def main() -> int:
         for model in args.models.split(","):
             row = {"model": model, "ranks": args.ranks, "micro_batch": args.micro_batch}
             row["keras"] = run_keras(args, model, tmp)
+            row["keras_1cpu"] = run_keras(args, model, tmp, cpus=1)
             base = row["keras"]["samples_per_s"]
-            for backend in backends:
-                r = run_tnt(args, model, backend, tmp)
+            base_1cpu = row["keras_1cpu"]["samples_per_s"]
+
+            def rate(r: dict) -> dict:
                 r["efficiency"] = r["samples_per_s"] / (args.ranks * base)
-                row[f"tnt-{backend}"] = r
+                r["efficiency_1cpu"] = r["samples_per_s"] / (args.ranks * base_1cpu)
+                return r
+
+            for backend in backends:
+                row[f"tnt-{backend}"] = rate(run_tnt(args, model, backend, tmp))
                 if args.overlap:
-                    off = run_tnt(args, model, backend, tmp, overlap=False)
-                    off["efficiency"] = off["samples_per_s"] / (args.ranks * base)
-                    row[f"tnt-{backend}-no-overlap"] = off
+                    row[f"tnt-{backend}-no-overlap"] = rate(run_tnt(args, model, backend, tmp, overlap=False))
+                if args.comm_free:
+                    row[f"tnt-{backend}-comm-free"] = rate(run_tnt(args, model, backend, tmp, comm_free=True))
             if args.vs_mwms:
-                row["mwms"] = run_mwms(args, model, tmp)
-                row["mwms"]["efficiency"] = row["mwms"]["samples_per_s"] / (args.ranks * base)
+                row["mwms"] = rate(run_mwms(args, model, tmp))
                 for backend in backends:
                     row[f"tnt-{backend}"]["vs_mwms"] = row[f"tnt-{backend}"]["samples_per_s"] / row["mwms"]["samples_per_s"]
             results.append(row)
@@ -191,10 +209,11 @@ def print_row(row: dict, backends: list[str], args) -> None:
     base = row["keras"]["samples_per_s"]
     print(f"\n{row['model']} ({row['keras']['params']:,} params), {args.ranks} ranks, micro-batch {args.micro_batch}")
     print(f"  {'keras, 1 process':<28} {base:>10.0f} samples/s")
+    print(f"  {'keras, 1 process on 1 CPU':<28} {row['keras_1cpu']['samples_per_s']:>10.0f} samples/s")
     for key, r in row.items():
-        if not isinstance(r, dict) or key == "keras":
+        if not isinstance(r, dict) or key.startswith("keras"):
             continue
-        extra = f"  efficiency {r['efficiency']:.2f}"
+        extra = f"  efficiency {r['efficiency']:.2f} (1-CPU baseline: {r['efficiency_1cpu']:.2f})"
         if "vs_mwms" in r:
             extra += f"  ours/MWMS {r['vs_mwms']:.2f}x"
         print(f"  {key:<28} {r['samples_per_s']:>10.0f} samples/s{extra}")

@@ -6,7 +6,10 @@ Modes:
   mwms   one worker of tf.distribute.MultiWorkerMirroredStrategy; needs legacy tf-keras
          (TF_USE_LEGACY_KERAS=1) and TF_CONFIG, set by benchmarks/scaling.py
 
-Every mode uses 1 intra-op thread unless --threads says otherwise, trains --warmup steps
+Every mode uses 1 intra-op thread unless --threads says otherwise (and every CPU unless
+--cpus says otherwise: TensorFlow still runs independent ops and the input pipeline on
+other threads, so a single process with 1 intra-op thread uses more than one core), trains
+--warmup steps
 untimed, then --steps timed steps, and writes a JSON line to --out (rank 0 / chief only).
 """
 
@@ -31,6 +34,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-overlap", action="store_true", help="tnt: all allreduces after backprop")
+    p.add_argument("--comm-free", action="store_true",
+                   help="tnt, diagnostic only: every gradient allreduce is a no-op (the ranks do "
+                        "not average their gradients), to measure the throughput without "
+                        "communication: the bound that faster collectives could approach")
+    p.add_argument("--cpus", type=int, default=0,
+                   help="run on this many CPUs only (the first ones this process may use); 0: all")
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args()
 
@@ -53,6 +62,9 @@ class StepTimer:
 
 def main() -> int:
     args = parse()
+    if args.cpus:  # before TensorFlow starts its thread pools
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, allowed[:args.cpus])
     if args.mode == "mwms":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
     import tensorflow as tf
@@ -84,6 +96,11 @@ def main() -> int:
             workers, rank = tnt.get_size(), tnt.get_rank()
             is_chief = tnt.is_master_rank()
             model = tnt.Model(model)
+            if args.comm_free:
+                import tnt_core
+
+                backend = tnt_core.init().backend  # the runtime tnt.Model started
+                backend.allreduce_async = lambda buf, op="sum": tnt_core.CompletedHandle(buf)
         models.compile_for_benchmark(model, keras)
 
     global_batch = args.micro_batch * workers
@@ -100,8 +117,8 @@ def main() -> int:
     result = {
         "mode": args.mode, "model": args.model, "workers": workers, "micro_batch": args.micro_batch,
         "global_batch": global_batch, "steps": len(timed) - 1, "seconds": seconds,
-        "samples_per_s": global_batch * (len(timed) - 1) / seconds, "overlap": not args.no_overlap,
-        "params": int(model.count_params()),
+        "samples_per_s": global_batch * (len(timed) - 1) / seconds, "overlap": not args.no_overlap, "comm_free": args.comm_free,
+        "params": int(model.count_params()), "cpus": len(os.sched_getaffinity(0)),
     }
     if is_chief:
         args.out.parent.mkdir(parents=True, exist_ok=True)
