@@ -178,16 +178,21 @@ def test_dead_and_hung_peers_with_gloo(scripts):
             time.sleep(30)
         rt.backend.allreduce(np.ones(4, dtype=np.float32))
     """))
-    dead = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "--", "dead.py"], scripts)
-    assert dead.returncode == 1
-    assert_quoted(dead.stdout, r"^tnt_core.errors.CommError: \[rank 0: allreduce #2\] transport error")
-    assert_quoted(dead.stdout, r"an earlier collective failed")
-    assert_quoted(dead.stderr, r"^tnt run: rank 0 on localhost failed: exited with code 1")
-    hung = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "--timeout", "5", "--", "hang.py"],
-               scripts)
-    assert hung.returncode == 1
-    # whichever notices first: the backend's wait or Gloo's transport (both quoted)
-    assert_quoted(hung.stderr, r"^tnt_core.errors.CommError: .*(Timed out waiting 5000ms|did not complete within 5s)")
+    # one host: the allreduce goes through shared memory; TNT_GLOO_SHM=0: Gloo's TCP
+    for shm, first in (("auto", r"rank 1 \(pid \d+\) exited during the shared-memory allreduce"),
+                       ("0", r"transport error")):
+        dead = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "-x", f"TNT_GLOO_SHM={shm}",
+                    "--", "dead.py"], scripts)
+        assert dead.returncode == 1
+        assert_quoted(dead.stdout, rf"^tnt_core.errors.CommError: \[rank 0: allreduce #2\] {first}")
+        assert_quoted(dead.stdout, r"an earlier collective failed")
+        assert_quoted(dead.stderr, r"^tnt run: rank 0 on localhost failed: exited with code 1")
+        hung = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "--timeout", "5",
+                    "-x", f"TNT_GLOO_SHM={shm}", "--", "hang.py"], scripts)
+        assert hung.returncode == 1
+        # whichever notices first: the backend's wait or the transport's (all quoted)
+        assert_quoted(hung.stderr, r"^tnt_core.errors.CommError: .*(Timed out waiting 5000ms|"
+                                   r"did not complete within 5s|did not arrive within 5s)")
 
 
 def test_a_failing_rank_ends_the_job(scripts):
