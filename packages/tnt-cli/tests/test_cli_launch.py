@@ -208,6 +208,18 @@ def test_dry_run_starts_nothing(run_tnt, h, tmp_path):
     assert re.search(r"TNT_RANK=1 .*TNT_RENDEZVOUS_KEY='<random key made at start>'.* B_VAR=2 A_VAR=1", out)
 
 
+def test_x_name_alone_passes_on_the_launchers_value(run_tnt, h, tmp_path):
+    # mpirun's -x NAME: the value NAME has where tnt run is typed, in the order given
+    res = run_tnt("--dry-run", "-n", "2", "-x", "TNT_TEST_FROM_HERE", "A_VAR=1", "--",
+                  h.rank_script("marker.py"), env={"TNT_TEST_FROM_HERE": "it is here"})
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"TNT_RANK=1 .*TNT_TEST_FROM_HERE='it is here' A_VAR=1", res.stdout), res.stdout
+    unset = run_tnt("--dry-run", "-n", "2", "-x", "TNT_TEST_NOT_SET_ANYWHERE", "--",
+                    h.rank_script("marker.py"))
+    assert unset.returncode != 0
+    assert "'TNT_TEST_NOT_SET_ANYWHERE' is not NAME=VALUE, nor a variable set here" in unset.stderr
+
+
 def test_cleanup_ends_leftover_ranks(start_tnt, run_tnt, h, tmp_path):
     script = tmp_path / f"leftover_{os.getpid()}.py"
     script.write_text((h.RANKS / "sleeper.py").read_text())

@@ -7,6 +7,7 @@ on stderr and exit code 2 (argparse's convention), never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
@@ -101,10 +102,14 @@ def _log_level(text: str) -> str:
 
 
 def _env_assignment(text: str) -> tuple[str, str]:
+    """``NAME=VALUE``, or ``NAME`` alone for its value here (as ``mpirun -x NAME``)."""
     name, sep, value = text.partition("=")
     if not sep:
+        if _ENV_NAME.fullmatch(name) and name in os.environ:
+            return name, os.environ[name]
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not NAME=VALUE (put the script after '--', e.g. -x A=1 -- train.py)"
+            f"{text!r} is not NAME=VALUE, nor a variable set here to pass on (put the script "
+            "after '--', e.g. -x A=1 -- train.py)"
         )
     if not _ENV_NAME.fullmatch(name):
         raise argparse.ArgumentTypeError(f"{name!r} in {text!r} is not a valid variable name")
@@ -174,7 +179,8 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
                            "default: the ranks pick the best available one)")
     rank.add_argument("-x", "--env", dest="env", action="extend", nargs="+",
                       type=_env_assignment, default=[], metavar="NAME=VALUE",
-                      help="set an environment variable on every rank (repeatable, order kept)")
+                      help="set an environment variable on every rank (repeatable, order kept); "
+                           "NAME alone passes on its value here")
     rank.add_argument("--fusion-threshold", dest="fusion_threshold_kb", type=_nonneg_float,
                       metavar="KB", help="tensor fusion threshold in KB (TNT_FUSION_THRESHOLD_KB)")
     rank.add_argument("--log-level", type=_log_level, default="WARNING",
