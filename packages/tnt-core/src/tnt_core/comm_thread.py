@@ -137,11 +137,12 @@ class CommThread:
         return _Waiting(self)
 
     def _execute(self, handle: FutureHandle) -> None:
-        fn = handle._fn
-        if self._failure is not None or fn is None:
+        if self._failure is not None:
             handle._complete(error=CommError(f"an earlier collective failed: {self._failure}",
                                              rank=self.rank, operation=handle._operation))
             return
+        fn = handle._fn
+        assert fn is not None  # cleared only on completion, and a handle is claimed once
         try:
             handle._complete(result=fn())
         except CommError as exc:
