@@ -135,3 +135,138 @@ def test_close_runs_what_is_queued():
     worker.close()
     assert seen == list(range(5))
     assert all(h.done() for h in handles)
+
+
+def _name() -> str:
+    return threading.current_thread().name
+
+
+def test_call_runs_on_the_caller_when_idle_and_behind_the_queue_otherwise():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    assert worker.call(_name, "barrier #1") == threading.current_thread().name
+    gate = threading.Event()
+    order = []
+    first = worker.submit(lambda: (gate.wait(5), order.append("first"))[1], "op #2")
+    time.sleep(0.05)  # the thread has taken it
+    threading.Timer(0.1, gate.set).start()
+    worker.call(lambda: order.append("call"), "barrier #3")
+    assert order == ["first", "call"]
+    assert first.done()
+    worker.close()
+
+
+def test_call_without_run_in_waiter_goes_through_the_thread():
+    worker = CommThread("t", rank=0, timeout_s=10)
+    assert worker.call(_name, "barrier #1") == "t"
+    worker.close()
+
+
+def test_a_failed_call_poisons_the_thread_and_names_the_operation():
+    worker = CommThread("t", rank=4, timeout_s=10, run_in_waiter=True)
+    with pytest.raises(CommError, match=r"rank 4: broadcast #1\] ZeroDivisionError") as info:
+        worker.call(lambda: 1 / 0, "broadcast #1")
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    with pytest.raises(CommError, match="an earlier collective failed"):
+        worker.call(lambda: None, "barrier #2")
+    worker.close()
+
+
+def test_the_thread_steps_aside_while_a_waiter_runs_the_queue():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    gate = threading.Event()
+    ran_on = []
+    first = worker.submit(lambda: (gate.wait(5), ran_on.append(_name()))[1], "op #1")
+    time.sleep(0.05)  # running on the thread
+    rest = [worker.submit(lambda: ran_on.append(_name()), f"op #{i}") for i in range(2, 7)]
+    threading.Timer(0.1, gate.set).start()
+    rest[-1].wait()
+    me = threading.current_thread().name
+    # the first ran on the thread; after it the thread left the queue to the waiter
+    assert ran_on == ["t"] + [me] * 5
+    assert first.done() and all(h.done() for h in rest)
+    worker.close()
+
+
+def test_operations_left_when_a_waiter_returns_go_back_to_the_thread():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    ran_on = {}
+    first = worker.submit(lambda: ran_on.setdefault(1, _name()), "op #1")
+    second = worker.submit(lambda: ran_on.setdefault(2, _name()), "op #2")
+    first.wait()
+    # nobody waits for the second: the thread must run it on its own
+    deadline = time.monotonic() + 5
+    while not second.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert second.done(), "an operation nobody waits for was left in the queue"
+    assert ran_on[2] == "t"
+    worker.close()
+
+
+def test_wait_all_runs_the_batch_in_order_and_returns_every_result():
+    from tnt_core import wait_all
+
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    order = []
+    handles = [worker.submit(lambda i=i: (order.append(i), i * i)[1], f"op #{i}") for i in range(10)]
+    assert wait_all(handles) == [i * i for i in range(10)]
+    assert order == list(range(10))
+    assert wait_all([]) == []
+    worker.close()
+
+
+def test_wait_all_raises_the_first_failure_after_the_batch_completed():
+    from tnt_core import wait_all
+
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    handles = [worker.submit(lambda: 1, "op #1"), worker.submit(lambda: 1 / 0, "op #2"),
+               worker.submit(lambda: 3, "op #3")]
+    with pytest.raises(CommError, match=r"op #2\] ZeroDivisionError"):
+        wait_all(handles)
+    assert all(h.done() for h in handles)
+    worker.close()
+
+
+def test_wait_all_times_out_with_comm_error():
+    from tnt_core import wait_all
+
+    worker = CommThread("t", rank=1, timeout_s=10, run_in_waiter=True)
+    gate = threading.Event()
+    handles = [worker.submit(lambda: gate.wait(5), "slow #1"), worker.submit(lambda: None, "op #2")]
+    t0 = time.perf_counter()
+    with pytest.raises(CommError, match=r"op #2\] did not complete within 0.2s"):
+        wait_all(handles, timeout=0.2)
+    assert time.perf_counter() - t0 < 1.0
+    gate.set()
+    worker.close()
+
+
+def test_two_waiting_threads_each_get_their_operation():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    gate = threading.Event()
+    blocker = worker.submit(lambda: gate.wait(5), "op #1")
+    time.sleep(0.05)
+    handles = [worker.submit(lambda i=i: i, f"op #{i}") for i in range(2, 8)]
+    results = {}
+
+    def waiter(i):
+        results[i] = handles[i].wait()
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in (5, 1, 3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert results == {5: 7, 1: 3, 3: 5}
+    assert blocker.wait() is True
+    worker.close()
+
+
+def test_wait_all_of_handles_of_different_kinds():
+    from tnt_core import CompletedHandle, wait_all
+
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    buf = np.zeros(2)
+    assert wait_all([CompletedHandle(buf), worker.submit(lambda: 5, "op #1")])[1] == 5
+    worker.close()

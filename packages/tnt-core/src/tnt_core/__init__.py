@@ -17,6 +17,7 @@ from .backend import (
     Handle,
     check_buffer,
     check_op,
+    wait_all,
 )
 from .comm_thread import CommThread, FutureHandle
 from .config import DEFAULT_FUSION_THRESHOLD_KB, DEFAULT_TIMEOUT_S, Config
@@ -102,5 +103,6 @@ __all__ = [
     "select_backend",
     "shutdown",
     "timeline_path",
+    "wait_all",
     "__version__",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "Handle",
     "check_buffer",
     "check_op",
+    "wait_all",
 ]
 
 REDUCE_OPS: tuple[str, ...] = ("sum", "min", "max", "product")
@@ -90,6 +91,28 @@ class Handle(abc.ABC):
         """When the operation completed, in ``time.perf_counter()`` seconds, if the backend
         records it (timelines use it); None if unknown or not yet done."""
         return None
+
+    @classmethod
+    def wait_all(cls, handles: Sequence[Handle], timeout: float | None = None) -> list[np.ndarray]:
+        """Wait for every handle (all of this class), in order; their buffers.
+
+        The first failure is raised, after every handle before it completed. A backend
+        overrides this when waiting for a batch can be cheaper than one ``wait`` after
+        another (e.g. one thread wake-up instead of one per handle); call it through
+        :func:`tnt_core.wait_all`.
+        """
+        return [handle.wait(timeout) for handle in handles]
+
+
+def wait_all(handles: Sequence[Handle], timeout: float | None = None) -> list[np.ndarray]:
+    """Wait for ``handles`` as a batch, like ``MPI_Waitall``: their buffers, in order.
+
+    Handles of one backend go to its :meth:`Handle.wait_all`; a mixed list is waited for
+    one handle after another.
+    """
+    if handles and all(type(h) is type(handles[0]) for h in handles):
+        return type(handles[0]).wait_all(handles, timeout)
+    return [handle.wait(timeout) for handle in handles]
 
 
 class CompletedHandle(Handle):

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .backend import CommBackend, Handle, check_op
+from .backend import CommBackend, Handle, check_op, wait_all
 from .timeline import Timeline
 
 __all__ = ["TensorSpec", "Bucket", "BucketPlan", "plan_buckets", "FusedAllreducer"]
@@ -264,9 +264,9 @@ class FusedAllreducer:
             handles, issued_at = self._handles, self._issued_at
             self._reset()
         try:
+            # as one batch: a backend may then wake the caller once, not once per bucket
+            wait_all([h for h in handles if h is not None], timeout)
             for i, handle in enumerate(handles):
-                if handle is not None:
-                    handle.wait(timeout)
                 if self.observer:
                     self.observer("done", i)
                 if self.timeline is not None:
