@@ -118,7 +118,8 @@ class CommThread:
         self.rank = rank
         self.timeout_s = timeout_s
         self.run_in_waiter = run_in_waiter
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # entered directly where speed counts (no Python frames)
+        self._cond = threading.Condition(self._lock)
         self._pending: deque[FutureHandle] = deque()
         self._busy = False  # an operation is running (on the thread or in a waiter)
         self._waiters = 0  # threads blocked in Handle.wait
@@ -154,16 +155,21 @@ class CommThread:
         """
         inline = False
         if self.run_in_waiter:
-            with self._cond:
+            with self._lock:
                 if not (self._busy or self._pending or self._closed or self._failure is not None):
                     self._busy = inline = True
                     self._waiters += 1
         if not inline:
             return self.submit(fn, operation, buf).wait()
         try:
-            return self._invoke(fn, operation)
+            return fn()  # (what _invoke does, minus the failure check made above)
+        except CommError as exc:
+            self.fail(exc)
+            raise
+        except BaseException as exc:
+            raise self._failed(exc, operation) from exc
         finally:
-            with self._cond:
+            with self._lock:
                 self._waiters -= 1
                 self._busy = False
                 if self._pending or self._closed or self._waiters:
@@ -207,9 +213,12 @@ class CommThread:
             self.fail(exc)
             raise
         except BaseException as exc:  # anything else: still a failed collective
-            err = CommError(f"{type(exc).__name__}: {exc}", rank=self.rank, operation=operation)
-            self.fail(err)
-            raise err from exc
+            raise self._failed(exc, operation) from exc
+
+    def _failed(self, exc: BaseException, operation: str) -> CommError:
+        err = CommError(f"{type(exc).__name__}: {exc}", rank=self.rank, operation=operation)
+        self.fail(err)
+        return err
 
     def _claim(self) -> FutureHandle | None:
         # with the lock held: the next operation, if nothing runs now
