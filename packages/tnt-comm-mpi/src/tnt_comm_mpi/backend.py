@@ -10,7 +10,12 @@ paying two thread wake-ups (``MPI_THREAD_SERIALIZED`` is all that needs). The th
 :class:`~tnt_comm_mpi.progress.Poller` (spin briefly, then sleep with back-off), never
 with MPICH's busy-polling ``MPI_Wait``.
 
-MPI errors become :class:`tnt_core.CommError` in one place (:meth:`MpiBackend._submit`).
+Blocking collectives (``allreduce``, ``broadcast``, ``allgather``, ``barrier``) go through
+``CommThread.call``: with nothing queued, the caller's thread runs them itself and the
+communication thread is not woken at all.
+
+MPI errors become :class:`tnt_core.CommError` in :meth:`MpiBackend._guarded` (and, on the
+short path of host arrays, in the allreduce itself).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from tnt_core import (
     CommThread,
     Config,
     ConfigError,
+    SUPPORTED_DTYPES,
     Handle,
     check_op,
     connect_store,
@@ -121,6 +127,7 @@ class MpiBackend(CommBackend):
         self._seq = itertools.count(1)
         self._ops = {name: getattr(MPI, mpi_name) for name, mpi_name in _OP_NAMES.items()}
         self._half_as_single = False
+        self._native_dtypes: frozenset[np.dtype] = frozenset()
         self._cuda_aware, self.cuda_reason = False, ""
         self._library = ""
         self._comm: Any = None
@@ -161,6 +168,8 @@ class MpiBackend(CommBackend):
         MPI = self._MPI
         self._library = " ".join(MPI.Get_library_version().split()[:3])
         self._half_as_single = not _has_mpi_type(np.dtype("float16"))
+        self._native_dtypes = frozenset(
+            d for d in SUPPORTED_DTYPES if not (self._half_as_single and d == np.float16))
         self._cuda_aware, self.cuda_reason = cuda_support()
         comm, request = MPI.COMM_WORLD.Idup()
         self._poller.wait(request, "init (MPI_Comm_idup)", 0, self._timeout)
@@ -195,15 +204,23 @@ class MpiBackend(CommBackend):
     # -- on the caller's thread --------------------------------------------------------
 
     def _submit(self, fn: Callable[[], Any], operation: str, buf: Any = None) -> Handle:
-        """Queue ``fn`` on the communication thread; the one place MPI errors are translated."""
+        """Queue ``fn`` on the communication thread."""
+        return self._thread.submit(self._guarded(fn, operation), operation, buf)
+
+    def _call(self, fn: Callable[[], Any], operation: str, buf: Any = None) -> Any:
+        """Run ``fn`` as the next operation and wait for it (``CommThread.call``: run right
+        here, without waking the thread, when nothing else is queued)."""
+        return self._thread.call(self._guarded(fn, operation), operation, buf)
+
+    def _guarded(self, fn: Callable[[], Any], operation: str) -> Callable[[], Any]:
+        """``fn`` with MPI errors as CommError: the one place they are translated."""
         MPI = self._MPI
 
         def guarded() -> Any:
             try:
                 return fn()
             except MPI.Exception as exc:
-                raise CommError(f"MPI error: {exc.Get_error_string().strip()}", rank=self.rank,
-                                operation=operation) from exc
+                raise self._mpi_error(exc, operation) from exc
             except CommError:
                 raise
             except Exception as exc:  # e.g. a failed copy back into a device buffer
@@ -212,7 +229,11 @@ class MpiBackend(CommBackend):
 
         if self._closed:
             raise CommError("the backend is closed", rank=self.rank, operation=operation)
-        return self._thread.submit(guarded, operation, buf)
+        return guarded
+
+    def _mpi_error(self, exc: Any, operation: str) -> CommError:
+        return CommError(f"MPI error: {exc.Get_error_string().strip()}", rank=self.rank,
+                         operation=operation)
 
     def _prepare(self, buf: Any, operation: str, *, writeable: bool = True) -> Staged:
         staged = prepare(buf, operation, cuda_aware=self._cuda_aware, writeable=writeable)
@@ -222,16 +243,49 @@ class MpiBackend(CommBackend):
 
     def allreduce_async(self, buf: Any, op: str = "sum") -> Handle:
         """Start reducing ``buf`` over all ranks, in place (MPI_Iallreduce). Nonblocking."""
+        run, name = self._allreduce_op(buf, op)
+        return self._thread.submit(run, name, buf)
+
+    def allreduce(self, buf: Any, op: str = "sum") -> Any:
+        """Reduce ``buf`` over all ranks, in place, and return it; run by the caller's
+        thread when the communication thread has nothing queued (no thread hand-off)."""
+        return self._thread.call(*self._allreduce_op(buf, op), buf)
+
+    def _allreduce_op(self, buf: Any, op: str) -> tuple[Callable[[], Any], str]:
+        """The operation that reduces ``buf``, and its name (for errors).
+
+        A writable C-contiguous numpy array of a dtype MPI reduces natively takes the
+        shortest path this could be written as: right after a multi-megabyte allreduce has
+        flushed the caches, every line of Python between the call and ``MPI_Iallreduce``
+        costs about a microsecond (measured, 8 MiB on 2 ranks: 44 µs from the call to
+        ``MPI_Iallreduce`` through the general path, about 15 µs through this one).
+        """
+        mpi_op = self._ops.get(op)
+        if mpi_op is not None and type(buf) is np.ndarray and buf.dtype in self._native_dtypes:
+            flags = buf.flags
+            if flags.c_contiguous and flags.writeable and not self._closed:
+                name = f"allreduce #{next(self._seq)}"
+                comm, poller, timeout, in_place = self._comm, self._poller, self._timeout, self._MPI.IN_PLACE
+                mpi_exception = self._MPI.Exception
+
+                def run_host() -> Any:
+                    try:
+                        poller.wait(comm.Iallreduce(in_place, buf, mpi_op), name, buf.nbytes, timeout)
+                    except mpi_exception as exc:
+                        raise self._mpi_error(exc, name) from exc
+                    return buf
+
+                return run_host, name
         check_op(op)
-        staged = self._prepare(buf, "allreduce")
-        name = f"allreduce #{next(self._seq)} ({_dtype_name(staged.dtype)}, {op})"
-        mpi_op, comm, in_place = self._ops[op], self._comm, self._MPI.IN_PLACE
+        staged = self._prepare(buf, "allreduce")  # bad buffers fail here, numbering nothing
+        name = f"allreduce #{next(self._seq)}"
+        comm, in_place = self._comm, self._MPI.IN_PLACE
 
         def run() -> Any:
             self._run(staged, lambda data: comm.Iallreduce(in_place, data, mpi_op), name)
             return buf
 
-        return self._submit(run, name, buf)
+        return self._guarded(run, name), name
 
     def broadcast(self, buf: Any, root: int = 0) -> Any:
         """Overwrite ``buf`` with ``root``'s ``buf`` (MPI_Ibcast); return it."""
@@ -245,7 +299,7 @@ class MpiBackend(CommBackend):
             self._run(staged, lambda data: comm.Ibcast(_as_bytes(data), root=root), name)
             return buf
 
-        return self._submit(run, name, buf).wait()
+        return self._call(run, name, buf)
 
     def allgather(self, buf: Any) -> np.ndarray:
         """Every rank's ``buf`` stacked: shape ``(size, *buf.shape)`` (MPI_Iallgather)."""
@@ -266,7 +320,7 @@ class MpiBackend(CommBackend):
             self._poller.wait(request, name, out.nbytes, self._timeout)
             return out
 
-        return self._submit(run, name, buf).wait()
+        return self._call(run, name, buf)
 
     def barrier(self) -> None:
         """Return once every rank entered the barrier (MPI_Ibarrier)."""
@@ -276,7 +330,7 @@ class MpiBackend(CommBackend):
         def run() -> None:
             self._poller.wait(comm.Ibarrier(), name, 0, self._timeout)
 
-        self._submit(run, name).wait()
+        self._call(run, name)
 
     @property
     def failed(self) -> bool:
@@ -302,15 +356,6 @@ class MpiBackend(CommBackend):
         self._thread.close(timeout=5.0)
         if self.failed:
             mark_failed()
-
-
-_DTYPE_NAMES: dict[np.dtype, str] = {np.dtype(t): t for t in
-                                    ("float16", "float32", "float64", "int32", "int64")}
-
-
-def _dtype_name(dtype: np.dtype) -> str:
-    """``str(dtype)`` costs microseconds in numpy; this runs once per collective."""
-    return _DTYPE_NAMES.get(dtype) or str(dtype)
 
 
 def _reachable_address(rendezvous_host: str) -> str:

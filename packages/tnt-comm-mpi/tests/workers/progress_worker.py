@@ -4,6 +4,8 @@ work done by the caller's thread while a large allreduce is in flight.
 Writes ``OUT/rank<R>.json``. Scenarios (rank 1 is the late peer in each):
 
 * ``wait_ours``: rank 0 waits ``DELAY`` s in ``allreduce_async(...).wait()``;
+* ``wait_blocking``: the same in the blocking ``allreduce(...)`` (run by the caller's
+  thread itself when nothing is queued);
 * ``wait_mpi``: the same wait inside plain mpi4py ``Allreduce`` (MPICH's own waiting), for
   comparison only;
 * ``overlap``: both ranks start a 64 MiB ``allreduce_async`` and count pure-Python work
@@ -55,6 +57,16 @@ def main() -> int:
     backend.allreduce_async(buf).wait()
     c1, t1 = cpu_seconds(proc), time.perf_counter()
     report["wait_ours"] = {"cpu_s": c1 - c0, "wall_s": t1 - t0, "cpu_percent": 100 * (c1 - c0) / (t1 - t0)}
+
+    # -- the same wait in the blocking allreduce, which the caller's thread runs itself
+    backend.barrier()
+    if rank == 1:
+        time.sleep(DELAY)
+    c0, t0 = cpu_seconds(proc), time.perf_counter()
+    backend.allreduce(buf)
+    c1, t1 = cpu_seconds(proc), time.perf_counter()
+    report["wait_blocking"] = {"cpu_s": c1 - c0, "wall_s": t1 - t0,
+                               "cpu_percent": 100 * (c1 - c0) / (t1 - t0)}
 
     # -- the same wait in MPICH's blocking MPI_Allreduce (what the backend avoids)
     from mpi4py import MPI
