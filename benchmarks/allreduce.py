@@ -5,7 +5,8 @@
 imports ``allreduce_<backend>`` from this directory and calls its ``run(args)``, which
 returns one dict per buffer size with the keys ``size_bytes``, ``ours_gbps``,
 ``baseline_gbps``, ``ratio`` (ours / baseline bandwidth), ``ours_median_us`` and
-``baseline_median_us`` (a module may add more keys: they go to the JSON, not the table).
+``baseline_median_us`` (a module may add more keys: they go to the JSON, and to the table
+after the standard columns for those its ``EXTRA_COLUMNS`` names).
 The table is printed and everything is written to ``benchmarks/results/``.
 
 Bandwidth is algorithm bandwidth: buffer bytes / median time of one allreduce, in GB/s
@@ -66,17 +67,23 @@ def human(size: int) -> str:
     return f"{size} B"
 
 
-def format_table(rows: list[dict], backend: str) -> str:
-    lines = [
-        (f"{'size':>9}  {backend + ' GB/s':>12}  {'baseline GB/s':>13}  {'ratio':>6}  "
-         f"{backend + ' med µs':>14}  {'baseline med µs':>15}"),
-    ]
+def format_table(rows: list[dict], backend: str,
+                 extra: list[tuple[str, str, str]] = ()) -> str:
+    """The standard columns, then ``extra`` ones ``(key, header, format)`` (blank where a
+    row lacks the key)."""
+    header = (f"{'size':>9}  {backend + ' GB/s':>12}  {'baseline GB/s':>13}  {'ratio':>6}  "
+              f"{backend + ' med µs':>14}  {'baseline med µs':>15}")
+    lines = [header + "".join(f"  {title:>{len(title)}}" for _, title, _ in extra)]
     for row in rows:
-        lines.append(
+        line = (
             f"{human(row['size_bytes']):>9}  {row['ours_gbps']:>12.3f}  "
             f"{row['baseline_gbps']:>13.3f}  {row['ratio']:>6.3f}  "
             f"{row['ours_median_us']:>14.1f}  {row['baseline_median_us']:>15.1f}"
         )
+        for key, title, spec in extra:
+            cell = format(row[key], spec) if key in row else ""
+            line += f"  {cell:>{len(title)}}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         missing = [k for k in REQUIRED_KEYS if k not in row]
         if missing:
             raise SystemExit(f"allreduce_{args.backend}.run returned a row without {missing}")
-    print(format_table(rows, args.backend))
+    print(format_table(rows, args.backend, getattr(module, "EXTRA_COLUMNS", [])))
     out = args.out or RESULTS / (
         f"allreduce_{args.backend}_{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
