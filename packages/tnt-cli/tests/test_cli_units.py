@@ -80,3 +80,13 @@ def test_numactl_prefix():
     assert numactl_prefix(2, True, True, 2) == ["numactl", "--cpunodebind=0", "--membind=0"]
     assert numactl_prefix(1, False, True, 4) == ["numactl", "--membind=1"]
     assert numactl_prefix(0, False, False, 2) == []
+
+
+def test_the_store_listens_where_the_route_to_the_first_remote_host_leaves():
+    from tnt_cli.network import route_source_address, store_bind_address
+
+    assert route_source_address("127.0.0.1") == "127.0.0.1"
+    assert store_bind_address(["localhost", "127.0.0.1"], None) == "127.0.0.1"
+    assert store_bind_address(["nodeX"], "10.0.0.1") == "10.0.0.1"
+    with pytest.raises(UsageError, match="cannot resolve host 'no-such-host.invalid'"):
+        route_source_address("no-such-host.invalid")

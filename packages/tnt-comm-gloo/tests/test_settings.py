@@ -86,15 +86,46 @@ def test_unknown_interface_lists_the_real_ones() -> None:
     assert "lo" in str(info.value)
 
 
-def test_multi_node_refuses_a_loopback_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = Config(rank=0, size=4, local_rank=0, local_size=2)
+def test_multi_node_takes_the_route_to_the_rendezvous_host_when_the_name_is_loopback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tnt_comm_gloo.backend as gloo_backend
+
+    cfg = Config(rank=0, size=4, local_rank=0, local_size=2, rendezvous="10.9.8.7:29500")
     monkeypatch.setattr(socket, "getaddrinfo",
                         lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
-    with pytest.raises(ConfigError, match="TNT_GLOO_IFACE"):
-        GlooSettings().listen_address(cfg)
+    asked = []
+    monkeypatch.setattr(gloo_backend, "address_towards",
+                        lambda host: asked.append(host) or "10.9.8.20")
+    assert GlooSettings().listen_address(cfg) == ("10.9.8.20", "")
+    assert asked == ["10.9.8.7"]
+    # a name that does not resolve: the same
+    def unresolvable(*a, **k):
+        raise socket.gaierror("Name or service not known")
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    assert GlooSettings().listen_address(cfg) == ("10.9.8.20", "")
+    # a name that resolves to a real address wins
     monkeypatch.setattr(socket, "getaddrinfo",
                         lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("10.1.2.3", 0))])
     assert GlooSettings().listen_address(cfg) == (socket.gethostname(), "")
+
+
+def test_multi_node_refuses_when_neither_name_nor_route_reaches_other_nodes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import tnt_comm_gloo.backend as gloo_backend
+
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
+    monkeypatch.setattr(gloo_backend, "address_towards", lambda host: "127.0.0.1")
+    cfg = Config(rank=0, size=4, local_rank=0, local_size=2, rendezvous="10.9.8.7:29500")
+    with pytest.raises(ConfigError, match=r"loopback address.*10\.9\.8\.7.*TNT_GLOO_IFACE"):
+        GlooSettings().listen_address(cfg)
+    monkeypatch.setattr(gloo_backend, "address_towards", lambda host: None)
+    with pytest.raises(ConfigError, match="TNT_GLOO_HOSTNAME"):
+        GlooSettings().listen_address(cfg)
+    # a file store names no host to route to
+    cfg = Config(rank=0, size=4, local_rank=0, local_size=2, rendezvous="file:///tmp/tnt-store")
+    with pytest.raises(ConfigError, match=r"rendezvous host \(none\)"):
+        GlooSettings().listen_address(cfg)
 
 
 def test_file_store_urls() -> None:

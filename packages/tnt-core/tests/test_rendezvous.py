@@ -123,3 +123,10 @@ def test_port_in_use_gives_a_clear_error():
         port = busy.getsockname()[1]
         with pytest.raises(ConfigError, match=f"cannot host the rendezvous store on 127.0.0.1:{port}"):
             StoreServer("127.0.0.1", port, key="k")
+
+
+def test_address_towards_asks_the_kernel_for_the_route():
+    from tnt_core import address_towards
+
+    assert address_towards("127.0.0.1") == "127.0.0.1"
+    assert address_towards("no-such-host.invalid") is None

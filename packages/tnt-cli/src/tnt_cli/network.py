@@ -48,19 +48,14 @@ def is_local_host(host: str) -> bool:
 
 def route_source_address(host: str) -> str:
     """The local address packets to ``host`` leave from (no packet is sent)."""
-    addrs = _resolve(host)
-    if not addrs:
+    from tnt_core import address_towards  # tnt-core imports numpy: not for `tnt --help`
+
+    if not _resolve(host):
         raise UsageError(f"cannot resolve host {host!r}; check the hostfile (or /etc/hosts, DNS)")
-    last: OSError | None = None
-    for addr in addrs:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((addr, 9))
-                return s.getsockname()[0]
-        except OSError as exc:
-            last = exc
-    raise UsageError(f"no route to host {host!r} ({last}); pass --rendezvous-host ADDR")
+    found = address_towards(_strip_user(host))
+    if found is None:
+        raise UsageError(f"no route to host {host!r}; pass --rendezvous-host ADDR")
+    return found
 
 
 def store_bind_address(hosts: list[str], override: str | None) -> str:

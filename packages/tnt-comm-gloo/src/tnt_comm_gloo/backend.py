@@ -12,7 +12,9 @@ Environment (besides the launcher's ``TNT_*`` contract):
     network interface to listen on (e.g. ``eth0``, ``ib0``); wins over the host name.
 ``TNT_GLOO_HOSTNAME``
     address or host name to listen on. Default: ``127.0.0.1`` when every rank runs on
-    this node, else this host's name (which must not resolve to a loopback address).
+    this node, else this host's name; if that resolves only to a loopback address (as
+    Debian's ``127.0.1.1`` entry does) or not at all, the address of the interface that
+    routes to the rendezvous host (logged).
 ``TNT_GLOO_ALGORITHM``
     ``auto`` (default), ``ring``, ``bcube`` or ``doubling``: the allreduce algorithm.
 ``TNT_GLOO_BCUBE_MAX_BYTES``
@@ -62,6 +64,7 @@ from tnt_core import (
     Config,
     ConfigError,
     Handle,
+    address_towards,
     check_buffer,
     check_op,
     connect_store,
@@ -98,6 +101,10 @@ _KDL_CPU = 1  # DLPack device type of host memory
 _generation = itertools.count()  # one store prefix per communicator made by this process
 #: in-flight buffers of communicators whose worker could not be stopped: never freed
 _abandoned: list[object] = []
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -200,18 +207,28 @@ class GlooSettings:
         name = socket.gethostname()
         try:
             infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+            problem = "resolves to a loopback address, which other nodes cannot reach"
+            if not all(_is_loopback(info[4][0]) for info in infos):
+                return name, ""
         except OSError as exc:
-            raise ConfigError(
-                f"this host's name {name!r} does not resolve ({exc}); set TNT_GLOO_IFACE "
-                "to the interface the ranks reach each other on (e.g. eth0)"
-            ) from None
-        if all(info[4][0].startswith("127.") or info[4][0] == "::1" for info in infos):
-            raise ConfigError(
-                f"this host's name {name!r} resolves to a loopback address, which other "
-                "nodes cannot reach; set TNT_GLOO_IFACE to the interface the ranks reach "
-                "each other on (e.g. eth0), or TNT_GLOO_HOSTNAME to this node's address"
-            )
-        return name, ""
+            problem = f"does not resolve ({exc})"
+        # e.g. Debian's "127.0.1.1 <hostname>" in /etc/hosts: listen where the route to the
+        # launcher's rendezvous store leaves this node instead
+        host = ""
+        if config.rendezvous and _file_store_dir(config.rendezvous) is None:
+            host = config.rendezvous_address()[0]
+        routed = address_towards(host) if host else None
+        if routed and not _is_loopback(routed):
+            log.info("this host's name %r %s; listening on %s, the address that routes to "
+                     "the rendezvous host %s (set TNT_GLOO_IFACE to choose)", name, problem,
+                     routed, host)
+            return routed, ""
+        raise ConfigError(
+            f"this host's name {name!r} {problem}, and no route to the rendezvous host "
+            f"{host or '(none)'} leaves through another interface; set TNT_GLOO_IFACE to the "
+            "interface the ranks reach each other on (e.g. eth0), or TNT_GLOO_HOSTNAME to "
+            "this node's address"
+        )
 
     def algorithm_for(self, nbytes: int, size: int) -> str:
         """The TCP allreduce algorithm for a buffer of ``nbytes`` on ``size`` ranks

@@ -38,6 +38,7 @@ from tnt_core import (
     ConfigError,
     SUPPORTED_DTYPES,
     Handle,
+    address_towards,
     check_op,
     connect_store,
 )
@@ -362,14 +363,7 @@ def _reachable_address(rendezvous_host: str) -> str:
     """This machine's address as seen from the rendezvous host's network."""
     if rendezvous_host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((rendezvous_host, 9))  # UDP: no packet is sent
-        return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-    finally:
-        probe.close()
+    return address_towards(rendezvous_host) or socket.gethostbyname(socket.gethostname())
 
 
 def _join_through_rendezvous(config: Config) -> None:

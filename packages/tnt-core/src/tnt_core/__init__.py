@@ -25,7 +25,7 @@ from .errors import CommError, ConfigError, PluginError, ShardingError, TntError
 from .fusion import Bucket, BucketPlan, FusedAllreducer, TensorSpec, plan_buckets
 from .local_backend import LocalBackend
 from .plugins import get_plugin_manager, reset_plugin_manager
-from .rendezvous import StoreClient, StoreServer, connect_store
+from .rendezvous import StoreClient, StoreServer, address_towards, connect_store
 from .runtime import (
     Runtime,
     get_master_rank,
@@ -81,6 +81,7 @@ __all__ = [
     "TensorSpec",
     "Timeline",
     "TntError",
+    "address_towards",
     "check_buffer",
     "check_op",
     "connect_store",

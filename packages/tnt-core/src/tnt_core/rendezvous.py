@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 from .errors import CommError, ConfigError
 
-__all__ = ["StoreServer", "StoreClient", "connect_store"]
+__all__ = ["StoreServer", "StoreClient", "connect_store", "address_towards"]
 
 log = logging.getLogger("tnt.rendezvous")
 
@@ -387,3 +387,25 @@ def connect_store(config, *, connect_timeout: float = 60.0) -> StoreClient:
         raise ConfigError("TNT_RENDEZVOUS_KEY is not set; it comes from the launcher (tnt run)")
     return StoreClient(host, port, config.rendezvous_key, connect_timeout=connect_timeout,
                        timeout=config.timeout_s, rank=config.rank)
+
+
+def address_towards(host: str) -> str | None:
+    """This machine's address on the interface that routes to ``host``, or None.
+
+    What a backend listens on when nothing else says: the interface through which this
+    node reaches the rendezvous host is the one its peers can reach it on in the usual
+    cluster (one network between the nodes). Connecting a UDP socket sends no packet; it
+    only asks the kernel for the route.
+    """
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect(address)
+                return str(probe.getsockname()[0])
+            except OSError:
+                continue
+    return None
