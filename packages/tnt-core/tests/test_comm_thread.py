@@ -270,3 +270,40 @@ def test_wait_all_of_handles_of_different_kinds():
     buf = np.zeros(2)
     assert wait_all([CompletedHandle(buf), worker.submit(lambda: 5, "op #1")])[1] == 5
     worker.close()
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_an_operation_the_caller_runs_stays_a_keyboard_interrupt():
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    with pytest.raises(KeyboardInterrupt):
+        worker.call(_interrupt, "allreduce #1")
+    # the collective was abandoned half-way: nothing after it may run
+    with pytest.raises(CommError, match=r"an earlier collective failed: .*allreduce #1\] KeyboardInterrupt"):
+        worker.call(lambda: None, "allreduce #2")
+    worker.close()
+
+    # through the queue: run by this thread (KeyboardInterrupt) or, if it woke first, by
+    # the communication thread, which must survive it (the waiter gets CommError)
+    worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
+    handle = worker.submit(_interrupt, "allreduce #1")
+    with pytest.raises((KeyboardInterrupt, CommError)):
+        handle.wait()
+    assert handle.done()
+    with pytest.raises(CommError, match="KeyboardInterrupt"):
+        handle.wait()
+    with pytest.raises(CommError, match="an earlier collective failed"):
+        worker.submit(lambda: None, "allreduce #2")
+    worker.close()
+    assert not worker._thread.is_alive()  # closed normally, not killed by the interrupt
+
+
+def test_the_thread_survives_an_operation_raising_keyboard_interrupt():
+    worker = CommThread("t", rank=0, timeout_s=10)  # every operation runs on the thread
+    handle = worker.submit(_interrupt, "allreduce #1")
+    with pytest.raises(CommError, match=r"allreduce #1\] KeyboardInterrupt"):
+        handle.wait()
+    assert worker._thread.is_alive()
+    worker.close()

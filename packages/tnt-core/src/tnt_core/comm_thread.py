@@ -166,6 +166,9 @@ class CommThread:
         except CommError as exc:
             self.fail(exc)
             raise
+        except (KeyboardInterrupt, SystemExit) as exc:
+            self._failed(exc, operation)
+            raise
         except BaseException as exc:
             raise self._failed(exc, operation) from exc
         finally:
@@ -199,6 +202,10 @@ class CommThread:
             result = self._invoke(fn, handle._operation)
         except CommError as exc:
             handle._complete(error=exc)
+        except BaseException:  # Ctrl+C in a waiter running it: the handle still completes
+            handle._complete(error=self._failure)
+            if threading.current_thread() is not self._thread:
+                raise  # the caller's own interrupt; the thread itself goes on
         else:
             handle._complete(result=result)
 
@@ -211,6 +218,9 @@ class CommThread:
             return fn()
         except CommError as exc:
             self.fail(exc)
+            raise
+        except (KeyboardInterrupt, SystemExit) as exc:
+            self._failed(exc, operation)  # abandoned half-way: nothing after it may run
             raise
         except BaseException as exc:  # anything else: still a failed collective
             raise self._failed(exc, operation) from exc
