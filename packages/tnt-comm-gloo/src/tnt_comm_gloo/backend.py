@@ -68,6 +68,7 @@ from tnt_core import (
     check_buffer,
     check_op,
     connect_store,
+    env_number,
 )
 
 from . import _gloo
@@ -112,16 +113,7 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer (bytes)") from None
-    if value < 0:
-        raise ConfigError(f"{name}={value} must be >= 0")
-    return value
+    return env_number(env, name, default, integer=True, minimum=0, unit="bytes")
 
 
 def _shm_chunk_bytes(env: Mapping[str, str]) -> int:
@@ -135,16 +127,8 @@ def _shm_chunk_bytes(env: Mapping[str, str]) -> int:
 
 
 def _shm_spin_us(env: Mapping[str, str]) -> int | None:
-    raw = (env.get("TNT_GLOO_SHM_SPIN_US") or "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"TNT_GLOO_SHM_SPIN_US={raw!r} is not an integer (µs)") from None
-    if not 0 <= value <= 1_000_000:
-        raise ConfigError(f"TNT_GLOO_SHM_SPIN_US={value} must be between 0 and 1000000")
-    return value
+    return env_number(env, "TNT_GLOO_SHM_SPIN_US", None, integer=True, minimum=0,
+                      maximum=1_000_000, unit="µs")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tnt_core import CommError, ConfigError
+from tnt_core import CommError, env_number
 
 __all__ = ["PollSettings", "Poller"]
 
@@ -69,16 +69,7 @@ RELEARN = 4
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float, scale: float) -> float:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default * scale
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value < 0:
-        raise ConfigError(f"{name}={value} must be >= 0")
-    return value * scale
+    return env_number(env, name, default, minimum=0.0) * scale
 
 
 @dataclass(frozen=True)

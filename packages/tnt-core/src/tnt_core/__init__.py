@@ -20,7 +20,7 @@ from .backend import (
     wait_all,
 )
 from .comm_thread import CommThread, FutureHandle
-from .config import DEFAULT_FUSION_THRESHOLD_KB, DEFAULT_TIMEOUT_S, Config
+from .config import DEFAULT_FUSION_THRESHOLD_KB, DEFAULT_TIMEOUT_S, Config, env_number
 from .errors import CommError, ConfigError, PluginError, ShardingError, TntError
 from .fusion import Bucket, BucketPlan, FusedAllreducer, TensorSpec, plan_buckets
 from .local_backend import LocalBackend
@@ -85,6 +85,7 @@ __all__ = [
     "check_buffer",
     "check_op",
     "connect_store",
+    "env_number",
     "get_master_rank",
     "get_plugin_manager",
     "get_rank",

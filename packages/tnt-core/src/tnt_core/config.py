@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Config", "DEFAULT_FUSION_THRESHOLD_KB", "DEFAULT_TIMEOUT_S", "parse_bool"]
+__all__ = ["Config", "DEFAULT_FUSION_THRESHOLD_KB", "DEFAULT_TIMEOUT_S", "env_number", "parse_bool"]
 
 #: Chosen by benchmarks/fusion_sweep.py (docs/performance_results.md): 2 MB was best or
 #: within 8 % of the best for all three models on both backends; Tarantella's 32 KB was
@@ -36,29 +37,30 @@ def parse_bool(name: str, value: str) -> bool:
     raise ConfigError(f"{name}={value!r} is not a boolean; use true/false (or 1/0)")
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
+def env_number(env: Mapping[str, str], name: str, default: Any, *, integer: bool = False,
+               minimum: float | None = None, above: float | None = None,
+               maximum: float | None = None, unit: str = "") -> Any:
+    """The number in ``env[name]`` (``default`` when unset or blank), checked.
+
+    One parser for every ``TNT_*`` number, of tnt-core and of the backends, so that a bad
+    value always reads the same: the variable, its value, and what it must be.
+    """
+    raw = (env.get(name) or "").strip()
+    if not raw:
         return default
     try:
-        value = int(raw.strip())
+        value = int(raw) if integer else float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
+        what = "an integer" if integer else "a number"
+        raise ConfigError(f"{name}={raw!r} is not {what}{f' ({unit})' if unit else ''}") from None
+    if maximum is not None and minimum is not None and not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={value} must be between {minimum} and {maximum}")
+    if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if not value > minimum:
-        raise ConfigError(f"{name}={value} must be > {minimum}")
+    if above is not None and not value > above:
+        raise ConfigError(f"{name}={value} must be > {above}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={value} must be <= {maximum}")
     return value
 
 
@@ -142,8 +144,8 @@ class Config:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         """Read and validate the ``TNT_*`` variables."""
         env = os.environ if environ is None else environ
-        size = _int(env, "TNT_SIZE", None, 1)
-        rank = _int(env, "TNT_RANK", None, 0)
+        size = env_number(env, "TNT_SIZE", None, integer=True, minimum=1)
+        rank = env_number(env, "TNT_RANK", None, integer=True, minimum=0)
         if rank is not None and size is None:
             raise ConfigError(
                 "TNT_RANK is set but TNT_SIZE is not; both come from the launcher "
@@ -152,8 +154,8 @@ class Config:
         launched = size is not None
         size = size or 1
         rank = rank or 0
-        local_size = _int(env, "TNT_LOCAL_SIZE", None, 1)
-        local_rank = _int(env, "TNT_LOCAL_RANK", None, 0)
+        local_size = env_number(env, "TNT_LOCAL_SIZE", None, integer=True, minimum=1)
+        local_rank = env_number(env, "TNT_LOCAL_RANK", None, integer=True, minimum=0)
         if local_size is None:  # one node: every rank is local
             local_size, local_rank = size, rank if local_rank is None else local_rank
         local_rank = 0 if local_rank is None else local_rank
@@ -166,14 +168,14 @@ class Config:
             backend=(env.get("TNT_BACKEND") or "").strip() or None,
             rendezvous=(env.get("TNT_RENDEZVOUS") or "").strip() or None,
             rendezvous_key=env.get("TNT_RENDEZVOUS_KEY") or None,
-            fusion_threshold_kb=_float(
-                env, "TNT_FUSION_THRESHOLD_KB", DEFAULT_FUSION_THRESHOLD_KB, -1e-12
+            fusion_threshold_kb=env_number(
+                env, "TNT_FUSION_THRESHOLD_KB", DEFAULT_FUSION_THRESHOLD_KB, minimum=0.0
             ),
             log_level=level,
             log_all=parse_bool("TNT_LOG_ALL", env.get("TNT_LOG_ALL", "")),
             output_all=parse_bool("TNT_OUTPUT_ALL", env.get("TNT_OUTPUT_ALL", "")),
-            num_threads=_int(env, "TNT_NUM_THREADS", None, 1),
-            timeout_s=_float(env, "TNT_TIMEOUT_S", DEFAULT_TIMEOUT_S, 0.0),
+            num_threads=env_number(env, "TNT_NUM_THREADS", None, integer=True, minimum=1),
+            timeout_s=env_number(env, "TNT_TIMEOUT_S", DEFAULT_TIMEOUT_S, above=0.0),
             timeline=(env.get("TNT_TIMELINE") or "").strip() or None,
             overlap=parse_bool("TNT_OVERLAP", env.get("TNT_OVERLAP", "true")),
             launched=launched,
