@@ -69,7 +69,7 @@ RELEARN = 4
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float, scale: float) -> float:
-    return env_number(env, name, default, minimum=0.0) * scale
+    return env_number(env, name, default, minimum=0) * scale
 
 
 @dataclass(frozen=True)

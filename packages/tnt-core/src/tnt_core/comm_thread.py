@@ -18,7 +18,7 @@ on a virtual machine each one takes 30 µs or more (measured here: a null operat
   the caller's thread, and the communication thread is never woken. Waking it for an
   operation the caller then runs itself is not free either: the woken thread takes the
   GIL that the caller released inside the library call, and the caller sleeps until it
-  gets it back (measured with MPI on 2 ranks: 25-90 µs per 1-8 MiB allreduce).
+  gets it back (measured with MPI on 2 ranks: 20-90 µs per 1-8 MiB allreduce).
 
 At most one operation runs at a time and the order stays the submission order, so a
 backend whose library allows calls from any thread, one at a time

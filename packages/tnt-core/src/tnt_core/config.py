@@ -169,7 +169,7 @@ class Config:
             rendezvous=(env.get("TNT_RENDEZVOUS") or "").strip() or None,
             rendezvous_key=env.get("TNT_RENDEZVOUS_KEY") or None,
             fusion_threshold_kb=env_number(
-                env, "TNT_FUSION_THRESHOLD_KB", DEFAULT_FUSION_THRESHOLD_KB, minimum=0.0
+                env, "TNT_FUSION_THRESHOLD_KB", DEFAULT_FUSION_THRESHOLD_KB, minimum=0
             ),
             log_level=level,
             log_all=parse_bool("TNT_LOG_ALL", env.get("TNT_LOG_ALL", "")),
