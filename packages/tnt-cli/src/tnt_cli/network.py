@@ -50,12 +50,12 @@ def route_source_address(host: str) -> str:
     """The local address packets to ``host`` leave from (no packet is sent)."""
     from tnt_core import address_towards  # tnt-core imports numpy: not for `tnt --help`
 
+    found = address_towards(_strip_user(host))
+    if found is not None:
+        return found
     if not _resolve(host):
         raise UsageError(f"cannot resolve host {host!r}; check the hostfile (or /etc/hosts, DNS)")
-    found = address_towards(_strip_user(host))
-    if found is None:
-        raise UsageError(f"no route to host {host!r}; pass --rendezvous-host ADDR")
-    return found
+    raise UsageError(f"no route to host {host!r}; pass --rendezvous-host ADDR")
 
 
 def store_bind_address(hosts: list[str], override: str | None) -> str:

@@ -162,15 +162,7 @@ class CommThread:
         if not inline:
             return self.submit(fn, operation, buf).wait()
         try:
-            return fn()  # (what _invoke does, minus the failure check made above)
-        except CommError as exc:
-            self.fail(exc)
-            raise
-        except (KeyboardInterrupt, SystemExit) as exc:
-            self._failed(exc, operation)
-            raise
-        except BaseException as exc:
-            raise self._failed(exc, operation) from exc
+            return self._invoke(fn, operation)
         finally:
             with self._lock:
                 self._waiters -= 1
