@@ -20,12 +20,33 @@ from .backend import (
     wait_all,
 )
 from .comm_thread import CommThread, FutureHandle
-from .config import DEFAULT_FUSION_THRESHOLD_KB, DEFAULT_TIMEOUT_S, Config, env_number
+from .config import (
+    DEFAULT_FUSION_THRESHOLD_KB,
+    DEFAULT_TIMEOUT_S,
+    Config,
+    env_number,
+    parse_bool,
+)
 from .errors import CommError, ConfigError, PluginError, ShardingError, TntError
-from .fusion import Bucket, BucketPlan, FusedAllreducer, TensorSpec, plan_buckets
+from .fusion import (
+    BUFFER_ALIGNMENT,
+    Bucket,
+    BucketPlan,
+    FusedAllreducer,
+    TensorSpec,
+    plan_buckets,
+)
+from .launch_env import MpiLaunch, detect_mpi_launch, expand_tasks_per_node
 from .local_backend import LocalBackend
 from .plugins import get_plugin_manager, reset_plugin_manager
-from .rendezvous import StoreClient, StoreServer, address_towards, connect_store
+from .rendezvous import (
+    StoreClient,
+    StoreServer,
+    address_towards,
+    connect_store,
+    is_loopback,
+    reachable_address,
+)
 from .runtime import (
     Runtime,
     get_master_rank,
@@ -38,6 +59,7 @@ from .runtime import (
     select_backend,
     shutdown,
 )
+from .settings import VARIABLES, Variable, read_setting
 from .timeline import Timeline, timeline_path
 from .sharding import (
     ShardContext,
@@ -53,6 +75,7 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "BUFFER_ALIGNMENT",
     "DEFAULT_FUSION_THRESHOLD_KB",
     "DEFAULT_TIMEOUT_S",
     "ENTRY_POINT_GROUP",
@@ -72,6 +95,7 @@ __all__ = [
     "FutureHandle",
     "Handle",
     "LocalBackend",
+    "MpiLaunch",
     "PluginError",
     "Runtime",
     "ShardContext",
@@ -81,11 +105,15 @@ __all__ = [
     "TensorSpec",
     "Timeline",
     "TntError",
+    "VARIABLES",
+    "Variable",
     "address_towards",
     "check_buffer",
     "check_op",
     "connect_store",
+    "detect_mpi_launch",
     "env_number",
+    "expand_tasks_per_node",
     "get_master_rank",
     "get_plugin_manager",
     "get_rank",
@@ -94,15 +122,20 @@ __all__ = [
     "hookspec",
     "init",
     "is_initialized",
+    "is_loopback",
     "is_master_rank",
     "list_backends",
     "micro_batch_offset",
     "micro_batch_size",
     "micro_batch_sizes",
     "micro_batch_slice",
+    "parse_bool",
     "plan_buckets",
+    "reachable_address",
+    "read_setting",
     "reset_plugin_manager",
     "select_backend",
+    "settings",
     "shutdown",
     "timeline_path",
     "wait_all",

@@ -1,67 +1,50 @@
-"""The launcher environment (DESIGN.md, "Launcher contract") read into one validated object.
+"""The launcher environment (docs/architecture.md, "The launcher contract") read into one
+validated object.
 
 Reading the environment in one place means a typo in a variable fails at start-up with a
-message naming the variable, instead of deep inside a backend.
+message naming the variable, instead of deep inside a backend. Every variable is declared
+(name, type, default) in :mod:`tnt_core.settings`; this module reads and writes them
+through those declarations.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
 
+from . import settings as S
 from .errors import ConfigError
+from .settings import env_number, parse_bool
 
 __all__ = ["Config", "DEFAULT_FUSION_THRESHOLD_KB", "DEFAULT_TIMEOUT_S", "env_number", "parse_bool"]
 
-#: Chosen by benchmarks/fusion_sweep.py (docs/performance_results.md): 2 MB was best or
-#: within 8 % of the best for all three models on both backends; Tarantella's 32 KB was
-#: 0.72-1.00 of the best. Each bucket costs a call from the step into Python.
-DEFAULT_FUSION_THRESHOLD_KB = 2048
-#: Same as PyTorch's default process-group timeout: long enough for a slow first step
-#: (graph tracing, a checkpoint written by the master) yet a hung peer still ends the job.
-DEFAULT_TIMEOUT_S = 1800.0
+#: 2 MB: see :data:`tnt_core.settings.TNT_FUSION_THRESHOLD_KB` for why.
+DEFAULT_FUSION_THRESHOLD_KB = S.TNT_FUSION_THRESHOLD_KB.default
+#: see :data:`tnt_core.settings.TNT_TIMEOUT_S` for why.
+DEFAULT_TIMEOUT_S = S.TNT_TIMEOUT_S.default
+_LOG_LEVELS = tuple(c for c, _ in S.TNT_LOG_LEVEL.choices)
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def parse_bool(name: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ConfigError(f"{name}={value!r} is not a boolean; use true/false (or 1/0)")
-
-
-def env_number(env: Mapping[str, str], name: str, default: Any, *, integer: bool = False,
-               minimum: float | None = None, above: float | None = None,
-               maximum: float | None = None, unit: str = "") -> Any:
-    """The number in ``env[name]`` (``default`` when unset or blank), checked.
-
-    One parser for every ``TNT_*`` number, of tnt-core and of the backends, so that a bad
-    value always reads the same: the variable, its value, and what it must be.
-    """
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw) if integer else float(raw)
-    except ValueError:
-        what = "an integer" if integer else "a number"
-        raise ConfigError(f"{name}={raw!r} is not {what}{f' ({unit})' if unit else ''}") from None
-    if maximum is not None and minimum is not None and not minimum <= value <= maximum:
-        raise ConfigError(f"{name}={value} must be between {minimum} and {maximum}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}")
-    if above is not None and not value > above:
-        raise ConfigError(f"{name}={value} must be > {above}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(f"{name}={value} must be <= {maximum}")
-    return value
+#: Config field -> the variable it is read from and written to.
+_FIELD_VARIABLES: dict[str, S.Variable] = {
+    "rank": S.TNT_RANK,
+    "size": S.TNT_SIZE,
+    "local_rank": S.TNT_LOCAL_RANK,
+    "local_size": S.TNT_LOCAL_SIZE,
+    "backend": S.TNT_BACKEND,
+    "rendezvous": S.TNT_RENDEZVOUS,
+    "rendezvous_key": S.TNT_RENDEZVOUS_KEY,
+    "fusion_threshold_kb": S.TNT_FUSION_THRESHOLD_KB,
+    "log_level": S.TNT_LOG_LEVEL,
+    "log_all": S.TNT_LOG_ALL,
+    "output_all": S.TNT_OUTPUT_ALL,
+    "num_threads": S.TNT_NUM_THREADS,
+    "timeout_s": S.TNT_TIMEOUT_S,
+    "timeline": S.TNT_TIMELINE,
+    "overlap": S.TNT_OVERLAP,
+    "tensorboard_on_all_devices": S.TNT_TENSORBOARD_ON_ALL_DEVICES,
+}
+_VARIABLE_FIELDS = {var.name: name for name, var in _FIELD_VARIABLES.items()}
 
 
 @dataclass(frozen=True)
@@ -86,6 +69,8 @@ class Config:
     timeline: str | None = None
     #: TNT_OVERLAP=false: start allreduces only after backprop (to measure what overlap buys)
     overlap: bool = True
+    #: TNT_TENSORBOARD_ON_ALL_DEVICES: Keras' TensorBoard callback on every rank
+    tensorboard_on_all_devices: bool = False
     #: True when TNT_SIZE was set, i.e. a launcher started this process.
     launched: bool = False
 
@@ -142,43 +127,43 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
-        """Read and validate the ``TNT_*`` variables."""
+        """Read and validate the ``TNT_*`` variables (declared in :mod:`tnt_core.settings`)."""
         env = os.environ if environ is None else environ
-        size = env_number(env, "TNT_SIZE", None, integer=True, minimum=1)
-        rank = env_number(env, "TNT_RANK", None, integer=True, minimum=0)
-        if rank is not None and size is None:
+        size = S.TNT_SIZE.read(env)
+        if S.TNT_RANK.is_set(env) and not S.TNT_SIZE.is_set(env):
             raise ConfigError(
                 "TNT_RANK is set but TNT_SIZE is not; both come from the launcher "
                 "(`tnt run`), set both or neither"
             )
-        launched = size is not None
-        size = size or 1
-        rank = rank or 0
-        local_size = env_number(env, "TNT_LOCAL_SIZE", None, integer=True, minimum=1)
-        local_rank = env_number(env, "TNT_LOCAL_RANK", None, integer=True, minimum=0)
+        launched = S.TNT_SIZE.is_set(env)
+        rank = S.TNT_RANK.read(env)
+        local_size = S.TNT_LOCAL_SIZE.read(env)
+        local_rank = S.TNT_LOCAL_RANK.read(env)
         if local_size is None:  # one node: every rank is local
             local_size, local_rank = size, rank if local_rank is None else local_rank
         local_rank = 0 if local_rank is None else local_rank
-        level = env.get("TNT_LOG_LEVEL", "WARNING").strip().upper() or "WARNING"
-        cfg = cls(
-            rank=rank,
-            size=size,
-            local_rank=local_rank,
-            local_size=local_size,
-            backend=(env.get("TNT_BACKEND") or "").strip() or None,
-            rendezvous=(env.get("TNT_RENDEZVOUS") or "").strip() or None,
-            rendezvous_key=env.get("TNT_RENDEZVOUS_KEY") or None,
-            fusion_threshold_kb=env_number(
-                env, "TNT_FUSION_THRESHOLD_KB", DEFAULT_FUSION_THRESHOLD_KB, minimum=0
-            ),
-            log_level=level,
-            log_all=parse_bool("TNT_LOG_ALL", env.get("TNT_LOG_ALL", "")),
-            output_all=parse_bool("TNT_OUTPUT_ALL", env.get("TNT_OUTPUT_ALL", "")),
-            num_threads=env_number(env, "TNT_NUM_THREADS", None, integer=True, minimum=1),
-            timeout_s=env_number(env, "TNT_TIMEOUT_S", DEFAULT_TIMEOUT_S, above=0.0),
-            timeline=(env.get("TNT_TIMELINE") or "").strip() or None,
-            overlap=parse_bool("TNT_OVERLAP", env.get("TNT_OVERLAP", "true")),
-            launched=launched,
-        )
+        values = {name: var.read(env) for name, var in _FIELD_VARIABLES.items()}
+        values.update(rank=rank, size=size, local_rank=local_rank, local_size=local_size)
+        cfg = cls(**values, launched=launched)
         cfg.validate()
         return cfg
+
+    def to_env(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """The ``TNT_*`` variables that make :meth:`from_env` give back this config.
+
+        What a launcher writes for its ranks. ``names`` picks variables (in declaration
+        order either way); by default the launcher contract (group ``launcher``). Fields
+        without a value (``None``) are left out.
+        """
+        wanted = ([n for n, v in S.VARIABLES.items() if v.group == "launcher"]
+                  if names is None else list(names))
+        unknown = [n for n in wanted if n not in _VARIABLE_FIELDS]
+        if unknown:
+            raise ConfigError(f"not a Config variable: {', '.join(unknown)}")
+        env = {}
+        for name in S.VARIABLES:
+            if name in wanted:
+                value = getattr(self, _VARIABLE_FIELDS[name])
+                if value is not None:
+                    env[name] = S.VARIABLES[name].format(value)
+        return env

@@ -1,0 +1,342 @@
+"""Every ``TNT_*`` environment variable of Tarantella-NT: name, type, default, one-line doc.
+
+The one home of the launcher contract and of every setting (in the spirit of
+OpenTelemetry-python's ``environment_variables``): readers (:class:`tnt_core.Config`, the
+backends, tnt-keras) parse a variable through its declaration, the launcher writes it
+through :meth:`tnt_core.Config.to_env`, and the docs' tables are generated from here, so
+a name, a default or a rule cannot differ between two places. A test fails when a
+``TNT_*`` name in the packages' sources is not declared here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "GROUPS",
+    "VARIABLES",
+    "Variable",
+    "env_number",
+    "parse_bool",
+    "read_setting",
+    "variable",
+]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (blank: false); anything else fails."""
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ConfigError(f"{name}={value!r} is not a boolean; use true/false (or 1/0)")
+
+
+def env_number(env: Mapping[str, str], name: str, default: Any, *, integer: bool = False,
+               minimum: float | None = None, above: float | None = None,
+               maximum: float | None = None, unit: str = "") -> Any:
+    """The number in ``env[name]`` (``default`` when unset or blank), checked.
+
+    One parser for every ``TNT_*`` number, so that a bad value always reads the same: the
+    variable, its value, and what it must be.
+    """
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        what = "an integer" if integer else "a number"
+        raise ConfigError(f"{name}={raw!r} is not {what}{f' ({unit})' if unit else ''}") from None
+    if maximum is not None and minimum is not None and not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={value} must be between {minimum} and {maximum}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    if above is not None and not value > above:
+        raise ConfigError(f"{name}={value} must be > {above}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={value} must be <= {maximum}")
+    return value
+
+
+#: The groups variables are declared in, in the order the docs list them.
+GROUPS: dict[str, str] = {
+    "launcher": "set by the launcher (`tnt run`) on every rank",
+    "settings": "settings of tnt-core and tnt-keras, passed with `-x NAME=VALUE`",
+    "plugins": "which plugins tnt-core loads",
+    "gloo": "the `gloo` backend (tnt-comm-gloo)",
+    "mpi": "the `mpi` backend (tnt-comm-mpi)",
+    "internal": "between tnt-cli's launcher and its agents; not for users",
+}
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``TNT_*`` variable: how it is parsed, what it defaults to, what it means.
+
+    ``kind`` is ``int``, ``float``, ``bool``, ``str``, ``choice`` or ``list`` (comma
+    separated). A blank value counts as unset. ``default_doc`` says the default in words
+    where it is computed or absent (``None``).
+    """
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    group: str
+    default_doc: str | None = None
+    #: the ``tnt run`` option that sets it, if any
+    option: str | None = None
+    #: for ``choice``: the allowed values, each with what it means ("" for nothing)
+    choices: tuple[tuple[str, str], ...] = ()
+    #: ``choice`` values are compared in this case: "upper", "lower" or "" (as given)
+    case: str = ""
+    minimum: float | None = None
+    above: float | None = None
+    maximum: float | None = None
+    unit: str = ""
+
+    def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The value as exported, stripped; None when unset or blank."""
+        env = os.environ if environ is None else environ
+        value = (env.get(self.name) or "").strip()
+        return value or None
+
+    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
+        return self.raw(environ) is not None
+
+    def read(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The parsed value (the default when unset); :class:`ConfigError` naming the
+        variable when the value is malformed."""
+        env = os.environ if environ is None else environ
+        raw = self.raw(env)
+        if raw is None:
+            return self.default
+        if self.kind in ("int", "float"):
+            return env_number(env, self.name, self.default, integer=self.kind == "int",
+                              minimum=self.minimum, above=self.above, maximum=self.maximum,
+                              unit=self.unit)
+        if self.kind == "bool":
+            if self.default is None and raw.lower() == "auto":
+                return None  # tri-state: decided at run time
+            return parse_bool(self.name, raw)
+        if self.kind == "choice":
+            value = raw.upper() if self.case == "upper" else raw.lower() if self.case == "lower" else raw
+            allowed = [c for c, _ in self.choices]
+            if value not in allowed:
+                raise ConfigError(f"{self.name}={value!r} is not one of {self._choices_text()}")
+            return value
+        if self.kind == "list":
+            return [item.strip() for item in raw.split(",") if item.strip()]
+        return raw
+
+    def format(self, value: Any) -> str:
+        """``value`` as it is written into the environment (what :meth:`read` reads back)."""
+        if self.kind == "bool":
+            return "true" if value else "false"
+        if self.kind == "float":
+            return f"{value:g}"
+        if self.kind == "list":
+            return ",".join(value)
+        return str(value)
+
+    @property
+    def default_text(self) -> str:
+        """The default as the docs state it."""
+        if self.default_doc is not None:
+            return self.default_doc
+        if self.default is None:
+            return "unset"
+        return f"`{self.format(self.default)}`"
+
+    def _choices_text(self) -> str:
+        words = [f"{c} ({meaning})" if meaning else c for c, meaning in self.choices]
+        if any(meaning for _, meaning in self.choices):
+            return ", ".join(words[:-1]) + " or " + words[-1]
+        return ", ".join(words)
+
+
+#: Every declared variable by name, in declaration order (the order the launcher writes
+#: them in and the docs list them in).
+VARIABLES: dict[str, Variable] = {}
+
+
+def _declare(name: str, kind: str, default: Any, doc: str, group: str, **kw: Any) -> Variable:
+    var = Variable(name, kind, default, doc, group, **kw)
+    if name in VARIABLES:
+        raise ValueError(f"{name} declared twice")
+    VARIABLES[name] = var
+    return var
+
+
+def variable(name: str) -> Variable:
+    """The declaration of ``name``; :class:`ConfigError` for an undeclared name."""
+    try:
+        return VARIABLES[name]
+    except KeyError:
+        raise ConfigError(f"{name} is not a Tarantella-NT variable") from None
+
+
+def read_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of the variable ``name`` in ``environ`` (default: ``os.environ``).
+
+    How packages outside tnt-core read a setting, e.g.
+    ``read_setting("TNT_TENSORBOARD_ON_ALL_DEVICES")`` is a bool.
+    """
+    return variable(name).read(environ)
+
+
+# -- the launcher contract: per rank, then the same on every rank ------------------------
+# Per-rank first, then job-wide: the order `tnt run` writes them in.
+
+TNT_RANK = _declare("TNT_RANK", "int", 0, "this process's rank; 0 is the master rank",
+                    "launcher", minimum=0)
+TNT_LOCAL_RANK = _declare("TNT_LOCAL_RANK", "int", None, "the rank among the ranks of this host",
+                          "launcher", default_doc="`TNT_RANK`", minimum=0)
+TNT_LOCAL_SIZE = _declare("TNT_LOCAL_SIZE", "int", None, "the number of ranks on this host",
+                          "launcher", default_doc="`TNT_SIZE`", minimum=1)
+TNT_NUM_THREADS = _declare(
+    "TNT_NUM_THREADS", "int", None,
+    "CPU threads per rank (TensorFlow's intra-op threads): the host's usable cores divided by "
+    "its ranks, at least 1", "launcher", default_doc="cores / ranks of the host", minimum=1)
+TNT_SIZE = _declare("TNT_SIZE", "int", 1,
+                    "the number of ranks; set means a launcher started this process "
+                    "(`TNT_RANK` without it is an error)", "launcher", minimum=1)
+TNT_BACKEND = _declare(
+    "TNT_BACKEND", "str", None,
+    "communication backend: `gloo`, `mpi`, `local`, `store` or a plugin's name",
+    "launcher", default_doc="the available backend of highest priority", option="--backend")
+TNT_RENDEZVOUS = _declare(
+    "TNT_RENDEZVOUS", "str", None,
+    "`host:port` of the launcher's rendezvous store (Gloo also accepts `file:///shared/dir`)",
+    "launcher", default_doc="set by `tnt run`")
+TNT_RENDEZVOUS_KEY = _declare("TNT_RENDEZVOUS_KEY", "str", None,
+                              "the job's random secret for the rendezvous store", "launcher",
+                              default_doc="set by `tnt run`")
+#: Chosen by benchmarks/fusion_sweep.py (docs/performance_results.md): 2 MB was best or
+#: within 8 % of the best for all three models on both backends; Tarantella's 32 KB was
+#: 0.72-1.00 of the best. Each bucket costs a call from the step into Python.
+TNT_FUSION_THRESHOLD_KB = _declare(
+    "TNT_FUSION_THRESHOLD_KB", "float", 2048,
+    "tensor fusion threshold in KB, a number >= 0 (0: one bucket per tensor)", "launcher",
+    default_doc="`2048` (2 MB)", option="--fusion-threshold", minimum=0)
+TNT_LOG_LEVEL = _declare(
+    "TNT_LOG_LEVEL", "choice", "WARNING", "level of the `tnt` logger", "launcher",
+    option="--log-level", case="upper",
+    choices=tuple((c, "") for c in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")))
+TNT_LOG_ALL = _declare("TNT_LOG_ALL", "bool", False,
+                       "log on every rank, not only errors on non-master ranks", "launcher",
+                       option="--log-on-all-devices")
+TNT_OUTPUT_ALL = _declare("TNT_OUTPUT_ALL", "bool", False,
+                          "show every rank's output, not only the master rank's", "launcher",
+                          option="--output-on-all-devices")
+#: Same as PyTorch's default process-group timeout: long enough for a slow first step
+#: (graph tracing, a checkpoint written by the master) yet a hung peer still ends the job.
+TNT_TIMEOUT_S = _declare(
+    "TNT_TIMEOUT_S", "float", 1800.0,
+    "seconds a rank waits on a peer (collective, rendezvous) before failing with `CommError`",
+    "launcher", option="--timeout", above=0.0)
+
+# -- settings -----------------------------------------------------------------------------
+
+TNT_OVERLAP = _declare("TNT_OVERLAP", "bool", True,
+                       "`false` starts every allreduce only after backprop ends (to measure "
+                       "what overlap buys)", "settings")
+TNT_TIMELINE = _declare("TNT_TIMELINE", "str", None,
+                        "write a Chrome-trace timeline of the training steps to this path "
+                        "(one file per rank)", "settings")
+TNT_TENSORBOARD_ON_ALL_DEVICES = _declare(
+    "TNT_TENSORBOARD_ON_ALL_DEVICES", "bool", False,
+    "Keras' TensorBoard callback runs on every rank, each writing to `<log_dir>/rank_<r>`",
+    "settings")
+
+# -- plugins ------------------------------------------------------------------------------
+
+TNT_PLUGINS = _declare("TNT_PLUGINS", "list", [],
+                       "comma-separated modules to load as plugins without packaging them",
+                       "plugins", default_doc="unset")
+TNT_DISABLE_PLUGINS = _declare("TNT_DISABLE_PLUGINS", "list", [],
+                               "comma-separated entry-point names of plugins not to load",
+                               "plugins", default_doc="unset")
+TNT_DISABLE_PLUGIN_AUTOLOAD = _declare(
+    "TNT_DISABLE_PLUGIN_AUTOLOAD", "bool", False,
+    "load no plugin from entry points (the built-in `local` and `store` backends stay)",
+    "plugins")
+
+# -- the gloo backend ---------------------------------------------------------------------
+
+TNT_GLOO_IFACE = _declare("TNT_GLOO_IFACE", "str", None,
+                          "network interface to listen on (e.g. `eth0`); wins over the host name",
+                          "gloo")
+TNT_GLOO_HOSTNAME = _declare(
+    "TNT_GLOO_HOSTNAME", "str", None, "address or host name to listen on", "gloo",
+    default_doc="loopback on one node, else the host name (or the route to the rendezvous host)")
+TNT_GLOO_ALGORITHM = _declare(
+    "TNT_GLOO_ALGORITHM", "choice", "auto",
+    "the allreduce algorithm: `auto`, `ring`, `bcube` or `doubling` (power-of-two ranks)",
+    "gloo", case="lower", choices=tuple((c, "") for c in ("auto", "ring", "bcube", "doubling")))
+#: measured on 2 ranks over loopback (tnt-comm-gloo's README)
+TNT_GLOO_BCUBE_MAX_BYTES = _declare(
+    "TNT_GLOO_BCUBE_MAX_BYTES", "int", 1 << 20,
+    "with `auto`, buffers up to this size are small (bcube or doubling); larger take the ring",
+    "gloo", minimum=0, unit="bytes")
+#: recursive doubling sends log2(p) whole buffers, against bcube's two
+TNT_GLOO_DOUBLING_MAX_BYTES = _declare(
+    "TNT_GLOO_DOUBLING_MAX_BYTES", "int", 64 << 10,
+    "with `auto` on more than 2 ranks (a power of two), doubling up to this size, then bcube",
+    "gloo", minimum=0, unit="bytes")
+TNT_GLOO_SHM = _declare(
+    "TNT_GLOO_SHM", "choice", "auto",
+    "allreduce through shared memory when every rank is on one host", "gloo", case="lower",
+    choices=(("auto", "shared memory when every rank is on this host"), ("0", "always TCP"),
+             ("1", "shared memory, else fail")))
+#: two slots per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's default is 64 MiB)
+TNT_GLOO_SHM_CHUNK_BYTES = _declare(
+    "TNT_GLOO_SHM_CHUNK_BYTES", "int", 1 << 20,
+    "bytes per shared-memory slot (two per rank), a multiple of 64 in [4096, 64 MiB]; the "
+    "same on every rank", "gloo", minimum=0, unit="bytes")
+TNT_GLOO_SHM_SPIN_US = _declare(
+    "TNT_GLOO_SHM_SPIN_US", "int", None,
+    "µs a waiting rank spins (yielding every few µs) before sleeping on a futex", "gloo",
+    default_doc="`50` (the native default)", minimum=0, maximum=1_000_000, unit="µs")
+TNT_GLOO_SHM_HOST_ID = _declare(
+    "TNT_GLOO_SHM_HOST_ID", "str", None,
+    "this rank's host identity, e.g. for containers on one host sharing `/dev/shm`", "gloo",
+    default_doc="host name + boot id")
+TNT_GLOO_CUDART = _declare(
+    "TNT_GLOO_CUDART", "str", None,
+    "path of libcudart for staging GPU buffers (read by the native module)", "gloo",
+    default_doc="`libcudart.so` and its versioned names")
+
+# -- the mpi backend ----------------------------------------------------------------------
+
+TNT_MPI_SPIN_US = _declare("TNT_MPI_SPIN_US", "float", 200.0,
+                           "minimum spin phase of the request poller, µs", "mpi", minimum=0)
+TNT_MPI_MAX_SPIN_MS = _declare(
+    "TNT_MPI_MAX_SPIN_MS", "float", 1.0,
+    "longest spin phase while nobody waits for the result, ms", "mpi", minimum=0)
+TNT_MPI_MAX_WAITED_SPIN_MS = _declare(
+    "TNT_MPI_MAX_WAITED_SPIN_MS", "float", 50.0,
+    "longest spin phase while a caller is blocked on the result, ms", "mpi", minimum=0)
+TNT_MPI_MAX_SLEEP_US = _declare(
+    "TNT_MPI_MAX_SLEEP_US", "float", 1000.0,
+    "longest sleep between two tests once spinning stopped, µs", "mpi", minimum=0)
+TNT_MPI_CUDA_AWARE = _declare(
+    "TNT_MPI_CUDA_AWARE", "bool", None,
+    "`1`/`0` overrides the check whether the MPI library takes CUDA buffers", "mpi",
+    default_doc="`auto`")
+
+# -- internal -----------------------------------------------------------------------------
+
+TNT_AGENT_SPEC = _declare("TNT_AGENT_SPEC", "str", None,
+                          "the job description (JSON) `tnt run` hands its agents under "
+                          "mpirun/srun", "internal")
