@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tnt_cli.agent import expand_tasks_per_node, numactl_prefix, rank_identity
+from tnt_cli.agent import numactl_prefix, rank_identity
 from tnt_cli.errors import UsageError
 from tnt_cli.hostfile import Host, parse_hostfile
 from tnt_cli.placement import place_ranks
@@ -65,14 +65,11 @@ def test_rank_identity_from_launchers():
             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
     assert rank_identity(ompi) == (5, 8, 1, 4)
     slurm = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
-             "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}
+             "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}
     assert rank_identity(slurm) == (4, 5, 0, 1)
+    assert rank_identity({**slurm, "SLURM_STEP_ID": "batch"}) is None, "a batch script is no rank"
+    assert rank_identity({"PMI_RANK": "3", "PMI_SIZE": "4"}) is None, "local rank unknown"
     assert rank_identity({}) is None
-
-
-def test_expand_tasks_per_node():
-    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    assert expand_tasks_per_node("4") == [4]
 
 
 def test_numactl_prefix():

@@ -88,7 +88,7 @@ def test_unknown_interface_lists_the_real_ones() -> None:
 
 def test_multi_node_takes_the_route_to_the_rendezvous_host_when_the_name_is_loopback(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import tnt_comm_gloo.backend as gloo_backend
+    import tnt_core.rendezvous as gloo_backend  # the route is asked by tnt_core.reachable_address
 
     cfg = Config(rank=0, size=4, local_rank=0, local_size=2, rendezvous="10.9.8.7:29500")
     monkeypatch.setattr(socket, "getaddrinfo",
@@ -111,7 +111,7 @@ def test_multi_node_takes_the_route_to_the_rendezvous_host_when_the_name_is_loop
 
 def test_multi_node_refuses_when_neither_name_nor_route_reaches_other_nodes(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import tnt_comm_gloo.backend as gloo_backend
+    import tnt_core.rendezvous as gloo_backend  # the route is asked by tnt_core.reachable_address
 
     monkeypatch.setattr(socket, "getaddrinfo",
                         lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])

@@ -1,4 +1,7 @@
-"""Launcher detection and backend registration: single process, MPI not initialised."""
+"""Backend registration and selection: single process, MPI not initialised.
+
+Reading the launchers' variables is tnt-core's (``tnt_core.detect_mpi_launch``, tested there).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +10,8 @@ from importlib.metadata import entry_points
 import pytest
 
 import tnt_comm_mpi
-from tnt_comm_mpi import MpiLaunch, detect_mpi_launch
 from tnt_comm_mpi import plugin as mpi_plugin
 from tnt_core import Config
-
-
-@pytest.mark.parametrize(("env", "expected"), [
-    ({"PMI_RANK": "2", "PMI_SIZE": "4"}, MpiLaunch("hydra", 2, 4)),
-    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8", "PMIX_RANK": "1"},
-     MpiLaunch("openmpi", 1, 8)),
-    ({"PMIX_RANK": "3", "SLURM_NTASKS": "16"}, MpiLaunch("pmix", 3, 16)),
-    ({"SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "6", "SLURM_NTASKS": "64"},
-     MpiLaunch("slurm", 5, 6)),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, None),  # a batch script: no step
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "batch"}, None),
-    ({"TNT_RANK": "1", "TNT_SIZE": "2", "TNT_RENDEZVOUS": "127.0.0.1:5000"}, None),  # tnt run
-    ({"PMI_RANK": "not-a-number"}, None),
-    ({}, None),
-])
-def test_detect_mpi_launch(env, expected) -> None:
-    assert detect_mpi_launch(env) == expected
 
 
 def test_entry_point_group_names_the_plugin_module() -> None:
@@ -69,3 +54,19 @@ def test_no_launcher_and_no_rendezvous_is_a_clear_config_error(monkeypatch) -> N
     message = str(info.value)
     for hint in ("mpiexec -n 4", "tnt run -n 4 --backend mpi", "TNT_RENDEZVOUS"):
         assert hint in message, f"{hint!r} missing from: {message}"
+
+
+def test_loading_the_plugin_does_not_import_mpi4py() -> None:
+    """Every process loads the plugin, also those that end up on Gloo: no MPI there."""
+    import subprocess
+    import sys
+
+    code = ("import sys, importlib.metadata as md\n"
+            "(ep,) = [e for e in md.entry_points(group='tnt') if e.name == 'mpi']\n"
+            "plugin = ep.load()\n"
+            "plugin.tnt_comm_backends()\n"
+            "import tnt_comm_mpi\n"
+            "heavy = sorted(m for m in sys.modules if m.startswith(('mpi4py', 'tnt_comm_mpi.backend')))\n"
+            "print(heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -130,3 +130,25 @@ def test_address_towards_asks_the_kernel_for_the_route():
 
     assert address_towards("127.0.0.1") == "127.0.0.1"
     assert address_towards("no-such-host.invalid") is None
+
+
+def test_reachable_address_name_then_route_then_a_clear_error(monkeypatch):
+    """One answer for every backend: loopback for a loopback store, else the host name if
+    other nodes can reach it, else the route to the store host."""
+    import tnt_core.rendezvous as rdv
+    from tnt_core import ConfigError, is_loopback, reachable_address
+
+    assert is_loopback("127.0.1.1") and is_loopback("::1") and not is_loopback("10.0.0.1")
+    assert reachable_address("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("10.1.2.3", 0))])
+    assert reachable_address("10.9.8.7") == socket.gethostname()
+    monkeypatch.setattr(socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
+    monkeypatch.setattr(rdv, "address_towards", lambda host: "10.9.8.20")
+    assert reachable_address("10.9.8.7") == "10.9.8.20"
+    monkeypatch.setattr(rdv, "address_towards", lambda host: "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"loopback address.*10\.9\.8\.7.*; set X"):
+        reachable_address("10.9.8.7", hint="set X")
+    with pytest.raises(ConfigError, match=r"rendezvous host \(none\)"):
+        reachable_address(None)

@@ -12,7 +12,8 @@ never outlives the job:
 * the rank gets ``PR_SET_PDEATHSIG`` so even a SIGKILLed agent takes its rank along.
 
 Ending a rank means SIGTERM to its process group, then SIGKILL after the grace period.
-The exit code is the rank's (128+N when a signal N killed it). Standard library only.
+The exit code is the rank's (128+N when a signal N killed it). Standard library only,
+but for tnt-core's reading of the MPI launchers' variables.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
-__all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "expand_tasks_per_node"]
+__all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY"]
 
 SPEC_ENV = "TNT_AGENT_SPEC"
 SPEC_VERSION = 1
@@ -37,33 +38,20 @@ STDERR_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 
 
-def expand_tasks_per_node(text: str) -> list[int]:
-    """Slurm's ``2(x3),1`` notation as ``[2, 2, 2, 1]``."""
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        count, _, rep = part.partition("(x")
-        out.extend([int(count)] * (int(rep.rstrip(")")) if rep else 1))
-    return out
-
-
 def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int, int] | None:
-    """``(rank, size, local_rank, local_size)`` from MPICH/Intel MPI, Open MPI or Slurm."""
-    sources = (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
-    )
-    for rank, size, lrank, lsize in sources:
-        if rank in env and size in env and lrank in env and lsize in env:
-            return int(env[rank]), int(env[size]), int(env[lrank]), int(env[lsize])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_LOCALID" in env:
-        per_node = expand_tasks_per_node(
-            env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
-        node = int(env.get("SLURM_NODEID", "0"))
-        local_size = per_node[node] if node < len(per_node) else 1
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]), local_size
-    return None
+    """``(rank, size, local_rank, local_size)`` from an MPI launcher or ``srun``, or None.
+
+    The launcher's variables are read by :func:`tnt_core.detect_mpi_launch`, the same
+    reading the MPI backend makes (imported here, late: only agents under mpirun/srun
+    need it, and tnt-core imports numpy). A launcher that does not say the local size
+    counts as one rank per node.
+    """
+    from tnt_core import detect_mpi_launch
+
+    launch = detect_mpi_launch(env)
+    if launch is None or launch.size is None or launch.local_rank is None:
+        return None
+    return launch.rank, launch.size, launch.local_rank, launch.local_size or 1
 
 
 def _cpu_count() -> int:
@@ -146,8 +134,9 @@ class Agent:
         if rank is None:
             ident = rank_identity(env)
             if ident is None:
-                raise RuntimeError("rank unknown: no MPI or Slurm rank variables "
-                                   "(PMI_RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID) are set")
+                raise RuntimeError("rank unknown: no MPI or Slurm step variables "
+                                   "(PMI_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID "
+                                   "with SLURM_STEP_ID) give rank, size and local rank")
             rank, size, local_rank, local_size = ident
             names = {k for k, _ in pairs}
             identity += [("TNT_RANK", str(rank)), ("TNT_SIZE", str(size)),

@@ -64,11 +64,11 @@ from tnt_core import (
     Config,
     ConfigError,
     Handle,
-    address_towards,
     check_buffer,
     check_op,
     connect_store,
     env_number,
+    reachable_address,
 )
 
 from . import _gloo
@@ -102,10 +102,6 @@ _KDL_CPU = 1  # DLPack device type of host memory
 _generation = itertools.count()  # one store prefix per communicator made by this process
 #: in-flight buffers of communicators whose worker could not be stopped: never freed
 _abandoned: list[object] = []
-
-
-def _is_loopback(address: str) -> bool:
-    return address.startswith("127.") or address == "::1"
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -188,31 +184,13 @@ class GlooSettings:
             return self.hostname, ""
         if config.local_size == config.size:
             return "127.0.0.1", ""  # one node: loopback is fastest and needs no DNS
-        name = socket.gethostname()
-        try:
-            infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
-            problem = "resolves to a loopback address, which other nodes cannot reach"
-            if not all(_is_loopback(info[4][0]) for info in infos):
-                return name, ""
-        except OSError as exc:
-            problem = f"does not resolve ({exc})"
-        # e.g. Debian's "127.0.1.1 <hostname>" in /etc/hosts: listen where the route to the
-        # launcher's rendezvous store leaves this node instead
-        host = ""
+        # the launcher's rendezvous host tells which interface routes to the other nodes
+        host = None
         if config.rendezvous and _file_store_dir(config.rendezvous) is None:
             host = config.rendezvous_address()[0]
-        routed = address_towards(host) if host else None
-        if routed and not _is_loopback(routed):
-            log.info("this host's name %r %s; listening on %s, the address that routes to "
-                     "the rendezvous host %s (set TNT_GLOO_IFACE to choose)", name, problem,
-                     routed, host)
-            return routed, ""
-        raise ConfigError(
-            f"this host's name {name!r} {problem}, and no route to the rendezvous host "
-            f"{host or '(none)'} leaves through another interface; set TNT_GLOO_IFACE to the "
-            "interface the ranks reach each other on (e.g. eth0), or TNT_GLOO_HOSTNAME to "
-            "this node's address"
-        )
+        return reachable_address(host, hint=(
+            "set TNT_GLOO_IFACE to the interface the ranks reach each other on (e.g. eth0), "
+            "or TNT_GLOO_HOSTNAME to this node's address")), ""
 
     def algorithm_for(self, nbytes: int, size: int) -> str:
         """The TCP allreduce algorithm for a buffer of ``nbytes`` on ``size`` ranks

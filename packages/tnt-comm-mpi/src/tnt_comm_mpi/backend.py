@@ -38,13 +38,14 @@ from tnt_core import (
     ConfigError,
     SUPPORTED_DTYPES,
     Handle,
-    address_towards,
+    MpiLaunch,
     check_op,
     connect_store,
+    detect_mpi_launch,
+    reachable_address,
 )
 
 from .buffers import Staged, prepare
-from .launch_env import MpiLaunch, detect_mpi_launch
 from . import library
 from .library import cuda_support, host_pmi_server, load_mpi, mark_failed, register_backend
 from .pmi_server import start_helper
@@ -359,13 +360,6 @@ class MpiBackend(CommBackend):
             mark_failed()
 
 
-def _reachable_address(rendezvous_host: str) -> str:
-    """This machine's address as seen from the rendezvous host's network."""
-    if rendezvous_host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    return address_towards(rendezvous_host) or socket.gethostbyname(socket.gethostname())
-
-
 def _join_through_rendezvous(config: Config) -> None:
     """Ranks started by ``tnt run``: rank 0 serves PMI, every rank's MPI_Init connects to it.
 
@@ -383,7 +377,9 @@ def _join_through_rendezvous(config: Config) -> None:
         if config.rank == 0:
             store.wait(keys, config.timeout_s)
             hosts = [store.get(k, config.timeout_s).decode() for k in keys]
-            address = _reachable_address(host)
+            address = reachable_address(host, hint=(
+                "make this host's name resolve to its network address (/etc/hosts, DNS), "
+                "or start the job with mpiexec"))
             try:
                 helper, port = start_helper(config.size, hosts, address, config.timeout_s)
             except (OSError, RuntimeError) as exc:

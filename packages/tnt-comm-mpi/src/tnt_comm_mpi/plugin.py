@@ -15,7 +15,7 @@ priority):
   a ``ConfigError`` saying what to do instead of tnt-core's generic "cannot serve this job".
 
 Whether an MPI launcher started the process is read from the environment only
-(:func:`tnt_comm_mpi.detect_mpi_launch`); nothing initialises MPI before the backend is
+(:func:`tnt_core.detect_mpi_launch`); nothing initialises MPI before the backend is
 chosen.
 """
 
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from tnt_core import BackendSpec, Config, hookimpl
-
-from .launch_env import detect_mpi_launch
+from tnt_core import BackendSpec, Config, detect_mpi_launch, hookimpl
 
 __all__ = ["PRIORITY", "tnt_comm_backends"]
 

@@ -33,7 +33,7 @@ import numpy as np
 from .backend import CommBackend, Handle, check_op, wait_all
 from .timeline import Timeline
 
-__all__ = ["TensorSpec", "Bucket", "BucketPlan", "plan_buckets", "FusedAllreducer"]
+__all__ = ["TensorSpec", "Bucket", "BucketPlan", "plan_buckets", "FusedAllreducer", "BUFFER_ALIGNMENT"]
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,9 @@ def plan_buckets(tensors: Sequence[Any], threshold_bytes: int, align_bytes: int 
     return BucketPlan(tuple(buckets), threshold_bytes, len(specs))
 
 
-#: every bucket buffer starts at a multiple of this many bytes
+#: every bucket buffer starts at a multiple of this many bytes: TensorFlow's
+#: EIGEN_MAX_ALIGN_BYTES with AVX-512, below which it copies an array it wraps; the
+#: ``align_bytes`` a framework passes to :func:`plan_buckets` so every view is aligned too
 BUFFER_ALIGNMENT = 64
 
 

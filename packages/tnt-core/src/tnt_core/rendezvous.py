@@ -31,7 +31,14 @@ from collections.abc import Iterable, Sequence
 
 from .errors import CommError, ConfigError
 
-__all__ = ["StoreServer", "StoreClient", "connect_store", "address_towards"]
+__all__ = [
+    "StoreServer",
+    "StoreClient",
+    "connect_store",
+    "address_towards",
+    "is_loopback",
+    "reachable_address",
+]
 
 log = logging.getLogger("tnt.rendezvous")
 
@@ -409,3 +416,44 @@ def address_towards(host: str) -> str | None:
             except OSError:
                 continue
     return None
+
+
+def is_loopback(address: str) -> bool:
+    """True for an address only this machine reaches (``127.0.0.0/8``, ``::1``, localhost)."""
+    return address.startswith("127.") or address in ("::1", "localhost")
+
+
+def reachable_address(rendezvous_host: str | None, *, hint: str = "") -> str:
+    """The name or address this node's peers reach it on: what a backend listens on and
+    publishes when the user said nothing.
+
+    Loopback when the rendezvous host is loopback (every rank is on this machine); else
+    this host's name if it resolves to an address other nodes can reach; else (e.g.
+    Debian's ``127.0.1.1 <hostname>`` in /etc/hosts) the address of the interface that
+    routes to the rendezvous host. One answer for every backend, so a fix here reaches
+    them all.
+
+    :param rendezvous_host: the launcher's store host, None when there is none (a file store).
+    :param hint: what the user can set instead, appended to the error.
+    :raises ConfigError: when neither the name nor the route gives a reachable address.
+    """
+    if rendezvous_host and is_loopback(rendezvous_host):
+        return "127.0.0.1"
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+        problem = "resolves to a loopback address, which other nodes cannot reach"
+        if not all(is_loopback(info[4][0]) for info in infos):
+            return name
+    except OSError as exc:
+        problem = f"does not resolve ({exc})"
+    routed = address_towards(rendezvous_host) if rendezvous_host else None
+    if routed and not is_loopback(routed):
+        log.info("this host's name %r %s; listening on %s, the address that routes to the "
+                 "rendezvous host %s", name, problem, routed, rendezvous_host)
+        return routed
+    raise ConfigError(
+        f"this host's name {name!r} {problem}, and no route to the rendezvous host "
+        f"{rendezvous_host or '(none)'} leaves through another interface"
+        + (f"; {hint}" if hint else "")
+    )

@@ -1,0 +1,46 @@
+"""Launcher detection: one reading of the MPI launchers' variables for the MPI backend and
+``tnt run``'s rank agent. Environment only, MPI never initialised."""
+
+from __future__ import annotations
+
+import pytest
+
+from tnt_core import MpiLaunch, detect_mpi_launch, expand_tasks_per_node
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"PMI_RANK": "2", "PMI_SIZE": "4"}, MpiLaunch("hydra", 2, 4)),
+    ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+     MpiLaunch("hydra", 3, 4, 1, 2)),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8", "PMIX_RANK": "1"},
+     MpiLaunch("openmpi", 1, 8)),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
+     MpiLaunch("openmpi", 5, 8, 1, 4)),
+    ({"PMIX_RANK": "3", "SLURM_NTASKS": "16"}, MpiLaunch("pmix", 3, 16)),
+    ({"PMIX_RANK": "3", "PMIX_SIZE": "4", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"},
+     MpiLaunch("pmix", 3, 4, 1, 2)),
+    ({"PMIX_RANK": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "64", "SLURM_LOCALID": "1",
+      "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
+     MpiLaunch("pmix", 3, 4, 1, 2)),
+    ({"SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "6", "SLURM_NTASKS": "64"},
+     MpiLaunch("slurm", 5, 6)),
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+      "SLURM_STEP_ID": "3", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"},
+     MpiLaunch("slurm", 4, 5, 0, 1)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, None),  # a batch script: no step
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "batch"}, None),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEPID": "extern"}, None),
+    ({"TNT_RANK": "1", "TNT_SIZE": "2", "TNT_RENDEZVOUS": "127.0.0.1:5000"}, None),  # tnt run
+    ({"PMI_RANK": "not-a-number"}, None),
+    ({}, None),
+])
+def test_detect_mpi_launch(env, expected) -> None:
+    assert detect_mpi_launch(env) == expected
+
+
+def test_expand_tasks_per_node() -> None:
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("4") == [4]
+    assert expand_tasks_per_node("") == []
+    assert expand_tasks_per_node("garbage") == []
