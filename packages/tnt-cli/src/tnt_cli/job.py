@@ -4,19 +4,79 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from tnt_core import Config, ConfigError, VARIABLES
 
 from .agent import SPEC_VERSION
 from .devices import threads_per_rank
 from .options import RunOptions
 from .placement import Placement, RankSlot
 
-__all__ = ["Job", "Rendezvous", "FORWARDED_VARIABLES", "TERMINATE_GRACE_S"]
+__all__ = ["Job", "Rendezvous", "FORWARDED_VARIABLES", "JOB_VARIABLES", "RANK_VARIABLES",
+           "TERMINATE_GRACE_S", "job_settings"]
 
 #: seconds between SIGTERM and SIGKILL when ranks are ended
 TERMINATE_GRACE_S = 3.0
 #: launcher variables remote ranks get too, so they find the same software
 FORWARDED_VARIABLES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+#: the launcher contract's variables that differ between ranks (tnt_core.settings)
+RANK_VARIABLES = ("TNT_RANK", "TNT_LOCAL_RANK", "TNT_LOCAL_SIZE", "TNT_NUM_THREADS")
+#: the launcher contract's variables equal on every rank
+JOB_VARIABLES = tuple(name for name, var in VARIABLES.items()
+                      if var.group == "launcher" and name not in RANK_VARIABLES)
+#: job-wide settings a user may export in the launcher's shell instead of giving an option
+EXPORTABLE_VARIABLES = ("TNT_BACKEND", "TNT_FUSION_THRESHOLD_KB", "TNT_LOG_LEVEL",
+                        "TNT_LOG_ALL", "TNT_OUTPUT_ALL", "TNT_TIMEOUT_S")
+
+
+def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> Config:
+    """The job-wide settings of the ranks: ``-x NAME=VALUE``, else ``tnt run``'s options,
+    else what the user exported in this shell, else the defaults (tnt_core.settings).
+
+    ``-x`` wins because it is written last (as with mpirun). An exported or ``-x`` value
+    that is malformed fails here with a :class:`ConfigError` naming the variable, rather
+    than being replaced by a default without a word.
+    """
+    exported = {name: environ[name] for name in EXPORTABLE_VARIABLES if name in environ}
+    try:
+        cfg = Config.from_env(exported)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (exported in the shell that runs tnt run)") from None
+    changes: dict[str, object] = {"size": size}
+    if options.backend:
+        changes["backend"] = options.backend
+    if options.fusion_threshold_kb is not None:
+        changes["fusion_threshold_kb"] = options.fusion_threshold_kb
+    if options.log_level is not None:
+        changes["log_level"] = options.log_level
+    if options.log_all:
+        changes["log_all"] = True
+    if options.output_all:
+        changes["output_all"] = True
+    if options.timeout_s is not None:
+        changes["timeout_s"] = options.timeout_s
+    explicit = {}
+    for name, value in options.env:
+        if name in VARIABLES:
+            try:
+                VARIABLES[name].read({name: value})
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (-x {name}=...)") from None
+            if name in EXPORTABLE_VARIABLES:
+                explicit[name] = value
+    if explicit:
+        given = Config.from_env(explicit)
+        changes.update({field: getattr(given, field) for field in _FIELDS_OF if
+                        _FIELDS_OF[field] in explicit})
+    return cfg.with_overrides(**changes)
+
+
+#: Config field of each exportable variable
+_FIELDS_OF = {"backend": "TNT_BACKEND", "fusion_threshold_kb": "TNT_FUSION_THRESHOLD_KB",
+              "log_level": "TNT_LOG_LEVEL", "log_all": "TNT_LOG_ALL",
+              "output_all": "TNT_OUTPUT_ALL", "timeout_s": "TNT_TIMEOUT_S"}
 
 
 @dataclass(frozen=True)
@@ -45,43 +105,26 @@ class Job:
     #: said to the user before the job starts
     warnings: list[str] = field(default_factory=list)
 
-    # -- the launcher contract (DESIGN.md) ------------------------------------------------
+    # -- the launcher contract (docs/architecture.md) ------------------------------------
+    def settings(self, environ: Mapping[str, str] | None = None) -> Config:
+        """The job-wide settings the ranks get: see :func:`job_settings`."""
+        return job_settings(self.options, self.placement.size,
+                            os.environ if environ is None else environ)
+
     def common_env(self, rendezvous: Rendezvous) -> list[tuple[str, str]]:
         """Variables equal on every rank, in a fixed order."""
-        o = self.options
-        env: list[tuple[str, str]] = [("TNT_SIZE", str(self.placement.size))]
-        if o.backend:
-            env.append(("TNT_BACKEND", o.backend))
-        env += [
-            ("TNT_RENDEZVOUS", rendezvous.url),
-            ("TNT_RENDEZVOUS_KEY", rendezvous.key),
-        ]
-        if o.fusion_threshold_kb is not None:
-            env.append(("TNT_FUSION_THRESHOLD_KB", f"{o.fusion_threshold_kb:g}"))
-        else:
-            from tnt_core import DEFAULT_FUSION_THRESHOLD_KB
-            env.append(("TNT_FUSION_THRESHOLD_KB", str(DEFAULT_FUSION_THRESHOLD_KB)))
-        env += [
-            ("TNT_LOG_LEVEL", o.log_level),
-            ("TNT_LOG_ALL", "true" if o.log_all else "false"),
-            ("TNT_OUTPUT_ALL", "true" if o.output_all else "false"),
-        ]
-        if o.timeout_s is not None:
-            env.append(("TNT_TIMEOUT_S", f"{o.timeout_s:g}"))
-        else:
-            from tnt_core import DEFAULT_TIMEOUT_S
-            env.append(("TNT_TIMEOUT_S", f"{DEFAULT_TIMEOUT_S:g}"))
+        cfg = self.settings().with_overrides(rendezvous=rendezvous.url,
+                                             rendezvous_key=rendezvous.key)
+        env = list(cfg.to_env(JOB_VARIABLES).items())
         env.append(("PYTHONUNBUFFERED", "1"))  # stream output line by line
         return env
 
     def rank_env(self, slot: RankSlot, rendezvous: Rendezvous) -> list[tuple[str, str]]:
         """Every variable of one rank, the user's ``-x`` last and in their order."""
-        env = [
-            ("TNT_RANK", str(slot.rank)),
-            ("TNT_LOCAL_RANK", str(slot.local_rank)),
-            ("TNT_LOCAL_SIZE", str(slot.local_size)),
-            ("TNT_NUM_THREADS", str(threads_per_rank(slot.local_size, self.cores))),
-        ]
+        cfg = Config(rank=slot.rank, size=self.placement.size, local_rank=slot.local_rank,
+                     local_size=slot.local_size,
+                     num_threads=threads_per_rank(slot.local_size, self.cores))
+        env = list(cfg.to_env(RANK_VARIABLES).items())
         if self.hide_gpus:
             env.append(("CUDA_VISIBLE_DEVICES", "-1"))
         elif slot.gpu is not None:
@@ -113,7 +156,7 @@ class Job:
             "rank": None if slot is None else slot.rank,
             "size": self.placement.size,
             "host": None if slot is None else slot.host,
-            "output_all": self.options.output_all,
+            "output_all": self.settings().output_all,
             "pin_cpu": self.options.pin_cpu,
             "pin_memory": self.options.pin_memory,
             "gpus": self.gpus,

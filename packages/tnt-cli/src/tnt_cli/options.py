@@ -14,13 +14,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tnt_core import settings as S
+
 from . import __version__
 from .errors import USAGE_EXIT_CODE, UsageError
 
 __all__ = ["RunOptions", "build_parser", "parse_run_args", "LAUNCHER_CHOICES", "LOG_LEVELS"]
 
 LAUNCHER_CHOICES = ("auto", "local", "ssh", "mpirun", "srun")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = tuple(c for c, _ in S.TNT_LOG_LEVEL.choices)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -35,7 +37,7 @@ class RunOptions:
     backend: str | None = None
     env: list[tuple[str, str]] = field(default_factory=list)
     fusion_threshold_kb: float | None = None
-    log_level: str = "WARNING"
+    log_level: str | None = None  # None: TNT_LOG_LEVEL if exported, else WARNING
     log_all: bool = False
     output_all: bool = False
     python: list[str] = field(default_factory=list)  # empty: run the command as a binary
@@ -48,6 +50,11 @@ class RunOptions:
     dry_run: bool = False
     cleanup: bool = False
     force: bool = False
+
+
+def _default(var: S.Variable) -> str:
+    """A variable's default in the help, taken from its declaration (never restated)."""
+    return var.format(var.default)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,6 +145,9 @@ examples:
   tnt run --dry-run --hostfile hosts -- train.py  show what would run where
   tnt run --hostfile hosts --cleanup -- train.py  end leftover ranks of train.py
 
+settings: -x NAME=VALUE wins over an option (--timeout, ...), which wins over a TNT_*
+variable exported in this shell, which wins over the default.
+
 hostfile: one host name per line, 'HOST slots=K' allowed, '#' starts a comment; names must
 be unique. Remote ranks need passwordless ssh and the same paths (script, virtualenv) on
 every host.
@@ -182,9 +192,11 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
                       help="set an environment variable on every rank (repeatable, order kept); "
                            "NAME alone passes on its value here")
     rank.add_argument("--fusion-threshold", dest="fusion_threshold_kb", type=_nonneg_float,
-                      metavar="KB", help="tensor fusion threshold in KB (TNT_FUSION_THRESHOLD_KB)")
-    rank.add_argument("--log-level", type=_log_level, default="WARNING",
-                      metavar="{" + ",".join(LOG_LEVELS) + "}", help="log level of the ranks")
+                      metavar="KB", help="tensor fusion threshold in KB (TNT_FUSION_THRESHOLD_KB; "
+                           f"default {_default(S.TNT_FUSION_THRESHOLD_KB)})")
+    rank.add_argument("--log-level", type=_log_level,
+                      metavar="{" + ",".join(LOG_LEVELS) + "}",
+                      help=f"log level of the ranks (TNT_LOG_LEVEL; default {_default(S.TNT_LOG_LEVEL)})")
     rank.add_argument("--log-on-all-devices", dest="log_all", action="store_true",
                       help="log on every rank, not only on the master rank")
     rank.add_argument("--output-on-all-devices", dest="output_all", action="store_true",
@@ -199,7 +211,7 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
                       help="allocate each rank's memory only on its socket (numactl --membind)")
     rank.add_argument("--timeout", dest="timeout_s", type=_positive_float, metavar="SECONDS",
                       help="seconds a rank waits for a peer (collective, rendezvous) before "
-                           "failing (TNT_TIMEOUT_S; default 1800)")
+                           f"failing (TNT_TIMEOUT_S; default {_default(S.TNT_TIMEOUT_S)})")
 
     ctl = p.add_argument_group("control")
     ctl.add_argument("--dry-run", action="store_true",

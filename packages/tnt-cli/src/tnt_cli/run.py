@@ -90,11 +90,13 @@ def resolve_job(options: RunOptions, launcher: Launcher) -> Job:
         placement = place_ranks(hosts, options.nranks, options.per_node,
                                 default_per_node=len(gpus), gpus=None)
         gpus, hide_gpus = [], True
-    if options.backend:
-        _check_backend(options.backend, placement.size, placement.max_local_size)
-    return Job(options=options, placement=placement, command=command, cwd=os.getcwd(),
-               gpus=gpus or None, hide_gpus=hide_gpus, agent_python=sys.executable,
-               cores=cpu_count(), warnings=warnings)
+    job = Job(options=options, placement=placement, command=command, cwd=os.getcwd(),
+              gpus=gpus or None, hide_gpus=hide_gpus, agent_python=sys.executable,
+              cores=cpu_count(), warnings=warnings)
+    backend = job.settings().backend  # checks the exported and -x settings too
+    if backend:
+        _check_backend(backend, placement.size, placement.max_local_size)
+    return job
 
 
 def _cleanup(options: RunOptions, launcher: Launcher) -> int:
@@ -167,9 +169,11 @@ def _watch_rank_failures(store: StoreServer, supervisor: Supervisor) -> None:
 
 def run_command(argv: Sequence[str], prog: str = "tnt run") -> int:
     """The ``tnt run`` command; returns the exit code."""
+    from tnt_core import ConfigError
+
     options = parse_run_args(argv, prog)
     try:
         return _run(options, prog)
-    except UsageError as exc:
+    except (UsageError, ConfigError) as exc:  # a bad option, or a bad exported/-x TNT_* value
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE
