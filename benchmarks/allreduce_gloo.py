@@ -11,8 +11,8 @@ default) on this host with tnt-core's test launcher. Every rank, for every size:
   ring for large ones). The transport is printed above the table and stored per row
   (``ours_transport``, ``ours_algorithm``);
 * baseline: ``gloo::allreduce`` with ``RING`` called directly in a C++ loop on the
-  calling thread (``GlooBackend.time_direct_allreduce``), on the same context and buffer,
-  timed per call in C++: always Gloo over TCP, whatever ours uses;
+  calling thread (``tnt_comm_gloo.benchmark.time_direct_allreduce``), on the same
+  context and buffer, timed per call in C++: always Gloo over TCP, whatever ours uses;
 * with shared memory, the shared-memory allreduce called directly from C++ too (key
   ``shm_direct_median_us``): what the queue and Python add on top of it;
 * ours again, back to back (key ``ours_back_to_back_median_us``): alternating with the
@@ -56,6 +56,7 @@ def _median_us(seconds: list[float]) -> float:
 
 def _worker(sizes: list[int], iters: int, out: Path) -> int:
     import tnt_core
+    from tnt_comm_gloo.benchmark import time_direct_allreduce
 
     runtime = tnt_core.init()
     backend = runtime.backend
@@ -72,7 +73,7 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
         total = iterations(size, iters)
         for _ in range(2):  # warm-up: connections, page faults, caches
             backend.allreduce_async(buf).wait()
-        backend.time_direct_allreduce(buf, 2, "ring")
+        time_direct_allreduce(backend, buf, 2, "ring")
         ours: list[float] = []
         base: list[float] = []
         bcube: list[float] = []
@@ -83,21 +84,21 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
             t0 = time.perf_counter()
             backend.allreduce_async(buf).wait()
             ours.append(time.perf_counter() - t0)
-            base.extend(backend.time_direct_allreduce(buf, 1, "ring"))
+            base.extend(time_direct_allreduce(backend, buf, 1, "ring"))
         back_to_back: list[float] = []
         for _ in range(total):
             t0 = time.perf_counter()
             backend.allreduce_async(buf).wait()
             back_to_back.append(time.perf_counter() - t0)
         if transport == "shm":
-            backend.time_direct_allreduce(buf, 2, "shm")
+            time_direct_allreduce(backend, buf, 2, "shm")
             for _ in range(total):
-                shm_direct.extend(backend.time_direct_allreduce(buf, 1, "shm"))
+                shm_direct.extend(time_direct_allreduce(backend, buf, 1, "shm"))
         if size <= SMALL_UP_TO:  # the other algorithms, for the crossovers
             for _ in range(total):
-                bcube.extend(backend.time_direct_allreduce(buf, 1, "bcube"))
+                bcube.extend(time_direct_allreduce(backend, buf, 1, "bcube"))
                 if power_of_two:
-                    doubling.extend(backend.time_direct_allreduce(buf, 1, "doubling"))
+                    doubling.extend(time_direct_allreduce(backend, buf, 1, "doubling"))
         ours_us, base_us = _median_us(ours), _median_us(base)
         row = {
             "size_bytes": size,

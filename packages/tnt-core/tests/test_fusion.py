@@ -7,7 +7,7 @@ import pytest
 
 import tnt_core
 from tnt_core import CompletedHandle, FusedAllreducer, LocalBackend, TensorSpec, plan_buckets
-from tnt_core.testing import launch_ranks
+from tnt_core.testing import fused_allreduce, launch_ranks
 
 HERE = Path(__file__).parent
 
@@ -92,7 +92,7 @@ def test_values_survive_local_fused_allreduce_with_scale():
     arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float64), np.full(3, 2, np.float32)]
     plan = plan_buckets(arrays, 8)
     fused = FusedAllreducer(LocalBackend(), plan)
-    out = fused.allreduce(arrays, scale=0.25)
+    out = fused_allreduce(fused, arrays, scale=0.25)
     for got, want in zip(out, arrays):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(got, want * 0.25)
@@ -151,15 +151,7 @@ def test_misuse_is_reported():
     with pytest.raises(ValueError, match="would truncate"):
         FusedAllreducer(LocalBackend(), plan_buckets([spec(2, "int64")], 0)).push(0, np.ones(2, np.int64), 0.5)
     with pytest.raises(ValueError, match="expected 2 tensors"):
-        fused.allreduce([np.zeros(2, np.float32)])
-
-
-def test_observer_sees_every_bucket_start_and_finish():
-    events = []
-    plan = plan_buckets([spec(1), spec(1)], 0)
-    fused = FusedAllreducer(LocalBackend(), plan, observer=lambda e, i: events.append((e, i)))
-    fused.allreduce([np.zeros(1, np.float32)] * 2)
-    assert events == [("start", 0), ("start", 1), ("done", 0), ("done", 1)]
+        fused_allreduce(fused, [np.zeros(2, np.float32)])
 
 
 @pytest.mark.parametrize("threshold", [0, 256, 10**9])
@@ -193,7 +185,7 @@ def test_aligned_plan_gives_64_byte_aligned_views():
     assert f32.offsets == (0, 16, 32) and f32.size == 48
     reducer = FusedAllreducer(LocalBackend(), plan)
     arrays = [np.full(s[0], i + 1, dtype=s[1]) for i, s in enumerate(specs)]
-    out = reducer.allreduce(arrays)
+    out = fused_allreduce(reducer, arrays)
     for a, o in zip(arrays, out):
         assert o.ctypes.data % 64 == 0
         np.testing.assert_array_equal(a, o)

@@ -32,7 +32,34 @@ def test_hook_names_are_the_contract():
 
 def test_builtin_backends(clean_runtime):
     names = [s.name for s in tnt_core.list_backends()]
-    assert "local" in names and "store" in names
+    assert "local" in names and "store" in names  # store: registered by conftest
+
+
+def test_store_backend_is_test_code_not_loaded_unless_asked(clean_runtime):
+    import sys
+
+    clean_runtime.delenv("TNT_PLUGINS")
+    names = {s.name for s in tnt_core.list_backends()}
+    assert "local" in names and "store" not in names
+    assert "tnt_core.testing.store_backend" not in tnt_core.plugins.BUILTIN_PLUGINS
+    code = "import sys, tnt_core; tnt_core.list_backends(); print('tnt_core.testing' in sys.modules)"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TNT_PLUGINS"}
+    out = __import__("subprocess").run([sys.executable, "-c", code], env=env, check=True,
+                                       capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_entry_point_plugins_keep_their_distribution(clean_runtime):
+    """Loaded through pluggy's loader: each entry-point plugin knows where it came from."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group=tnt_core.ENTRY_POINT_GROUP)}
+    if not names:
+        pytest.skip("no tnt entry points installed")
+    pm = tnt_core.get_plugin_manager()
+    by_plugin = {pm.get_name(plugin): dist.project_name for plugin, dist in pm.list_plugin_distinfo()}
+    assert names <= set(by_plugin), by_plugin
+    assert all(dist.startswith("tnt") for dist in by_plugin.values()), by_plugin
 
 
 def test_plugin_module_from_env_is_loaded(plugins_path):
@@ -107,6 +134,9 @@ def test_duplicate_backend_names_are_refused(clean_runtime):
 
 
 def test_autoload_off_switch(clean_runtime):
+    from tnt_core.testing import STORE_PLUGIN
+
     clean_runtime.setenv("TNT_DISABLE_PLUGIN_AUTOLOAD", "1")
     pm = tnt_core.get_plugin_manager()
-    assert {name for name, _ in pm.list_name_plugin()} == set(tnt_core.plugins.BUILTIN_PLUGINS)
+    assert {name for name, _ in pm.list_name_plugin()} == {
+        *tnt_core.plugins.BUILTIN_PLUGINS, STORE_PLUGIN}

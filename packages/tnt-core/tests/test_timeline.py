@@ -4,6 +4,7 @@ import time
 import numpy as np
 
 from tnt_core import FusedAllreducer, LocalBackend, Timeline, plan_buckets, timeline_path
+from tnt_core.testing import fused_allreduce
 from tnt_core.backend import CompletedHandle
 from tnt_core.config import Config
 
@@ -43,7 +44,7 @@ def test_fusion_records_each_bucket_from_issue_to_completion(tmp_path):
     tl = Timeline(tmp_path / "t.json")
     plan = plan_buckets([((4,), "float32")] * 3, 0)
     fused = FusedAllreducer(SlowBackend(), plan, timeline=tl)
-    fused.allreduce([np.ones(4, np.float32)] * 3)
+    fused_allreduce(fused, [np.ones(4, np.float32)] * 3)
     spans = [e for e in tl.events if e["ph"] == "X"]
     assert [s["name"] for s in spans] == [f"allreduce bucket {i}" for i in range(3)]
     assert all(s["dur"] >= 19000 for s in spans)

@@ -479,15 +479,3 @@ class GlooBackend(CommBackend):
             _abandoned.extend(self._inflight)
         self._inflight.clear()
 
-    # -- benchmark support
-    def time_direct_allreduce(self, buf: np.ndarray, iters: int,
-                              algorithm: str = "ring") -> list[float]:
-        """Seconds per call of ``algorithm`` (``ring``: Gloo's ``RING``) summing ``buf``,
-        invoked directly from C++ on this thread, bypassing the queue: the baseline
-        ``benchmarks/allreduce_gloo.py`` compares :meth:`allreduce_async` against. Over
-        TCP even when :attr:`allreduce_transport` is ``"shm"``; ``algorithm="shm"``
-        times the shared-memory allreduce itself. Every rank must call it alike."""
-        check_buffer(buf, "allreduce")
-        self._check_open("baseline allreduce")
-        with self._translate("baseline allreduce"):
-            return self._comm.time_direct_allreduce(buf, algorithm, iters)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,10 +163,6 @@ def _aligned_zeros(size: int, dtype: np.dtype) -> np.ndarray:
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
-#: ``observer(event, bucket_index)`` with event in {"start", "done"}; used by timelines.
-Observer = Callable[[str, int], None]
-
-
 class FusedAllreducer:
     """Packs tensors into per-bucket buffers and reduces each bucket asynchronously.
 
@@ -179,13 +175,12 @@ class FusedAllreducer:
     :param timeline: records each bucket's allreduce from issue to completion.
     """
 
-    def __init__(self, backend: CommBackend, plan: BucketPlan, op: str = "sum",
-                 observer: Observer | None = None, *, overlap: bool = True,
+    def __init__(self, backend: CommBackend, plan: BucketPlan, op: str = "sum", *,
+                 overlap: bool = True,
                  timeline: Timeline | None = None) -> None:
         self.backend = backend
         self.plan = plan
         self.op = check_op(op)
-        self.observer = observer
         self.overlap = overlap
         self.timeline = timeline
         self._buffers = [_aligned_zeros(b.size, b.dtype) for b in plan.buckets]
@@ -240,8 +235,6 @@ class FusedAllreducer:
         # called with the lock held: issue in bucket order, as far as complete
         while self._next_to_issue < len(self._complete) and self._complete[self._next_to_issue]:
             i = self._next_to_issue
-            if self.observer:
-                self.observer("start", i)
             self._issued_at[i] = time.perf_counter()
             if self._buffers[i].size:
                 self._handles[i] = self.backend.allreduce_async(self._buffers[i], self.op)
@@ -269,8 +262,6 @@ class FusedAllreducer:
             # as one batch: a backend may then wake the caller once, not once per bucket
             wait_all([h for h in handles if h is not None], timeout)
             for i, handle in enumerate(handles):
-                if self.observer:
-                    self.observer("done", i)
                 if self.timeline is not None:
                     end = (handle.completion_time() if handle is not None else None) or time.perf_counter()
                     bucket = self.plan.buckets[i]
@@ -290,12 +281,3 @@ class FusedAllreducer:
             for tid, view in zip(bucket.tensor_ids, views):
                 result[tid] = view
         return result
-
-    def allreduce(self, arrays: Sequence[Any], scale: float | None = None,
-                  timeout: float | None = None) -> list[np.ndarray]:
-        """Push ``arrays`` (indexed like the plan's tensors) in order and finish."""
-        if len(arrays) != self.plan.num_tensors:
-            raise ValueError(f"expected {self.plan.num_tensors} tensors, got {len(arrays)}")
-        for tid, arr in enumerate(arrays):
-            self.push(tid, arr, scale)
-        return self.finish(timeout)

@@ -21,28 +21,33 @@ from .errors import PluginError
 
 __all__ = ["get_plugin_manager", "reset_plugin_manager", "BUILTIN_PLUGINS"]
 
-#: Modules of tnt-core that implement hooks themselves.
-BUILTIN_PLUGINS = ("tnt_core.local_backend", "tnt_core.testing.store_backend")
+#: Modules of tnt-core that implement hooks themselves. The test-only ``store`` backend is
+#: not one: tests register it through ``TNT_PLUGINS``
+#: (:func:`tnt_core.testing.enable_store_backend`).
+BUILTIN_PLUGINS = ("tnt_core.local_backend",)
 
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    seen: set[str] = set()
+    """Load the ``tnt`` entry points through pluggy, one name at a time.
+
+    pluggy's loader keeps the distribution of each plugin (``pm.list_plugin_distinfo()``,
+    for reports of what is installed); one name per call lets a broken plugin be named
+    with its distribution instead of surfacing as a bare ImportError.
+    """
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in seen or pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
+        if pm.is_blocked(ep.name) or pm.has_plugin(ep.name):
             continue
-        seen.add(ep.name)
         try:
-            plugin = ep.load()
+            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
         except Exception as exc:  # name the broken plugin instead of a bare ImportError
             dist = ep.dist.name if ep.dist else "an unknown distribution"
             raise PluginError(
                 f"cannot load tnt plugin {ep.name!r} ({ep.value}) from {dist}: {exc}. "
                 f"Reinstall or uninstall it, or set TNT_DISABLE_PLUGINS={ep.name} to skip it"
             ) from exc
-        pm.register(plugin, name=ep.name)
 
 
 def _env_list(name: str) -> list[str]:

@@ -269,7 +269,7 @@ TNT_DISABLE_PLUGINS = _declare("TNT_DISABLE_PLUGINS", "list", [],
                                "plugins", default_doc="unset")
 TNT_DISABLE_PLUGIN_AUTOLOAD = _declare(
     "TNT_DISABLE_PLUGIN_AUTOLOAD", "bool", False,
-    "load no plugin from entry points (the built-in `local` and `store` backends stay)",
+    "load no plugin from entry points (the built-in `local` backend stays)",
     "plugins")
 
 # -- the gloo backend ---------------------------------------------------------------------

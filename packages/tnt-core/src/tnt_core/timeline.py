@@ -3,7 +3,7 @@
 Open the file in chrome://tracing or https://ui.perfetto.dev: one process per rank, one
 lane per activity (backprop, each fusion bucket's allreduce, the optimizer), so overlap of
 communication with backprop is visible. The writer only records; what to record is
-decided by the framework integration (tnt-keras) and the fusion observer below.
+decided by the framework integration (tnt-keras) and :class:`tnt_core.FusedAllreducer`.
 
 Each rank writes its own file: ``path`` on the master, ``<stem>.rank<R><suffix>`` on the
 others (or ``path`` with ``{rank}`` replaced, if it contains that placeholder).

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .store_backend import enable_store_backend
 from ..rendezvous import StoreServer
 
 __all__ = ["RankResult", "LaunchResult", "launch_ranks", "rank_env"]
@@ -79,6 +80,8 @@ def rank_env(rank: int, size: int, store: StoreServer, *, backend: str | None = 
     if timeout_s is not None:
         env["TNT_TIMEOUT_S"] = str(timeout_s)
     env.update(extra or {})
+    if backend == "store":  # test-only: the ranks register it only when asked
+        enable_store_backend(env)
     return env
 
 

@@ -2,14 +2,19 @@
 
 Slow (every byte goes through one Python server) but obviously correct, dependency-free
 and multi-process for real. It proves the conformance suite itself and lets tnt-core test
-tensor fusion across processes without a native backend. Never picked automatically:
-only with ``TNT_BACKEND=store``.
+tensor fusion across processes without a native backend. Test code: registered only in
+processes that ask for it (``TNT_PLUGINS=tnt_core.testing.store_backend``, which
+:func:`tnt_core.testing.enable_store_backend` sets), and even then picked only with
+``TNT_BACKEND=store``.
 
 Every rank reduces the ranks' buffers in rank order, so all ranks get bitwise-identical
 results, as the real backends must.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
 
 import numpy as np
 
@@ -20,7 +25,28 @@ from ..config import Config
 from ..errors import CommError
 from ..rendezvous import connect_store
 
-__all__ = ["StoreBackend"]
+__all__ = ["STORE_PLUGIN", "StoreBackend", "enable_store_backend"]
+
+#: the module that registers the test-only ``store`` backend when named in ``TNT_PLUGINS``
+STORE_PLUGIN = "tnt_core.testing.store_backend"
+
+
+def enable_store_backend(env: MutableMapping[str, str] | None = None) -> None:
+    """Register the ``store`` backend in ``env`` (default: this process, and so every
+    process it starts) by adding it to ``TNT_PLUGINS``.
+
+    Through the environment rather than a call on the plugin manager, so that ranks a test
+    spawns (``tnt run``, :func:`launch_ranks`) have it too. Call from a conftest.
+    """
+    target = os.environ if env is None else env
+    names = [n.strip() for n in target.get("TNT_PLUGINS", "").split(",") if n.strip()]
+    if STORE_PLUGIN not in names:
+        target["TNT_PLUGINS"] = ",".join([*names, STORE_PLUGIN])
+    if env is None:
+        from ..plugins import reset_plugin_manager
+
+        reset_plugin_manager()
+
 
 _REDUCE = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 
