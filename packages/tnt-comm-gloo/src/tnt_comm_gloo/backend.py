@@ -67,9 +67,9 @@ from tnt_core import (
     check_buffer,
     check_op,
     connect_store,
-    env_number,
     reachable_address,
 )
+from tnt_core import settings as tnt_settings
 
 from . import _gloo
 
@@ -86,16 +86,16 @@ log = logging.getLogger("tnt.gloo")
 
 #: Largest allreduce (bytes) that ``auto`` treats as small (bcube or recursive
 #: doubling); bigger ones take the ring. Measured on 2 ranks over loopback (README).
-DEFAULT_BCUBE_MAX_BYTES = 1 << 20
+DEFAULT_BCUBE_MAX_BYTES: int = tnt_settings.TNT_GLOO_BCUBE_MAX_BYTES.default
 #: Largest allreduce that ``auto`` gives to recursive doubling on more than 2 ranks
 #: (it sends log2(p) whole buffers, against bcube's two; see the README's cost model).
-DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
-ALGORITHMS = ("auto", "ring", "bcube", "doubling")
+DEFAULT_DOUBLING_MAX_BYTES: int = tnt_settings.TNT_GLOO_DOUBLING_MAX_BYTES.default
+ALGORITHMS = tuple(c for c, _ in tnt_settings.TNT_GLOO_ALGORITHM.choices)
 #: ``TNT_GLOO_SHM`` values: use shared memory when possible, never, always (or fail).
-SHM_MODES = ("auto", "0", "1")
+SHM_MODES = tuple(c for c, _ in tnt_settings.TNT_GLOO_SHM.choices)
 #: Bytes per shared-memory slot: two per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's
 #: default /dev/shm is 64 MiB); large enough that the per-chunk synchronisation is noise.
-DEFAULT_SHM_CHUNK_BYTES = 1 << 20
+DEFAULT_SHM_CHUNK_BYTES: int = tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.default
 _SHM_CHUNK_LIMITS = (4096, 64 << 20)
 
 _KDL_CPU = 1  # DLPack device type of host memory
@@ -108,12 +108,8 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
-    return env_number(env, name, default, integer=True, minimum=0, unit="bytes")
-
-
 def _shm_chunk_bytes(env: Mapping[str, str]) -> int:
-    value = _bytes(env, "TNT_GLOO_SHM_CHUNK_BYTES", DEFAULT_SHM_CHUNK_BYTES)
+    value = tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env)
     lo, hi = _SHM_CHUNK_LIMITS
     if not lo <= value <= hi or value % 64:
         raise ConfigError(
@@ -122,14 +118,9 @@ def _shm_chunk_bytes(env: Mapping[str, str]) -> int:
     return value
 
 
-def _shm_spin_us(env: Mapping[str, str]) -> int | None:
-    return env_number(env, "TNT_GLOO_SHM_SPIN_US", None, integer=True, minimum=0,
-                      maximum=1_000_000, unit="µs")
-
-
 @dataclass(frozen=True)
 class GlooSettings:
-    """The ``TNT_GLOO_*`` variables, validated."""
+    """The ``TNT_GLOO_*`` variables, validated (declared in :mod:`tnt_core.settings`)."""
 
     iface: str | None = None
     hostname: str | None = None
@@ -144,28 +135,16 @@ class GlooSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GlooSettings:
         env = os.environ if environ is None else environ
-        algorithm = (env.get("TNT_GLOO_ALGORITHM") or "auto").strip().lower()
-        if algorithm not in ALGORITHMS:
-            raise ConfigError(
-                f"TNT_GLOO_ALGORITHM={algorithm!r} is not one of {', '.join(ALGORITHMS)}"
-            )
-        shm = (env.get("TNT_GLOO_SHM") or "auto").strip().lower()
-        if shm not in SHM_MODES:
-            raise ConfigError(
-                f"TNT_GLOO_SHM={shm!r} is not one of auto (shared memory when every rank "
-                "is on this host), 0 (always TCP) or 1 (shared memory, else fail)"
-            )
         return cls(
-            iface=(env.get("TNT_GLOO_IFACE") or "").strip() or None,
-            hostname=(env.get("TNT_GLOO_HOSTNAME") or "").strip() or None,
-            algorithm=algorithm,
-            bcube_max_bytes=_bytes(env, "TNT_GLOO_BCUBE_MAX_BYTES", DEFAULT_BCUBE_MAX_BYTES),
-            doubling_max_bytes=_bytes(env, "TNT_GLOO_DOUBLING_MAX_BYTES",
-                                      DEFAULT_DOUBLING_MAX_BYTES),
-            shm=shm,
+            iface=tnt_settings.TNT_GLOO_IFACE.read(env),
+            hostname=tnt_settings.TNT_GLOO_HOSTNAME.read(env),
+            algorithm=tnt_settings.TNT_GLOO_ALGORITHM.read(env),
+            bcube_max_bytes=tnt_settings.TNT_GLOO_BCUBE_MAX_BYTES.read(env),
+            doubling_max_bytes=tnt_settings.TNT_GLOO_DOUBLING_MAX_BYTES.read(env),
+            shm=tnt_settings.TNT_GLOO_SHM.read(env),
             shm_chunk_bytes=_shm_chunk_bytes(env),
-            shm_spin_us=_shm_spin_us(env),
-            shm_host_id=(env.get("TNT_GLOO_SHM_HOST_ID") or "").strip() or None,
+            shm_spin_us=tnt_settings.TNT_GLOO_SHM_SPIN_US.read(env),
+            shm_host_id=tnt_settings.TNT_GLOO_SHM_HOST_ID.read(env),
         )
 
     def listen_address(self, config: Config) -> tuple[str, str]:
@@ -478,4 +457,3 @@ class GlooBackend(CommBackend):
                         self.rank)
             _abandoned.extend(self._inflight)
         self._inflight.clear()
-

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from tnt_core import ConfigError
+from tnt_core import settings as tnt_settings
 
 __all__ = ["load_mpi", "mark_failed", "has_failed", "register_backend", "cuda_support",
            "host_pmi_server", "loaded"]
@@ -143,11 +144,9 @@ def cuda_support() -> tuple[bool, str]:
     ``TNT_MPI_CUDA_AWARE=1/0`` overrides; otherwise ``MPIX_Query_cuda_support()`` (MPICH,
     Open MPI) answers at run time. Without an answer the backend stages through host memory.
     """
-    forced = (os.environ.get("TNT_MPI_CUDA_AWARE") or "").strip().lower()
-    if forced in {"1", "true", "yes", "on"}:
-        return True, "TNT_MPI_CUDA_AWARE=1"
-    if forced in {"0", "false", "no", "off"}:
-        return False, "TNT_MPI_CUDA_AWARE=0"
+    forced = tnt_settings.TNT_MPI_CUDA_AWARE.read()  # None: auto
+    if forced is not None:
+        return forced, f"TNT_MPI_CUDA_AWARE={int(forced)}"
     load_mpi()
     for path in _libmpi_paths():
         try:
