@@ -1,5 +1,5 @@
 """Across real processes: a 64 MiB allreduce in flight leaves Python running, and the
-rank waiting for it does not burn a core (DESIGN.md: ``wait`` never spins), over shared
+rank waiting for it does not burn a core (docs/architecture.md: ``wait`` never spins), over shared
 memory (a short spin, then a futex) and over TCP alike."""
 
 from __future__ import annotations

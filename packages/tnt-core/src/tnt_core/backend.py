@@ -1,4 +1,5 @@
-"""The contract every communication backend keeps (see DESIGN.md, "CommBackend contract").
+"""The contract every communication backend keeps (docs/architecture.md, "The CommBackend
+contract").
 
 A backend moves bytes; policy (which backend, fusion, timeouts from the environment)
 lives in tnt-core. Rules every backend keeps:

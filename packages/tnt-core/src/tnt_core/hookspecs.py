@@ -1,7 +1,7 @@
 """Hook specifications of the ``tnt`` plugin project. Specs only: no behaviour here.
 
 Implementations live next to the behaviour they add (``tnt_core.local_backend``,
-``tnt_comm_gloo.plugin``, ``tarantella.datasets``, ...).
+``tnt_comm_gloo.plugin``, ``tnt_comm_mpi.plugin``, ``tarantella_plugin``).
 """
 
 from __future__ import annotations

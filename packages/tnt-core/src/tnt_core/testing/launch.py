@@ -1,8 +1,8 @@
 """Start N real ranks on this machine for a test, with a hard deadline.
 
-Hosts a rendezvous store, gives every rank the launcher environment of DESIGN.md, and
-kills every process group when the deadline passes, so a broken collective fails the
-test instead of hanging CI. Output goes to files (no pipe can fill up and block a rank).
+Hosts a rendezvous store, gives every rank the launcher environment (docs/architecture.md,
+"The launcher contract"), and kills every process group when the deadline passes, so a
+broken collective fails the test instead of hanging CI. Output goes to files (no pipe can fill up and block a rank).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .store_backend import enable_store_backend
+from ..config import Config
 from ..rendezvous import StoreServer
 
 __all__ = ["RankResult", "LaunchResult", "launch_ranks", "rank_env"]
@@ -66,19 +67,13 @@ def rank_env(rank: int, size: int, store: StoreServer, *, backend: str | None = 
              base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment ``tnt run`` gives a rank on a single node."""
     env = dict(os.environ if base is None else base)
-    env.update(
-        TNT_RANK=str(rank),
-        TNT_SIZE=str(size),
-        TNT_LOCAL_RANK=str(rank),
-        TNT_LOCAL_SIZE=str(size),
-        TNT_RENDEZVOUS=store.url,
-        TNT_RENDEZVOUS_KEY=store.key,
-        PYTHONUNBUFFERED="1",
-    )
-    if backend:
-        env["TNT_BACKEND"] = backend
-    if timeout_s is not None:
-        env["TNT_TIMEOUT_S"] = str(timeout_s)
+    config = Config(rank=rank, size=size, local_rank=rank, local_size=size, backend=backend or None,
+                    rendezvous=store.url, rendezvous_key=store.key)
+    names = ["TNT_RANK", "TNT_SIZE", "TNT_LOCAL_RANK", "TNT_LOCAL_SIZE", "TNT_BACKEND",
+             "TNT_RENDEZVOUS", "TNT_RENDEZVOUS_KEY"]
+    if timeout_s is not None:  # else the rank's default, or what the caller exported
+        config, names = config.with_overrides(timeout_s=timeout_s), [*names, "TNT_TIMEOUT_S"]
+    env.update(config.to_env(names), PYTHONUNBUFFERED="1")  # written as tnt run writes them
     env.update(extra or {})
     if backend == "store":  # test-only: the ranks register it only when asked
         enable_store_backend(env)
