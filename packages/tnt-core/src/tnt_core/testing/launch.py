@@ -2,7 +2,8 @@
 
 Hosts a rendezvous store, gives every rank the launcher environment (docs/architecture.md,
 "The launcher contract"), and kills every process group when the deadline passes, so a
-broken collective fails the test instead of hanging CI. Output goes to files (no pipe can fill up and block a rank).
+broken collective fails the test instead of hanging CI. Output goes to files (no pipe can
+fill up and block a rank).
 """
 
 from __future__ import annotations
