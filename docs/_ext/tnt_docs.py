@@ -4,6 +4,12 @@
     The options of an argparse parser, group by group, taken from the real parser: the
     page cannot drift from ``tnt run --help``.
 
+``{tnt-env-table} GROUP [GROUP ...]`` (MyST)
+    The ``TNT_*`` variables of those groups, taken from their declarations in
+    ``tnt_core.settings`` (name, default, meaning, the ``tnt run`` option that sets it): a
+    table cannot drift from what the code reads. ``:columns:`` picks and orders the columns
+    (``variable default meaning`` by default); several groups get a rubric each.
+
 ``{tnt-optional-toctree}`` (MyST)
     A toctree listing only those of its entries that exist, so a page may point to a
     document another change adds (e.g. measured results) without breaking the build.
@@ -107,6 +113,62 @@ class CliReference(SphinxDirective):
         except Exception as exc:  # the docs build must say which parser broke
             raise self.error(f"tnt-cli-reference: cannot build the parser {target!r}: {exc}")
         return _parse_markdown(self, cli_reference(parser), target, ["tnt-cli-reference"])
+
+
+ENV_COLUMNS = {"variable": "variable", "default": "default", "meaning": "meaning",
+               "option": "`tnt run` option"}
+
+
+def _env_cell(var, column: str) -> str:
+    if column == "variable":
+        return f"`{var.name}`"
+    if column == "default":
+        return var.default_text
+    if column == "option":
+        return f"`{var.option}`" if var.option else ""
+    return var.doc
+
+
+def env_table(groups: list[str], columns: list[str] | None = None) -> list[str]:
+    """MyST Markdown tables of the declared ``TNT_*`` variables of ``groups``.
+
+    Raises ``ValueError`` for an unknown group or column.
+    """
+    from tnt_core import settings
+
+    columns = columns or ["variable", "default", "meaning"]
+    bad = [c for c in columns if c not in ENV_COLUMNS] + [g for g in groups if g not in settings.GROUPS]
+    if bad or not groups:
+        raise ValueError(f"unknown group or column {bad}; groups: {', '.join(settings.GROUPS)}; "
+                         f"columns: {', '.join(ENV_COLUMNS)}")
+    lines: list[str] = []
+    for group in groups:
+        if len(groups) > 1:
+            title = settings.GROUPS[group]
+            lines += [f":::{{rubric}} {title[0].upper() + title[1:]}", ":::", ""]
+        rows = [[_env_cell(v, c) for c in columns]
+                for v in settings.VARIABLES.values() if v.group == group]
+        lines += _table([ENV_COLUMNS[c] for c in columns], rows)
+    return lines
+
+
+class EnvTable(SphinxDirective):
+    """Tables of the ``TNT_*`` variables declared in ``tnt_core.settings``."""
+
+    required_arguments = 1
+    optional_arguments = 10
+    option_spec = {"columns": directives.unchanged}
+
+    def run(self) -> list[nodes.Node]:
+        from tnt_core import settings
+
+        self.env.note_dependency(settings.__file__)
+        columns = self.options.get("columns", "").split() or None
+        try:
+            lines = env_table(list(self.arguments), columns)
+        except ValueError as exc:
+            raise self.error(f"tnt-env-table: {exc}")
+        return _parse_markdown(self, lines, settings.__file__, ["tnt-env-table"])
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -229,4 +291,5 @@ def setup(app):
     app.add_directive("tnt-cli-reference", CliReference)
     app.add_directive("tnt-benchmark-results", BenchmarkResults)
     app.add_directive("tnt-optional-toctree", OptionalTocTree)
+    app.add_directive("tnt-env-table", EnvTable)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
