@@ -8,15 +8,13 @@ Load order (as tox does): specs -> names blocked by ``TNT_DISABLE_PLUGINS`` -> t
 
 from __future__ import annotations
 
-import os
 import threading
 from importlib import metadata
 
 import pluggy
 
-from . import hookspecs
+from . import hookspecs, settings
 from ._markers import ENTRY_POINT_GROUP, PROJECT_NAME
-from .config import parse_bool
 from .errors import PluginError
 
 __all__ = ["get_plugin_manager", "reset_plugin_manager", "BUILTIN_PLUGINS"]
@@ -50,20 +48,16 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             ) from exc
 
 
-def _env_list(name: str) -> list[str]:
-    return [n.strip() for n in os.environ.get(name, "").split(",") if n.strip()]
-
-
 def _new_manager() -> pluggy.PluginManager:
     import importlib
 
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    for name in _env_list("TNT_DISABLE_PLUGINS"):
+    for name in settings.TNT_DISABLE_PLUGINS.read():
         pm.set_blocked(name)
-    if not parse_bool("TNT_DISABLE_PLUGIN_AUTOLOAD", os.environ.get("TNT_DISABLE_PLUGIN_AUTOLOAD", "")):
+    if not settings.TNT_DISABLE_PLUGIN_AUTOLOAD.read():
         _load_entry_points(pm)
-    for module_name in _env_list("TNT_PLUGINS"):
+    for module_name in settings.TNT_PLUGINS.read():
         if pm.has_plugin(module_name) or pm.is_blocked(module_name):
             continue
         try:

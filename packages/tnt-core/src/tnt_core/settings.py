@@ -120,7 +120,7 @@ class Variable:
         env = os.environ if environ is None else environ
         raw = self.raw(env)
         if raw is None:
-            return self.default
+            return list(self.default) if self.kind == "list" else self.default  # a fresh list
         if self.kind in ("int", "float"):
             return env_number(env, self.name, self.default, integer=self.kind == "int",
                               minimum=self.minimum, above=self.above, maximum=self.maximum,
