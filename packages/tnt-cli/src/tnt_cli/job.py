@@ -57,7 +57,7 @@ def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> 
         changes["output_all"] = True
     if options.timeout_s is not None:
         changes["timeout_s"] = options.timeout_s
-    explicit = {}
+    explicit: dict[str, str] = {}
     for name, value in options.env:
         if name in VARIABLES:
             try:

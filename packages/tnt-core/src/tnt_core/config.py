@@ -160,7 +160,7 @@ class Config:
         unknown = [n for n in wanted if n not in _VARIABLE_FIELDS]
         if unknown:
             raise ConfigError(f"not a Config variable: {', '.join(unknown)}")
-        env = {}
+        env: dict[str, str] = {}
         for name in S.VARIABLES:
             if name in wanted:
                 value = getattr(self, _VARIABLE_FIELDS[name])
