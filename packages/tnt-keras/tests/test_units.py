@@ -1,8 +1,8 @@
 """Single-process checks of tnt-keras' pieces (no launched ranks; fast).
 
-The sharding tables against ``tnt_core``'s arithmetic for every rank, the batch-size
-detection, the plugin registration and hook behaviour on foreign objects, callback
-placement, the ``tnt.Model`` proxy and its errors, and the process set-up rules.
+The sharding arithmetic against ``tnt_core``'s for every rank, the plugin registration and
+hook behaviour on foreign objects, callback placement, ``tnt.Model`` as the user's own model
+and its errors, and the process set-up rules.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import tnt_core
 
 import tarantella as tnt
 from tarantella import callbacks as tcb
-from tarantella import datasets, environment
+from tarantella import datasets, environment, steps
 
 
 def _ids(ds) -> list[list[int]]:
-    return [np.asarray(batch).tolist()[: int(info[0])] for batch, info in ds]
+    return [np.asarray(e[steps.BATCH_KEY]).tolist()[: int(e[steps.INFO_KEY][0])] for e in ds]
 
 
 @pytest.mark.parametrize("size,global_batch,samples", [
@@ -45,48 +45,37 @@ def test_shards_follow_tnt_core_and_rejoin_to_the_global_batch(size, global_batc
 def test_rank_without_samples_gets_a_stand_in_with_zero_weight():
     base = tf.data.Dataset.range(5).batch(4)  # last batch: 1 sample for 3 ranks
     ctx = tnt_core.ShardContext(rank=2, size=3, global_batch_size=4)
-    steps = list(datasets.shard_dataset(base, ctx))
-    batch, info = steps[-1]
-    assert info.numpy().tolist() == [0, 1]
-    assert batch.numpy().tolist() == [4], "one stand-in sample, so no layer sees an empty batch"
+    last = list(datasets.shard_dataset(base, ctx))[-1]
+    assert last[steps.INFO_KEY].numpy().tolist() == [0, 1]
+    assert last[steps.BATCH_KEY].numpy().tolist() == [4], "one stand-in sample: no empty batch"
 
 
-def test_batch_larger_than_detected_global_batch_fails_clearly():
-    ctx = tnt_core.ShardContext(rank=0, size=2, global_batch_size=3)
-    ds = datasets.shard_dataset(tf.data.Dataset.range(10).batch(5), ctx)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="larger than the global batch size"):
-        list(ds)
+def test_any_batch_size_is_split_at_run_time():
+    """No global batch size is read from the pipeline: every batch is split by its size."""
+    ctx = tnt_core.ShardContext(rank=1, size=2)
+    ds = tf.data.Dataset.range(20).batch(3).rebatch(5)
+    assert _ids(datasets.shard_dataset(ds, ctx)) == [[3, 4], [8, 9], [13, 14], [18, 19]]
 
 
-@pytest.mark.parametrize("make,expected", [
-    (lambda: tf.data.Dataset.range(10).batch(4), 4),
-    (lambda: tf.data.Dataset.range(10).batch(4).map(lambda x: x * 2).prefetch(1), 4),
-    (lambda: tf.data.Dataset.range(10).shuffle(5).batch(3, drop_remainder=True).repeat(), 3),
-    (lambda: tf.data.Dataset.range(10).map(lambda x: tf.fill([x % 3 + 1], x)).padded_batch(5), 5),
-    (lambda: tf.data.Dataset.range(10).cache(), None),
-])
-def test_detect_batch_size(make, expected):
-    assert datasets.detect_batch_size(make()) == expected
-
-
-def test_detect_batch_size_refuses_to_guess():
-    flat = tf.data.Dataset.range(3).flat_map(lambda i: tf.data.Dataset.range(6).batch(2))
-    with pytest.raises(tnt.DatasetError, match="batch_size="):
-        datasets.detect_batch_size(flat)
-    assert datasets.detect_batch_size(tf.data.Dataset.range(10).batch(4).unbatch()) is None
-
-
-def test_unbatched_dataset_without_batch_size_is_an_error():
-    with pytest.raises(tnt.DatasetError, match="not batched"):
+def test_scalar_datasets_are_refused_with_advice():
+    with pytest.raises(tnt.DatasetError, match="batch it"):
         datasets.prepare_data(tf.data.Dataset.range(10))
 
 
-def test_generators_are_refused_with_advice():
-    def gen():
-        yield np.zeros(3)
+def test_batch_size_with_a_dataset_is_refused_with_advice():
+    with pytest.raises(tnt.DatasetError, match="tnt_micro_batch_size"):
+        datasets.prepare_data(tf.data.Dataset.range(10).batch(5), batch_size=4)
+    data = datasets.prepare_data(tf.data.Dataset.range(10), micro_batch_size=3)  # x 1 rank
+    assert _ids(data.dataset) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
-    with pytest.raises(tnt.DatasetError, match="from_generator"):
-        datasets.prepare_data(gen())
+
+def test_generators_are_accepted_as_keras_accepts_them():
+    def gen():
+        for i in range(3):
+            yield np.full((2, 3), i, dtype=np.float32), np.zeros((2,), dtype=np.float32)
+
+    data = datasets.prepare_data(gen())
+    assert [e[steps.INFO_KEY].numpy().tolist() for e in data.dataset] == [[2, 2]] * 3
 
 
 def test_plugin_is_registered_and_ignores_foreign_objects():
@@ -150,18 +139,17 @@ def _mlp():
     return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
 
 
-def test_model_proxy_behaves_as_the_keras_model():
+def test_tnt_model_is_the_users_keras_model():
     inner = _mlp()
     model = tnt.Model(inner)
-    assert model.keras_model is inner and model.layers == inner.layers
-    assert model.count_params() == inner.count_params()
-    model.stop_training = True  # what callbacks do
-    assert inner.stop_training is True
-    model.compile(optimizer="adam", loss="mse", jit_compile=False)
-    assert inner.compiled and isinstance(model.optimizer, keras.optimizers.Adam)
-    x = np.ones((4, 3), dtype=np.float32)
-    np.testing.assert_array_equal(model(x), inner(x))
-    assert model.get_config() == inner.get_config()
+    assert model is inner and model.keras_model is model
+    assert isinstance(model, keras.Sequential) and isinstance(model, tnt.Model)
+    assert model.__class__ is keras.Sequential, "Keras serializes it as a plain Sequential"
+    assert tnt.Model(model) is model
+    model.compile(optimizer="adam", loss="mse")
+    assert model.compiled and isinstance(model.optimizer, keras.optimizers.Adam)
+    config = model.get_config()
+    assert keras.Sequential.from_config(config).count_params() == model.count_params()
 
 
 def test_xla_is_switched_off_with_a_warning():
@@ -172,19 +160,37 @@ def test_xla_is_switched_off_with_a_warning():
 
 
 def test_unsupported_uses_raise_with_advice():
-    model = tnt.Model(_mlp())
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(tnt.NotSupportedError, match="fit"):
-        model.train_on_batch(np.ones((2, 3)), np.ones((2, 2)))
-
-    class Custom(keras.Model):
-        def train_step(self, data):
-            return {}
-
-    with pytest.raises(tnt.NotSupportedError, match="compute_loss"):
-        tnt.Model(Custom())
     with pytest.raises(TypeError, match="keras.Model"):
         tnt.Model(object())
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        tnt.Model(_mlp(), num_stages=2)
+    with pytest.raises(tnt.NotSupportedError, match="ParallelStrategy.DATA"):
+        tnt.Model(_mlp(), parallel_strategy="pipelining")
+
+
+def test_custom_steps_and_single_batches_run():
+    class Custom(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((self(x) - y) ** 2)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    model = tnt.Model(Custom())
+    model.compile(optimizer="sgd")
+    history = model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), batch_size=2, epochs=1, verbose=0)
+    assert set(history.history) == {"loss"}
+    logs = model.train_on_batch(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), return_dict=True)
+    assert set(logs) == {"loss"}
 
 
 def test_ftrl_trains_like_serial_in_one_process():
@@ -253,12 +259,6 @@ def test_multi_output_model_matches_keras_in_one_process():
     assert e_dist == pytest.approx(e_serial, rel=1e-5)
 
 
-def test_a_loss_summed_over_the_batch_is_warned_about():
-    model = tnt.Model(_mlp())
-    with pytest.warns(UserWarning, match="reduction='sum'"):
-        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
-
-
 def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
     """Overlap, shown without timing: a probe in the middle of the network blocks the
     backward pass (of the layers before it) until the reducer has received a gradient
@@ -271,8 +271,7 @@ def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
     original = tnt_core.FusedAllreducer.push
 
     def push(self, tensor_id, array, scale=None):
-        if tensor_id > 0:  # a gradient (tensor 0 holds the metric increments)
-            pushed.set()
+        pushed.set()
         return original(self, tensor_id, array, scale)
 
     monkeypatch.setattr(tnt_core.FusedAllreducer, "push", push)
@@ -296,32 +295,12 @@ def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
 
     model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), Probe(),
                                         keras.layers.Dense(4)]))
-    model._tnt_steps.train_reducer.threshold_bytes = 0  # noqa: SLF001
-    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(name="sgd"), loss="mse")
+    model._tnt.gradient_reducer("train_sgd_0").threshold_bytes = 0  # noqa: SLF001
     for _ in range(2):
         pushed.clear()
         model.fit(np.ones((4, 8)), np.ones((4, 4)), batch_size=4, epochs=1, verbose=0)
     assert waited and all(waited), "backprop of the first layer waited for a push that never came"
-
-
-def test_batch_size_for_datasets():
-    unbatched = tf.data.Dataset.range(10)
-    data = datasets.prepare_data(unbatched, batch_size=4)  # batched for the user
-    assert data.global_batch_size == 4 and data.steps == 3
-    data = datasets.prepare_data(unbatched, micro_batch_size=3)  # x 1 rank
-    assert data.global_batch_size == 3
-    opaque = tf.data.Dataset.range(10).batch(5).unbatch().batch(2)  # the last batch() is read
-    assert datasets.prepare_data(opaque).global_batch_size == 2
-    samples = tf.data.Dataset.range(10).batch(5).unbatch()  # single samples again
-    with pytest.raises(tnt.DatasetError, match="not batched"):
-        datasets.prepare_data(samples)
-    assert datasets.prepare_data(samples, batch_size=4).global_batch_size == 4
-    flat = tf.data.Dataset.range(3).flat_map(lambda i: tf.data.Dataset.range(6).batch(2))
-    with pytest.raises(tnt.DatasetError, match="batch_size="):
-        datasets.prepare_data(flat)  # cannot be read from the graph: the user says
-    assert datasets.prepare_data(flat, batch_size=2).global_batch_size == 2
-    with pytest.raises(tnt.DatasetError, match="do not pass batch_size"):
-        datasets.prepare_data(tf.data.Dataset.range(10).batch(5), batch_size=4)
 
 
 @pytest.mark.parametrize("steps_per_execution,policy", [(3, "float32"), (1, "mixed_float16")])

@@ -9,8 +9,9 @@ rank, so all ranks resume at the same epoch. TensorBoard runs on every rank, eac
 ``<log_dir>/rank_<r>``, when ``TNT_TENSORBOARD_ON_ALL_DEVICES=true``. The progress bar prints
 on the master only.
 
-Master-only callbacks get the wrapped Keras model (``self.model.save`` then writes directly);
-callbacks on all ranks get the ``tnt.Model`` (``self.model.save`` is a collective there).
+Every callback gets the model itself (``self.model``). Saving from it is a collective
+(``tarantella.files``); inside a master-only callback it writes on the master alone, still
+atomically, since the other ranks are not there to wait.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import keras
 import numpy as np
 import tnt_core
 
+from .files import local_writes
 from .weights import broadcast_model_state
 
 __all__ = ["Callback", "distribute_callbacks", "wrap_callback"]
@@ -40,15 +42,6 @@ _WRITERS = (
     keras.callbacks.CSVLogger,
     keras.callbacks.RemoteMonitor,
 )
-
-
-def _parse_bool(name: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    raise tnt_core.ConfigError(f"{name}={value!r} is not a boolean; use true/false (or 1/0)")
 
 
 class Callback(keras.callbacks.Callback):
@@ -77,8 +70,6 @@ class Callback(keras.callbacks.Callback):
         self._is_master = tnt_core.is_master_rank()
         #: hooks that run on every rank even when the callback is master-only
         self._everywhere: frozenset[str] = frozenset()
-        #: give the callback the Keras model instead of the tnt.Model
-        self._keras_model_only = not self.run_on_all_ranks
 
     @property
     def runs_here(self) -> bool:
@@ -96,8 +87,7 @@ class Callback(keras.callbacks.Callback):
     def set_model(self, model: Any) -> None:
         super().set_model(model)
         if self.runs_here:
-            inner = getattr(model, "keras_model", model) if self._keras_model_only else model
-            self.keras_callback.set_model(inner)
+            self.keras_callback.set_model(model)
 
     def __repr__(self) -> str:
         where = "all ranks" if self.run_on_all_ranks else "master rank"
@@ -112,8 +102,7 @@ _LOG_KIND = {"on_train_batch_end": "train", "on_batch_end": "train", "on_epoch_e
 def local_metric_logs(model: Any, increments: np.ndarray | None, prefix: str = "") -> dict[str, Any]:
     """The metric results of ``model`` for states equal to ``increments`` (this rank's own
     increments since the metrics were reset); the model's states are left unchanged."""
-    keras_model = getattr(model, "keras_model", model)
-    variables = list(keras_model.metrics_variables)
+    variables = list(model.metrics_variables)
     saved = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
     offset = 0
     try:
@@ -122,7 +111,7 @@ def local_metric_logs(model: Any, increments: np.ndarray | None, prefix: str = "
                     else np.zeros(old.size))
             v.assign(part.reshape(old.shape).astype(old.dtype))
             offset += old.size
-        results = keras_model.get_metrics_result()
+        results = model.get_metrics_result()
     finally:
         for v, old in zip(variables, saved):
             v.assign(old)
@@ -131,17 +120,18 @@ def local_metric_logs(model: Any, increments: np.ndarray | None, prefix: str = "
 
 
 def _local_logs(callback: Callback, hook: str, logs: dict | None) -> dict | None:
-    steps = getattr(callback.model, "_tnt_steps", None)
+    state = getattr(callback.model, "_tnt", None)
     kind = _LOG_KIND.get(hook)
-    if logs is None or steps is None or kind is None:
+    if logs is None or state is None or kind is None:
         return logs
     local = dict(logs)
+    train, test = state.local_increments("train").total, state.local_increments("test").total
     if kind in ("train", "epoch"):
-        local.update(local_metric_logs(callback.model, steps.train_reducer.local_increments))
+        local.update(local_metric_logs(callback.model, train))
     if kind == "test":
-        local.update(local_metric_logs(callback.model, steps.test_reducer.local_increments))
+        local.update(local_metric_logs(callback.model, test))
     if kind == "epoch" and any(k.startswith("val_") for k in logs):
-        local.update(local_metric_logs(callback.model, steps.test_reducer.local_increments, "val_"))
+        local.update(local_metric_logs(callback.model, test, "val_"))
     return {k: v for k, v in local.items() if k in logs}
 
 
@@ -154,7 +144,11 @@ def _make_hook(name: str):
                 kwargs["logs"] = _local_logs(self, name, kwargs["logs"])
             elif len(args) == (1 if name == "on_test_end" else 2):
                 args = (*args[:-1], _local_logs(self, name, args[-1]))
-        getattr(self.keras_callback, name)(*args, **kwargs)
+        if self.run_on_all_ranks:
+            getattr(self.keras_callback, name)(*args, **kwargs)
+        else:  # the other ranks do not run this hook: nothing it writes may wait for them
+            with local_writes():
+                getattr(self.keras_callback, name)(*args, **kwargs)
 
     hook.__name__ = name
     hook.__doc__ = f"Run the wrapped callback's {name} where it runs."
@@ -184,12 +178,9 @@ def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -
     if isinstance(callback, keras.callbacks.History):
         return callback
     if isinstance(callback, keras.callbacks.TensorBoard):
-        if _parse_bool("TNT_TENSORBOARD_ON_ALL_DEVICES",
-                       os.environ.get("TNT_TENSORBOARD_ON_ALL_DEVICES", "")):
+        if tnt_core.read_setting("TNT_TENSORBOARD_ON_ALL_DEVICES"):
             callback.log_dir = os.path.join(str(callback.log_dir), f"rank_{rank}")
-            wrapped = Callback(callback)
-            wrapped._keras_model_only = True
-            return wrapped
+            return Callback(callback)
         return _master_only(callback, master)
     if isinstance(callback, keras.callbacks.BackupAndRestore):
         # every rank restores (all resume at the same epoch); only the master writes
@@ -204,58 +195,82 @@ class _Coordinator(keras.callbacks.Callback):
 
     * on_train_begin: broadcast the master's weights, after every other callback (e.g.
       BackupAndRestore) had its chance to load some;
-    * when master-only callbacks exist, make a stop requested on the master stop every rank.
+    * when master-only callbacks exist, make a stop requested on the master stop every rank;
+    * drive the epoch hooks of Keras' data adapters (a ``PyDataset``'s workers start and
+      stop there), which Keras' loop now calls on the distributed dataset instead;
+    * reset the rank-local metric increments when Keras resets the metrics.
     """
 
-    def __init__(self, runtime: tnt_core.Runtime, sync_stop: bool, local_logs: bool = False) -> None:
+    def __init__(self, runtime: tnt_core.Runtime, sync_stop: bool, local_logs: bool = False,
+                 adapters: Sequence[Any] = ()) -> None:
         super().__init__()
         self.runtime = runtime
         self.sync_stop = sync_stop and runtime.size > 1
         self.local_logs = local_logs
+        self.adapters = [a for a in adapters]
 
-    def _keras_model(self) -> keras.Model:
-        return getattr(self.model, "keras_model", self.model)
+    def _local(self, kind: str) -> Any:
+        state = getattr(self.model, "_tnt", None)
+        return None if state is None else state.local_increments(kind)
 
-    def _reducers(self) -> list:
-        steps = getattr(self.model, "_tnt_steps", None)
-        return [] if steps is None else [steps.train_reducer, steps.test_reducer]
+    def _adapter(self, index: int, hook: str) -> None:
+        if index < len(self.adapters) and self.adapters[index] is not None:
+            getattr(self.adapters[index], hook)()
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        for reducer in self._reducers():  # rank-local metrics only when a callback wants them
-            reducer.track_local = self.local_logs
-            reducer.reset_local()
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        for reducer in self._reducers()[:1]:  # Keras reset the metrics before this hook
-            reducer.reset_local()
-
-    def on_test_begin(self, logs: dict | None = None) -> None:
-        for reducer in self._reducers()[1:]:
-            reducer.reset_local()
+        for kind in ("train", "test"):  # rank-local metrics only when a callback wants them
+            local = self._local(kind)
+            if local is not None:
+                local.enabled = self.local_logs
+                local.reset()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        broadcast_model_state(self._keras_model(), self.runtime)
+        broadcast_model_state(self.model, self.runtime)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        local = self._local("train")  # Keras reset the metrics before this hook
+        if local is not None:
+            local.reset()
+        self._adapter(0, "on_epoch_begin")
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._adapter(0, "on_epoch_end")
+        if self.sync_stop:
+            self._sync_stop()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        local = self._local("test")
+        if local is not None:
+            local.reset()
+        self._adapter(len(self.adapters) - 1, "on_epoch_begin")
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        self._adapter(len(self.adapters) - 1, "on_epoch_end")
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        self._adapter(0, "on_epoch_begin")
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        self._adapter(0, "on_epoch_end")
 
     def _sync_stop(self) -> None:
-        model = self._keras_model()
-        flag = np.array([1 if getattr(model, "stop_training", False) else 0], dtype=np.int32)
+        flag = np.array([1 if getattr(self.model, "stop_training", False) else 0], dtype=np.int32)
         self.runtime.backend.allreduce(flag, "max")
         if flag[0]:
-            model.stop_training = True
+            self.model.stop_training = True
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.sync_stop:
             self._sync_stop()
 
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if self.sync_stop:
-            self._sync_stop()
 
+def distribute_callbacks(callbacks: Sequence[Any], model: Any, runtime: tnt_core.Runtime,
+                         adapters: Sequence[Any] = ()) -> list[keras.callbacks.Callback]:
+    """The user's callbacks as they run on this rank, plus tarantella's coordinator.
 
-def distribute_callbacks(callbacks: Sequence[Any], model: Any,
-                         runtime: tnt_core.Runtime) -> list[keras.callbacks.Callback]:
-    """The user's callbacks as they run on this rank, plus tarantella's coordinator."""
+    ``adapters``: Keras' data adapters of the loop (training first, then validation).
+    """
     hook = runtime.plugin_manager.hook.tnt_wrap_callback
     context = {"rank": runtime.rank, "size": runtime.size, "framework": "keras", "model": model}
     out: list[keras.callbacks.Callback] = []
@@ -268,5 +283,5 @@ def distribute_callbacks(callbacks: Sequence[Any], model: Any,
                                                            keras.callbacks.BackupAndRestore))
                     for cb in out)
     local_logs = any(isinstance(cb, Callback) and not cb.aggregate_logs for cb in out)
-    out.append(_Coordinator(runtime, sync_stop, local_logs))
+    out.append(_Coordinator(runtime, sync_stop, local_logs, adapters))
     return out

@@ -1,25 +1,22 @@
-"""Gradient (and metric-state) reduction inside the compiled train step.
+"""Gradient reduction inside the compiled step, through the fused allreducer.
 
-One :class:`StepReducer` per kind of step owns a ``tnt_core.FusedAllreducer`` whose bucket
-plan is made once, when the step is first traced (before the first step runs), with the
-fusion threshold of ``TNT_FUSION_THRESHOLD_KB``. Tensors are planned in the order they
-become ready: the metric-state increments (ready after the forward pass), then the
+One :class:`GradientReducer` per call site of ``optimizer.apply`` in a step (a GAN's step
+has two). Its bucket plan is made when the step is traced, with the fusion threshold of
+``TNT_FUSION_THRESHOLD_KB``, for the tensors in the order they become ready: the
 gradients in backward order (last layer first).
 
 Inside the ``tf.function`` every bucket is handed to the reducer by its own stateful
 ``tf.numpy_function`` that depends only on that bucket's tensors, so TensorFlow's dataflow
 executor runs it as soon as the bucket's last gradient exists: the copy into the bucket
 happens, and its allreduce starts, while backprop of earlier layers goes on. One finishing
-``numpy_function`` that consumes every push's token waits for all buckets and returns the
-reduced tensors; the optimizer runs only after it. One call per bucket rather than per
-tensor: every call into Python from the step costs ~50 µs (measured: the mlp step of
-benchmarks/ with a push per tensor spent 1.0 ms of its 5.1 ms in them), and a bucket
-cannot start before its last tensor anyway.
+``numpy_function`` waits for all buckets and returns the reduced tensors; the optimizer
+runs only after it. One call per bucket rather than per tensor: every call into Python
+from the step costs ~50 µs, and a bucket cannot start before its last tensor anyway.
 
-Weighting: Keras' default loss reduction averages over the micro-batch, so rank ``r``'s
-gradient is ``mean_r``; pushed times ``n_r / B`` and summed over ranks it is
-``sum_i g_i / B``, the serial gradient of the global batch, also for uneven micro-batches
-and for a rank with no sample (``n_r = 0``: it pushes zeros).
+Weighting (see ``tarantella.losses``): rank ``r`` pushes ``factor_r * g_r`` with
+``factor_r = scale_r / sum_r divisor_r``; the sum over ranks is the serial gradient. For
+Keras' default loss (a mean over the micro-batch) ``factor_r = n_r / B``, also for uneven
+micro-batches and for a rank with no sample (``n_r = 0``: it pushes zeros).
 """
 
 from __future__ import annotations
@@ -33,15 +30,44 @@ import tnt_core
 
 from . import timeline as _timeline
 
-__all__ = ["StepReducer", "global_batch_size_op"]
+__all__ = ["GradientReducer", "dense_gradient"]
 
 #: bucket views start at multiples of this (TensorFlow's EIGEN_MAX_ALIGN_BYTES with AVX-512):
 #: the reduced tensors are handed to TensorFlow without a copy
-_ALIGN = 64
+_ALIGN = tnt_core.BUFFER_ALIGNMENT
 
 
-class StepReducer:
-    """Pushes tensors of one step into a fused allreducer from graph ops; finishes it."""
+def dense_gradient(grad: tf.Tensor | tf.IndexedSlices, like: tf.Variable | None) -> tf.Tensor:
+    """The gradient as a dense tensor with the variable's static shape.
+
+    Sparse gradients (Embedding) are reduced densely: every rank's rows differ. A gradient
+    may lose its static shape on the way (``Dense`` on a 3-D input of unknown batch size
+    gives a kernel gradient of shape ``(None, units)``); the variable's shape restores it.
+    """
+    dense = tf.convert_to_tensor(grad)
+    if like is not None:
+        dense = tf.ensure_shape(dense, like.shape)
+    return dense
+
+
+def _spec(t: tf.Tensor) -> tnt_core.TensorSpec:
+    shape = t.shape
+    if not shape.is_fully_defined():
+        raise tnt_core.TntError(
+            f"cannot reduce a gradient of unknown shape {shape}: pass the variables to "
+            "optimizer.apply(grads, variables) so tarantella knows the shapes"
+        )
+    spec = tnt_core.TensorSpec(tuple(int(d) for d in shape), np.dtype(t.dtype.as_numpy_dtype))
+    if spec.dtype not in tnt_core.SUPPORTED_DTYPES:
+        raise tnt_core.TntError(
+            f"cannot allreduce a gradient of dtype {spec.dtype}; supported: "
+            f"{', '.join(map(str, tnt_core.SUPPORTED_DTYPES))}"
+        )
+    return spec
+
+
+class GradientReducer:
+    """Pushes one step's gradients into a fused allreducer from graph ops; finishes it."""
 
     def __init__(self, runtime: tnt_core.Runtime, name: str) -> None:
         self.runtime = runtime
@@ -54,84 +80,66 @@ class StepReducer:
         self._push_times: list[float] = []
         self._finished_at = 0.0
         self._plans: dict[tuple, tnt_core.FusedAllreducer] = {}
-        self._reducer: tnt_core.FusedAllreducer | None = None
-        self._zeros: dict[int, np.ndarray] = {}
-        #: when True, :attr:`local_increments` sums this rank's own metric increments
-        self.track_local = False
-        self.local_increments: np.ndarray | None = None
+        self._zeros: dict[tuple[int, int], np.ndarray] = {}
 
-    def reset_local(self) -> None:
-        """Forget this rank's metric increments (the metrics were reset)."""
-        self.local_increments = None
-
-    # -- at trace time -------------------------------------------------------------------
-
-    def plan(self, tensors: Sequence[tf.Tensor]) -> tnt_core.BucketPlan:
-        """Make (once per set of shapes) the bucket plan of ``tensors``, in push order."""
-        specs = tuple(tnt_core.TensorSpec(tuple(int(d) for d in t.shape), np.dtype(t.dtype.as_numpy_dtype))
-                      for t in tensors)
-        for spec, t in zip(specs, tensors):
-            if spec.dtype not in tnt_core.SUPPORTED_DTYPES:
-                raise tnt_core.TntError(
-                    f"cannot allreduce {t.name if hasattr(t, 'name') else 'a tensor'} of dtype "
-                    f"{spec.dtype}; supported: {', '.join(map(str, tnt_core.SUPPORTED_DTYPES))}"
-                )
+    def _reducer_for(self, tensors: Sequence[tf.Tensor]) -> tnt_core.FusedAllreducer:
+        specs = tuple(_spec(t) for t in tensors)
         reducer = self._plans.get(specs)
         if reducer is None:
             plan = tnt_core.plan_buckets(specs, self.threshold_bytes, align_bytes=_ALIGN)
             reducer = tnt_core.FusedAllreducer(self.runtime.backend, plan, overlap=self.overlap,
                                                timeline=self.timeline)
             self._plans[specs] = reducer
-        self._reducer = reducer
-        return reducer.plan
+        return reducer
 
-    def push_buckets(self, tensors: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
-                     weighted: Sequence[bool], metrics_id: int | None = None) -> list[tf.Tensor]:
-        """Graph ops, one per bucket of the plan: hand the bucket's ``tensors`` (tensor ``i``
-        times ``n / b`` when ``weighted[i]``; zeros when ``n == 0``) to the reducer; return
-        tokens for :meth:`finish`. Tensor ``metrics_id`` holds this rank's metric increments
-        (kept in :attr:`local_increments` when tracked)."""
-        reducer = self._reducer
-        return [self._push_bucket(reducer, bucket.tensor_ids, [tensors[i] for i in bucket.tensor_ids],
-                                  n, b, [weighted[i] for i in bucket.tensor_ids], metrics_id)
-                for bucket in reducer.plan.buckets]
+    def reduce(self, grads: Sequence[tf.Tensor], factor: tf.Tensor,
+               after: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
+        """Graph ops: ``sum_r factor_r g_r`` for each of ``grads`` (dense, in backward
+        order). ``factor_r`` is at most 1 (``n_r / B`` for a mean loss), so a loss-scaled
+        gradient cannot overflow on the way.
+
+        ``after``: tensors of the collective issued before this one in the step; the pushes
+        wait for them, so every rank issues its collectives in the same order.
+        """
+        reducer = self._reducer_for(grads)
+        factor64 = tf.cast(factor, tf.float64)
+        with tf.control_dependencies(list(after)):
+            factor64 = tf.identity(factor64)
+        tokens = [self._push_bucket(reducer, bucket.tensor_ids,
+                                    [grads[i] for i in bucket.tensor_ids], factor64)
+                  for bucket in reducer.plan.buckets]
+        return self._finish(reducer, tokens, grads)
 
     def _push_bucket(self, reducer: tnt_core.FusedAllreducer, ids: Sequence[int],
-                     tensors: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
-                     weighted: Sequence[bool], metrics_id: int | None) -> tf.Tensor:
+                     tensors: Sequence[tf.Tensor], scale: tf.Tensor) -> tf.Tensor:
         push_times = self._push_times if self.timeline is not None else None
-        ids, weighted = tuple(ids), tuple(weighted)
+        ids = tuple(ids)
+        zeros = self._zeros
 
         def run(*args: np.ndarray) -> np.ndarray:
             if push_times is not None:
                 push_times.append(time.perf_counter())
-            *arrays, n_, b_ = args
-            n_, b_ = int(n_), int(b_)
-            for tensor_id, array, weigh in zip(ids, arrays, weighted):
-                if tensor_id == metrics_id and self.track_local and n_ > 0:
-                    if self.local_increments is None or self.local_increments.shape != array.shape:
-                        self.local_increments = np.array(array, dtype=np.float64, copy=True)
-                    else:
-                        self.local_increments += array
-                if n_ == 0:
-                    zeros = self._zeros.get(tensor_id)
-                    if zeros is None or zeros.shape != array.shape or zeros.dtype != array.dtype:
-                        zeros = self._zeros[tensor_id] = np.zeros_like(array)
-                    reducer.push(tensor_id, zeros)
-                elif weigh:
-                    reducer.push(tensor_id, array, n_ / b_)
-                else:
+            *arrays, factor_ = args
+            factor = float(factor_)
+            for tensor_id, array in zip(ids, arrays):
+                if factor == 0.0:  # no sample here: zeros, never 0 * (a stand-in's NaN)
+                    key = (id(reducer), tensor_id)
+                    z = zeros.get(key)
+                    if z is None:
+                        z = zeros[key] = np.zeros_like(array)
+                    reducer.push(tensor_id, z)
+                elif factor == 1.0:
                     reducer.push(tensor_id, array)
+                else:
+                    reducer.push(tensor_id, array, factor)
             return np.int64(ids[0])
 
-        return tf.numpy_function(run, [*tensors, n, b], tf.int64, stateful=True,
+        return tf.numpy_function(run, [*tensors, scale], tf.int64, stateful=True,
                                  name=f"tnt_push_{self.name}_bucket_{ids[0]}")
 
-    def finish(self, tokens: Sequence[tf.Tensor], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """Graph op: wait for every bucket; the reduced tensors, shaped like ``like``."""
-        reducer = self._reducer
+    def _finish(self, reducer: tnt_core.FusedAllreducer, tokens: Sequence[tf.Tensor],
+                like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         timeout = self.runtime.config.timeout_s
-
         timeline = self.timeline
 
         def run(*_tokens: np.ndarray) -> list[np.ndarray]:
@@ -154,7 +162,6 @@ class StepReducer:
         for out, t in zip(outs, like):
             out.set_shape(t.shape)
         return list(outs)
-
 
     # -- timeline (only traced when TNT_TIMELINE is set) ------------------------------------
 
@@ -181,21 +188,10 @@ class StepReducer:
         timeline = self.timeline
 
         def run(*_after: np.ndarray) -> np.ndarray:
-            timeline.complete("optimizer apply", "optimizer", self._finished_at, time.perf_counter())
+            if timeline is not None:
+                timeline.complete("optimizer apply", "optimizer", self._finished_at,
+                                  time.perf_counter())
             return np.int64(0)
 
         return tf.numpy_function(run, list(after), tf.int64, stateful=True,
                                  name=f"tnt_timeline_{self.name}_optimizer")
-
-
-def global_batch_size_op(runtime: tnt_core.Runtime, n: tf.Tensor) -> tf.Tensor:
-    """Graph op: the sum of ``n`` over ranks (data the user distributed by hand)."""
-    backend = runtime.backend
-
-    def run(n_: np.ndarray) -> np.ndarray:
-        buf = np.array([int(n_)], dtype=np.int64)
-        return backend.allreduce(buf)[0]
-
-    total = tf.numpy_function(run, [n], tf.int64, stateful=True, name="tnt_global_batch")
-    total.set_shape([])
-    return total

@@ -1,39 +1,53 @@
-"""``tnt.Model``: a Keras model trained data-parallel, with the results of serial training.
+"""``tnt.Model``: the user's Keras model, trained data-parallel with the results of serial
+training.
 
-``tnt.Model(keras_model)`` behaves as the Keras model (attributes, layers, weights, compile,
-summary...); ``fit``, ``evaluate`` and ``predict`` run on every rank with this rank's
-micro-batches. Keras' own loop runs them (callbacks, progress bar, validation, History are
-Keras'); tarantella supplies the per-rank data (``tarantella.datasets``), the distributed
-steps (``tarantella.steps``) and the distributed callbacks (``tarantella.callbacks``), and
-broadcasts the master's weights before the first step of every ``fit``/``evaluate``/
-``predict`` (so weights set or loaded on the master alone are used everywhere).
+``tnt.Model(keras_model)`` returns *the same object*, now an instance of a subclass made
+for its class: ``class Distributed<Cls>(tnt.Model, Cls)``. So it stays everything it was
+(``isinstance(m, keras.Model)`` and ``isinstance(m, Cls)`` hold, it nests in other models,
+``self.model`` in callbacks is it, ``keras.saving.save_model`` takes it), its layers,
+weights, summary and config are untouched, and the user's own ``train_step``/
+``compute_loss`` overrides still run: tnt.Model's methods come first in the method order and
+call them through ``super()``. What it adds, only around Keras' own machinery:
+
+* ``fit``/``evaluate``/``predict``/``*_on_batch`` turn the input into this rank's
+  micro-batches through Keras' data adapters (``tarantella.datasets``) and run Keras' loop;
+* the steps reduce gradients, metric states and logs across ranks (``tarantella.steps``);
+* callbacks run on every rank or on the master only (``tarantella.callbacks``);
+* the master's weights are broadcast before every ``fit``/``evaluate``/``predict``, and
+  every rank folds its rank into the model's random seeds (``tarantella.randomness``);
+* writing (``save``, ``save_weights``, ``export``) happens once, atomically
+  (``tarantella.files``).
+
+For serialization the distributed subclass reports the user's class as ``__class__``, so a
+saved file is exactly the one plain Keras writes and loads without tarantella.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import keras
+import tensorflow as tf
 import tnt_core
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+# Keras' own class-weight map (what its data adapters apply); no public name for it
+from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
 
 from . import callbacks as tnt_callbacks
-from .datasets import DistributedData, prepare_data, split_validation
+from . import files, randomness, steps
+from .datasets import DistributedData, prepare_data, shard_arrays, split_validation
 from .errors import NotSupportedError
-from .steps import DistributedSteps
+from .gradients import GradientReducer
+from .losses import normaliser
+from .steps import LocalIncrements, current_step, gradient_factor
 from .weights import broadcast_model_state
 
 __all__ = ["Model", "ParallelStrategy"]
 
-_STEPS = ("train_step", "test_step", "predict_step")
-_FUNCTIONS = ("train_function", "test_function", "predict_function")
 _BN_MIN_MICRO_BATCH = 16
-#: loss reductions that average over the batch's elements: the n / B weighting is exact
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class ParallelStrategy(enum.Enum):
@@ -42,180 +56,253 @@ class ParallelStrategy(enum.Enum):
     DATA = "data"
 
 
-def _check_model(model: Any) -> keras.Model:
+class _DistributedState:
+    """What a distributed model keeps besides its Keras state (one per model)."""
+
+    def __init__(self, runtime: tnt_core.Runtime, strategy: ParallelStrategy) -> None:
+        self.runtime = runtime
+        self.strategy = strategy
+        self._reducers: dict[str, GradientReducer] = {}
+        self._local = {"train": LocalIncrements(), "test": LocalIncrements()}
+        self.seeds_folded = False
+        self.warned_batch_norm: set[str] = set()
+        self.needs_broadcast = True
+
+    def gradient_reducer(self, name: str) -> GradientReducer:
+        reducer = self._reducers.get(name)
+        if reducer is None:
+            reducer = self._reducers[name] = GradientReducer(self.runtime, name)
+        return reducer
+
+    def local_increments(self, kind: str) -> LocalIncrements:
+        return self._local.setdefault(kind, LocalIncrements())
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _distributed_class(cls: type) -> type:
+    """``Distributed<cls>(Model, cls)``, made once per class. It reports ``cls`` as its
+    ``__class__`` so that Keras serializes its instances as plain ``cls`` objects."""
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
+            "_tnt_base": cls,
+        }
+        sub = _CLASSES[cls] = type(cls.__name__, (Model, cls), namespace)
+    return sub
+
+
+def _strategy(value: Any) -> ParallelStrategy:
+    try:
+        strategy = ParallelStrategy(value.value if isinstance(value, ParallelStrategy) else value)
+    except ValueError:
+        raise NotSupportedError(
+            f"parallel_strategy={value!r}: tarantella supports tnt.ParallelStrategy.DATA"
+        ) from None
+    return strategy
+
+
+def _distribute(model: Any, parallel_strategy: Any) -> Model:
+    strategy = _strategy(parallel_strategy)
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise NotSupportedError(
+            f"KERAS_BACKEND={backend}: tarantella trains Keras models on the TensorFlow backend "
+            "only; run with KERAS_BACKEND=tensorflow (the default)"
+        )
     if isinstance(model, Model):
-        return model.keras_model
+        return model
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"tnt.Model wraps a keras.Model (Sequential, functional or sub-classed); got "
             f"{type(model).__name__}"
         )
-    for name in _STEPS:
-        if getattr(type(model), name) is not getattr(TensorFlowTrainer, name):
-            raise NotSupportedError(
-                f"{type(model).__name__} overrides {name}(): a custom train/test/predict step "
-                "is a custom training loop, which tarantella cannot distribute. Override "
-                "compute_loss() and compute_metrics() instead (tarantella calls them), or "
-                "train the Keras model without tnt.Model"
-            )
+    object.__setattr__(model, "__class__", _distributed_class(type(model)))
+    object.__setattr__(model, "_tnt", _DistributedState(tnt_core.init(), strategy))
+    if getattr(model, "compiled", False):
+        model._tnt_check_compiled()
     return model
 
 
-class Model:
-    """Data-parallel wrapper of a ``keras.Model``; use it as the Keras model itself.
+class Model(keras.Model):
+    """Data-parallel training of a ``keras.Model``: ``tnt.Model(model)`` returns ``model``,
+    distributed; use it as the Keras model itself.
 
     :param model: the Keras model (its weights are broadcast from the master rank).
     :param parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the default; the only one).
     """
 
-    # attributes of the wrapper itself; everything else lives on the Keras model
-    _OWN = ("_tnt_model", "_tnt_runtime", "_tnt_steps", "_tnt_functions", "_tnt_compile_token")
+    _tnt: _DistributedState
+    _tnt_base: type
 
-    def __init__(self, model: keras.Model, parallel_strategy: ParallelStrategy | str = ParallelStrategy.DATA) -> None:
-        if ParallelStrategy(parallel_strategy.value if isinstance(parallel_strategy, ParallelStrategy)
-                            else parallel_strategy) is not ParallelStrategy.DATA:
-            raise NotSupportedError("only data parallelism is supported")
-        keras_model = _check_model(model)
-        object.__setattr__(self, "_tnt_model", keras_model)
-        object.__setattr__(self, "_tnt_runtime", tnt_core.init())
-        object.__setattr__(self, "_tnt_steps", DistributedSteps(keras_model, self._tnt_runtime))
-        object.__setattr__(self, "_tnt_functions", {})
-        object.__setattr__(self, "_tnt_compile_token", None)
-        if getattr(keras_model, "compiled", False):
-            self._check_compiled()
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is Model:
+            return _distribute(*_model_arguments(*args, **kwargs))
+        base = cls.__dict__.get("_tnt_base")
+        if base is None:
+            raise TypeError(
+                "tnt.Model is not a base class: subclass keras.Model and pass an instance to "
+                "tnt.Model(...)"
+            )
+        return _distribute(base(*args, **kwargs), ParallelStrategy.DATA)  # e.g. from_config
 
-    # -- delegation --------------------------------------------------------------------------
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: ``__new__`` returned the user's model, initialised already."""
+
+    # -- identity ---------------------------------------------------------------------------
 
     @property
     def keras_model(self) -> keras.Model:
-        """The wrapped Keras model (the same weights; training it directly is serial)."""
-        return self._tnt_model
+        """The model itself (``tnt.Model`` distributes the user's model in place)."""
+        return self
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_tnt_"):
-            raise AttributeError(name)
-        return getattr(self._tnt_model, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:  # e.g. callbacks setting model.stop_training
-            setattr(self._tnt_model, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        delattr(self._tnt_model, name)
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(dir(self._tnt_model)))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tnt_model(*args, **kwargs)
+    @property
+    def parallel_strategy(self) -> ParallelStrategy:
+        return self._tnt.strategy
 
     def __repr__(self) -> str:
-        return f"<tnt.Model of {self._tnt_model!r} on rank {self._tnt_runtime.rank}/{self._tnt_runtime.size}>"
+        runtime = self._tnt.runtime
+        return f"<tnt.Model {self.name!r} ({type(self)._tnt_base.__name__}) on rank {runtime.rank}/{runtime.size}>"
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: Any = None) -> Any:
+        """A new ``tnt.Model`` from ``get_config()`` output (new weights)."""
+        if cls is Model:
+            from .models import model_from_config
+
+            return model_from_config(config, custom_objects=custom_objects)
+        base = cls.__dict__["_tnt_base"]
+        made = (base.from_config(config) if custom_objects is None
+                else base.from_config(config, custom_objects=custom_objects))
+        return _distribute(made, ParallelStrategy.DATA)
 
     # -- configuration ------------------------------------------------------------------------
 
-    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, *args: Any, **kwargs: Any) -> None:
+    def compile(self, *args: Any, **kwargs: Any) -> None:
         """As ``keras.Model.compile``; XLA is switched off (the step calls into Python)."""
         if kwargs.get("jit_compile") is True:
             warnings.warn("tnt.Model runs the collectives from Python inside the step, which XLA "
                           "cannot compile; using jit_compile=False", stacklevel=2)
-        kwargs["jit_compile"] = False
-        self._tnt_model.compile(optimizer, loss, *args, **kwargs)
-        self._check_compiled()
+            kwargs["jit_compile"] = False
+        super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
+        self._tnt_check_compiled()
 
-    def _check_compiled(self) -> None:
-        model = self._tnt_model
-        optimizer = getattr(model, "optimizer", None)
+    def _tnt_check_compiled(self) -> None:
+        optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
             raise NotSupportedError(
                 f"optimizer {type(optimizer).__name__} is not a Keras 3 optimizer; use one from "
                 "keras.optimizers (or a subclass of keras.optimizers.Optimizer)"
             )
-        if getattr(model, "jit_compile", False):
-            model.jit_compile = False
-        losses = keras.tree.flatten(getattr(model, "loss", None) or [])
-        for loss in losses:
-            reduction = getattr(loss, "reduction", "sum_over_batch_size")
-            if isinstance(loss, keras.losses.Loss) and reduction not in _MEAN_REDUCTIONS:
-                warnings.warn(
-                    f"loss {loss.name!r} uses reduction={reduction!r}: tarantella weights each "
-                    "rank's gradient by micro-batch / global batch, which gives the serial gradient "
-                    "for a loss averaged over the batch (Keras' default 'sum_over_batch_size'); "
-                    "with this reduction distributed training differs from serial training. "
-                    "Use the default reduction",
-                    stacklevel=3,
-                )
-        self._tnt_functions.clear()
-        object.__setattr__(self, "_tnt_compile_token", getattr(model, "_compile_config", None))
+        if getattr(self, "jit_compile", False):
+            self.jit_compile = False
+        self._tnt.needs_broadcast = True
 
     def summary(self, *args: Any, **kwargs: Any) -> None:
         """Print the Keras summary, on the master rank only."""
-        if self._tnt_runtime.is_master:
-            self._tnt_model.summary(*args, **kwargs)
+        if self._tnt.runtime.is_master:
+            super().summary(*args, **kwargs)
 
-    # -- distributed loop ---------------------------------------------------------------------
+    # -- the steps (Keras' own or the user's, distributed) -------------------------------------
 
-    @contextmanager
-    def _distributed(self) -> Iterator[keras.Model]:
-        """Put the distributed steps (and the step functions traced from them) in place."""
-        model = self._tnt_model
-        if getattr(model, "_compile_config", None) is not self._tnt_compile_token:
-            self._check_compiled()  # compiled again behind our back: trace again
-        saved = {name: model.__dict__.get(name) for name in _STEPS + _FUNCTIONS}
-        for name in _STEPS:
-            object.__setattr__(model, name, getattr(self._tnt_steps, name))
-        for name in _FUNCTIONS:
-            object.__setattr__(model, name, self._tnt_functions.get(name))
+    def train_step(self, data: Any) -> Any:
+        return steps.train_step(self, data, super().train_step, self._tnt)
+
+    def test_step(self, data: Any) -> Any:
+        return steps.test_step(self, data, super().test_step, self._tnt)
+
+    def predict_step(self, data: Any) -> Any:
+        return steps.predict_step(self, data, super().predict_step, self._tnt)
+
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
+                     sample_weight: Any = None, training: bool = True) -> Any:
+        """Keras' (or the user's) loss; records its global normaliser for the step."""
+        parent = super().compute_loss
+        if "training" in inspect.signature(parent).parameters:
+            loss = parent(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+        else:
+            loss = parent(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        step = current_step()
+        if step is None or step.model is not self or step.loss is not None:
+            return loss
+        step.loss = loss
+        if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:
+            step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
+        if step.kind != "train":
+            return loss
+        # Weigh the loss, not only its gradient: each sample's backward pass then carries the
+        # magnitudes of the serial one (a float16 layer overflows exactly when serial does).
+        factor = tf.cast(gradient_factor(step, self._tnt), loss.dtype)
+        step.prescaled = True
+        reducer = self._tnt.gradient_reducer("train")
+        if reducer.timeline is not None:
+            reducer.mark_backprop_start(loss)
+        return tf.where(step.has_data, loss * factor, tf.zeros_like(loss))
+
+    # -- before a loop ---------------------------------------------------------------------------
+
+    def _tnt_build(self, batch_spec: Any, distributed: bool = True, *, predict: bool = False) -> None:
+        """Build model, metrics and optimizer before the first step, as Keras does under a
+        distribution strategy, so that the master's state can be broadcast first. For
+        ``predict``, the layers only (a symbolic call), as Keras' predict needs no metrics."""
         try:
-            yield model
-        finally:
-            for name in _FUNCTIONS:
-                self._tnt_functions[name] = getattr(model, name, None)
-            for name, value in saved.items():
-                if name in _STEPS:
-                    if value is None:
-                        model.__dict__.pop(name, None)
-                    else:
-                        object.__setattr__(model, name, value)
-                else:
-                    object.__setattr__(model, name, value)
-
-    def _build(self, data: DistributedData) -> None:
-        model = self._tnt_model
-        try:
-            model._symbolic_build(data_batch=data.batch_spec)  # noqa: SLF001
+            if predict:
+                if not all(layer.built for layer in [self, *_all_layers(self)]):
+                    x = batch_spec[0] if isinstance(batch_spec, tuple) else batch_spec
+                    self(keras.tree.map_structure(
+                        lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
+            else:
+                self._symbolic_build(data_batch=batch_spec)
         except Exception as exc:
             raise type(exc)(
                 f"{exc}\n(tarantella builds the model, its metrics and optimizer before the "
                 "first step so that the master's weights can be broadcast; build the model "
                 "yourself by calling it on a batch before fit/evaluate/predict)"
             ) from exc
+        self._tnt_check_layers(distributed)
+        if not self._tnt.seeds_folded:
+            randomness.fold_rank_into_seeds(self, self._tnt.runtime.rank)
+            self._tnt.seeds_folded = True
 
-    def _warn_batch_norm(self, data: DistributedData) -> None:
-        if not data.distributed or not data.micro_batch_sizes or self._tnt_runtime.size == 1:
-            return  # one rank computes the serial statistics
-        smallest = min(data.micro_batch_sizes)
-        if smallest >= _BN_MIN_MICRO_BATCH:
+    def _tnt_check_layers(self, distributed: bool) -> None:
+        runtime = self._tnt.runtime
+        if runtime.size == 1 or not distributed:
             return
-        bn = [layer.name for layer in self._tnt_model._flatten_layers()  # noqa: SLF001
-              if isinstance(layer, keras.layers.BatchNormalization)]
-        if bn and self._tnt_runtime.is_master:
-            warnings.warn(
-                f"BatchNormalization layer(s) {', '.join(bn[:5])} see micro-batches of "
-                f"{smallest} samples (< {_BN_MIN_MICRO_BATCH}): batch statistics are computed "
-                "per rank and will differ from serial training; increase the global batch size "
-                "or use fewer ranks",
-                stacklevel=3,
-            )
+        for layer in _all_layers(self):
+            if not isinstance(layer, keras.layers.BatchNormalization):
+                continue
+            if getattr(layer, "synchronized", False):
+                raise NotSupportedError(
+                    f"BatchNormalization layer {layer.name!r} has synchronized=True: tarantella "
+                    "does not synchronize batch statistics across ranks yet, and ignoring the "
+                    "flag would differ from serial training. Use synchronized=False (per-rank "
+                    "statistics, as Tarantella documents) or train on one rank"
+                )
+            if layer.name not in self._tnt.warned_batch_norm and runtime.is_master:
+                self._tnt.warned_batch_norm.add(layer.name)
+                warnings.warn(
+                    f"BatchNormalization layer {layer.name!r} computes its batch statistics on "
+                    "each rank's micro-batch, not the global batch: training differs from serial "
+                    "training (increase the micro-batch size, or use fewer ranks)",
+                    stacklevel=4,
+                )
 
-    def _callbacks(self, callbacks: Any, *, verbose: Any, epochs: int, steps: int | None,
-                   add_history: bool) -> keras.callbacks.CallbackList:
+    def _tnt_broadcast(self) -> None:
+        broadcast_model_state(self, self._tnt.runtime)
+        self._tnt.needs_broadcast = False
+
+    def _tnt_callbacks(self, callbacks: Any, *, verbose: Any, epochs: int, steps: int | None,
+                       add_history: bool, data: list[DistributedData]) -> keras.callbacks.CallbackList:
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = callbacks.callbacks
-        runtime = self._tnt_runtime
-        wrapped = tnt_callbacks.distribute_callbacks(list(callbacks or []), self, runtime)
+        runtime = self._tnt.runtime
+        wrapped = tnt_callbacks.distribute_callbacks(list(callbacks or []), self, runtime,
+                                                     adapters=[d.adapter for d in data])
         master = runtime.is_master
         return keras.callbacks.CallbackList(
             wrapped,
@@ -227,6 +314,8 @@ class Model:
             steps=steps,
         )
 
+    # -- the loops -------------------------------------------------------------------------------
+
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
             validation_data: Any = None, shuffle: bool = True, class_weight: Any = None,
@@ -236,155 +325,218 @@ class Model:
             tnt_validation_micro_batch_size: int | None = None,
             tnt_distribute_dataset: bool = True,
             tnt_distribute_validation_dataset: bool = True) -> keras.callbacks.History:
-        """``keras.Model.fit``, data-parallel. ``batch_size`` and the dataset's batch size are
+        """``keras.Model.fit``, data-parallel. ``batch_size`` and the dataset's batches are
         the *global* batch size.
 
         :param tnt_micro_batch_size: the per-rank batch size instead (global = micro x ranks);
-            the dataset may then be unbatched.
+            a dataset may then be unbatched.
         :param tnt_validation_micro_batch_size: the same for the validation data.
         :param tnt_distribute_dataset: False when every rank already gets its own data.
         :param tnt_distribute_validation_dataset: the same for the validation data.
         """
-        model = self._tnt_model
-        model._assert_compile_called("fit")  # noqa: SLF001
+        self._assert_compile_called("fit")
         if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
-        runtime = self._tnt_runtime
+            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
+                                                                      validation_split)
+        runtime = self._tnt.runtime
         train = prepare_data(x, y, sample_weight, batch_size=batch_size, shuffle=bool(shuffle),
                              micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
                              class_weight=class_weight, steps=steps_per_epoch, purpose="training",
                              runtime=runtime)
+        loops = [train]
         val = None
         if validation_data is not None:
             vx, vy, vsw = _unpack_validation(validation_data)
-            val = prepare_data(vx, vy, vsw, batch_size=validation_batch_size or
-                               (batch_size if not isinstance(vx, _tf_dataset()) else None),
-                               shuffle=False, micro_batch_size=tnt_validation_micro_batch_size,
+            val = prepare_data(vx, vy, vsw, batch_size=None if _is_dataset(vx) else
+                               (validation_batch_size or batch_size),
+                               micro_batch_size=tnt_validation_micro_batch_size,
                                distribute=tnt_distribute_validation_dataset, steps=validation_steps,
                                purpose="validation", runtime=runtime)
-        self._build(train)
-        self._warn_batch_norm(train)
-        callback_list = self._callbacks(callbacks, verbose=verbose, epochs=epochs,
-                                        steps=train.steps, add_history=True)
-        with self._distributed():
-            return model.fit(
-                train.dataset,
-                epochs=epochs,
-                verbose=verbose if runtime.is_master else 0,
-                callbacks=callback_list,
-                shuffle=False,  # the data is shuffled (or not) by prepare_data
-                validation_data=val.dataset if val is not None else None,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps,
-                validation_freq=validation_freq,
-            )
+            loops.append(val)
+        self._tnt_build(train.batch_spec, train.distributed)
+        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=epochs,
+                                            steps=train.steps, add_history=True, data=loops)
+        return super().fit(
+            train.dataset,
+            epochs=epochs,
+            verbose=verbose if runtime.is_master else 0,
+            callbacks=callback_list,
+            validation_data=None if val is None else val.dataset,
+            shuffle=False,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_freq=validation_freq,
+        )
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
                  callbacks: Any = None, return_dict: bool = False, *,
-                 tnt_micro_batch_size: int | None = None,
-                 tnt_distribute_dataset: bool = True) -> Any:
+                 tnt_micro_batch_size: int | None = None, tnt_distribute_dataset: bool = True,
+                 **kwargs: Any) -> Any:
         """``keras.Model.evaluate``, data-parallel; the result equals serial evaluation."""
-        model = self._tnt_model
-        model._assert_compile_called("evaluate")  # noqa: SLF001
-        runtime = self._tnt_runtime
-        data = prepare_data(x, y, sample_weight, batch_size=batch_size, shuffle=False,
+        if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: the data is ours already
+            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                    return_dict=return_dict, **kwargs)
+        if kwargs:
+            raise TypeError(f"evaluate() got unexpected arguments {sorted(kwargs)}")
+        self._assert_compile_called("evaluate")
+        runtime = self._tnt.runtime
+        data = prepare_data(x, y, sample_weight, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
                             steps=steps, purpose="evaluation", runtime=runtime)
-        self._build(data)
-        broadcast_model_state(model, runtime)
-        callback_list = self._callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
-                                        add_history=False)
-        with self._distributed():
-            return model.evaluate(data.dataset, verbose=verbose if runtime.is_master else 0,
-                                  steps=steps, callbacks=callback_list, return_dict=return_dict)
+        self._tnt_build(data.batch_spec, data.distributed)
+        self._tnt_broadcast()
+        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
+                                            add_history=False, data=[data])
+        return super().evaluate(data.dataset, verbose=verbose if runtime.is_master else 0,
+                                steps=steps, callbacks=callback_list, return_dict=return_dict)
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
                 steps: int | None = None, callbacks: Any = None, *,
                 tnt_micro_batch_size: int | None = None,
                 tnt_distribute_dataset: bool = True) -> Any:
         """``keras.Model.predict``, data-parallel; every rank returns the whole result, in order."""
-        model = self._tnt_model
-        runtime = self._tnt_runtime
-        data = prepare_data(x, None, None, batch_size=batch_size, shuffle=False,
+        runtime = self._tnt.runtime
+        data = prepare_data(x, None, None, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
                             steps=steps, purpose="prediction", runtime=runtime)
-        self._build(data)
-        broadcast_model_state(model, runtime)
-        callback_list = self._callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
-                                        add_history=False)
-        with self._distributed():
-            return model.predict(data.dataset, verbose=verbose if runtime.is_master else 0,
-                                 steps=steps, callbacks=callback_list)
+        self._tnt_build(data.batch_spec, data.distributed, predict=True)
+        self._tnt_broadcast()
+        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
+                                            add_history=False, data=[data])
+        return super().predict(data.dataset, verbose=verbose if runtime.is_master else 0,
+                               steps=steps, callbacks=callback_list)
 
-    # -- what tarantella cannot distribute ------------------------------------------------------
+    # -- single batches: the global batch, sharded ------------------------------------------------
 
-    def _no_single_batch(self, name: str) -> None:
-        raise NotSupportedError(
-            f"tnt.Model.{name} is not supported: a single-batch call is a custom training loop, "
-            f"which tarantella cannot distribute. Use fit/evaluate/predict with a dataset "
-            f"(or use model.keras_model.{name} for serial work on one rank)"
-        )
+    def _tnt_on_batch(self, batch: tuple, predict: bool = False) -> dict[str, Any]:
+        import tensorflow as tf
 
-    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        self._no_single_batch("train_on_batch")
+        runtime = self._tnt.runtime
+        rows, n, b = shard_arrays(batch, runtime.rank, runtime.size)
+        self._tnt_build(keras.tree.map_structure(_spec_of, rows), predict=predict)
+        if self._tnt.needs_broadcast:
+            self._tnt_broadcast()
+        return steps.pack(rows, tf.constant([n, b], tf.int64))
 
-    def test_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        self._no_single_batch("test_on_batch")
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                       class_weight: Any = None, return_dict: bool = False) -> Any:
+        """``keras.Model.train_on_batch`` on the *global* batch: every rank passes the same
+        batch and takes its micro-batch; one step equal to a serial one."""
+        self._assert_compile_called("train_on_batch")
+        if class_weight is not None:
+            if sample_weight is not None:
+                raise ValueError("pass either class_weight or sample_weight to train_on_batch, "
+                                 "not both (as Keras)")
+            sample_weight = class_weight_to_sample_weights(y, class_weight)
+        packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
+        return super().train_on_batch(packed, return_dict=return_dict)
 
-    def predict_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        self._no_single_batch("predict_on_batch")
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                      return_dict: bool = False) -> Any:
+        """``keras.Model.test_on_batch`` on the global batch (see :meth:`train_on_batch`)."""
+        self._assert_compile_called("test_on_batch")
+        packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
+        return super().test_on_batch(packed, return_dict=return_dict)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """``keras.Model.predict_on_batch`` on the global batch; every rank gets all rows."""
+        packed = self._tnt_on_batch((x,), predict=True)
+        return super().predict_on_batch(packed)
 
     # -- weights, saving --------------------------------------------------------------------
 
     def set_weights(self, weights: list) -> None:
         """As Keras; the master's weights are broadcast before the next step."""
-        self._tnt_model.set_weights(weights)
+        super().set_weights(weights)
+        self._tnt.needs_broadcast = True
 
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """As Keras (every rank reads); the master's weights are broadcast before the next step."""
-        self._tnt_model.load_weights(filepath, *args, **kwargs)
+        super().load_weights(filepath, *args, **kwargs)
+        self._tnt.needs_broadcast = True
 
-    def save(self, filepath: Any, overwrite: bool = True, *, tnt_save_all_devices: bool = False,
-             **kwargs: Any) -> None:
-        """Save the model (``.keras``). Call on every rank: the master writes (every rank with
-        ``tnt_save_all_devices=True``) and all ranks return once the file is complete."""
-        from .models import save_model
+    def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None, *,
+             tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
+        """Save the model as Keras does (a plain Keras file). Call on every rank: the master
+        writes (every rank with ``tnt_save_all_devices=True``), atomically, and all ranks
+        return once the file is complete."""
+        parent = super().save
+        if zipped is not None:
+            kwargs["zipped"] = zipped
+        files.write_collectively(lambda path: parent(path, overwrite=True, **kwargs), filepath,
+                                 overwrite=overwrite, all_devices=tnt_save_all_devices,
+                                 runtime=self._tnt.runtime)
 
-        save_model(self, filepath, overwrite=overwrite, tnt_save_all_devices=tnt_save_all_devices, **kwargs)
-
-    def save_weights(self, filepath: Any, overwrite: bool = True, *, tnt_save_all_devices: bool = False,
-                     **kwargs: Any) -> None:
+    def save_weights(self, filepath: Any, overwrite: bool = True, *,
+                     tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
         """Save the weights (``.weights.h5``); the master writes, as :meth:`save`."""
-        from .models import write_on_master
+        parent = super().save_weights
+        files.write_collectively(lambda path: parent(path, overwrite=True, **kwargs), filepath,
+                                 overwrite=overwrite, all_devices=tnt_save_all_devices,
+                                 runtime=self._tnt.runtime)
 
-        write_on_master(lambda path: self._tnt_model.save_weights(path, overwrite=True, **kwargs),
-                        filepath, overwrite=overwrite, all_devices=tnt_save_all_devices,
-                        runtime=self._tnt_runtime)
-
-    @classmethod
-    def from_config(cls, config: dict, custom_objects: Any = None) -> Model:
-        """A new ``tnt.Model`` from ``get_config()`` output (new weights)."""
-        from .models import model_from_config
-
-        return model_from_config(config, custom_objects=custom_objects)
+    def export(self, filepath: Any, *args: Any, tnt_save_all_devices: bool = False,
+               **kwargs: Any) -> None:
+        """``keras.Model.export``, written by the master only (every rank waits for it)."""
+        parent = super().export
+        files.write_collectively(lambda path: parent(path, *args, **kwargs), filepath,
+                                 all_devices=tnt_save_all_devices, runtime=self._tnt.runtime)
 
 
-def _tf_dataset() -> type:
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _model_arguments(model: Any = None, parallel_strategy: Any = ParallelStrategy.DATA,
+                     **kwargs: Any) -> tuple[Any, Any]:
+    if kwargs:
+        raise TypeError(
+            f"tnt.Model(model, parallel_strategy=...) got unexpected arguments {sorted(kwargs)}; "
+            "build the Keras model first (keras.Model(inputs, outputs), Sequential, or a "
+            "subclass) and pass it"
+        )
+    if model is None:
+        raise TypeError("tnt.Model(model): pass the keras.Model to distribute")
+    return model, parallel_strategy
+
+
+def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """Every layer inside ``model``, nested models included (Keras' own traversal)."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def _is_dataset(x: Any) -> bool:
     import tensorflow as tf
 
-    return tf.data.Dataset
+    return isinstance(x, tf.data.Dataset)
 
 
 def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
-    if isinstance(validation_data, _tf_dataset()):
-        return validation_data, None, None
-    if isinstance(validation_data, (list, tuple)) and len(validation_data) in (2, 3):
-        vx, vy = validation_data[0], validation_data[1]
-        vsw = validation_data[2] if len(validation_data) == 3 else None
-        return vx, vy, vsw
-    raise ValueError(
-        "validation_data must be a tf.data.Dataset or a tuple (x, y) or (x, y, sample_weight)"
-    )
+    if isinstance(validation_data, (list, tuple)):
+        if len(validation_data) in (2, 3):
+            vx, vy = validation_data[0], validation_data[1]
+            vsw = validation_data[2] if len(validation_data) == 3 else None
+            return vx, vy, vsw
+        raise ValueError(
+            "validation_data must be a dataset, a generator or a tuple (x, y) or "
+            f"(x, y, sample_weight); got a {type(validation_data).__name__} of "
+            f"{len(validation_data)} elements"
+        )
+    return validation_data, None, None
 
+
+def _batch_tuple(x: Any, y: Any, sample_weight: Any) -> tuple:
+    if sample_weight is not None:
+        return (x, y, sample_weight)
+    if y is not None:
+        return (x, y)
+    return (x,)
+
+
+def _spec_of(v: Any) -> Any:
+    import tensorflow as tf
+
+    t = tf.convert_to_tensor(v)
+    return tf.TensorSpec(t.shape, t.dtype)

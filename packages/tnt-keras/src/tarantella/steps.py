@@ -1,170 +1,331 @@
-"""The distributed train, test and predict steps that ``tnt.Model`` puts into Keras' loop.
+"""The distributed step around Keras' own (or the user's) ``train_step``/``test_step``/
+``predict_step``.
 
-They follow Keras 3's TensorFlow steps (``keras/src/backend/tensorflow/trainer.py``) and add
-what data parallelism needs: gradients weighted by ``n / B`` and reduced through the fused
-allreducer while backprop goes on (``tarantella.gradients``), metric states reduced
-(``tarantella.metrics``), non-trainable state kept unchanged by a rank that only ran a
-stand-in sample, and predictions gathered in global order.
+``tnt.Model`` does not copy Keras' steps; it runs them, on this rank's micro-batch, and adds
+what data parallelism needs at three public seams of Keras 3:
+
+* ``optimizer.apply`` (which ``apply_gradients`` calls): while a step is traced, every
+  optimizer of the model reduces the gradients it is given across ranks before it applies
+  them (``tarantella.gradients``). Clipping, loss scaling (its skip decision is then the
+  same on every rank), gradient accumulation and EMA all see the serial gradient.
+* ``compute_loss``: records the loss and its global normaliser (``tarantella.losses``).
+* the metric states: zeroed before the step, summed across ranks after it and added back
+  (``tarantella.metrics``), so ``result()`` is the serial value. Logs a custom step returns
+  that are not metric results are averaged over the global batch (weighted by samples).
+
+A step is traced once; the context of the trace (:class:`StepContext`) lives only while
+Keras traces it, so nothing of this stays on the model or optimizer between steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 import tnt_core
-from keras.src import tree
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
 
-from .datasets import unpack_info
-from .gradients import StepReducer, global_batch_size_op
+from .collectives import allreduce_sum, gather_rows, gather_slices
+from .errors import DatasetError
+from .gradients import GradientReducer, dense_gradient
+from .losses import Normaliser, per_sample
 from .metrics import MetricStates
 
-__all__ = ["DistributedSteps"]
+__all__ = ["BATCH_KEY", "INFO_KEY", "LocalIncrements", "StepContext", "current_step",
+           "gradient_factor", "pack", "predict_step", "test_step", "train_step", "unpack"]
+
+#: keys of the elements tarantella's datasets yield: the micro-batch and ``[n, b]``
+BATCH_KEY = "tnt_micro_batch"
+INFO_KEY = "tnt_batch_info"
+
+_active = threading.local()
 
 
-def _first_dim(x: Any) -> tf.Tensor:
-    first = next(i for i in tree.flatten(x) if i is not None)
-    return tf.shape(first)[0]
+def pack(batch: Any, info: tf.Tensor) -> dict[str, Any]:
+    """One element of a distributed dataset: this rank's micro-batch and ``[n, b]``."""
+    return {BATCH_KEY: batch, INFO_KEY: info}
 
 
-def _dense(grad: Any) -> tf.Tensor:
-    # sparse gradients (Embedding) are reduced densely: every rank's rows differ
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.convert_to_tensor(grad)
-    return grad
+def _is_packed(x: Any) -> bool:
+    return isinstance(x, dict) and set(x) == {BATCH_KEY, INFO_KEY}
 
 
-class DistributedSteps:
-    """Step functions bound to one Keras model and the tnt runtime."""
+def unpack(data: Any) -> tuple[Any, tf.Tensor, tf.Tensor]:
+    """``(micro_batch, n, b)`` from what Keras hands a step: an element of a distributed
+    dataset, or the ``(x, y, sample_weight)`` / ``(x,)`` of ``*_on_batch`` around one."""
+    if isinstance(data, tuple) and data and _is_packed(data[0]) and all(d is None for d in data[1:]):
+        data = data[0]
+    if not _is_packed(data):
+        raise DatasetError(
+            "the step of a tnt.Model received data that tarantella did not distribute; call "
+            "fit/evaluate/predict/*_on_batch on the tnt.Model (not a train_function of your own)"
+        )
+    info = data[INFO_KEY]
+    return data[BATCH_KEY], info[0], info[1]
 
-    def __init__(self, model: keras.Model, runtime: tnt_core.Runtime) -> None:
+
+class LocalIncrements:
+    """This rank's own metric increments since the metrics were reset (rank-local logs of
+    callbacks wrapped with ``aggregate_logs=False``)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.total: np.ndarray | None = None
+
+    def reset(self) -> None:
+        self.total = None
+
+    def add(self, vector: np.ndarray, size: int) -> None:
+        if not self.enabled:
+            return
+        part = np.array(vector[:size], dtype=np.float64, copy=True)
+        if self.total is None or self.total.shape != part.shape:
+            self.total = part
+        else:
+            self.total += part
+
+
+class StepContext:
+    """What one trace of a distributed step knows (lives while Keras traces the step)."""
+
+    def __init__(self, model: keras.Model, kind: str, n: tf.Tensor, b: tf.Tensor) -> None:
         self.model = model
-        self.runtime = runtime
-        self.train_reducer = StepReducer(runtime, "train")
-        self.test_reducer = StepReducer(runtime, "test")
+        self.kind = kind
+        self.n = n
+        self.b = b
+        self.has_data = n > 0
+        #: set by compute_loss: the loss Keras tracks and its normaliser
+        self.loss: tf.Tensor | None = None
+        self.normaliser: Normaliser | None = None
+        #: the output of the last collective traced: the next one waits for it
+        self.last: list[tf.Tensor] = []
+        self.applies = 0
+        #: True once compute_loss weighted the loss itself: the gradients are then summed
+        self.prescaled = False
 
-    # -- helpers ---------------------------------------------------------------------------
+    def weights(self) -> Normaliser:
+        return self.normaliser if self.normaliser is not None else per_sample(self.n, self.b)
 
-    def _global_batch(self, n: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-        """``b``, or the sum of ``n`` over ranks for data the user distributed by hand."""
-        return tf.cond(b < 0, lambda: global_batch_size_op(self.runtime, n), lambda: b)
 
-    def _call(self, x: Any, training: bool) -> Any:
-        if self.model._call_has_training_arg:  # noqa: SLF001 (Keras' own step does this)
-            return self.model(x, training=training)
-        return self.model(x)
+def current_step() -> StepContext | None:
+    """The step being traced on this thread, if any."""
+    return getattr(_active, "step", None)
 
-    # -- train -------------------------------------------------------------------------------
 
-    def train_step(self, data: Any) -> dict[str, tf.Tensor]:
-        model = self.model
-        batch, n, b = unpack_info(data)
-        b = self._global_batch(n, b)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        states = MetricStates(model.metrics_variables)
+@contextlib.contextmanager
+def _tracing(step: StepContext) -> Iterator[StepContext]:
+    outer = current_step()
+    _active.step = step
+    try:
+        yield step
+    finally:
+        _active.step = outer
+
+
+# -- optimizers ------------------------------------------------------------------------------
+
+
+def _optimizers(model: keras.Model) -> list[keras.optimizers.Optimizer]:
+    """The optimizers a step may apply: ``model.optimizer`` and every optimizer the model
+    holds as an attribute (a GAN's ``d_optimizer``/``g_optimizer``)."""
+    found: dict[int, keras.optimizers.Optimizer] = {}
+    candidates = [getattr(model, "optimizer", None), *vars(model).values()]
+    for value in candidates:
+        if isinstance(value, keras.optimizers.Optimizer):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
+                    apply: Callable[..., Any], state: Any) -> Callable[..., Any]:
+    def reduced_apply(grads: Any, trainable_variables: Any = None) -> Any:
+        grads = list(grads)
+        variables = None if trainable_variables is None else list(trainable_variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return apply(grads, trainable_variables)
+        # backward order: the last layer's gradients exist first
+        dense_ids = [i for i in present[::-1] if not isinstance(grads[i], tf.IndexedSlices)]
+        sparse_ids = [i for i in present if isinstance(grads[i], tf.IndexedSlices)]
+        dense = [dense_gradient(grads[i], variables[i] if variables is not None else None)
+                 for i in dense_ids]
+        factor = tf.constant(1.0, tf.float64) if step.prescaled else gradient_factor(step, state)
+        reducer = state.gradient_reducer(f"{step.kind}_{optimizer.name}_{step.applies}")
+        step.applies += 1
+        out: list[Any] = list(grads)
+        if dense:
+            reduced = reducer.reduce(dense, factor, after=step.last)
+            step.last = reduced[:1]
+            for i, g, d in zip(dense_ids, reduced, dense):
+                out[i] = tf.cast(g, d.dtype)
+        for i in sparse_ids:  # row by row, as the serial step has them (Adam squares rows)
+            g = grads[i]
+            values = g.values * tf.cast(factor, g.values.dtype)
+            indices, values = gather_slices(g.indices, values, step.has_data, state.runtime,
+                                            after=step.last)
+            step.last = [indices]
+            out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+        result = apply(out, trainable_variables)
+        if reducer.timeline is not None and variables:
+            reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
+        return result
+
+    return reduced_apply
+
+
+def gradient_factor(step: StepContext, state: Any) -> tf.Tensor:
+    """This rank's weight of its loss or gradient: ``scale_r / sum_r divisor_r``
+    (``scale_r`` for a summed loss), 0 without a sample. The sum is known for a mean loss of
+    distributed data (the global batch size); otherwise one small allreduce finds it."""
+    weights = step.weights()
+    scale = tf.where(step.has_data, weights.scale, tf.zeros_like(weights.scale))
+    if not weights.divide:
+        return scale
+    divisor = tf.where(step.has_data, weights.divisor, tf.zeros_like(weights.divisor))
+
+    def summed() -> tf.Tensor:
+        return allreduce_sum(tf.reshape(divisor, [1]), state.runtime, after=step.last,
+                             name=f"tnt_{step.kind}_loss_normaliser")[0]
+
+    if weights.total is None:
+        total = summed()
+    else:  # the global batch size; -1 for data the user distributed: then sum
+        known = weights.total
+        total = tf.cond(known >= 0, lambda: known, summed)
+    step.last = [total]
+    return scale / tf.maximum(total, 1e-300)
+
+
+@contextlib.contextmanager
+def _reducing_gradients(model: keras.Model, step: StepContext, state: Any) -> Iterator[None]:
+    """While the step is traced, the model's optimizers reduce what they apply."""
+    patched = []
+    for opt in _optimizers(model):
+        own = "apply" in vars(opt)
+        original = vars(opt).get("apply", None)
+        object.__setattr__(opt, "apply", _reducing_apply(step, opt, opt.apply, state))
+        patched.append((opt, own, original))
+    try:
+        yield
+    finally:
+        for opt, own, original in patched:
+            if own:
+                object.__setattr__(opt, "apply", original)
+            else:
+                object.__delattr__(opt, "apply")
+
+
+# -- the steps -------------------------------------------------------------------------------
+
+
+def _loss_tracker_slots(model: keras.Model) -> tuple[int, int] | None:
+    """Positions of the loss tracker's ``total`` and ``count`` in ``metrics_variables``."""
+    metrics = model.metrics
+    if not metrics or not getattr(model, "compiled", False):
+        return None
+    tracker = metrics[0]
+    if not (isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss"):
+        return None
+    positions = {id(v): i for i, v in enumerate(model.metrics_variables)}
+    total, count = tracker.variables
+    return positions[id(total)], positions[id(count)]
+
+
+def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any],
+              state: Any) -> Any:
+    batch, n, b = unpack(data)
+    step = StepContext(model, kind, n, b)
+    states = MetricStates(model.metrics_variables)
+    # Only once the batch exists: when the input runs out (a dataset of unknown length), the
+    # step stops at fetching it and the metric states must still hold the epoch's values.
+    with tf.control_dependencies([n]):
         before = states.begin()
         kept = [(v, tf.identity(tf.convert_to_tensor(v))) for v in model.non_trainable_variables]
+    with _tracing(step):
+        if kind == "train":
+            with _reducing_gradients(model, step, state):
+                logs = run(batch)
+        else:
+            logs = run(batch)
+    # a stand-in sample (n == 0) must not move e.g. BatchNorm statistics or the RNG
+    for v, old in kept:
+        v.assign(tf.where(step.has_data, tf.convert_to_tensor(v), old))
+    return _reduce_logs(model, step, states, before, logs, state)
 
-        with tf.GradientTape() as tape:
-            y_pred = self._call(x, training=True)
-            loss = model._compute_loss(  # noqa: SLF001
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-            model._loss_tracker.update_state(  # noqa: SLF001
-                loss_module.unscale_loss_for_distribution(loss), sample_weight=_first_dim(x)
-            )
-            if model.optimizer is not None:
-                loss = model.optimizer.scale_loss(loss)
-        reducer = self.train_reducer
-        if reducer.timeline is not None:
-            reducer.mark_backprop_start(loss)
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        increments = states.increments()
 
-        variables = list(model.trainable_weights)
-        grads = tape.gradient(loss, variables) if variables else []
-        # backward order: the last layer's gradients exist first
-        order = [i for i in reversed(range(len(variables))) if grads[i] is not None]
-        tensors = [increments] + [_dense(grads[i]) for i in order]
-        reducer.plan(tensors)
-        tokens = reducer.push_buckets(tensors, n, b, weighted=[False] + [True] * (len(tensors) - 1),
-                                      metrics_id=0)
-        reduced = reducer.finish(tokens, tensors)
-
-        states.end(before, reduced[0])
-        has_data = n > 0
-        for v, old in kept:  # a stand-in sample must not move e.g. BatchNorm statistics
-            v.assign(tf.where(has_data, tf.convert_to_tensor(v), old))
-        if variables:
-            new_grads = [None] * len(variables)
-            for i, g in zip(order, reduced[1:]):
-                new_grads[i] = g
-            model.optimizer.apply_gradients(
-                [(g, v) for g, v in zip(new_grads, variables) if g is not None]
-            )
-            if reducer.timeline is not None:  # reads what the update wrote: runs after it
-                reducer.mark_optimizer_done([tf.convert_to_tensor(model.optimizer.iterations)]
-                                            + [tf.convert_to_tensor(v) for v in variables[:1]])
-        return model.get_metrics_result()
-
-    # -- test --------------------------------------------------------------------------------
-
-    def test_step(self, data: Any) -> dict[str, tf.Tensor]:
-        model = self.model
-        batch, n, b = unpack_info(data)
-        b = self._global_batch(n, b)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        states = MetricStates(model.metrics_variables)
-        before = states.begin()
-        y_pred = self._call(x, training=False)
-        loss = model._compute_loss(  # noqa: SLF001
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, before: list,
+                 logs: Any, state: Any) -> Any:
+    """Sum the metric states (and average the other logs) over ranks; the serial logs."""
+    if not isinstance(logs, dict):
+        raise tnt_core.TntError(
+            f"{type(model).__name__}.{step.kind}_step returned {type(logs).__name__}; "
+            "tarantella needs a dict of logs, as Keras' fit/evaluate do"
         )
-        model._loss_tracker.update_state(  # noqa: SLF001
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=_first_dim(x)
-        )
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        increments = states.increments()
-        reducer = self.test_reducer
-        reducer.plan([increments])
-        tokens = reducer.push_buckets([increments], n, b, weighted=[False], metrics_id=0)
-        (total,) = reducer.finish(tokens, [increments])
-        states.end(before, total)
-        return model.get_metrics_result()
+    has_data = tf.cast(step.has_data, tf.float64)
+    increments = states.increments() * has_data
+    size = int(increments.shape[0])
+    results = model.get_metrics_result() if states else {}
+    extra = {k: v for k, v in logs.items() if k not in results}
+    n64 = tf.cast(step.n, tf.float64) * has_data
+    parts = [increments, tf.reshape(n64, [1])]
+    shapes = {}
+    for key, value in extra.items():
+        t = tf.convert_to_tensor(value)
+        shapes[key] = (t.shape, t.dtype)
+        parts.append(tf.reshape(tf.cast(t, tf.float64) * n64, [-1]))
+    slots = _loss_tracker_slots(model) if step.loss is not None else None
+    weights = step.weights()
+    if slots is not None:
+        loss64 = tf.reshape(tf.cast(step.loss, tf.float64), [-1])
+        loss64 = tf.reduce_sum(loss64) / tf.cast(tf.size(loss64), tf.float64)
+        scale = weights.scale * has_data
+        parts += [tf.reshape(scale * loss64, [1]), tf.reshape(weights.divisor * has_data, [1])]
+    local = state.local_increments(step.kind)
+    vector = tf.concat(parts, axis=0)
+    total = allreduce_sum(vector, state.runtime, after=step.last, name=f"tnt_{step.kind}_metrics",
+                          local=(lambda v: local.add(v, size)) if local.enabled else None)
+    step.last = [total]
+    summed = total[:size]
+    samples = total[size]
+    if slots is not None:  # the loss tracker: serial loss of the global batch x its samples
+        loss_sum, divisor_sum = total[-2], total[-1]
+        batch_loss = loss_sum / divisor_sum if weights.divide else loss_sum
+        tracker_total = batch_loss * summed[slots[1]]
+        summed = tf.tensor_scatter_nd_update(summed, [[slots[0]]], [tracker_total])
+    if states:
+        states.end(before, summed)
+    out = dict(model.get_metrics_result()) if states else {}
+    offset = size + 1
+    for key, (shape, dtype) in shapes.items():
+        count = int(np.prod(shape.as_list())) if shape.is_fully_defined() else None
+        if count is None:
+            raise tnt_core.TntError(f"log {key!r} of the {step.kind} step has no static shape")
+        value = total[offset:offset + count] / tf.maximum(samples, 1.0)
+        out[key] = tf.cast(tf.reshape(value, shape), dtype)
+        offset += count
+    return {k: out[k] for k in logs} if set(logs) <= set(out) else out
 
-    # -- predict -----------------------------------------------------------------------------
 
-    def predict_step(self, data: Any) -> Any:
-        batch, n, b = unpack_info(data)
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
-        y_pred = self._call(x, training=False)
-        flat = tree.flatten(y_pred)
-        backend = self.runtime.backend
-        size = self.runtime.size
+def train_step(model: keras.Model, data: Any, run: Callable[[Any], Any], state: Any) -> Any:
+    """The distributed train step: ``run`` is Keras' (or the user's) ``train_step``."""
+    return _run_step(model, "train", data, run, state)
 
-        def gather(*args: np.ndarray) -> list[np.ndarray]:
-            *arrays, n_, b_ = args
-            n_, b_ = int(n_), int(b_)
-            if b_ < 0:  # data not distributed: every rank predicts its own data
-                return [a[:n_] for a in arrays]
-            sizes = tnt_core.micro_batch_sizes(b_, size, allow_empty=True)
-            rows = sizes[0]  # the largest micro-batch
-            out = []
-            for a in arrays:
-                padded = np.zeros((rows,) + a.shape[1:], dtype=a.dtype)
-                padded[:n_] = a[:n_]
-                every = backend.allgather(padded)
-                out.append(np.concatenate([every[k, :sizes[k]] for k in range(size)], axis=0))
-            return out
 
-        outs = tf.numpy_function(gather, flat + [n, b], [t.dtype for t in flat], stateful=True,
-                                 name="tnt_gather_predictions")
-        if not isinstance(outs, (list, tuple)):
-            outs = [outs]
-        for out, t in zip(outs, flat):
-            out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
-        return tree.pack_sequence_as(y_pred, list(outs))
+def test_step(model: keras.Model, data: Any, run: Callable[[Any], Any], state: Any) -> Any:
+    """The distributed test step (metric states summed across ranks)."""
+    return _run_step(model, "test", data, run, state)
+
+
+def predict_step(model: keras.Model, data: Any, run: Callable[[Any], Any], state: Any) -> Any:
+    """The distributed predict step: this rank's predictions, gathered in global order."""
+    batch, n, b = unpack(data)
+    step = StepContext(model, "predict", n, b)
+    with _tracing(step):
+        y_pred = run(batch)
+    flat = keras.tree.flatten(y_pred)
+    gathered = gather_rows(flat, n, b, state.runtime)
+    return keras.tree.pack_sequence_as(y_pred, gathered)

@@ -6,11 +6,16 @@ import keras
 import numpy as np
 import tnt_core
 
+from .randomness import is_seed_state
+
 __all__ = ["broadcast_model_state"]
 
 
 def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None:
-    """Overwrite weights (and built optimizer state) on every rank with the master's."""
+    """Overwrite weights (and built optimizer state) on every rank with the master's.
+
+    The random seed states stay as they are: each rank has its own (``tarantella.randomness``).
+    """
     if runtime.size == 1:
         return
     variables, seen = [], set()
@@ -19,7 +24,7 @@ def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None
     if optimizer is not None and getattr(optimizer, "built", False):
         candidates += list(optimizer.variables)
     for v in candidates:
-        if id(v) in seen:
+        if id(v) in seen or is_seed_state(v):
             continue
         seen.add(id(v))
         if np.dtype(v.dtype) in tnt_core.SUPPORTED_DTYPES:  # skips e.g. uint32 RNG states

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "tnt":
         import tarantella as tnt
         from tarantella.datasets import prepare_data
+        from tarantella.steps import BATCH_KEY, INFO_KEY
     import tensorflow as tf
 
     result = {}
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
                 prepared = prepare_data(data, **kwargs)
             for _ in range(2):
                 steps = []
-                for batch, info in prepared.dataset:
+                for element in prepared.dataset:
+                    batch, info = element[BATCH_KEY], element[INFO_KEY]
                     n, b = int(info[0]), int(info[1])
                     steps.append({"ids": np.asarray(ids_of(batch))[:n].tolist(), "n": n, "b": b})
                 epochs.append(steps)

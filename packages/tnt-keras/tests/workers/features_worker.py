@@ -195,23 +195,9 @@ def main(argv: list[str] | None = None) -> None:
 
         # -- what is not supported: a clear error -----------------------------------------------
         errors = {}
-        try:
-            model.train_on_batch(vx, vy)
-        except tnt.NotSupportedError as exc:
-            errors["train_on_batch"] = str(exc)
-
-        class CustomStep(keras.Model):
-            def train_step(self, data):
-                return {}
-
-        try:
-            tnt.Model(CustomStep())
-        except tnt.NotSupportedError as exc:
-            errors["custom_train_step"] = str(exc)
-        try:
-            model.fit(x, y, batch_size=1, epochs=1, verbose=0) if tnt.get_size() > 1 else None
-        except Exception as exc:  # a global batch smaller than the ranks
-            errors["batch_smaller_than_ranks"] = f"{type(exc).__name__}: {exc}"
+        # a global batch smaller than the ranks trains (ranks without a sample stand by)
+        model.fit(x[:4], y[:4], batch_size=1, epochs=1, verbose=0)
+        result["batch_smaller_than_ranks_trains"] = True
         try:
             model.fit(tf.data.Dataset.from_tensor_slices((x, y)), epochs=1, verbose=0)
         except tnt.DatasetError as exc:

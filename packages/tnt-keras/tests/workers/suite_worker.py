@@ -1,8 +1,9 @@
 """All checks of one rank in one process: TensorFlow is imported once per rank.
 
 ``python suite_worker.py --mode serial|tnt --out DIR`` runs ``dataset_worker`` (into
-``DIR/data``), ``train_worker`` (``DIR/train``) and ``features_worker`` (``DIR/features``;
-last, because it changes the working directory) with the same arguments.
+``DIR/data``), ``train_worker`` (``DIR/train``), ``fidelity_worker`` (``DIR/fidelity``) and
+``features_worker`` (``DIR/features``; last, because it changes the working directory) with
+the same arguments.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dataset_worker  # noqa: E402
 import features_worker  # noqa: E402
+import fidelity_worker  # noqa: E402
 import train_worker  # noqa: E402
 
 
@@ -24,7 +26,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = os.path.abspath(args.out)
-    for name, worker in (("data", dataset_worker), ("train", train_worker), ("features", features_worker)):
+    for name, worker in (("data", dataset_worker), ("train", train_worker),
+                         ("fidelity", fidelity_worker), ("features", features_worker)):
         worker.main(["--mode", args.mode, "--out", os.path.join(out, name)])
         print(f"suite: {name} done", flush=True)
 

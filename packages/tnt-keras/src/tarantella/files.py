@@ -1,0 +1,113 @@
+"""Writing files from a data-parallel job: once, atomically, and never half-written.
+
+Every writing API of ``tnt.Model`` (``save``, ``save_weights``, ``export``) and of
+``tnt.models`` is a collective: the master writes (every rank with ``all_devices``) into a
+temporary file next to the target that is renamed into place when complete, and every rank
+returns once the file exists, so any rank may read it right after. A rank killed while it
+writes leaves the temporary file, never a truncated file under the user's name.
+
+Inside a callback that runs on the master only (ModelCheckpoint, BackupAndRestore...) the
+other ranks are not there to wait: :func:`local_writes` makes the same calls write on this
+rank alone (still atomically) without waiting for anyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import tnt_core
+
+__all__ = ["local_writes", "write_collectively"]
+
+_SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def local_writes() -> Iterator[None]:
+    """Writes inside this block happen on this rank alone (master-only callbacks)."""
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    try:
+        yield
+    finally:
+        _local.depth = depth
+
+
+def _writes_locally() -> bool:
+    return getattr(_local, "depth", 0) > 0
+
+
+def _temporary_path(path: str) -> str:
+    head, name = os.path.split(path)
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            break
+    else:
+        stem, suffix = os.path.splitext(name)
+    return os.path.join(head, f".{stem}.tnt-tmp-{os.getpid()}{suffix}")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _write_atomically(write: Callable[[str], None], path: str) -> None:
+    tmp = _temporary_path(path)
+    try:
+        write(tmp)
+        if os.path.isdir(tmp) and os.path.isdir(path):  # an export directory: replace it
+            _remove(path)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        _remove(tmp)
+        if isinstance(exc, Exception) and tmp in str(exc):  # name the user's path, not ours
+            raise type(exc)(str(exc).replace(tmp, path)) from exc
+        raise
+
+
+def write_collectively(write: Callable[[str], None], filepath: Any, *, overwrite: bool = True,
+                       all_devices: bool = False, runtime: tnt_core.Runtime | None = None) -> None:
+    """Run ``write(path)`` on the master (or every rank), atomically, then wait for it.
+
+    Call on every rank. ``write`` gets a temporary path next to ``filepath`` that is renamed
+    to ``filepath`` when complete. An error on the writing rank is raised on every rank.
+    """
+    runtime = runtime or tnt_core.init()
+    path = os.fspath(filepath)
+    local = _writes_locally()
+    error: BaseException | None = None
+    if local or all_devices or runtime.is_master:
+        if not overwrite and os.path.exists(path):
+            error = FileExistsError(f"{path} exists and overwrite=False")
+        else:
+            try:
+                _write_atomically(write, path)
+            except BaseException as exc:  # every rank must still reach the agreement below
+                error = exc
+    if local or runtime.size == 1:
+        if error is not None:
+            raise error
+        return
+    failed = _any_rank(runtime, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise OSError(f"writing {path} failed on another rank (its error is in its output)")
+
+
+def _any_rank(runtime: tnt_core.Runtime, flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any (also a barrier)."""
+    buf = np.array([1 if flag else 0], dtype=np.int32)
+    runtime.backend.allreduce(buf, "max")
+    return bool(buf[0])

@@ -1,0 +1,127 @@
+"""The global loss normaliser: where Keras divides by a local count, divide by the global one.
+
+Keras reduces a loss over the micro-batch it sees: ``sum_over_batch_size`` divides the sum
+of the per-element losses by their number (by the number of *valid* elements when the
+prediction carries a mask), ``mean_with_sample_weight`` by the sum of the sample weights,
+``sum``/``none`` not at all. The serial loss of the global batch divides by the same count
+over the *global* batch. So rank ``r``, whose Keras loss is ``N_r / D_r``, contributes
+``D_r / sum_r D_r`` of its gradient, and for ``sum`` all of it (see
+``tarantella.gradients``): the reduced gradient is then exactly the serial one.
+
+:func:`normaliser` finds ``(scale_r, divisor_r)`` for the losses given to ``compile``; a
+combination whose terms have different normalisers (two masked outputs, ``sum`` next to
+a mean, ...) cannot be expressed by one factor per rank and is refused. A loss a custom
+``train_step`` computes itself is taken to be a mean over the samples of the micro-batch
+(:func:`per_sample`), which is Keras' default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from .errors import NotSupportedError
+
+__all__ = ["Normaliser", "normaliser", "per_sample"]
+
+_MEAN = ("sum_over_batch_size", "mean")
+_WEIGHTED_MEAN = "mean_with_sample_weight"
+_SUM = ("sum", "none", None)
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """How rank ``r`` weighs its gradient: ``scale_r * g_r``, summed over ranks, divided by
+    the sum of ``divisor_r`` when ``divide``."""
+
+    scale: tf.Tensor
+    divisor: tf.Tensor
+    divide: bool
+    #: ``sum_r divisor_r`` when known without a collective (the global batch size), or None
+    total: tf.Tensor | None = None
+
+
+def per_sample(n: tf.Tensor, b: tf.Tensor | None = None) -> Normaliser:
+    """A loss averaged over the micro-batch's ``n`` samples (Keras' default reduction) of a
+    global batch of ``b`` samples (``b < 0``: unknown, the user distributed the data)."""
+    n64 = tf.cast(n, tf.float64)
+    total = None if b is None else tf.cast(b, tf.float64)
+    return Normaliser(n64, n64, True, total)
+
+
+def _reduction(loss: Any) -> str | None:
+    if isinstance(loss, keras.losses.Loss):
+        return loss.reduction
+    return "sum_over_batch_size"  # a name or function: Keras wraps it with this reduction
+
+
+def _terms(loss: Any, outputs: int) -> list[Any]:
+    """The compiled loss terms, one per output that has a loss."""
+    if isinstance(loss, (dict, list, tuple)):
+        return [term for term in keras.tree.flatten(loss) if term is not None]
+    return [loss] * outputs  # one loss for every output
+
+
+def _keras_mask(t: Any) -> tf.Tensor | None:
+    # Keras 3 keeps an output's mask on the tensor (keras.src.backend.get_keras_mask reads the
+    # same attribute; Keras has no public accessor)
+    return getattr(t, "_keras_mask", None)
+
+
+def _count(mask: tf.Tensor | None, sample_weight: Any) -> tf.Tensor:
+    """The divisor of ``mean_with_sample_weight``: the sum of the (masked) weights."""
+    if mask is None:
+        return tf.reduce_sum(tf.cast(sample_weight, tf.float64))
+    m = tf.cast(mask, tf.float64)
+    if sample_weight is None:
+        return tf.reduce_sum(m)
+    w = tf.cast(sample_weight, tf.float64)
+    while w.shape.rank is not None and m.shape.rank is not None and w.shape.rank < m.shape.rank:
+        w = tf.expand_dims(w, -1)
+    return tf.reduce_sum(m * w)
+
+
+def normaliser(model: keras.Model, y_pred: Any, sample_weight: Any, n: tf.Tensor,
+               b: tf.Tensor | None = None) -> Normaliser:
+    """The normaliser of ``model``'s compiled loss for this micro-batch (``n`` samples of a
+    global batch of ``b``)."""
+    outputs = keras.tree.flatten(y_pred)
+    has_data = tf.cast(n > 0, tf.float64)
+    loss = getattr(model, "loss", None)
+    if loss is None:  # only losses added by layers (add_loss): means over the batch
+        return per_sample(n, b)
+    terms = _terms(loss, len(outputs))
+    reductions = [_reduction(t) for t in terms]
+    masks = [m for m in (_keras_mask(o) for o in outputs) if m is not None]
+    weighted = sample_weight is not None
+    if all(r in _SUM for r in reductions):
+        if len(terms) > 1 or model.losses:
+            raise NotSupportedError(
+                "a loss with reduction='sum' (or 'none') next to "
+                + ("other losses" if len(terms) > 1 else "regularization losses")
+                + " cannot be normalised like serial training: each rank's sum adds up to the "
+                "serial sum, but the other terms are means. Use reduction='sum_over_batch_size'"
+                ", or one summed loss without regularizers"
+            )
+        return Normaliser(has_data, has_data, False)
+    if not masks and all(r in _MEAN or (r == _WEIGHTED_MEAN and not weighted) for r in reductions):
+        return per_sample(n, b)
+    if len(terms) == 1 and len(outputs) == 1:
+        mask = masks[0] if masks else None
+        if reductions[0] in _MEAN:
+            count = tf.reduce_sum(tf.cast(mask, tf.float64))
+        elif reductions[0] == _WEIGHTED_MEAN:
+            count = _count(mask, sample_weight)
+        else:
+            raise NotSupportedError(f"unknown loss reduction {reductions[0]!r}")
+        count = count * has_data
+        return Normaliser(count, count, True)
+    raise NotSupportedError(
+        f"the compiled losses have reductions {reductions} on {len(outputs)} outputs"
+        + (" with masks" if masks else "") + ": their normalisers differ from output to output, "
+        "so no single weight per rank gives the serial gradient. Use "
+        "reduction='sum_over_batch_size' on unmasked outputs, or one output per model"
+    )

@@ -1,0 +1,40 @@
+"""Independent random streams per rank for the randomness inside the model.
+
+Keras draws Dropout masks, noise and augmentations from the layers' ``SeedGenerator``
+states, which ``keras.utils.set_random_seed`` makes equal on every rank: every rank would
+then draw the *same* masks for *different* samples (correlated noise, unlike serial
+training, where every sample gets its own draw). Each rank adds a rank-dependent offset to
+the first word of every seed state once, after the model is built, so the streams are
+independent across ranks yet reproducible for a given seed; rank 0 keeps the serial
+stream. The states are rank-local: ``tarantella.weights`` never broadcasts them.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+__all__ = ["SEED_STATE_NAME", "fold_rank_into_seeds", "is_seed_state"]
+
+#: the name Keras gives every ``keras.random.SeedGenerator``'s state variable
+SEED_STATE_NAME = "seed_generator_state"
+#: a large odd constant (the golden ratio's 64-bit fraction, halved to stay positive)
+_STRIDE = 0x4F1BBCDCBFA53E0B
+
+
+def is_seed_state(variable: keras.Variable) -> bool:
+    """True for the state variable of a ``keras.random.SeedGenerator``."""
+    return str(getattr(variable, "name", "")) == SEED_STATE_NAME
+
+
+def fold_rank_into_seeds(model: keras.Model, rank: int) -> int:
+    """Give rank ``rank`` its own stream in every seed state of ``model``; how many."""
+    states = [v for v in model.variables if is_seed_state(v)]
+    if rank == 0:
+        return len(states)
+    offset = (rank * _STRIDE) % (2**62)
+    for v in states:
+        value = np.array(keras.ops.convert_to_numpy(v), dtype=np.int64)
+        value[0] = (int(value[0]) + offset) % (2**62)
+        v.assign(value.astype(np.dtype(v.dtype)))
+    return len(states)

@@ -1,0 +1,344 @@
+"""Keras workflows as users write them, once in plain Keras and once with ``tnt.Model``.
+
+``--mode serial``: plain Keras (the reference); ``--mode tnt``: the same code with the
+model wrapped, on every rank. Each case writes ``<case>.<who>.npz`` (``w<i>`` weights,
+``history``/``logs`` JSON, case-specific arrays); ``facts.<who>.json`` holds what is not
+compared with serial (identity checks, errors, seed states). Cases run in float64 unless
+the case is about precision (mixed precision), so round-off cannot hide a real difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+import zipfile
+
+import numpy as np
+
+CASES = ("dense3d_dataset", "dense3d_numpy", "unknown_cardinality", "generator", "pydataset",
+         "rebatch_zip", "shuffle_seeded", "masked_loss", "reduction_sum", "weighted_mean",
+         "custom_train_step", "two_optimizers", "on_batch", "mixed_precision", "predict_loaded",
+         "regularized")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("serial", "tnt"), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="")
+    args = parser.parse_args(argv)
+    tnt_mode = args.mode == "tnt"
+    if tnt_mode:
+        import tarantella as tnt
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    who = f"rank{tnt.get_rank()}" if tnt_mode else "serial"
+    facts: dict = {}
+
+    def wrap(model):
+        return tnt.Model(model) if tnt_mode else model
+
+    def save(case: str, model, history=None, **extra):
+        result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+        if history is not None:
+            result["history"] = np.array(json.dumps(history.history))
+        for k, v in extra.items():
+            result[k] = np.array(json.dumps(v)) if isinstance(v, dict) else np.asarray(v)
+        np.savez(os.path.join(out, f"{case}.{who}.npz"), **result)
+
+    rng = np.random.default_rng(11)
+
+    def seq_model(seed=1):
+        keras.utils.set_random_seed(seed)
+        inp = keras.Input((None, 4))  # every sequence model: Dense on a 3-D input
+        h = L.Dense(6, activation="tanh")(inp)
+        h = L.GlobalAveragePooling1D()(h)
+        return keras.Model(inp, L.Dense(3, activation="softmax")(h))
+
+    xs = rng.normal(size=(29, 5, 4))
+    ys = rng.integers(0, 3, size=29)
+
+    def mlp(seed=2, inputs=6, outputs=3, activation="softmax"):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((inputs,)), L.Dense(8, activation="relu"),
+                                 L.Dense(outputs, activation=activation)])
+
+    xm = rng.normal(size=(37, 6))
+    ym = rng.integers(0, 3, size=37)
+
+    def compiled(model, opt=None, loss="sparse_categorical_crossentropy", metrics=("accuracy",), **kw):
+        model = wrap(model)
+        model.compile(optimizer=opt or keras.optimizers.Adam(0.01), loss=loss, metrics=list(metrics), **kw)
+        return model
+
+    def run(case: str) -> None:
+        if case == "dense3d_dataset":  # batched without drop_remainder: dynamic batch dim
+            m = compiled(seq_model())
+            h = m.fit(tf.data.Dataset.from_tensor_slices((xs, ys)).batch(6), epochs=2, verbose=0)
+            save(case, m, h)
+        elif case == "dense3d_numpy":
+            m = compiled(seq_model())
+            h = m.fit(xs, ys, batch_size=7, epochs=2, verbose=0, shuffle=False)
+            save(case, m, h, predict=m.predict(xs, batch_size=5, verbose=0))
+        elif case == "unknown_cardinality":  # .filter: Keras learns the length at the end
+            ds = (tf.data.Dataset.from_tensor_slices((xm, ym)).filter(lambda x, y: y < 2)
+                  .batch(5))
+            m = compiled(mlp())
+            h = m.fit(ds, epochs=4, verbose=0, validation_data=ds,
+                      callbacks=[keras.callbacks.EarlyStopping(monitor="loss", patience=0)])
+            ev = m.evaluate(ds, verbose=0, return_dict=True)
+            save(case, m, h, evaluate=ev)
+        elif case == "generator":  # the docs' recipe and a plain Python generator
+            def gen():
+                for i in range(0, 37, 8):
+                    yield xm[i:i + 8], ym[i:i + 8]
+
+            sig = (tf.TensorSpec((None, 6), tf.float64), tf.TensorSpec((None,), tf.int64))
+            m = compiled(mlp())
+            h = m.fit(tf.data.Dataset.from_generator(gen, output_signature=sig), epochs=2, verbose=0)
+            h2 = m.fit(gen(), epochs=1, verbose=0)
+            save(case, m, h, history2=h2.history)
+        elif case == "pydataset":
+            class Batches(keras.utils.PyDataset):
+                def __init__(self, **kw):
+                    super().__init__(**kw)
+
+                def __len__(self):
+                    return 5
+
+                def __getitem__(self, i):
+                    return xm[i * 8:(i + 1) * 8], ym[i * 8:(i + 1) * 8]
+
+            m = compiled(mlp())
+            h = m.fit(Batches(workers=2), epochs=2, verbose=0, validation_data=Batches())
+            ev = m.evaluate(Batches(), verbose=0, return_dict=True)
+            save(case, m, h, evaluate=ev, predict=m.predict(Batches(), verbose=0))
+        elif case == "rebatch_zip":
+            xs_ds = tf.data.Dataset.from_tensor_slices(xm).batch(4)
+            ys_ds = tf.data.Dataset.from_tensor_slices(ym).batch(4)
+            ds = tf.data.Dataset.zip((xs_ds, ys_ds)).rebatch(9)
+            m = compiled(mlp())
+            h = m.fit(ds, epochs=2, verbose=0)
+            save(case, m, h)
+        elif case == "shuffle_seeded":  # fit's default shuffle=True after set_random_seed
+            m = compiled(mlp())
+            keras.utils.set_random_seed(9)
+            h = m.fit(xm, ym, batch_size=6, epochs=3, verbose=0, validation_split=0.2)
+            save(case, m, h)
+        elif case == "masked_loss":  # per-token loss; padding differs across ranks
+            keras.utils.set_random_seed(4)
+            tokens = rng.integers(1, 12, size=(21, 7))
+            lengths = rng.integers(1, 8, size=21)
+            for i, n in enumerate(lengths):
+                tokens[i, n:] = 0
+            labels = (tokens % 3).astype(np.int64)
+            inp = keras.Input((7,), dtype="int64")
+            h = L.Embedding(12, 5, mask_zero=True)(inp)
+            h = L.Dense(6, activation="tanh")(h)
+            model = keras.Model(inp, L.Dense(3, activation="softmax")(h))
+            m = compiled(model, metrics=["accuracy"])
+            h = m.fit(tokens, labels, batch_size=6, epochs=2, verbose=0, shuffle=False)
+            ev = m.evaluate(tokens, labels, batch_size=5, verbose=0, return_dict=True)
+            save(case, m, h, evaluate=ev)
+        elif case == "reduction_sum":
+            m = compiled(mlp(), opt=keras.optimizers.SGD(0.001),
+                         loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
+            h = m.fit(xm, ym, batch_size=7, epochs=2, verbose=0, shuffle=False)
+            save(case, m, h)
+        elif case == "weighted_mean":
+            sw = rng.uniform(0.0, 2.0, size=37)
+            m = compiled(mlp(), loss=keras.losses.SparseCategoricalCrossentropy(
+                reduction="mean_with_sample_weight"))
+            h = m.fit(xm, ym, sample_weight=sw, batch_size=7, epochs=2, verbose=0, shuffle=False)
+            save(case, m, h)
+        elif case == "custom_train_step":  # a user's step (its own loss, own tracker)
+            class Custom(keras.Model):
+                def __init__(self, **kw):
+                    super().__init__(**kw)
+                    self.d1, self.d2 = L.Dense(8, activation="relu"), L.Dense(3)
+                    self.tracker = keras.metrics.Mean(name="my_loss")
+                    self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+                def call(self, x):
+                    return self.d2(self.d1(x))
+
+                def train_step(self, data):
+                    x, y = data
+                    with tf.GradientTape() as tape:
+                        loss = self.loss_fn(y, self(x, training=True))
+                    grads = tape.gradient(loss, self.trainable_variables)
+                    self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+                    self.tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+                    return {"my_loss": self.tracker.result(), "batch_loss": loss}
+
+            keras.utils.set_random_seed(6)
+            model = Custom()
+            model.build((None, 6))
+            m = wrap(model)
+            m.compile(optimizer=keras.optimizers.SGD(0.1))
+            h = m.fit(xm, ym, batch_size=8, epochs=2, verbose=0, shuffle=False)
+            save(case, m, h)
+        elif case == "two_optimizers":  # a GAN-like step: two optimizers, two losses
+            class Two(keras.Model):
+                def __init__(self, **kw):
+                    super().__init__(**kw)
+                    self.a, self.b = L.Dense(4, activation="tanh"), L.Dense(1)
+                    self.tracker = keras.metrics.Mean(name="loss")
+
+                def call(self, x):
+                    return self.b(self.a(x))
+
+                def compile(self, opt_a, opt_b):
+                    super().compile()
+                    self.opt_a, self.opt_b = opt_a, opt_b
+
+                def train_step(self, data):
+                    x, y = data
+                    y = tf.cast(tf.reshape(y, (-1, 1)), x.dtype)
+                    with tf.GradientTape() as tape:
+                        la = tf.reduce_mean((self(x) - y) ** 2)
+                    ga = tape.gradient(la, self.a.trainable_variables)
+                    self.opt_a.apply_gradients(zip(ga, self.a.trainable_variables))
+                    with tf.GradientTape() as tape:
+                        lb = tf.reduce_mean(tf.abs(self(x) - y))
+                    gb = tape.gradient(lb, self.b.trainable_variables)
+                    self.opt_b.apply_gradients(zip(gb, self.b.trainable_variables))
+                    self.tracker.update_state(la + lb, sample_weight=tf.shape(x)[0])
+                    return {"loss": self.tracker.result()}
+
+            keras.utils.set_random_seed(8)
+            model = Two()
+            model.build((None, 6))
+            m = wrap(model)
+            m.compile(keras.optimizers.SGD(0.05), keras.optimizers.Adam(0.01))
+            h = m.fit(xm, ym.astype("float64"), batch_size=9, epochs=2, verbose=0, shuffle=False)
+            save(case, m, h)
+        elif case == "on_batch":
+            m = compiled(mlp())
+            logs = [m.train_on_batch(xm[i:i + 7], ym[i:i + 7], return_dict=True)
+                    for i in range(0, 37, 7)]
+            test = m.test_on_batch(xm[:10], ym[:10], return_dict=True)
+            pred = m.predict_on_batch(xm[:10])
+            save(case, m, None, logs={"train": [{k: float(v) for k, v in d.items()} for d in logs],
+                                      "test": [{k: float(v) for k, v in test.items()}]},
+                 predict=pred)
+        elif case == "mixed_precision":  # float16 output: the loss scale overflows at times
+            keras.config.set_floatx("float32")
+            keras.mixed_precision.set_dtype_policy("mixed_float16")
+            try:
+                keras.utils.set_random_seed(10)
+                model = keras.Sequential([keras.Input((6,)), L.Dense(16, activation="relu"),
+                                          L.Dense(3, dtype="float16")])
+                m = compiled(model, opt=keras.optimizers.SGD(0.1),
+                             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                m.optimizer.dynamic_growth_steps = 2  # many scale changes in a short run
+                h = m.fit(xm.astype("float32"), ym, batch_size=7, epochs=3, verbose=0,
+                          shuffle=False)
+                save(case, m, h, iterations=int(m.optimizer.iterations.numpy()),
+                     loss_scale=float(m.optimizer.dynamic_scale.numpy()))
+            finally:
+                keras.mixed_precision.set_dtype_policy("float64")
+                keras.config.set_floatx("float64")
+        elif case == "predict_loaded":  # predict first thing after loading, and uncompiled
+            path = os.path.join(out, f"loaded.{who}.keras")
+            plain = mlp()
+            plain.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+            plain.save(path)
+            loaded = keras.models.load_model(path)
+            if tnt_mode:
+                loaded = tnt.models.load_model(path)
+            pred = loaded.predict(xm, batch_size=8, verbose=0)
+            raw = wrap(mlp())
+            pred_uncompiled = raw.predict(xm, batch_size=8, verbose=0)
+            ev = loaded.evaluate(xm, ym, batch_size=8, verbose=0, return_dict=True)
+            save(case, loaded, None, predict=pred, predict_uncompiled=pred_uncompiled, evaluate=ev)
+        elif case == "regularized":  # weight and activity regularizers, class weights
+            keras.utils.set_random_seed(12)
+            model = keras.Sequential([
+                keras.Input((6,)),
+                L.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01),
+                        activity_regularizer=keras.regularizers.L1(0.001)),
+                L.Dense(3, activation="softmax")])
+            m = compiled(model)
+            h = m.fit(xm, ym, batch_size=7, epochs=2, verbose=0, shuffle=False,
+                      class_weight={0: 1.0, 1: 2.0, 2: 0.5})
+            save(case, m, h)
+        else:
+            raise ValueError(case)
+
+    keras.config.set_floatx("float64")
+    keras.mixed_precision.set_dtype_policy("float64")
+    selected = [c for c in CASES if not args.only or c in args.only.split(",")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for case in selected:
+            run(case)
+            print(f"{who} done {case}", flush=True)
+    if tnt_mode:
+        facts.update(_tnt_facts(tnt, keras, tf, out, who))
+    with open(os.path.join(out, f"facts.{who}.json"), "w") as f:
+        json.dump(facts, f)
+
+
+def _tnt_facts(tnt, keras, tf, out: str, who: str) -> dict:
+    """What only a tnt run can show: identity, nesting, saving, seeds, errors."""
+    L = keras.layers
+    facts: dict = {}
+    keras.utils.set_random_seed(3)
+    base = keras.Sequential([keras.Input((4,)), L.Dense(5), L.Dropout(0.5), L.Dense(2)])
+    m = tnt.Model(base)
+    facts["same_object"] = m is base
+    facts["isinstance"] = [isinstance(m, keras.Model), isinstance(m, keras.Sequential),
+                           isinstance(m, tnt.Model)]
+    outer = keras.Sequential([keras.Input((4,)), m, L.Dense(1)])  # nestable as a layer
+    facts["nested_output_shape"] = list(outer(np.zeros((3, 4))).shape)
+    m.compile(optimizer="sgd", loss="mse")
+    seen = {}
+
+    class See(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen["model_is_m"] = self.model is m
+
+    x = np.random.default_rng(0).normal(size=(16, 4))
+    m.fit(x, np.zeros((16, 2)), batch_size=8, epochs=1, verbose=0, callbacks=[See()])
+    facts.update(seen)
+    seeds = [np.asarray(v).tolist() for v in m.variables if v.name == "seed_generator_state"]
+    facts["seed_states"] = seeds
+    shared = os.path.join(out, "shared")
+    os.makedirs(shared, exist_ok=True)
+    path = os.path.join(shared, "saved_by_keras_api.keras")
+    if tnt.is_master_rank():  # Keras' own API writes where it is called: on the master only
+        keras.saving.save_model(m, path)
+        facts["saved_class"] = json.loads(zipfile.ZipFile(path).read("config.json"))["class_name"]
+    path = os.path.join(shared, "saved_by_tnt.keras")
+    m.save(path)  # a collective: the master writes, every rank returns once the file exists
+    facts["tnt_saved_class"] = json.loads(zipfile.ZipFile(path).read("config.json"))["class_name"]
+    export_dir = os.path.join(shared, "exported")
+    m.export(export_dir)
+    facts["export_exists"] = os.path.isdir(export_dir)
+    facts["tmp_left"] = sorted(f for f in os.listdir(shared) if "tnt-tmp" in f)
+    try:
+        bad = tnt.Model(keras.Sequential([keras.Input((4,)),
+                                          L.BatchNormalization(synchronized=True), L.Dense(1)]))
+        bad.compile(optimizer="sgd", loss="mse")
+        bad.fit(x, np.zeros((16, 1)), batch_size=8, verbose=0)
+        facts["sync_bn"] = "no error"
+    except tnt.NotSupportedError as exc:
+        facts["sync_bn"] = str(exc)
+    try:
+        m.save(os.path.join(out, "no_such_dir", "model.keras"))
+        facts["save_error"] = "no error"
+    except Exception as exc:  # the message must name the user's path, not a temporary one
+        facts["save_error"] = str(exc)
+    return facts
+
+
+if __name__ == "__main__":
+    sys.exit(main())
