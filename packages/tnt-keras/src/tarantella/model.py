@@ -167,7 +167,8 @@ class Model(keras.Model):
 
     def __repr__(self) -> str:
         runtime = self._tnt.runtime
-        return f"<tnt.Model {self.name!r} ({type(self)._tnt_base.__name__}) on rank {runtime.rank}/{runtime.size}>"
+        base = type(self)._tnt_base.__name__
+        return f"<tnt.Model {self.name!r} ({base}) on rank {runtime.rank}/{runtime.size}>"
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> Any:
@@ -239,9 +240,11 @@ class Model(keras.Model):
         # magnitudes of the serial one (a float16 layer overflows exactly when serial does).
         factor = tf.cast(gradient_factor(step, self._tnt), loss.dtype)
         step.prescaled = True
-        reducer = self._tnt.gradient_reducer("train")
-        if reducer.timeline is not None:
-            reducer.mark_backprop_start(loss)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:  # the timeline of the reducer that model.optimizer uses
+            reducer = self._tnt.gradient_reducer(f"train_{optimizer.name}_0")
+            if reducer.timeline is not None:
+                reducer.mark_backprop_start(loss)
         return tf.where(step.has_data, loss * factor, tf.zeros_like(loss))
 
     # -- before a loop ---------------------------------------------------------------------------

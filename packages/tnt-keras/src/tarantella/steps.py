@@ -31,7 +31,7 @@ import tnt_core
 
 from .collectives import allreduce_sum, gather_rows, gather_slices
 from .errors import DatasetError
-from .gradients import GradientReducer, dense_gradient
+from .gradients import dense_gradient
 from .losses import Normaliser, per_sample
 from .metrics import MetricStates
 
@@ -268,6 +268,12 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, be
     has_data = tf.cast(step.has_data, tf.float64)
     increments = states.increments() * has_data
     size = int(increments.shape[0])
+    slots = _loss_tracker_slots(model) if step.loss is not None else None
+    if slots is not None:  # Keras tracked the weighted loss: this rank's own is step.loss
+        own = tf.reshape(tf.cast(step.loss, tf.float64), [-1])
+        own = tf.reduce_sum(own) / tf.cast(tf.size(own), tf.float64)
+        increments = tf.tensor_scatter_nd_update(increments, [[slots[0]]],
+                                                 [own * increments[slots[1]]])
     results = model.get_metrics_result() if states else {}
     extra = {k: v for k, v in logs.items() if k not in results}
     n64 = tf.cast(step.n, tf.float64) * has_data
@@ -277,7 +283,6 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, be
         t = tf.convert_to_tensor(value)
         shapes[key] = (t.shape, t.dtype)
         parts.append(tf.reshape(tf.cast(t, tf.float64) * n64, [-1]))
-    slots = _loss_tracker_slots(model) if step.loss is not None else None
     weights = step.weights()
     if slots is not None:
         loss64 = tf.reshape(tf.cast(step.loss, tf.float64), [-1])

@@ -20,7 +20,7 @@ import numpy as np
 
 CASES = ("dense3d_dataset", "dense3d_numpy", "unknown_cardinality", "generator", "pydataset",
          "rebatch_zip", "shuffle_seeded", "masked_loss", "reduction_sum", "weighted_mean",
-         "custom_train_step", "two_optimizers", "on_batch", "mixed_precision", "predict_loaded",
+         "custom_training", "two_optimizers", "on_batch", "mixed_precision", "predict_loaded",
          "regularized")
 
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                 reduction="mean_with_sample_weight"))
             h = m.fit(xm, ym, sample_weight=sw, batch_size=7, epochs=2, verbose=0, shuffle=False)
             save(case, m, h)
-        elif case == "custom_train_step":  # a user's step (its own loss, own tracker)
+        elif case == "custom_training":  # a user's step (its own loss, own tracker)
             class Custom(keras.Model):
                 def __init__(self, **kw):
                     super().__init__(**kw)
