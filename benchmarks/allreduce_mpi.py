@@ -110,8 +110,9 @@ def _alternate(comm, MPI, total: int, ours, baseline, settle_s: float = 0.0) -> 
 
 
 def _worker(sizes: list[int], iters: int, out: Path) -> int:
-    import tnt_core
     from mpi4py import MPI
+
+    import tnt_core
 
     runtime = tnt_core.init(backend="mpi")
     backend, comm = runtime.backend, MPI.COMM_WORLD
@@ -127,11 +128,11 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
             backend.allreduce(buf)
             backend.allreduce_async(buf).wait()
             comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
-        ours, base = _alternate(comm, MPI, total, lambda: backend.allreduce(buf),
-                                lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM))
+        ours, base = _alternate(comm, MPI, total, lambda buf=buf: backend.allreduce(buf),
+                                lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM))
         asynchronous, async_base = _alternate(
-            comm, MPI, total, lambda: backend.allreduce_async(buf).wait(),
-            lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), settle_s=SETTLE_S)
+            comm, MPI, total, lambda buf=buf: backend.allreduce_async(buf).wait(),
+            lambda buf=buf: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), settle_s=SETTLE_S)
         ours_s, base_s = float(np.median(ours)), float(np.median(base))
         async_s, async_base_s = float(np.median(asynchronous)), float(np.median(async_base))
         stream = _stream(backend, comm, MPI, size, max(3, total // STREAM_DEPTH)) \

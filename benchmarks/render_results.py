@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +21,10 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 def _fmt(x: float | None, spec: str = ".0f") -> str:
     return "–" if x is None else format(x, spec)
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def scaling_tables(results: list[dict]) -> str:
@@ -56,8 +61,9 @@ def scaling_tables(results: list[dict]) -> str:
             for b in backends:
                 on, off = r.get(f"tnt-{b}"), r.get(f"tnt-{b}-no-overlap")
                 if on and off:
+                    ratio = on["samples_per_s"] / off["samples_per_s"]
                     lines.append(f"| {r['model']} | {b} | {on['samples_per_s']:.0f} | "
-                                 f"{off['samples_per_s']:.0f} | {on['samples_per_s'] / off['samples_per_s']:.2f}x |")
+                                 f"{off['samples_per_s']:.0f} | {ratio:.2f}x |")
     if any(f"tnt-{b}-comm-free" in r for r in results for b in backends):
         lines += ["", "**Without communication** (diagnostic, `--comm-free`: every gradient allreduce a "
                   "no-op, so the ranks train apart; the throughput faster collectives could reach at best)",
@@ -86,11 +92,9 @@ def sweep_table(sweep: dict) -> str:
             cells.append(f"**{text}**" if rel[str(t)] == 1.0 else text)
         lines.append(f"| {row['model']} | {row['backend']} | " + " | ".join(cells) + " |")
     # geometric mean of the relative throughput of each threshold over all rows
-    import math
-
     lines += ["", "| threshold | " + " | ".join(f"{t} KB" for t in ts) + " |", "|---|" + "---:|" * len(ts),
               "| geometric mean of (throughput / best of its row) | " + " | ".join(
-                  f"{math.exp(sum(math.log(r['relative_to_best'][str(t)]) for r in sweep['rows']) / len(sweep['rows'])):.3f}"
+                  f"{_geomean([r['relative_to_best'][str(t)] for r in sweep['rows']]):.3f}"
                   for t in ts) + " |"]
     return "\n".join(lines)
 
@@ -118,7 +122,8 @@ def timeline_table(results_dir: Path) -> str | None:
                 inside += max(0.0, min(end, e["ts"] + e["dur"]) - e["ts"])
         if steps:
             med = sorted(b["dur"] for b in backprops)[len(backprops) // 2] / 1e3
-            rows.append(f"| {model} | {backend} | {med:.1f} | {overlapped}/{steps} | {100 * inside / total:.0f} % |")
+            rows.append(f"| {model} | {backend} | {med:.1f} | {overlapped}/{steps} "
+                        f"| {100 * inside / total:.0f} % |")
     if not rows:
         return None
     return "\n".join(["**What the timelines show** (rank 0, overlap on; `TNT_TIMELINE` traces in "

@@ -91,7 +91,8 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
     cmd = [tnt, "run", "-n", str(args.ranks), "--backend", backend, "-x", "TNT_NUM_THREADS=1"]
     if args.timeline:
-        cmd += ["-x", f"TNT_TIMELINE={args.out_dir / f'timeline-{backend}-{model}-overlap{int(overlap)}.json'}"]
+        timeline = args.out_dir / f"timeline-{backend}-{model}-overlap{int(overlap)}.json"
+        cmd += ["-x", f"TNT_TIMELINE={timeline}"]
     cmd += ["--", str(WORKER), "--mode", "tnt", *_common(args, model), "--out", str(out)]
     if not overlap:
         cmd.append("--no-overlap")
@@ -107,7 +108,8 @@ def run_mwms(args, model: str, tmp: Path) -> dict:
     procs = []
     for i in range(args.ranks):
         env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
-                   TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
+                   TF_CONFIG=json.dumps({"cluster": {"worker": workers},
+                                         "task": {"type": "worker", "index": i}}))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), "--mode", "mwms", *_common(args, model),
                                        "--out", str(out)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -132,7 +134,7 @@ def plot(results: list[dict], path: Path) -> None:
     labels = [r["model"] for r in results]
     series = {"Keras, 1 process": [r["keras"]["samples_per_s"] for r in results]}
     for r in results:
-        for key, value in r.items():
+        for key in r:
             if key.startswith(("tnt-", "mwms")):
                 series.setdefault(key, [None] * len(results))
     for i, r in enumerate(results):
@@ -182,7 +184,7 @@ def main() -> int:
             base = row["keras"]["samples_per_s"]
             base_1cpu = row["keras_1cpu"]["samples_per_s"]
 
-            def rate(r: dict) -> dict:
+            def rate(r: dict, base: float = base, base_1cpu: float = base_1cpu) -> dict:
                 r["efficiency"] = r["samples_per_s"] / (args.ranks * base)
                 r["efficiency_1cpu"] = r["samples_per_s"] / (args.ranks * base_1cpu)
                 return r
@@ -196,7 +198,8 @@ def main() -> int:
             if args.vs_mwms:
                 row["mwms"] = rate(run_mwms(args, model, tmp))
                 for backend in backends:
-                    row[f"tnt-{backend}"]["vs_mwms"] = row[f"tnt-{backend}"]["samples_per_s"] / row["mwms"]["samples_per_s"]
+                    tnt_row = row[f"tnt-{backend}"]
+                    tnt_row["vs_mwms"] = tnt_row["samples_per_s"] / row["mwms"]["samples_per_s"]
             results.append(row)
             print_row(row, backends, args)
     (args.out_dir / "scaling.json").write_text(json.dumps(results, indent=1))
@@ -207,7 +210,8 @@ def main() -> int:
 
 def print_row(row: dict, backends: list[str], args) -> None:
     base = row["keras"]["samples_per_s"]
-    print(f"\n{row['model']} ({row['keras']['params']:,} params), {args.ranks} ranks, micro-batch {args.micro_batch}")
+    print(f"\n{row['model']} ({row['keras']['params']:,} params), {args.ranks} ranks, "
+          f"micro-batch {args.micro_batch}")
     print(f"  {'keras, 1 process':<28} {base:>10.0f} samples/s")
     print(f"  {'keras, 1 process on 1 CPU':<28} {row['keras_1cpu']['samples_per_s']:>10.0f} samples/s")
     for key, r in row.items():
@@ -220,7 +224,8 @@ def print_row(row: dict, backends: list[str], args) -> None:
     for backend in backends:
         off = row.get(f"tnt-{backend}-no-overlap")
         if off:
-            print(f"  overlap on/off ({backend}): {row[f'tnt-{backend}']['samples_per_s'] / off['samples_per_s']:.2f}x")
+            ratio = row[f"tnt-{backend}"]["samples_per_s"] / off["samples_per_s"]
+            print(f"  overlap on/off ({backend}): {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def main() -> int:
     result = {
         "mode": args.mode, "model": args.model, "workers": workers, "micro_batch": args.micro_batch,
         "global_batch": global_batch, "steps": len(timed) - 1, "seconds": seconds,
-        "samples_per_s": global_batch * (len(timed) - 1) / seconds, "overlap": not args.no_overlap, "comm_free": args.comm_free,
+        "samples_per_s": global_batch * (len(timed) - 1) / seconds,
+        "overlap": not args.no_overlap, "comm_free": args.comm_free,
         "params": int(model.count_params()), "cpus": len(os.sched_getaffinity(0)),
     }
     if is_chief:

@@ -48,7 +48,8 @@ def _run(command: str, cwd: Path) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
     env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, f"{command}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"{command}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
 
 

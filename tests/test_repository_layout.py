@@ -52,15 +52,17 @@ def test_packages_meet_only_through_public_tnt_core_names():
         for path in (ROOT / "packages" / package / "src").rglob("*.py"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 if re.match(r"\s*(from|import)\s", line):
-                    assert not private.search(line), f"{path}:{n} reaches into tnt_core internals: {line.strip()}"
+                    assert not private.search(line), \
+                        f"{path}:{n} reaches into tnt_core internals: {line.strip()}"
 
 
 def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"^```(?:console|sh|bash)?\n(.*?)```", setup, re.M | re.S)
-    lines = [l.strip().lstrip("$ ").strip() for block in commands for l in block.splitlines() if l.strip()]
+    lines = [line.strip().lstrip("$ ").strip()
+             for block in commands for line in block.splitlines() if line.strip()]
     assert lines == ["make run", "make test"], lines
-    ci = [l.strip() for l in (ROOT / ".ci/run").read_text().splitlines()
-          if l.strip() and not l.startswith("#") and not l.startswith(("set ", "cd "))]
+    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()
+          if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
     assert ci == ["make test"], ci

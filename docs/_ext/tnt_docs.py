@@ -27,7 +27,9 @@ import argparse
 import importlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ClassVar
 
 from docutils import nodes
 from docutils.parsers.rst import directives
@@ -102,7 +104,7 @@ class CliReference(SphinxDirective):
     """Render an argparse parser's options from ``module:function`` returning the parser."""
 
     required_arguments = 1
-    option_spec = {"prog": directives.unchanged}
+    option_spec: ClassVar[dict[str, Callable[[str], Any]]] = {"prog": directives.unchanged}
 
     def run(self) -> list[nodes.Node]:
         target = self.arguments[0]
@@ -111,7 +113,7 @@ class CliReference(SphinxDirective):
             factory = getattr(importlib.import_module(module_name), func_name)
             parser = factory(self.options["prog"]) if "prog" in self.options else factory()
         except Exception as exc:  # the docs build must say which parser broke
-            raise self.error(f"tnt-cli-reference: cannot build the parser {target!r}: {exc}")
+            raise self.error(f"tnt-cli-reference: cannot build the parser {target!r}: {exc}") from exc
         return _parse_markdown(self, cli_reference(parser), target, ["tnt-cli-reference"])
 
 
@@ -157,7 +159,7 @@ class EnvTable(SphinxDirective):
 
     required_arguments = 1
     optional_arguments = 10
-    option_spec = {"columns": directives.unchanged}
+    option_spec: ClassVar[dict[str, Callable[[str], Any]]] = {"columns": directives.unchanged}
 
     def run(self) -> list[nodes.Node]:
         from tnt_core import settings
@@ -167,7 +169,7 @@ class EnvTable(SphinxDirective):
         try:
             lines = env_table(list(self.arguments), columns)
         except ValueError as exc:
-            raise self.error(f"tnt-env-table: {exc}")
+            raise self.error(f"tnt-env-table: {exc}") from exc
         return _parse_markdown(self, lines, settings.__file__, ["tnt-env-table"])
 
 
@@ -268,7 +270,7 @@ class BenchmarkResults(SphinxDirective):
         try:
             lines = benchmark_results(RESULTS, docdir)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise self.error(f"tnt-benchmark-results: {exc!r}")
+            raise self.error(f"tnt-benchmark-results: {exc!r}") from exc
         return _parse_markdown(self, lines, str(RESULTS), ["tnt-benchmark-results"])
 
 

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import tarantella as tnt  # first: places this rank on its GPU / CPU threads
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# isort: split
+import keras
+import numpy as np
+import tensorflow as tf
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -26,9 +26,10 @@ import time
 
 import tarantella as tnt  # tnt: first, before TensorFlow runs anything
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# isort: split
+import keras
+import numpy as np
+import tensorflow as tf
 
 
 def parse_args() -> argparse.Namespace:

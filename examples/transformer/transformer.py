@@ -24,9 +24,10 @@ import argparse
 
 import tarantella as tnt  # first: places this rank on its GPU / CPU threads
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# isort: split
+import keras
+import numpy as np
+import tensorflow as tf
 
 MARKER = 1
 CLASSES = 4  # 0..3 markers

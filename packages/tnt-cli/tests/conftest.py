@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+
 from tnt_core.testing import enable_store_backend
 
 # the test-only store backend, for `tnt run --backend store` and `tnt --list-backends`

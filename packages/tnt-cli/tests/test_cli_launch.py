@@ -98,7 +98,7 @@ def test_failing_rank_sets_exit_code_and_ends_the_others(start_tnt, h, tmp_path)
     proc = start_tnt("-n", "3", "--", h.rank_script("sleeper.py"),
                      env={"TNT_TEST_FAIL_RANK": "1", "TNT_TEST_FAIL_CODE": "3"})
     pids = h.read_pids(tmp_path, 3)
-    out, err = proc.communicate(timeout=60)
+    _out, err = proc.communicate(timeout=60)
     ended = time.time()
     h.wait_for(lambda: (tmp_path / "failed_at").exists(), 5, "the failure time stamp")
     failed_at = float((tmp_path / "failed_at").read_text())
@@ -125,9 +125,9 @@ def test_signal_to_launcher_leaves_no_process(start_tnt, h, tmp_path, sig):
     assert set(pids) <= {c.pid for c in children}
     assert len(children) >= 6  # an agent and a rank per rank
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=30)
+    _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig
-    gone, alive = psutil.wait_procs(children, timeout=5)
+    _gone, alive = psutil.wait_procs(children, timeout=5)
     assert alive == [], f"left behind: {alive}"
     assert f"{signal.Signals(sig).name}: ending all ranks" in err
 
@@ -138,7 +138,7 @@ def test_killed_launcher_takes_its_ranks_along(start_tnt, h, tmp_path):
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.kill()  # no chance to clean up: the agents see their stdin close
     proc.wait(timeout=10)
-    gone, alive = psutil.wait_procs(children, timeout=10)
+    _gone, alive = psutil.wait_procs(children, timeout=10)
     assert alive == [] and h.still_alive(pids) == []
 
 

@@ -50,7 +50,7 @@ def test_mpirun_launcher_failing_rank(start_tnt, h, tmp_path):
     proc = start_tnt("--launcher", "mpirun", "-n", "3", "--", h.rank_script("sleeper.py"),
                      env={"TNT_TEST_FAIL_RANK": "2", "TNT_TEST_FAIL_CODE": "4"})
     pids = h.read_pids(tmp_path, 3)
-    out, err = proc.communicate(timeout=60)
+    _out, err = proc.communicate(timeout=60)
     ended = time.time()
     assert proc.returncode == 4, err
     assert "rank 2 failed: exited with code 4" in err

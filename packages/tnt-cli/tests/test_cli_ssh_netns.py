@@ -101,10 +101,10 @@ class TwoHosts:
                 f"AuthorizedKeysFile {t / 'authorized_keys'}\nPubkeyAuthentication yes\n"
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
                 "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n")
-            log = open(t / f"sshd_{ns}.log", "wb")
-            self.sshds.append(subprocess.Popen(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(conf)],
-                                               stdout=log, stderr=log, stdin=subprocess.DEVNULL))
-            log.close()
+            with open(t / f"sshd_{ns}.log", "wb") as log:
+                self.sshds.append(subprocess.Popen(
+                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(conf)],
+                    stdout=log, stderr=log, stdin=subprocess.DEVNULL))
         for ns in self.ns:
             log = t / f"sshd_{ns}.log"
             deadline = time.monotonic() + 20
@@ -225,7 +225,7 @@ def test_remote_rank_failure_ends_the_job(hosts, h, tmp_path):
                      h.rank_script("sleeper.py"), env_dir=tmp_path)
     try:
         pids = _wait_pids(tmp_path, 2)
-        out, err = proc.communicate(timeout=60)
+        _out, err = proc.communicate(timeout=60)
         ended = time.time()
         failed_at = float((tmp_path / "failed_at").read_text())
         assert proc.returncode == 3, err
@@ -243,9 +243,9 @@ def test_sigint_ends_the_remote_rank(hosts, h, tmp_path):
     try:
         pids = _wait_pids(tmp_path, 2)
         proc.send_signal(signal.SIGINT)  # `ip netns exec` became tnt run itself
-        out, err = proc.communicate(timeout=30)
+        _out, err = proc.communicate(timeout=30)
         assert proc.returncode == 130, err
-        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
+        _gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
         assert alive == [], f"left behind: {alive}"
     finally:
         if proc.poll() is None:
@@ -261,10 +261,10 @@ def test_dropped_ssh_connection_ends_the_remote_rank_and_the_job(hosts, h, tmp_p
         sessions = [p for p in psutil.Process(hosts.sshds[1].pid).children() if p.name().startswith("sshd")]
         assert len(sessions) == 1, sessions
         sessions[0].kill()
-        out, err = proc.communicate(timeout=30)
+        _out, err = proc.communicate(timeout=30)
         assert proc.returncode == 255, err
         assert f"rank 1 on {ADDR_B} failed: exited with code 255 (ssh could not reach {ADDR_B}?" in err
-        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
+        _gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
         assert alive == [], f"left behind: {alive}"
     finally:
         if proc.poll() is None:
@@ -278,7 +278,7 @@ def test_killed_launcher_ends_the_remote_rank(hosts, h, tmp_path):
         pids = _wait_pids(tmp_path, 2)
         proc.kill()  # SIGKILL: tnt run cannot clean up; ssh's stdin closes with it
         proc.communicate(timeout=10)
-        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=10)
+        _gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=10)
         assert alive == [], f"left behind: {alive}"
     finally:
         if proc.poll() is None:
@@ -302,7 +302,7 @@ def test_cleanup_over_ssh(hosts, h, tmp_path):
                              stdin=subprocess.DEVNULL)
         assert res.returncode == 0, res.stdout + res.stderr
         assert res.stdout.startswith(f"{ADDR_B}: ended 2 rank(s) of {script.name} (pids "), res.stdout
-        gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
+        _gone, alive = psutil.wait_procs(_alive_procs(pids), timeout=5)
         assert alive == []
         proc.communicate(timeout=30)
         assert proc.returncode != 0

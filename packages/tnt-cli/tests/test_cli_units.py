@@ -85,5 +85,5 @@ def test_the_store_listens_where_the_route_to_the_first_remote_host_leaves():
     assert route_source_address("127.0.0.1") == "127.0.0.1"
     assert store_bind_address(["localhost", "127.0.0.1"], None) == "127.0.0.1"
     assert store_bind_address(["nodeX"], "10.0.0.1") == "10.0.0.1"
-    with pytest.raises(UsageError, match="cannot resolve host 'no-such-host.invalid'"):
+    with pytest.raises(UsageError, match=r"cannot resolve host 'no-such-host\.invalid'"):
         route_source_address("no-such-host.invalid")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+
 import tnt_core
 
 N = 64 * 1024 * 1024 // 4

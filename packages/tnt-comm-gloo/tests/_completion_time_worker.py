@@ -1,5 +1,10 @@
 """Rank body for test_completion_time.py: the handle reports when the allreduce finished."""
-import time, numpy as np, tnt_core
+import time
+
+import numpy as np
+
+import tnt_core
+
 rt = tnt_core.init()
 buf = np.ones(1 << 20, np.float32)
 t0 = time.perf_counter()

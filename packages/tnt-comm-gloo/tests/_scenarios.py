@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 import tnt_core
 from tnt_core import CommError
 

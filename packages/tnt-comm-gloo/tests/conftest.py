@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from tnt_core.testing import LaunchResult, launch_ranks
 
 SCENARIOS = Path(__file__).with_name("_scenarios.py")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tnt_core.testing import launch_ranks
 
 pytest.importorskip("psutil")

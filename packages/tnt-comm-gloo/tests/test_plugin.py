@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 import pytest
+
 import tnt_core
 from tnt_comm_gloo import plugin
 from tnt_core import Config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+
 from tnt_comm_gloo.backend import (
     DEFAULT_BCUBE_MAX_BYTES,
     DEFAULT_DOUBLING_MAX_BYTES,

@@ -13,7 +13,7 @@ import pytest
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from mpi_jobs import MPIEXEC  # noqa: E402
+from mpi_jobs import MPIEXEC
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fake_dlpack import CPU, CUDA, CUDA_HOST, FakeDeviceArray, ReadOnlyDeviceArray
 
+from fake_dlpack import CPU, CUDA, CUDA_HOST, FakeDeviceArray, ReadOnlyDeviceArray
 from tnt_comm_mpi import prepare
 
 
@@ -48,7 +48,7 @@ def test_device_memory_goes_to_cuda_aware_mpi_directly() -> None:
 
 
 def test_bad_buffers_fail_with_clear_errors() -> None:
-    with pytest.raises(TypeError, match="numpy.ndarray or an object with __dlpack__"):
+    with pytest.raises(TypeError, match=r"numpy\.ndarray or an object with __dlpack__"):
         prepare([1.0, 2.0], "allreduce", cuda_aware=False)
     with pytest.raises(TypeError, match="does not support dtype uint8"):
         prepare(FakeDeviceArray(np.zeros(3, np.uint8), CUDA), "allreduce", cuda_aware=False)
@@ -67,7 +67,6 @@ def test_collectives_on_device_buffers_through_the_backend(have_mpiexec, tmp_pat
     import json
 
     from mpi_jobs import WORKERS, mpiexec
-
     from tnt_core.testing import launch_ranks
 
     result = launch_ranks([str(WORKERS / "device_worker.py"), str(tmp_path)], 2, backend="mpi",

@@ -11,7 +11,6 @@ the ranks into one MPI job).
 """
 
 from mpi_jobs import mpiexec
-
 from tnt_core.testing.suite import BackendConformance
 
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpi_jobs import WORKERS, mpiexec
 
+from mpi_jobs import WORKERS, mpiexec
 from tnt_core.testing import launch_ranks
 
 WORKER = str(WORKERS / "launch_worker.py")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from mpi_jobs import WORKERS, mpiexec
 
+from mpi_jobs import WORKERS, mpiexec
 from tnt_core.testing import launch_ranks
 
 

@@ -61,8 +61,13 @@ def test_a_waiter_runs_queued_operations_itself_in_order():
     worker = CommThread("t", rank=0, timeout_s=10, run_in_waiter=True)
     ran_on = []
     gate = threading.Event()
+
+    def occupy() -> None:
+        gate.wait(5)
+        ran_on.append(("first", threading.current_thread().name))
+
     # the first operation occupies the thread; the waiter must not run anything meanwhile
-    first = worker.submit(lambda: (gate.wait(5), ran_on.append(("first", threading.current_thread().name)))[1], "op0")
+    first = worker.submit(occupy, "op0")
     time.sleep(0.05)
     later = [worker.submit(lambda i=i: ran_on.append((i, threading.current_thread().name)), f"op{i + 1}")
              for i in range(3)]

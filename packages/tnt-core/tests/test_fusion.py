@@ -5,7 +5,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tnt_core
 from tnt_core import CompletedHandle, FusedAllreducer, LocalBackend, TensorSpec, plan_buckets
 from tnt_core.testing import fused_allreduce, launch_ranks
 
@@ -149,7 +148,8 @@ def test_misuse_is_reported():
     with pytest.raises(ValueError, match="plan expects"):
         fused.push(0, np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="would truncate"):
-        FusedAllreducer(LocalBackend(), plan_buckets([spec(2, "int64")], 0)).push(0, np.ones(2, np.int64), 0.5)
+        reducer = FusedAllreducer(LocalBackend(), plan_buckets([spec(2, "int64")], 0))
+        reducer.push(0, np.ones(2, np.int64), 0.5)
     with pytest.raises(ValueError, match="expected 2 tensors"):
         fused_allreduce(fused, [np.zeros(2, np.float32)])
 
@@ -167,7 +167,8 @@ def test_fused_allreduce_across_three_processes(tmp_path, threshold):
         want = [w * 0.5 if w.dtype.kind == "f" else w for w in want]
         for data in per_rank:
             for got, expected in zip(data["results"][step], want):
-                np.testing.assert_array_equal(np.asarray(got, dtype=expected.dtype).reshape(expected.shape), expected)
+                actual = np.asarray(got, dtype=expected.dtype).reshape(expected.shape)
+                np.testing.assert_array_equal(actual, expected)
     buckets = per_rank[0]["buckets"]
     assert buckets == {0: 7, 256: 5, 10**9: 4}[threshold]
 

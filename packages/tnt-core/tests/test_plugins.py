@@ -36,8 +36,6 @@ def test_builtin_backends(clean_runtime):
 
 
 def test_store_backend_is_test_code_not_loaded_unless_asked(clean_runtime):
-    import sys
-
     clean_runtime.delenv("TNT_PLUGINS")
     names = {s.name for s in tnt_core.list_backends()}
     assert "local" in names and "store" not in names
@@ -81,13 +79,13 @@ def test_blocked_plugin_is_not_loaded(plugins_path):
 
 def test_unknown_hook_name_fails_at_start_up(plugins_path):
     plugins_path.setenv("TNT_PLUGINS", "plugin_bad_hook")
-    with pytest.raises(PluginError, match="unknown hook.*tnt_comm_backend"):
+    with pytest.raises(PluginError, match=r"unknown hook.*tnt_comm_backend"):
         tnt_core.get_plugin_manager()
 
 
 def test_missing_plugin_module_is_named(plugins_path):
     plugins_path.setenv("TNT_PLUGINS", "no_such_module_xyz")
-    with pytest.raises(PluginError, match="no_such_module_xyz.*TNT_PLUGINS"):
+    with pytest.raises(PluginError, match=r"no_such_module_xyz.*TNT_PLUGINS"):
         tnt_core.get_plugin_manager()
 
 
@@ -118,7 +116,7 @@ def test_bad_return_value_of_a_backend_plugin_is_named(clean_runtime):
             return ["gloo"]
 
     tnt_core.get_plugin_manager().register(Broken())
-    with pytest.raises(PluginError, match="must return a list of tnt_core.BackendSpec"):
+    with pytest.raises(PluginError, match=r"must return a list of tnt_core\.BackendSpec"):
         tnt_core.list_backends()
 
 

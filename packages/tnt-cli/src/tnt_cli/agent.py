@@ -284,7 +284,7 @@ def report_failure(env: Mapping[str, str], rank: int, code: int) -> None:
             client.set(FAILURE_KEY, f"{rank} {code}".encode())
         finally:
             client.close()
-    except Exception:  # the launcher may be gone already; nothing left to tell
+    except Exception:  # noqa: BLE001 - the launcher may be gone already; nothing left to tell
         pass
 
 

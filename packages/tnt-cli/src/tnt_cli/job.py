@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tnt_core import Config, ConfigError, VARIABLES
+from tnt_core import VARIABLES, Config, ConfigError
 
 from .agent import SPEC_VERSION
 from .devices import threads_per_rank

@@ -58,6 +58,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
+
 from tnt_core import (
     CommBackend,
     CommError,

@@ -8,6 +8,7 @@ the ``CommBackend`` contract, so it lives here rather than on the backend.
 from __future__ import annotations
 
 import numpy as np
+
 from tnt_core import check_buffer
 
 from .backend import GlooBackend

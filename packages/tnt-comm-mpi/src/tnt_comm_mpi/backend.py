@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 
 from tnt_core import (
+    SUPPORTED_DTYPES,
     CommBackend,
     CommError,
     CommThread,
     Config,
     ConfigError,
-    SUPPORTED_DTYPES,
     Handle,
     MpiLaunch,
     check_op,
@@ -45,8 +45,8 @@ from tnt_core import (
     reachable_address,
 )
 
-from .buffers import Staged, prepare
 from . import library
+from .buffers import Staged, prepare
 from .library import cuda_support, host_pmi_server, load_mpi, mark_failed, register_backend
 from .pmi_server import start_helper
 from .progress import Poller, PollSettings

@@ -67,7 +67,9 @@ def _dtype_of(buf: Any, operation: str) -> np.dtype:
     try:
         dtype = np.dtype(getattr(raw, "as_numpy_dtype", None) or str(raw).rsplit(".", 1)[-1])
     except TypeError:
-        raise TypeError(f"{operation}: cannot tell the dtype of {type(buf).__name__} (dtype={raw!r})") from None
+        raise TypeError(
+            f"{operation}: cannot tell the dtype of {type(buf).__name__} (dtype={raw!r})"
+        ) from None
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"{operation} does not support dtype {dtype}; use one of {names}")

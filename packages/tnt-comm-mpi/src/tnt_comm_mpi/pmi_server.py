@@ -135,7 +135,8 @@ class PmiServer:
                 if cmd == "initack":
                     rank = int(msg.get("pmiid", "-1"))
                     if not 0 <= rank < self.size:
-                        log.error("PMI client announced id %r; expected 0..%d", msg.get("pmiid"), self.size - 1)
+                        log.error("PMI client announced id %r; expected 0..%d",
+                                  msg.get("pmiid"), self.size - 1)
                         return
                     self._send(conn, "cmd=initack", f"cmd=set size={self.size}",
                                f"cmd=set rank={rank}", "cmd=set debug=0")

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fake_dlpack import CPU, CUDA, FakeDeviceArray  # noqa: E402
-
-import tnt_core  # noqa: E402
+import tnt_core
+from fake_dlpack import CPU, CUDA, FakeDeviceArray
 
 
 def main() -> int:

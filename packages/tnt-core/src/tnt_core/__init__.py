@@ -60,7 +60,6 @@ from .runtime import (
     shutdown,
 )
 from .settings import VARIABLES, Variable, read_setting
-from .timeline import Timeline, timeline_path
 from .sharding import (
     ShardContext,
     micro_batch_offset,
@@ -68,6 +67,7 @@ from .sharding import (
     micro_batch_sizes,
     micro_batch_slice,
 )
+from .timeline import Timeline, timeline_path
 
 try:
     __version__ = version("tnt-core")

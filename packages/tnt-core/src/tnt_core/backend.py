@@ -211,6 +211,6 @@ class BackendSpec:
         if callable(self.available):
             try:
                 return bool(self.available(config))
-            except Exception:  # a broken probe means "not available", not a crash
+            except Exception:  # noqa: BLE001 - a broken probe means "not available", not a crash
                 return False
         return bool(self.available)

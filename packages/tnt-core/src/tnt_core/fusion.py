@@ -273,7 +273,7 @@ class FusedAllreducer:
                 if handle is not None and not handle.done():
                     try:
                         handle.wait(timeout)
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - the first error is re-raised below
                         pass
             raise
         result: list[np.ndarray] = [None] * self.plan.num_tensors  # type: ignore[list-item]

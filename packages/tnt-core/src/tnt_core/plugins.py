@@ -63,7 +63,9 @@ def _new_manager() -> pluggy.PluginManager:
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:
-            raise PluginError(f"cannot import plugin module {module_name!r} named in TNT_PLUGINS: {exc}") from exc
+            raise PluginError(
+                f"cannot import plugin module {module_name!r} named in TNT_PLUGINS: {exc}"
+            ) from exc
         pm.register(module, name=module_name)
     for module_name in BUILTIN_PLUGINS:
         if not pm.has_plugin(module_name):

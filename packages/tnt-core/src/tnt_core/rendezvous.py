@@ -348,7 +348,8 @@ class StoreClient:
                 raise self._error(f"keys {missing[:8]} were not set within the timeout", op)
 
     def _check_locked(self, keys: list[str]) -> bool:
-        self._request(bytes([OP_CHECK]) + struct.pack(">I", len(keys)) + b"".join(map(_pack_str, keys)), "check")
+        packed = b"".join(map(_pack_str, keys))
+        self._request(bytes([OP_CHECK]) + struct.pack(">I", len(keys)) + packed, "check")
         self._status("check")
         return bool(_recv_exact(self._sock, 1)[0])
 

@@ -143,6 +143,7 @@ class Runtime:
 
 _lock = threading.RLock()
 _runtime: Runtime | None = None
+_atexit_registered = False  # shutdown() is registered once per process, not per init()
 
 
 def init(backend: str | None = None) -> Runtime:
@@ -151,7 +152,7 @@ def init(backend: str | None = None) -> Runtime:
     :param backend: a backend name overriding ``TNT_BACKEND``. Asking for another
         backend than the one already running is an error.
     """
-    global _runtime
+    global _runtime, _atexit_registered
     with _lock:
         if _runtime is not None and not _runtime.stopped:
             if backend and backend != _runtime.backend_spec.name:
@@ -175,9 +176,9 @@ def init(backend: str | None = None) -> Runtime:
             configure_logging(config, rank=comm.rank)
         runtime = Runtime(config, comm, spec, pm)
         _runtime = runtime
-        if not getattr(init, "_atexit", False):
+        if not _atexit_registered:
             atexit.register(shutdown)
-            init._atexit = True  # type: ignore[attr-defined]
+            _atexit_registered = True
         pm.hook.tnt_runtime_started(runtime=runtime)
         return runtime
 

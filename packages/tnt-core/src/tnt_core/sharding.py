@@ -98,12 +98,12 @@ class ShardContext:
 
     def __post_init__(self) -> None:
         _check_rank(self.rank, _check(1, self.size, True)[1])
-        if self.global_batch_size is not None and self.micro_batch_size is not None:
-            if self.micro_batch_size * self.size != self.global_batch_size:
-                raise ShardingError(
-                    f"micro batch size {self.micro_batch_size} x {self.size} ranks != global "
-                    f"batch size {self.global_batch_size}; give one of them, or make them agree"
-                )
+        if (self.global_batch_size is not None and self.micro_batch_size is not None
+                and self.micro_batch_size * self.size != self.global_batch_size):
+            raise ShardingError(
+                f"micro batch size {self.micro_batch_size} x {self.size} ranks != global "
+                f"batch size {self.global_batch_size}; give one of them, or make them agree"
+            )
 
     @property
     def sizes(self) -> list[int]:

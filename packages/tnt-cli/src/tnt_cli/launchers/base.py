@@ -59,7 +59,7 @@ class Launcher(abc.ABC):
         """Hosts of the job when no hostfile names them (e.g. a Slurm allocation)."""
         return None
 
-    def check(self, job: Job) -> None:
+    def check(self, job: Job) -> None:  # noqa: B027 - optional: most launchers accept every job
         """Raise :class:`~tnt_cli.errors.UsageError` when this launcher cannot run ``job``."""
 
     @abc.abstractmethod

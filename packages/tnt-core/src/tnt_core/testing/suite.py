@@ -19,6 +19,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -48,7 +49,7 @@ class BackendConformance:
     timeout: float = 600.0
     #: TNT_TIMEOUT_S of the dead-peer job: the survivors must fail within this (+ slack)
     dead_peer_timeout_s: float = 15.0
-    extra_env: dict[str, str] = {}
+    extra_env: ClassVar[dict[str, str]] = {}
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "nprocs" in metafunc.fixturenames:
