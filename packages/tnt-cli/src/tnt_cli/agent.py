@@ -118,6 +118,7 @@ class Agent:
         self.err = _Writer(2)
         self.tail: collections.deque[bytes] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._pid = os.getpid()
+        self._prctl: Callable[..., int] | None
         try:  # looked up before fork: the child must not load libraries
             self._prctl = ctypes.CDLL(None, use_errno=True).prctl
         except (OSError, AttributeError):
@@ -126,7 +127,7 @@ class Agent:
     # -- environment ------------------------------------------------------------------
     def build_env(self) -> tuple[dict[str, str], int]:
         spec = self.spec
-        pairs: list[tuple[str, str]] = [tuple(p) for p in spec["env"]]  # type: ignore[misc]
+        pairs: list[tuple[str, str]] = [(k, v) for k, v in spec["env"]]
         env = dict(os.environ)
         env.pop(SPEC_ENV, None)
         rank = spec.get("rank")

@@ -21,12 +21,12 @@ def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
     if visible is not None:
         ids = [d.strip() for d in visible.split(",") if d.strip()]
         # CUDA stops at the first invalid entry; -1 is the usual way to hide all GPUs
-        out = []
+        visible_ids: list[str] = []
         for d in ids:
             if d.startswith("-"):
                 break
-            out.append(d)
-        return out
+            visible_ids.append(d)
+        return visible_ids
     proc = "/proc/driver/nvidia/gpus"
     try:
         entries = sorted(os.listdir(proc))

@@ -22,7 +22,7 @@ def _resolve(host: str) -> list[str]:
         infos = socket.getaddrinfo(_strip_user(host), None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return []
-    return list(dict.fromkeys(info[4][0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 @functools.lru_cache(maxsize=256)

@@ -20,11 +20,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import BinaryIO
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, BinaryIO
 
 from .agent import describe_exit
 from .launchers.base import ProcessSpec
+
+# what signal.signal() returns: the previous handler (None: not installed from Python)
+_Handler = Callable[[int, FrameType | None], Any] | int | None
 
 __all__ = ["Supervisor"]
 
@@ -95,8 +99,8 @@ class Supervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.events.put(("signal", -1, signum))
 
-    def _install_signals(self) -> dict[int, object]:
-        previous = {}
+    def _install_signals(self) -> dict[signal.Signals, _Handler]:
+        previous: dict[signal.Signals, _Handler] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 previous[sig] = signal.signal(sig, self._on_signal)
@@ -160,7 +164,8 @@ class Supervisor:
             self._stop_all()
             self._kill_all()  # nothing may outlive tnt run, whatever happened above
             for sig, handler in previous.items():
-                signal.signal(sig, handler)  # type: ignore[arg-type]
+                if handler is not None:  # None: the handler was not Python's; nothing to put back
+                    signal.signal(sig, handler)
 
     def _run(self) -> int:
         for index, spec in enumerate(self.specs):

@@ -86,9 +86,9 @@ class FutureHandle(Handle):
         """Wait for handles of one thread as one batch: a waiter that runs the queue runs
         it up to the last of them in one go, instead of handing the rest back to the
         thread after each (a wake-up each) and taking the next one over again."""
-        threads = {id(h._thread) for h in handles}  # type: ignore[attr-defined]
-        if len(threads) == 1:
-            last: FutureHandle = max(handles, key=lambda h: h._seq)  # type: ignore[attr-defined]
+        futures = [h for h in handles if isinstance(h, FutureHandle)]
+        if len(futures) == len(handles) and len({id(h._thread) for h in futures}) == 1:
+            last = max(futures, key=lambda h: h._seq)
             thread = last._thread
             limit = thread.timeout_s if timeout is None else timeout
             if not last._event.is_set() and not thread._wait_for(last, limit):

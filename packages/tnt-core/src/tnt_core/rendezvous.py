@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+from .config import Config
 from .errors import CommError, ConfigError
 
 __all__ = [
@@ -218,6 +219,7 @@ class StoreServer:
     @property
     def address(self) -> tuple[str, int]:
         host, port = self._server.server_address[:2]
+        assert isinstance(host, str)  # a TCP server's address, never an AF_UNIX path
         return host, port
 
     @property
@@ -364,7 +366,8 @@ class StoreClient:
         with self._lock:
             self._request(bytes([OP_ADD]) + _pack_str(key) + struct.pack(">q", amount), op)
             self._status(op)
-            return struct.unpack(">q", _recv_exact(self._sock, 8))[0]
+            value: int = struct.unpack(">q", _recv_exact(self._sock, 8))[0]
+            return value
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it existed."""
@@ -388,7 +391,7 @@ class StoreClient:
         self.close()
 
 
-def connect_store(config, *, connect_timeout: float = 60.0) -> StoreClient:
+def connect_store(config: Config, *, connect_timeout: float = 60.0) -> StoreClient:
     """A client for the job's store from ``TNT_RENDEZVOUS`` / ``TNT_RENDEZVOUS_KEY``."""
     host, port = config.rendezvous_address()
     if not config.rendezvous_key:
@@ -444,7 +447,7 @@ def reachable_address(rendezvous_host: str | None, *, hint: str = "") -> str:
     try:
         infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
         problem = "resolves to a loopback address, which other nodes cannot reach"
-        if not all(is_loopback(info[4][0]) for info in infos):
+        if not all(is_loopback(str(info[4][0])) for info in infos):
             return name
     except OSError as exc:
         problem = f"does not resolve ({exc})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 from .errors import ShardingError
 
@@ -25,9 +25,11 @@ __all__ = [
 
 def _as_int(name: str, value: object) -> int:
     try:
-        return operator.index(value)  # rejects 2.5 and "3", accepts numpy ints
-    except TypeError:
-        raise ShardingError(f"{name} must be an integer, got {value!r}") from None
+        if isinstance(value, SupportsIndex):
+            return operator.index(value)  # rejects 2.5 and "3", accepts numpy ints
+    except TypeError:  # e.g. an array of more than one element
+        pass
+    raise ShardingError(f"{name} must be an integer, got {value!r}")
 
 
 def _check(global_batch: object, size: object, allow_empty: bool) -> tuple[int, int]:

@@ -18,11 +18,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Timeline", "timeline_path"]
 
 
-def timeline_path(path: str | os.PathLike, rank: int) -> Path:
+def timeline_path(path: str | os.PathLike[str], rank: int) -> Path:
     """The file rank ``rank`` writes for ``TNT_TIMELINE=path``."""
     text = str(path)
     if "{rank}" in text:
@@ -38,11 +39,11 @@ class Timeline:
     backends stamp completions with), written as microseconds since the timeline began.
     """
 
-    def __init__(self, path: str | os.PathLike, rank: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], rank: int = 0) -> None:
         self.path = timeline_path(path, rank)
         self.rank = rank
         self._t0 = time.perf_counter()
-        self._events: list[dict] = [
+        self._events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
         ]
         self._lanes: dict[str, int] = {}
@@ -90,7 +91,7 @@ class Timeline:
             self.complete(name, lane, start, time.perf_counter(), **args)
 
     @property
-    def events(self) -> list[dict]:
+    def events(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._events)
 

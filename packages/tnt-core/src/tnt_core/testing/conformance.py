@@ -17,6 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def _input(op: str, rank: int, shape: int | tuple[int, ...], dtype: str) -> np.n
     return values.astype(dtype).reshape(shape)
 
 
-def _expected(op: str, size: int, shape, dtype: str) -> np.ndarray:
+def _expected(op: str, size: int, shape: int | tuple[int, ...], dtype: str) -> np.ndarray:
     acc = _input(op, 0, shape, dtype)
     for r in range(1, size):
         acc = _REDUCE[op](acc, _input(op, r, shape, dtype))
@@ -133,12 +134,14 @@ def case_async_in_flight(ctx: Context) -> None:
 def case_bad_input(ctx: Context) -> None:
     """Bad arguments fail locally with a clear error and leave the backend usable."""
     strided = np.zeros(10, dtype=np.float32)[::2]
-    for bad, expected in (
+    bad_calls: tuple[tuple[Callable[[], object], type[Exception] | tuple[type[Exception], ...]], ...] = (
         (lambda: ctx.backend.allreduce_async(strided), (ValueError, TypeError)),
         (lambda: ctx.backend.allreduce_async(np.zeros(3, np.float32), op="mean"), ValueError),
         (lambda: ctx.backend.allreduce_async(np.zeros(3, np.uint8)), (TypeError, ValueError)),
-        (lambda: ctx.backend.allreduce_async([1.0, 2.0]), (TypeError, ValueError)),
-    ):
+        # a list, not an array: wrong on purpose, the backend must reject it
+        (lambda: ctx.backend.allreduce_async([1.0, 2.0]), (TypeError, ValueError)),  # type: ignore[arg-type]
+    )
+    for bad, expected in bad_calls:
         try:
             bad()
         except expected as exc:
@@ -169,7 +172,7 @@ CASE_NAMES = (*CASES, "close-idempotent")
 class _Report:
     def __init__(self, directory: Path, rank: int, size: int, backend: str) -> None:
         self.path = directory / f"rank{rank}.json"
-        self.data = {"rank": rank, "size": size, "backend": backend, "cases": {}}
+        self.data: dict[str, Any] = {"rank": rank, "size": size, "backend": backend, "cases": {}}
         self.write()
 
     def record(self, name: str, status: str, detail: str = "", seconds: float = 0.0) -> None:

@@ -81,7 +81,7 @@ def rank_env(rank: int, size: int, store: StoreServer, *, backend: str | None = 
     return env
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -91,7 +91,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def launch_ranks(argv: Sequence[str], nprocs: int, *, backend: str | None = None,
                  timeout: float = 120.0, tnt_timeout_s: float | None = None,
                  env: Mapping[str, str] | None = None, launcher: Sequence[str] | None = None,
-                 cwd: str | os.PathLike | None = None, python: str | None = None) -> LaunchResult:
+                 cwd: str | os.PathLike[str] | None = None, python: str | None = None) -> LaunchResult:
     """Run ``python *argv`` as ``nprocs`` ranks; return every rank's exit code and output.
 
     :param argv: arguments after the interpreter, e.g. ``["-m", "pkg.worker", "--flag"]``.
@@ -102,7 +102,7 @@ def launch_ranks(argv: Sequence[str], nprocs: int, *, backend: str | None = None
     """
     python = python or sys.executable
     with StoreServer("127.0.0.1", 0) as store, tempfile.TemporaryDirectory(prefix="tnt-launch-") as tmp:
-        procs: list[tuple[int, subprocess.Popen, Path, Path]] = []
+        procs: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
         command = [python, *argv]
         starts = [(0, list(launcher) + command)] if launcher else [(r, command) for r in range(nprocs)]
         t0 = time.monotonic()

@@ -117,7 +117,8 @@ class StoreBackend(CommBackend):
             buf.reshape(-1)[...] = np.frombuffer(data, dtype=buf.dtype)
             return buf
 
-        return self._thread.submit(run, name, buf).wait()
+        result: np.ndarray = self._thread.submit(run, name, buf).wait()
+        return result
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
         check_buffer(buf, "allgather", writeable=False)
@@ -127,7 +128,8 @@ class StoreBackend(CommBackend):
             parts = self._exchange(prefix, np.ascontiguousarray(buf).tobytes(), name, range(self.size))
             return np.stack([np.frombuffer(p, dtype=buf.dtype).reshape(buf.shape) for p in parts])
 
-        return self._thread.submit(run, name, buf).wait()
+        result: np.ndarray = self._thread.submit(run, name, buf).wait()
+        return result
 
     def barrier(self) -> None:
         prefix, name = self._next("barrier")

@@ -19,7 +19,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -29,7 +29,7 @@ from .launch import LaunchResult, launch_ranks
 __all__ = ["BackendConformance"]
 
 
-def _read_reports(directory: Path) -> dict[int, dict]:
+def _read_reports(directory: Path) -> dict[int, dict[str, Any]]:
     reports = {}
     for path in sorted(directory.glob("rank*.json")):
         data = json.loads(path.read_text())
@@ -68,13 +68,15 @@ class BackendConformance:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def conformance_run(cls, nprocs: int, tmp_path_factory: pytest.TempPathFactory):
+    def conformance_run(cls, nprocs: int, tmp_path_factory: pytest.TempPathFactory
+                        ) -> tuple[LaunchResult, dict[int, dict[str, Any]]]:
         report_dir = tmp_path_factory.mktemp(f"conformance-{cls.backend}-np{nprocs}")
         result = cls._launch(nprocs, ["--report", str(report_dir)], cls.timeout, 120.0)
         return result, _read_reports(report_dir)
 
     @pytest.mark.parametrize("case", CASE_NAMES)
-    def test_conformance(self, conformance_run, nprocs: int, case: str) -> None:
+    def test_conformance(self, conformance_run: tuple[LaunchResult, dict[int, dict[str, Any]]],
+                         nprocs: int, case: str) -> None:
         result, reports = conformance_run
         missing = sorted(set(range(nprocs)) - set(reports))
         assert not missing, f"ranks {missing} wrote no report\n{result.describe()}"
@@ -89,7 +91,8 @@ class BackendConformance:
                 failures.append(f"rank {rank}:\n{entry['detail']}")
         assert not failures, "\n".join(failures) + "\n" + result.describe()
 
-    def test_all_ranks_exit_cleanly(self, conformance_run) -> None:
+    def test_all_ranks_exit_cleanly(self, conformance_run: tuple[LaunchResult, dict[int, dict[str, Any]]]
+                                    ) -> None:
         result, _ = conformance_run
         assert result.ok, result.describe()
 
