@@ -14,7 +14,7 @@ PACKAGES := tnt-core tnt-comm-gloo tnt-comm-mpi tnt-keras tnt-cli
 INSTALL := -e packages/tnt-core -e packages/tnt-comm-gloo -e "packages/tnt-comm-mpi[mpich]" \
            -e packages/tnt-keras -e packages/tnt-cli
 STAMP   := $(VENV)/.stamp-installed
-INPUTS  := Makefile VERSION ci/install-system-deps.sh ci/requirements-test.txt \
+INPUTS  := Makefile VERSION ci/install-system-deps.sh ci/requirements-test.txt ci/requirements-lint.txt \
            $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
            $(wildcard packages/tnt-comm-gloo/CMakeLists.txt packages/tnt-comm-gloo/csrc/*)
 
