@@ -40,9 +40,10 @@ _ALIGN = tnt_core.BUFFER_ALIGNMENT
 def dense_gradient(grad: tf.Tensor | tf.IndexedSlices, like: tf.Variable | None) -> tf.Tensor:
     """The gradient as a dense tensor with the variable's static shape.
 
-    Sparse gradients (Embedding) are reduced densely: every rank's rows differ. A gradient
-    may lose its static shape on the way (``Dense`` on a 3-D input of unknown batch size
-    gives a kernel gradient of shape ``(None, units)``); the variable's shape restores it.
+    A gradient may lose its static shape on the way (``Dense`` on a 3-D input of unknown
+    batch size gives a kernel gradient of shape ``(None, units)``); the variable's shape
+    restores it. (Sparse gradients do not come here: ``tarantella.steps`` gathers them row
+    by row, as the serial step has them.)
     """
     dense = tf.convert_to_tensor(grad)
     if like is not None:
