@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 import tnt_core
 
 pytestmark = pytest.mark.timeout(1500)  # the first test of a launch waits for it

@@ -112,7 +112,7 @@ def test_master_weights_reach_every_rank(features):
 
 
 def test_unsupported_uses_say_what_to_do(features):
-    ranks, nprocs, _ = features
+    ranks, _, _ = features
     errors = ranks[0]["errors"]
     assert "batch it" in errors["unbatched"]
     assert all(r["batch_smaller_than_ranks_trains"] for r in ranks)

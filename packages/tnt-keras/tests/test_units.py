@@ -13,9 +13,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import tnt_core
 
 import tarantella as tnt
+import tnt_core
 from tarantella import callbacks as tcb
 from tarantella import datasets, environment, steps
 
@@ -110,7 +110,8 @@ def test_callback_placement(rank, tmp_path, monkeypatch):
             return "as-is"
         return "all" if wrapped.run_on_all_ranks else ("master" if wrapped._is_master else "silent")
 
-    assert placed(keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))) == ("master" if master else "silent")
+    where = "master" if master else "silent"
+    assert placed(keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))) == where
     assert placed(keras.callbacks.CSVLogger(str(tmp_path / "l.csv"))) == ("master" if master else "silent")
     assert placed(keras.callbacks.EarlyStopping()) == "all"
     assert placed(keras.callbacks.ReduceLROnPlateau()) == "all"
@@ -131,7 +132,7 @@ def test_user_callback_wrapper():
     wrapped = tnt.keras.callbacks.Callback(inner, aggregate_logs=False, run_on_all_ranks=False)
     assert wrapped.keras_callback is inner and not wrapped.run_on_all_ranks
     assert tcb.wrap_callback(wrapped, {"rank": 0, "size": 2}) is wrapped
-    with pytest.raises(TypeError, match="keras.callbacks.Callback"):
+    with pytest.raises(TypeError, match=r"keras\.callbacks\.Callback"):
         tnt.keras.callbacks.Callback(object())
 
 
@@ -160,11 +161,11 @@ def test_xla_is_switched_off_with_a_warning():
 
 
 def test_unsupported_uses_raise_with_advice():
-    with pytest.raises(TypeError, match="keras.Model"):
+    with pytest.raises(TypeError, match=r"keras\.Model"):
         tnt.Model(object())
     with pytest.raises(TypeError, match="unexpected arguments"):
         tnt.Model(_mlp(), num_stages=2)
-    with pytest.raises(tnt.NotSupportedError, match="ParallelStrategy.DATA"):
+    with pytest.raises(tnt.NotSupportedError, match=r"ParallelStrategy\.DATA"):
         tnt.Model(_mlp(), parallel_strategy="pipelining")
 
 
@@ -187,9 +188,10 @@ def test_custom_steps_and_single_batches_run():
 
     model = tnt.Model(Custom())
     model.compile(optimizer="sgd")
-    history = model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), batch_size=2, epochs=1, verbose=0)
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 2), "float32")
+    history = model.fit(x, y, batch_size=2, epochs=1, verbose=0)
     assert set(history.history) == {"loss"}
-    logs = model.train_on_batch(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), return_dict=True)
+    logs = model.train_on_batch(x, y, return_dict=True)
     assert set(logs) == {"loss"}
 
 
@@ -296,7 +298,7 @@ def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
     model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), Probe(),
                                         keras.layers.Dense(4)]))
     model.compile(optimizer=keras.optimizers.SGD(name="sgd"), loss="mse")
-    model._tnt.gradient_reducer("train_sgd_0").threshold_bytes = 0  # noqa: SLF001
+    model._tnt.gradient_reducer("train_sgd_0").threshold_bytes = 0
     for _ in range(2):
         pushed.clear()
         model.fit(np.ones((4, 8)), np.ones((4, 4)), batch_size=4, epochs=1, verbose=0)

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import tnt_core
 from tnt_core.testing import launch_ranks
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import keras
 import numpy as np
+
 import tnt_core
 
 from .files import local_writes
@@ -56,8 +57,11 @@ class Callback(keras.callbacks.Callback):
         every rank.
     """
 
+    keras_callback: keras.callbacks.Callback
+
     def __init__(self, keras_callback: keras.callbacks.Callback, aggregate_logs: bool = True,
-                 run_on_all_ranks: bool = True) -> None:
+                 run_on_all_ranks: bool = True, *, _master: bool | None = None,
+                 _everywhere: Sequence[str] = ()) -> None:
         super().__init__()
         if isinstance(keras_callback, Callback):
             keras_callback = keras_callback.keras_callback
@@ -67,9 +71,9 @@ class Callback(keras.callbacks.Callback):
         self.keras_callback = keras_callback
         self.aggregate_logs = bool(aggregate_logs)
         self.run_on_all_ranks = bool(run_on_all_ranks)
-        self._is_master = tnt_core.is_master_rank()
+        self._is_master = tnt_core.is_master_rank() if _master is None else _master
         #: hooks that run on every rank even when the callback is master-only
-        self._everywhere: frozenset[str] = frozenset()
+        self._everywhere: frozenset[str] = frozenset(_everywhere)
 
     @property
     def runs_here(self) -> bool:
@@ -160,10 +164,7 @@ for _name in _HOOKS:
 
 
 def _master_only(cb: keras.callbacks.Callback, master: bool, everywhere: Sequence[str] = ()) -> Callback:
-    wrapped = Callback(cb, run_on_all_ranks=False)
-    wrapped._is_master = master
-    wrapped._everywhere = frozenset(everywhere)
-    return wrapped
+    return Callback(cb, run_on_all_ranks=False, _master=master, _everywhere=everywhere)
 
 
 def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -> Any:
@@ -207,7 +208,7 @@ class _Coordinator(keras.callbacks.Callback):
         self.runtime = runtime
         self.sync_stop = sync_stop and runtime.size > 1
         self.local_logs = local_logs
-        self.adapters = [a for a in adapters]
+        self.adapters = list(adapters)
 
     def _local(self, kind: str) -> Any:
         state = getattr(self.model, "_tnt", None)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+
 import tnt_core
 
 __all__ = ["allreduce_sum", "gather_rows", "gather_slices"]
@@ -48,16 +49,16 @@ def gather_rows(flat: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
     size = runtime.size
 
     def gather(*args: np.ndarray) -> list[np.ndarray]:
-        *arrays, n_, b_ = args
-        n_, b_ = int(n_), int(b_)
-        if b_ < 0 or size == 1:
-            return [a[:n_] for a in arrays]
-        sizes = tnt_core.micro_batch_sizes(b_, size, allow_empty=True)
+        *arrays, n_arg, b_arg = args
+        n, b = int(n_arg), int(b_arg)
+        if b < 0 or size == 1:
+            return [a[:n] for a in arrays]
+        sizes = tnt_core.micro_batch_sizes(b, size, allow_empty=True)
         rows = sizes[0]  # the largest micro-batch
         out = []
         for a in arrays:
             padded = np.zeros((rows,) + a.shape[1:], dtype=a.dtype)
-            padded[:n_] = a[:n_]
+            padded[:n] = a[:n]
             every = backend.allgather(padded)
             out.append(np.concatenate([every[k, :sizes[k]] for k in range(size)], axis=0))
         return out

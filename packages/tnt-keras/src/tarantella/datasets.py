@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
-import tnt_core
 
 # Keras' data adapters are the machinery fit() itself uses to turn arrays, datasets,
 # PyDatasets and generators into batches; Keras exports no public name for them.
 from keras.src.trainers.data_adapters import get_data_adapter
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split
+
+import tnt_core
 
 from .errors import DatasetError
 from .log import logger

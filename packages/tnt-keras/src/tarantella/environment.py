@@ -22,6 +22,7 @@ import os
 import warnings
 
 import tensorflow as tf
+
 import tnt_core
 
 from .log import logger
@@ -51,7 +52,7 @@ def _place_on_gpu(runtime: tnt_core.Runtime) -> bool:
     """Make exactly one GPU visible to this rank; True when this rank uses a GPU."""
     try:
         gpus = tf.config.list_physical_devices("GPU")
-    except Exception:  # a broken driver must not stop CPU training
+    except Exception:  # noqa: BLE001 (a broken driver must not stop CPU training)
         return False
     if not gpus:
         return False

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+
 import tnt_core
 
 __all__ = ["local_writes", "write_collectively"]
@@ -93,7 +94,7 @@ def write_collectively(write: Callable[[str], None], filepath: Any, *, overwrite
         else:
             try:
                 _write_atomically(write, path)
-            except BaseException as exc:  # every rank must still reach the agreement below
+            except BaseException as exc:  # noqa: BLE001 (every rank must still reach the agreement)
                 error = exc
     if local or runtime.size == 1:
         if error is not None:

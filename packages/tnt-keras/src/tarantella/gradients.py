@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
+
 import tnt_core
 
 from . import timeline as _timeline
@@ -117,7 +118,7 @@ class GradientReducer:
         ids = tuple(ids)
         zeros = self._zeros
 
-        def run(*args: np.ndarray) -> np.ndarray:
+        def run(*args: np.ndarray) -> np.int64:
             if push_times is not None:
                 push_times.append(time.perf_counter())
             *arrays, factor_ = args
@@ -169,7 +170,7 @@ class GradientReducer:
     def mark_backprop_start(self, loss: tf.Tensor) -> tf.Tensor:
         """Graph op: backprop begins once ``loss`` exists (records the time)."""
 
-        def run(_loss: np.ndarray) -> np.ndarray:
+        def run(_loss: np.ndarray) -> np.int64:
             self._backprop_start = time.perf_counter()
             return np.int64(0)
 
@@ -188,7 +189,7 @@ class GradientReducer:
         apply, from the reduced gradients being back to now."""
         timeline = self.timeline
 
-        def run(*_after: np.ndarray) -> np.ndarray:
+        def run(*_after: np.ndarray) -> np.int64:
             if timeline is not None:
                 timeline.complete("optimizer apply", "optimizer", self._finished_at,
                                   time.perf_counter())

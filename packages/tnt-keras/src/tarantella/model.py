@@ -31,10 +31,11 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-import tnt_core
 
 # Keras' own class-weight map (what its data adapters apply); no public name for it
 from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
+
+import tnt_core
 
 from . import callbacks as tnt_callbacks
 from . import files, randomness, steps
@@ -125,7 +126,7 @@ def _distribute(model: Any, parallel_strategy: Any) -> Model:
     object.__setattr__(model, "__class__", _distributed_class(type(model)))
     object.__setattr__(model, "_tnt", _DistributedState(tnt_core.init(), strategy))
     if getattr(model, "compiled", False):
-        model._tnt_check_compiled()
+        model._tnt_check_compiled()  # noqa: SLF001 (the model is a tnt.Model by now)
     return model
 
 
@@ -167,7 +168,7 @@ class Model(keras.Model):
 
     def __repr__(self) -> str:
         runtime = self._tnt.runtime
-        base = type(self)._tnt_base.__name__
+        base = type(self)._tnt_base.__name__  # noqa: SLF001 (this class's own attribute)
         return f"<tnt.Model {self.name!r} ({base}) on rank {runtime.rank}/{runtime.size}>"
 
     @classmethod
@@ -232,7 +233,7 @@ class Model(keras.Model):
         if step is None or step.model is not self or step.loss is not None:
             return loss
         step.loss = loss
-        if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:
+        if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:  # noqa: SLF001
             step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
         if step.kind != "train":
             return loss
@@ -507,7 +508,7 @@ def _model_arguments(model: Any = None, parallel_strategy: Any = ParallelStrateg
 
 def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
     """Every layer inside ``model``, nested models included (Keras' own traversal)."""
-    return list(model._flatten_layers(include_self=False))
+    return list(model._flatten_layers(include_self=False))  # noqa: SLF001 (no public equivalent)
 
 
 def _is_dataset(x: Any) -> bool:

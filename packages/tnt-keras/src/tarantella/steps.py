@@ -27,6 +27,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+
 import tnt_core
 
 from .collectives import allreduce_sum, gather_rows, gather_slices

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+
 import tnt_core
 
 from .randomness import is_seed_state

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             "from_config": tnt.Model.from_config(model.get_config()),
         }
         result["architecture"] = {
-            name: isinstance(m, tnt.Model) and [w.shape for w in m.get_weights()] == [w.shape for w in weights]
+            name: isinstance(m, tnt.Model)
+            and [w.shape for w in m.get_weights()] == [w.shape for w in weights]
             for name, m in clones.items()}
 
         # -- weights set on the master only reach every rank before the next step --------------

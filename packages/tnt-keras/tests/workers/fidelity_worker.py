@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     import keras
     import tensorflow as tf
 
-    L = keras.layers
+    L = keras.layers  # noqa: N806 (Keras' own abbreviation)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     who = f"rank{tnt.get_rank()}" if tnt_mode else "serial"
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _tnt_facts(tnt, keras, tf, out: str, who: str) -> dict:
     """What only a tnt run can show: identity, nesting, saving, seeds, errors."""
-    L = keras.layers
+    L = keras.layers  # noqa: N806 (Keras' own abbreviation)
     facts: dict = {}
     keras.utils.set_random_seed(3)
     base = keras.Sequential([keras.Input((4,)), L.Dense(5), L.Dropout(0.5), L.Dense(2)])
@@ -335,7 +335,7 @@ def _tnt_facts(tnt, keras, tf, out: str, who: str) -> dict:
     try:
         m.save(os.path.join(out, "no_such_dir", "model.keras"))
         facts["save_error"] = "no error"
-    except Exception as exc:  # the message must name the user's path, not a temporary one
+    except Exception as exc:  # noqa: BLE001 (whatever it is, its message must name the user's path)
         facts["save_error"] = str(exc)
     return facts
 

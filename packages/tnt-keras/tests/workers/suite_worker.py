@@ -14,10 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import dataset_worker  # noqa: E402
-import features_worker  # noqa: E402
-import fidelity_worker  # noqa: E402
-import train_worker  # noqa: E402
+import dataset_worker
+import features_worker
+import fidelity_worker
+import train_worker
 
 
 def main() -> None:

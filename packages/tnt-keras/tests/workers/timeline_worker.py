@@ -19,8 +19,9 @@ import numpy as np
 
 
 def main() -> None:
-    import tarantella as tnt
     import keras
+
+    import tarantella as tnt
 
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input(shape=(4096,)), keras.layers.Dense(1024, activation="relu"),

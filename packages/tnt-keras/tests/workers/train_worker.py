@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # float64 (see the module docstring); TNT_TEST_FLOATX=float32 measures float32 round-off
     keras.config.set_floatx(os.environ.get("TNT_TEST_FLOATX", "float64"))
-    L = keras.layers
+    L = keras.layers  # noqa: N806 (Keras' own abbreviation)
 
     def make_model(name: str) -> keras.Model:
         keras.utils.set_random_seed(7)
