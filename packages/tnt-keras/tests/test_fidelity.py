@@ -103,15 +103,6 @@ def test_each_rank_draws_its_own_random_stream(facts):
     assert len(set(states)) == nprocs, f"ranks share dropout seed states: {states}"
 
 
-def test_synchronized_batch_norm_is_refused_on_several_ranks(facts):
-    ranks, nprocs = facts
-    for f in ranks:
-        if nprocs > 1:
-            assert "synchronized=True" in f["sync_bn"] and "synchronized=False" in f["sync_bn"]
-        else:
-            assert f["sync_bn"] == "no error", "one rank computes the serial statistics"
-
-
 def test_errors_name_the_users_path(facts):
     ranks, _ = facts
     assert "no_such_dir/model.keras" in ranks[0]["save_error"]

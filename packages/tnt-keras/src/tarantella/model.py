@@ -39,6 +39,7 @@ import tnt_core
 
 from . import callbacks as tnt_callbacks
 from . import files, randomness, steps
+from .batchnorm import synchronized_layers
 from .datasets import DistributedData, prepare_data, shard_arrays, split_validation
 from .errors import NotSupportedError
 from .gradients import GradientReducer
@@ -67,6 +68,8 @@ class _DistributedState:
         self._local = {"train": LocalIncrements(), "test": LocalIncrements()}
         self.seeds_folded = False
         self.warned_batch_norm: set[str] = set()
+        #: the model's BatchNormalization(synchronized=True) layers (tarantella.batchnorm)
+        self.synchronized_bn: list[keras.layers.BatchNormalization] = []
         self.needs_broadcast = True
 
     def gradient_reducer(self, name: str) -> GradientReducer:
@@ -268,6 +271,7 @@ class Model(keras.Model):
                 "first step so that the master's weights can be broadcast; build the model "
                 "yourself by calling it on a batch before fit/evaluate/predict)"
             ) from exc
+        self._tnt.synchronized_bn = synchronized_layers(_all_layers(self))
         self._tnt_check_layers(distributed)
         if not self._tnt.seeds_folded:
             randomness.fold_rank_into_seeds(self, self._tnt.runtime.rank)
@@ -281,18 +285,14 @@ class Model(keras.Model):
             if not isinstance(layer, keras.layers.BatchNormalization):
                 continue
             if getattr(layer, "synchronized", False):
-                raise NotSupportedError(
-                    f"BatchNormalization layer {layer.name!r} has synchronized=True: tarantella "
-                    "does not synchronize batch statistics across ranks yet, and ignoring the "
-                    "flag would differ from serial training. Use synchronized=False (per-rank "
-                    "statistics, as Tarantella documents) or train on one rank"
-                )
+                continue  # the global batch's moments (tarantella.batchnorm)
             if layer.name not in self._tnt.warned_batch_norm and runtime.is_master:
                 self._tnt.warned_batch_norm.add(layer.name)
                 warnings.warn(
                     f"BatchNormalization layer {layer.name!r} computes its batch statistics on "
                     "each rank's micro-batch, not the global batch: training differs from serial "
-                    "training (increase the micro-batch size, or use fewer ranks)",
+                    "training (use synchronized=True for the global batch's statistics, increase "
+                    "the micro-batch size, or use fewer ranks)",
                     stacklevel=4,
                 )
 

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 import tnt_core
 
+from .batchnorm import global_moments
 from .collectives import allreduce_sum, gather_rows, gather_slices
 from .errors import DatasetError
 from .gradients import dense_gradient
@@ -107,6 +108,10 @@ class StepContext:
         self.applies = 0
         #: True once compute_loss weighted the loss itself: the gradients are then summed
         self.prescaled = False
+        #: the last collective of the backward pass (synchronized BatchNormalization)
+        self.backward_last: list[tf.Tensor] = []
+        #: the model has synchronized BatchNormalization layers: no overlap (see batchnorm)
+        self.sync_bn = False
 
     def weights(self) -> Normaliser:
         return self.normaliser if self.normaliser is not None else per_sample(self.n, self.b)
@@ -159,7 +164,10 @@ def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
         step.applies += 1
         out: list[Any] = list(grads)
         if dense:
-            reduced = reducer.reduce(dense, factor, after=step.last)
+            after = list(step.last)
+            if step.sync_bn:  # the backward pass's collectives first, on every rank
+                after += step.backward_last + dense
+            reduced = reducer.reduce(dense, factor, after=after)
             step.last = reduced[:1]
             for i, g, d in zip(dense_ids, reduced, dense):
                 out[i] = tf.cast(g, d.dtype)
@@ -248,7 +256,9 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
         kept = [(v, tf.identity(tf.convert_to_tensor(v))) for v in model.non_trainable_variables]
     with _tracing(step):
         if kind == "train":
-            with _reducing_gradients(model, step, state):
+            step.sync_bn = bool(state.synchronized_bn)
+            with _reducing_gradients(model, step, state), \
+                    global_moments(state.synchronized_bn, step, state.runtime):
                 logs = run(batch)
         else:
             logs = run(batch)

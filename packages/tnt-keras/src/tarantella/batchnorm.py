@@ -1,0 +1,109 @@
+"""``BatchNormalization(synchronized=True)``: the moments of the global batch on every rank.
+
+Keras computes synchronized moments from the per-replica sums of ``x``, ``x**2`` and the
+element count, all-reduced through ``tf.distribute``'s replica context (which is the
+identity without a strategy), as ``E[x**2] - E[x]**2``. While a distributed train step is
+traced, tarantella gives each synchronized layer the same computation over tnt's backend:
+one allreduce of the three sums per layer in the forward pass, and, since every rank's
+output depends on every rank's input, one allreduce of their gradients in the backward pass.
+The result is serial training's, statistics and gradients alike. A rank without a sample
+(``n = 0``, a stand-in) contributes nothing.
+
+Ordering: the forward collectives are chained in the order the layers are traced, the
+backward ones in the order the gradient is traced; the step then waits for the whole
+backward pass before it pushes gradient buckets (no overlap for such models), so every rank
+issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from .collectives import allreduce_sum
+from .errors import NotSupportedError
+
+__all__ = ["global_moments", "synchronized_layers"]
+
+
+def synchronized_layers(layers: list[keras.layers.Layer]) -> list[keras.layers.BatchNormalization]:
+    """The ``BatchNormalization(synchronized=True)`` layers among ``layers``."""
+    return [layer for layer in layers
+            if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "synchronized", False)]
+
+
+def _summed(vector: tf.Tensor, step: Any, runtime: Any, name: str) -> tf.Tensor:
+    """Allreduce-sum with its gradient (the allreduce-sum of the upstream gradients)."""
+
+    @tf.custom_gradient
+    def summed(v: tf.Tensor) -> Any:
+        out = allreduce_sum(v, runtime, after=step.last, name=f"{name}_forward")
+        step.last = [out]
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            back = allreduce_sum(dy, runtime, after=step.backward_last, name=f"{name}_backward")
+            step.backward_last = [back]
+            return back
+
+        return out, grad
+
+    return summed(vector)
+
+
+def _moments(layer: keras.layers.BatchNormalization, step: Any, runtime: Any,
+             inputs: tf.Tensor, mask: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    if mask is not None:
+        raise NotSupportedError(
+            f"BatchNormalization layer {layer.name!r} has synchronized=True and gets a mask: "
+            "tarantella synchronizes unmasked batch statistics only; use synchronized=False"
+        )
+    axes = list(layer._reduction_axes)  # noqa: SLF001 (the axes Keras' own moments reduce)
+    x = inputs
+    dtype = x.dtype
+    if dtype in (tf.float16, tf.bfloat16):  # statistics in float32, as Keras does
+        x = tf.cast(x, tf.float32)
+    has_data = tf.cast(step.has_data, x.dtype)
+    local_sum = tf.reduce_sum(x, axis=axes, keepdims=True) * has_data
+    local_squares = tf.reduce_sum(tf.square(x), axis=axes, keepdims=True) * has_data
+    per_channel = tf.cast(tf.size(x) // tf.size(local_sum), x.dtype) * has_data
+    flat = tf.concat([tf.reshape(local_sum, [-1]), tf.reshape(local_squares, [-1]),
+                      tf.reshape(per_channel, [1])], axis=0)
+    total = tf.cast(_summed(tf.cast(flat, tf.float64), step, runtime, f"tnt_bn_{layer.name}"), x.dtype)
+    channels = tf.size(local_sum)
+    count = total[2 * channels]
+    mean = tf.math.divide_no_nan(tf.reshape(total[:channels], tf.shape(local_sum)), count)
+    squares = tf.math.divide_no_nan(tf.reshape(total[channels:2 * channels], tf.shape(local_sum)), count)
+    variance = tf.maximum(squares - tf.square(mean), 0.0)
+    mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    if dtype != x.dtype:
+        mean, variance = tf.cast(mean, dtype), tf.cast(variance, dtype)
+    return mean, variance
+
+
+@contextlib.contextmanager
+def global_moments(layers: list[keras.layers.BatchNormalization], step: Any,
+                   runtime: Any) -> Iterator[None]:
+    """While a train step is traced, ``layers`` normalise with the global batch's moments."""
+    patched = []
+    for layer in layers:
+        own = "_moments" in vars(layer)
+        original = vars(layer).get("_moments")
+
+        def moments(inputs: tf.Tensor, mask: Any = None,
+                    _layer: keras.layers.BatchNormalization = layer) -> tuple[tf.Tensor, tf.Tensor]:
+            return _moments(_layer, step, runtime, inputs, mask)
+
+        object.__setattr__(layer, "_moments", moments)
+        patched.append((layer, own, original))
+    try:
+        yield
+    finally:
+        for layer, own, original in patched:
+            if own:
+                object.__setattr__(layer, "_moments", original)
+            else:
+                object.__delattr__(layer, "_moments")
