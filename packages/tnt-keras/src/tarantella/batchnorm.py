@@ -18,7 +18,6 @@ issues the same collectives in the same order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -26,6 +25,7 @@ import tensorflow as tf
 
 from .collectives import allreduce_sum
 from .errors import NotSupportedError
+from .overrides import instance_attributes
 
 __all__ = ["global_moments", "synchronized_layers"]
 
@@ -84,26 +84,14 @@ def _moments(layer: keras.layers.BatchNormalization, step: Any, runtime: Any,
     return mean, variance
 
 
-@contextlib.contextmanager
 def global_moments(layers: list[keras.layers.BatchNormalization], step: Any,
-                   runtime: Any) -> Iterator[None]:
+                   runtime: Any) -> contextlib.AbstractContextManager[None]:
     """While a train step is traced, ``layers`` normalise with the global batch's moments."""
-    patched = []
-    for layer in layers:
-        own = "_moments" in vars(layer)
-        original = vars(layer).get("_moments")
 
-        def moments(inputs: tf.Tensor, mask: Any = None,
-                    _layer: keras.layers.BatchNormalization = layer) -> tuple[tf.Tensor, tf.Tensor]:
-            return _moments(_layer, step, runtime, inputs, mask)
+    def moments_of(layer: keras.layers.BatchNormalization) -> Any:
+        def moments(inputs: tf.Tensor, mask: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
+            return _moments(layer, step, runtime, inputs, mask)
 
-        object.__setattr__(layer, "_moments", moments)
-        patched.append((layer, own, original))
-    try:
-        yield
-    finally:
-        for layer, own, original in patched:
-            if own:
-                object.__setattr__(layer, "_moments", original)
-            else:
-                object.__delattr__(layer, "_moments")
+        return moments
+
+    return instance_attributes([(layer, "_moments", moments_of(layer)) for layer in layers])

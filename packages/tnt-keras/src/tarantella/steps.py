@@ -36,6 +36,7 @@ from .errors import DatasetError
 from .gradients import dense_gradient
 from .losses import Normaliser, per_sample
 from .metrics import MetricStates
+from .overrides import instance_attributes
 
 __all__ = ["BATCH_KEY", "INFO_KEY", "LocalIncrements", "StepContext", "current_step",
            "gradient_factor", "pack", "predict_step", "test_step", "train_step", "unpack"]
@@ -209,23 +210,11 @@ def gradient_factor(step: StepContext, state: Any) -> tf.Tensor:
     return scale / tf.maximum(total, 1e-300)
 
 
-@contextlib.contextmanager
-def _reducing_gradients(model: keras.Model, step: StepContext, state: Any) -> Iterator[None]:
+def _reducing_gradients(model: keras.Model, step: StepContext,
+                        state: Any) -> contextlib.AbstractContextManager[None]:
     """While the step is traced, the model's optimizers reduce what they apply."""
-    patched = []
-    for opt in _optimizers(model):
-        own = "apply" in vars(opt)
-        original = vars(opt).get("apply", None)
-        object.__setattr__(opt, "apply", _reducing_apply(step, opt, opt.apply, state))
-        patched.append((opt, own, original))
-    try:
-        yield
-    finally:
-        for opt, own, original in patched:
-            if own:
-                object.__setattr__(opt, "apply", original)
-            else:
-                object.__delattr__(opt, "apply")
+    return instance_attributes([(opt, "apply", _reducing_apply(step, opt, opt.apply, state))
+                                for opt in _optimizers(model)])
 
 
 # -- the steps -------------------------------------------------------------------------------
