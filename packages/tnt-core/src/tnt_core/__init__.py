@@ -38,6 +38,7 @@ from .fusion import (
 )
 from .launch_env import MpiLaunch, detect_mpi_launch, expand_tasks_per_node
 from .local_backend import LocalBackend
+from .peer_failure import PEER_FAILURE_EXIT_CODE
 from .plugins import get_plugin_manager, reset_plugin_manager
 from .rendezvous import (
     StoreClient,
@@ -78,6 +79,7 @@ __all__ = [
     "BUFFER_ALIGNMENT",
     "DEFAULT_FUSION_THRESHOLD_KB",
     "DEFAULT_TIMEOUT_S",
+    "PEER_FAILURE_EXIT_CODE",
     "ENTRY_POINT_GROUP",
     "PROJECT_NAME",
     "REDUCE_OPS",

@@ -32,6 +32,13 @@ class CommError(TntError):
         self.rank = rank
         self.operation = operation
         self.peer = peer
+        if not _first_comm_error:  # what the at-exit attribution reads (tnt_core.peer_failure)
+            _first_comm_error.append(self)
+
+
+#: the first CommError made in this process: a collective failed here, even when a framework
+#: (``tf.numpy_function``) re-raised it as an exception of its own that does not chain it
+_first_comm_error: list[CommError] = []
 
 
 class ConfigError(TntError, ValueError):

@@ -16,6 +16,7 @@ from .backend import BackendSpec, CommBackend
 from .config import Config
 from .errors import ConfigError, PluginError
 from .log import configure_logging, logger
+from .peer_failure import install_excepthook
 from .plugins import get_plugin_manager
 
 __all__ = [
@@ -179,6 +180,8 @@ def init(backend: str | None = None) -> Runtime:
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+        if config.launched and comm.size > 1:
+            install_excepthook()  # a peer's failure ends this rank with its own exit code
         pm.hook.tnt_runtime_started(runtime=runtime)
         return runtime
 
