@@ -29,9 +29,12 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
-__all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY"]
+__all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE"]
 
 SPEC_ENV = "TNT_AGENT_SPEC"
+#: a rank's exit code when it failed because a peer failed: tnt_core.PEER_FAILURE_EXIT_CODE
+#: (not imported: the agent needs no tnt-core to run a rank; a test keeps them equal)
+PEER_FAILURE_EXIT_CODE = 75
 SPEC_VERSION = 1
 #: lines of a hidden rank's stderr shown when that rank fails
 STDERR_TAIL_LINES = 40
@@ -258,7 +261,9 @@ class Agent:
             t.join(timeout=2.0)
         if code != 0 and not self.stop_requested.is_set():
             if not (output_all or master):
-                for line in self.tail:
+                # a rank that failed because a peer failed said why in its last line
+                tail = list(self.tail)[-1:] if code == PEER_FAILURE_EXIT_CODE else self.tail
+                for line in tail:
                     self.err.write(prefix + line)
             if spec.get("rank") is None:  # under mpirun/srun only the agent can name the rank
                 self.err.write(f"[{rank}] tnt: rank {rank} on {self.host} {describe_exit(code)}\n".encode())

@@ -2,8 +2,16 @@
 
 * Output is forwarded line by line as it arrives (the agents already applied the
   master-only / ``[rank]`` prefix policy), never buffered to the end.
-* The exit code is the first failing process's exit code (a rank's own code: agents
-  pass it through), 0 when all succeed, 128+N when signal N interrupted the launcher.
+* The exit code is the failing rank's exit code (a rank's own code: agents pass it
+  through), 0 when all succeed, 128+N when signal N interrupted the launcher.
+* The rank named is the one that failed first, not the first to exit: a rank that failed
+  because a peer failed exits with ``PEER_FAILURE_EXIT_CODE`` (tnt_core.peer_failure),
+  often before the rank that caused it has finished printing. On such an exit ``tnt run``
+  waits up to ``SETTLE_S`` for a rank that fails with another code and names it, with the
+  last line of its error output (its exception); if none does, it names the ranks still
+  running (they did not take part in the collective the others failed in: hung), else the
+  first rank that exited. Nothing is stopped meanwhile, so the failing rank's traceback
+  gets out.
 * When a rank fails, or on SIGINT/SIGTERM/SIGHUP, every other process is asked to end
   (stdin closed, the launcher's stop signal sent to its process group); whatever still
   runs after the grace period is killed. A second Ctrl+C kills at once.
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +33,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, BinaryIO
 
-from .agent import describe_exit
+from .agent import PEER_FAILURE_EXIT_CODE, describe_exit
 from .launchers.base import ProcessSpec
 
 # what signal.signal() returns: the previous handler (None: not installed from Python)
@@ -34,6 +43,13 @@ __all__ = ["Supervisor"]
 
 #: extra seconds, beyond the agents' own grace period, before process groups are killed
 KILL_MARGIN_S = 2.0
+#: seconds a rank's exit with PEER_FAILURE_EXIT_CODE waits for the rank that failed first
+SETTLE_S = 1.5
+#: the last line of a Python traceback (agents prefix a hidden rank's lines with ``[rank] ``)
+_EXCEPTION_LINE = re.compile(r"^(?:\[\d+\] )?(?:[A-Za-z_]\w*\.)*"
+                             r"([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .*)?)$")
+#: the longest exception text quoted in the launcher's verdict
+_CAUSE_CHARS = 300
 
 
 class _Sink:
@@ -55,10 +71,22 @@ class _Sink:
                 self.broken = True
 
 
-def _pump(pipe: BinaryIO, sink: _Sink) -> None:
+def _pump(pipe: BinaryIO, sink: _Sink, seen: Callable[[bytes], None] | None = None) -> None:
     with pipe:
         for line in iter(pipe.readline, b""):
             sink.write(line if line.endswith(b"\n") else line + b"\n")
+            if seen is not None:
+                seen(line)
+
+
+def exception_text(line: str) -> str | None:
+    """``ValueError: boom`` from a traceback's last line (module path and rank prefix
+    dropped), None when ``line`` is not one."""
+    m = _EXCEPTION_LINE.match(line.strip())
+    if m is None:
+        return None
+    text = m.group(1)
+    return text if len(text) <= _CAUSE_CHARS else text[:_CAUSE_CHARS - 3] + "..."
 
 
 def _killpg(pid: int, sig: int) -> None:
@@ -86,6 +114,12 @@ class Supervisor:
         self.exit_code: int | None = None
         self.stopping_since: float | None = None
         self.killed = False
+        #: per process: the last exception line of its error output, its stderr pump
+        self.last_exception: dict[int, str] = {}
+        self.err_pumps: dict[int, threading.Thread] = {}
+        #: failures because a peer failed, in order, before the verdict: (kind, index)
+        self.secondary: list[tuple[str, int]] = []
+        self.settle_until: float | None = None
 
     def say(self, message: str) -> None:
         self.err.write(f"{self.prog}: {message}\n".encode())
@@ -125,10 +159,16 @@ class Supervisor:
                 proc.stdin.flush()
             except OSError:
                 pass  # it died at once; its exit code tells why
-        for pipe, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
-            t = threading.Thread(target=_pump, args=(pipe, sink), daemon=True)
+        def seen(line: bytes) -> None:
+            text = exception_text(line.decode(errors="replace"))
+            if text is not None:
+                self.last_exception[index] = text
+
+        for pipe, sink, watch in ((proc.stdout, self.out, None), (proc.stderr, self.err, seen)):
+            t = threading.Thread(target=_pump, args=(pipe, sink, watch), daemon=True)
             t.start()
             self.threads.append(t)
+        self.err_pumps[index] = t
         self.running.add(index)  # before the waiter can report its exit
         waiter = threading.Thread(target=lambda: self.events.put(("exit", index, proc.wait())),
                                   daemon=True)
@@ -176,12 +216,14 @@ class Supervisor:
                 break
         while self.running:
             try:
-                kind, index, value = self.events.get(timeout=0.2)
+                kind, index, value = self.events.get(timeout=0.1)
             except queue.Empty:
                 self._escalate()
                 continue
             self._handle(kind, index, value)
             self._escalate()
+        if self.secondary and self.stopping_since is None:
+            self._name_secondary()  # every process ended within the settle time
         for t in self.threads:
             t.join(timeout=2.0)
         return self.exit_code if self.exit_code is not None else 0
@@ -211,18 +253,57 @@ class Supervisor:
         code = value if value >= 0 else 128 - value
         if code == 0 or self.stopping_since is not None:
             return
+        if code == PEER_FAILURE_EXIT_CODE:  # a consequence: wait a little for the cause
+            self.secondary.append((kind, index))
+            if self.settle_until is None:
+                self.settle_until = time.monotonic() + SETTLE_S
+            return
         self.exit_code = code
-        if kind == "rank-failed":
-            label, what = f"rank {index}", describe_exit(value)
-        else:
-            label, what = self.specs[index].label, describe_exit(value)
-        others = " ending the other ranks" if len(self.specs) > 1 or kind == "rank-failed" else ""
         hint = self.specs[index].failure_hints.get(code) if kind == "exit" else None
-        self.say(f"{label} failed: {what}" + (f" ({hint})" if hint else "")
-                 + (f";{others}" if others else ""))
+        notes = "; ".join(n for n in (hint, self._exception(kind, index)) if n)
+        self.say(f"{self._label(kind, index)} failed: {describe_exit(value)}"
+                 + (f" ({notes})" if notes else "") + self._ending(kind))
+        self._stop_all()
+
+    def _label(self, kind: str, index: int) -> str:
+        return f"rank {index}" if kind == "rank-failed" else self.specs[index].label
+
+    def _ending(self, kind: str) -> str:
+        return "; ending the other ranks" if len(self.specs) > 1 or kind == "rank-failed" else ""
+
+    def _exception(self, kind: str, index: int) -> str | None:
+        """The exception that process ``index`` printed last (its output read to the end)."""
+        if kind != "exit":
+            return None
+        pump = self.err_pumps.get(index)
+        if pump is not None:
+            pump.join(timeout=1.0)
+        return self.last_exception.get(index)
+
+    def _name_secondary(self) -> None:
+        """Only failures because a peer failed, for ``SETTLE_S``: name the ranks still
+        running, which did not take part (hung), else the first rank that failed."""
+        self.exit_code = 1  # what the rank's Python would have exited with
+        kind, index = self.secondary[0]
+        first = self._label(kind, index)
+        cause = self._exception(kind, index)
+        waiting = f"{first} failed waiting for it" + (f" ({cause})" if cause else "")
+        hung = [i for i in sorted(self.running) if len(self.specs[i].ranks) == 1]
+        if hung and all(k == "exit" for k, _ in self.secondary):
+            names = [self.specs[i].label for i in hung]
+            if len(names) > 1:
+                waiting = waiting.replace("waiting for it", "waiting for them")
+            self.say(f"{', '.join(names)} did not take part in a collective (hung or too slow?): "
+                     f"{waiting}{self._ending(kind)}")
+        else:
+            self.say(f"{first} failed first, in a collective" + (f" ({cause})" if cause else "")
+                     + self._ending(kind))
         self._stop_all()
 
     def _escalate(self) -> None:
+        if self.secondary and self.stopping_since is None and self.settle_until is not None \
+                and time.monotonic() >= self.settle_until:
+            self._name_secondary()
         if self.stopping_since is None or self.killed:
             return
         if time.monotonic() - self.stopping_since > self.grace_s + KILL_MARGIN_S:

@@ -1,0 +1,109 @@
+"""Failure attribution: ``tnt run``'s last line names the rank that failed first.
+
+A rank that fails because a peer failed exits with ``PEER_FAILURE_EXIT_CODE`` and says
+why in one line; the launcher names the rank that caused it, with its exception, even
+when that rank is the last to exit, or the rank that hangs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from io import BytesIO
+
+import pytest
+
+import tnt_core
+from tnt_cli import agent
+from tnt_cli.launchers.base import ProcessSpec
+from tnt_cli.supervisor import SETTLE_S, Supervisor, exception_text
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _last(stderr: str) -> str:
+    return stderr.strip().splitlines()[-1]
+
+
+def test_the_exit_code_for_a_peers_failure_is_the_same_on_both_sides():
+    assert agent.PEER_FAILURE_EXIT_CODE == tnt_core.PEER_FAILURE_EXIT_CODE
+
+
+@pytest.mark.parametrize(("line", "text"), [
+    ("ValueError: boom", "ValueError: boom"),
+    ("[1] tnt_core.errors.CommError: [rank 1: allreduce #2] x", "CommError: [rank 1: allreduce #2] x"),
+    ("KeyboardInterrupt", "KeyboardInterrupt"),
+    ("  File \"x.py\", line 3, in <module>", None),
+    ("Error: not an exception line", None),
+    ("epoch 1/3: loss 0.5", None),
+])
+def test_exception_text(line, text):
+    assert exception_text(line) == text
+
+
+def _supervise(*scripts: str) -> tuple[int, str, float]:
+    specs = [ProcessSpec(argv=[sys.executable, "-c", s], host="localhost", ranks=(r,), specs=[])
+             for r, s in enumerate(scripts)]
+    err = BytesIO()
+    start = time.monotonic()
+    code = Supervisor(specs, grace_s=1.0, stdout=BytesIO(), stderr=err).run()
+    return code, err.getvalue().decode(), time.monotonic() - start
+
+
+def test_a_consequence_that_exits_first_is_not_named():
+    code, err, _ = _supervise(
+        f"import sys; print('CommError: peer 1 closed', file=sys.stderr); "
+        f"sys.exit({agent.PEER_FAILURE_EXIT_CODE})",
+        "import time; time.sleep(0.4); raise ValueError('boom')")
+    assert code == 1
+    assert _last(err) == ("tnt run: rank 1 on localhost failed: exited with code 1 "
+                          "(ValueError: boom); ending the other ranks")
+    assert "Traceback" in err  # the cause's own traceback got out before the verdict
+
+
+def test_the_rank_still_running_is_named_when_only_consequences_failed():
+    code, err, took = _supervise(
+        f"import sys; sys.exit({agent.PEER_FAILURE_EXIT_CODE})",
+        "import time; time.sleep(60)",
+        f"import sys, time; time.sleep(0.2); sys.exit({agent.PEER_FAILURE_EXIT_CODE})")
+    assert code == 1
+    assert _last(err).startswith("tnt run: rank 1 on localhost did not take part in a collective")
+    assert "rank 0 on localhost failed waiting for it" in _last(err)
+    assert took < SETTLE_S + 4.0
+
+
+def test_only_consequences_and_nothing_running_names_the_first():
+    code, err, _ = _supervise(
+        f"import sys; sys.exit({agent.PEER_FAILURE_EXIT_CODE})",
+        f"import sys, time; time.sleep(0.2); sys.exit({agent.PEER_FAILURE_EXIT_CODE})")
+    assert code == 1
+    assert _last(err) == "tnt run: rank 0 on localhost failed first, in a collective; ending the other ranks"
+
+
+def test_the_rank_that_raised_is_named_not_the_peer_that_exited_first(run_tnt, h):
+    pytest.importorskip("tnt_comm_gloo")
+    for _ in range(3):  # the peer's CommError usually ends its process first
+        res = run_tnt("-n", "2", "--backend", "gloo", "--timeout", "20", "--",
+                      h.rank_script("peer_failure.py"), env={"TNT_TEST_FAIL_RANK": "1"}, timeout=30)
+        assert res.returncode == 1, res.stderr
+        assert _last(res.stderr) == ("tnt run: rank 1 on localhost failed: exited with code 1 "
+                                     "(ValueError: boom); ending the other ranks"), res.stderr
+        assert "[1] ValueError: boom" in res.stderr  # the hidden rank's traceback is shown
+        # the consequence is one line, not a traceback
+        assert res.stderr.count("Traceback") == 1, res.stderr
+        comm = [line for line in res.stderr.splitlines() if "CommError" in line]
+        assert len(comm) <= 1 and all(line.startswith("tnt_core.errors.CommError: [rank 0: ")
+                                      for line in comm), res.stderr
+
+
+def test_the_hung_rank_is_named(run_tnt, h):
+    started = time.monotonic()
+    res = run_tnt("-n", "3", "--backend", "store", "--timeout", "3", "--",
+                  h.rank_script("peer_failure.py"), env={"TNT_TEST_HANG_RANK": "1"}, timeout=30)
+    took = time.monotonic() - started
+    assert res.returncode == 1, res.stderr
+    assert _last(res.stderr).startswith(
+        "tnt run: rank 1 on localhost did not take part in a collective"), res.stderr
+    assert "within 3s" in _last(res.stderr)
+    assert took < 3 + SETTLE_S + 8, f"the job took {took:.1f}s to end"
+
