@@ -354,3 +354,47 @@ def test_list_inputs_and_outputs_match_keras_in_one_process():
     assert len(p_dist) == len(p_serial) == 2
     for a, b in zip(p_dist, p_serial):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_failed_write_leaves_no_half_written_file_and_names_the_users_path(tmp_path):
+    from tarantella import files
+
+    target = tmp_path / "model.keras"
+    target.write_bytes(b"the previous, complete checkpoint")
+
+    def write_half_then_fail(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(f"disk full while writing {path}")
+
+    with pytest.raises(OSError) as info:
+        files.write_collectively(write_half_then_fail, target)
+    assert str(target) in str(info.value) and "tnt-tmp" not in str(info.value)
+    assert target.read_bytes() == b"the previous, complete checkpoint"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.keras"], "the temporary file is gone"
+
+
+def test_checkpoints_of_master_only_callbacks_are_written_atomically(tmp_path):
+    """ModelCheckpoint runs on the master only; its save goes through tnt.Model.save, which
+    writes locally there (no other rank waits) and atomically."""
+    model = tnt.Model(_mlp())
+    model.compile(optimizer="sgd", loss="mse")
+    seen = []
+    original = tnt.Model.save
+
+    def spy(self, filepath, *args, **kwargs):
+        from tarantella import files
+
+        seen.append(files._writes_locally())
+        return original(self, filepath, *args, **kwargs)
+
+    tnt.Model.save = spy
+    try:
+        checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch-{epoch}.keras"))
+        model.fit(np.ones((4, 3)), np.ones((4, 2)), batch_size=2, epochs=2, verbose=0,
+                  callbacks=[checkpoint])
+    finally:
+        tnt.Model.save = original
+    assert seen == [True, True], "each checkpoint written by the master alone"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-1.keras", "epoch-2.keras"]
+    assert keras.models.load_model(tmp_path / "epoch-2.keras").count_params() == model.count_params()
