@@ -151,3 +151,46 @@ def test_the_tnt_run_cli_with_its_own_launcher(tmp_path) -> None:
         ranks, errors = _reports(out)
         assert not errors and sorted(ranks) == [0, 1], (ranks, errors)
         assert all(r["allreduce_ok"] and r["backend"] == "mpi" for r in ranks.values()), ranks
+
+
+RAISES = r"""
+import numpy as np, tnt_core
+runtime = tnt_core.init()
+buf = np.ones(4)
+runtime.backend.allreduce(buf)
+if runtime.rank == 1:
+    raise ValueError("boom on rank 1")
+for _ in range(100):
+    runtime.backend.allreduce(buf)  # rank 0 waits here for rank 1, which has gone
+"""
+
+
+def test_an_exception_on_one_rank_ends_the_job_at_once(tmp_path) -> None:
+    """A rank that raises must not wait in MPI_Finalize for peers that wait for it in a
+    collective (before: the job hung for TNT_TIMEOUT_S). ``tnt run``'s own launcher."""
+    tnt = Path(sys.executable).parent / "tnt"
+    if not tnt.exists():
+        pytest.skip("tnt-cli is not installed")
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    env["TNT_TIMEOUT_S"] = "120"  # a hang would show as a run of 2 minutes
+    import time
+
+    start = time.monotonic()
+    proc = subprocess.run([str(tnt), "run", "-n", "2", "--backend", "mpi", "--launcher", "local",
+                           "--", str(script)], env=env, capture_output=True, text=True, timeout=110)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert elapsed < 30, f"the job took {elapsed:.1f}s to end:\n{proc.stderr[-3000:]}"
+    assert "ValueError: boom on rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1" in proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]
+
+
+def test_an_exception_on_one_rank_ends_an_mpiexec_job_at_once(have_mpiexec, tmp_path) -> None:
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    result = launch_ranks([str(script)], 2, backend="mpi", timeout=110, tnt_timeout_s=120,
+                          launcher=mpiexec(2, cleanup=True))
+    assert not result.timed_out, result.describe()
+    assert result.elapsed < 30, f"the job took {result.elapsed:.1f}s: {result.describe()}"

@@ -1,9 +1,13 @@
 """Loading the MPI library through mpi4py, and ending it at exit without hanging.
 
 ``import mpi4py.MPI`` initialises MPI and, by default, has mpi4py call ``MPI_Finalize`` at
-exit. After a peer died ``MPI_Finalize`` never returns (MPICH waits for the dead rank), so
-this module takes finalisation over when it is the one importing mpi4py
-(``mpi4py.rc.finalize = False``) and finalises at exit only if no collective failed.
+exit. After a peer died ``MPI_Finalize`` never returns (MPICH waits for the dead rank), and
+a rank that ends with an uncaught exception while its peers wait in a collective would
+wait in ``MPI_Finalize`` for them while they wait for it, until the timeout. So this module
+takes finalisation over when it is the one importing mpi4py (``mpi4py.rc.finalize =
+False``) and finalises at exit only if no collective failed and the program did not end
+with an error; otherwise it leaves without finalising, and the launcher (Hydra, or ``tnt
+run``) ends the other ranks at once.
 
 If the program imported ``mpi4py.MPI`` itself before (mpi4py then finalises at exit), the
 exit hook here ends the process with ``os._exit(1)`` after a failure instead of letting
@@ -96,6 +100,12 @@ def has_failed() -> bool:
     return _failed or any(getattr(b, "failed", False) for b in list(_backends))
 
 
+def _ending_with_an_error() -> bool:
+    """The interpreter ends because of an uncaught exception: Python sets ``sys.last_value``
+    when it prints one, before the exit hooks run."""
+    return getattr(sys, "last_value", None) is not None
+
+
 def _at_exit() -> None:
     MPI = _mpi
     if MPI is None or MPI.Is_finalized():
@@ -105,16 +115,18 @@ def _at_exit() -> None:
             backend.close()
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say why
             log.warning("closing %r at exit failed: %s", backend, exc)
-    if not has_failed():
+    failed, erred = has_failed(), _ending_with_an_error()
+    if not failed and not erred:
         if _owns_finalize:
             MPI.Finalize()
         return
     if _pmi_server is not None:
         _pmi_server.kill()
-    log.debug("a collective failed: not calling MPI_Finalize (it would wait for the dead rank)")
+    why = "a collective failed" if failed else "the program ended with an error"
+    log.debug("%s: not calling MPI_Finalize (it would wait for the other ranks)", why)
     if not _owns_finalize:
         # mpi4py would call MPI_Finalize after this hook and hang there; leave now.
-        log.error("exiting without MPI_Finalize after a failed collective (exit status 1)")
+        log.error("exiting without MPI_Finalize: %s (exit status 1)", why)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
