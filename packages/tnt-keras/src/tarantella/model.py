@@ -71,6 +71,9 @@ class _DistributedState:
         #: the model's BatchNormalization(synchronized=True) layers (tarantella.batchnorm)
         self.synchronized_bn: list[keras.layers.BatchNormalization] = []
         self.needs_broadcast = True
+        #: what _tnt_build made ready ("predict": the layers; "train": also metrics and
+        #: optimizer), so *_on_batch, called every step, need not walk the model again
+        self.ready: set[str] = set()
 
     def gradient_reducer(self, name: str) -> GradientReducer:
         reducer = self._reducers.get(name)
@@ -207,6 +210,7 @@ class Model(keras.Model):
         if getattr(self, "jit_compile", False):
             self.jit_compile = False
         self._tnt.needs_broadcast = True
+        self._tnt.ready.clear()  # new metrics and optimizer to build
 
     def summary(self, *args: Any, **kwargs: Any) -> None:
         """Print the Keras summary, on the master rank only."""
@@ -276,6 +280,7 @@ class Model(keras.Model):
         if not self._tnt.seeds_folded:
             randomness.fold_rank_into_seeds(self, self._tnt.runtime.rank)
             self._tnt.seeds_folded = True
+        self._tnt.ready.update(("predict",) if predict else ("predict", "train"))
 
     def _tnt_check_layers(self, distributed: bool) -> None:
         runtime = self._tnt.runtime
@@ -420,7 +425,8 @@ class Model(keras.Model):
 
         runtime = self._tnt.runtime
         rows, n, b = shard_arrays(batch, runtime.rank, runtime.size)
-        self._tnt_build(keras.tree.map_structure(_spec_of, rows), predict=predict)
+        if ("predict" if predict else "train") not in self._tnt.ready:
+            self._tnt_build(keras.tree.map_structure(_spec_of, rows), predict=predict)
         if self._tnt.needs_broadcast:
             self._tnt_broadcast()
         return steps.pack(rows, tf.constant([n, b], tf.int64))
