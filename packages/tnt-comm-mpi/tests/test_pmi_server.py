@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
-from tnt_comm_mpi.pmi_server import PmiServer, process_mapping
+from tnt_comm_mpi.pmi_server import PmiServer, auth_digest, connect_authenticated, process_mapping
+
+KEY = "0123456789abcdef"
 
 
 @pytest.mark.parametrize(("hosts", "expected"), [
@@ -21,8 +24,14 @@ def test_process_mapping(hosts, expected) -> None:
 
 
 class Client:
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    """A PMI client as MPICH's is after ``connect_authenticated`` handed it the socket."""
+
+    def __init__(self, port: int, rank: int | None = None, key: str = KEY) -> None:
+        if rank is None:  # an outsider: talks PMI without the handshake
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        else:
+            self.sock = connect_authenticated("127.0.0.1", port, key, rank, timeout=10)
+            self.sock.settimeout(10)
         self.lines = self.sock.makefile("r", encoding="ascii")
 
     def send(self, line: str) -> None:
@@ -37,14 +46,10 @@ class Client:
 
 
 def test_a_two_rank_start_up_conversation() -> None:
-    server = PmiServer(2, ["n0", "n0"], kvsname="job-1")
+    server = PmiServer(2, ["n0", "n0"], kvsname="job-1", key=KEY)
     try:
-        clients = [Client(server.port) for _ in range(2)]
+        clients = [Client(server.port, rank) for rank in range(2)]
         for rank, c in enumerate(clients):
-            assert c.ask(f"cmd=initack pmiid={rank}") == {"cmd": "initack"}
-            assert [c.read() for _ in range(3)] == [
-                {"cmd": "set", "size": "2"}, {"cmd": "set", "rank": str(rank)},
-                {"cmd": "set", "debug": "0"}]
             assert c.ask("cmd=init pmi_version=1 pmi_subversion=1")["rc"] == "0"
             assert c.ask("cmd=get_maxes")["vallen_max"] == "1024"
             assert c.ask("cmd=get_my_kvsname")["kvsname"] == "job-1"
@@ -71,15 +76,75 @@ def test_a_two_rank_start_up_conversation() -> None:
         server.close()
 
 
-def test_rejects_bad_names_and_ids() -> None:
+def test_rejects_bad_names_and_keys() -> None:
     with pytest.raises(ValueError, match="job name"):
-        PmiServer(1, ["a"], kvsname="has space")
+        PmiServer(1, ["a"], kvsname="has space", key=KEY)
     with pytest.raises(ValueError, match="host names"):
-        PmiServer(2, ["a"])
-    server = PmiServer(1, ["a"], kvsname="j")
+        PmiServer(2, ["a"], key=KEY)
+    with pytest.raises(ValueError, match="job key"):
+        PmiServer(1, ["a"], key="")
+
+
+def _answer(port: int, line_for_nonce) -> str:
+    """Connect as an attacker would, answer the challenge with ``line_for_nonce(nonce)``
+    and return what the server says next ("" when it hangs up)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        lines = sock.makefile("r", encoding="ascii")
+        challenge = dict(w.split("=", 1) for w in lines.readline().split())
+        sock.sendall((line_for_nonce(challenge["nonce"]) + "\n").encode())
+        try:
+            return lines.readline()
+        except ConnectionResetError:  # hung up with our bytes unread: refused all the same
+            return ""
+
+
+def test_refuses_every_client_that_does_not_know_the_job_key() -> None:
+    """What an attacker on the host tried against the unauthenticated server: fake PMI
+    commands (a ``finalize`` for a rank made a correct job exit with SIGSEGV). Now no word
+    of PMI is served before the handshake, and the real ranks still get through."""
+    server = PmiServer(2, ["n0", "n0"], kvsname="job-1", key=KEY)
     try:
-        c = Client(server.port)
-        c.send("cmd=initack pmiid=7")
-        assert c.lines.readline() == "", "an id outside the job must be disconnected"
+        # PMI spoken straight away, as MPICH's own client (PMI_PORT) or a script would
+        outsider = Client(server.port)
+        assert outsider.read()["cmd"] == "tnt_auth"
+        outsider.send("cmd=finalize")
+        assert outsider.lines.readline() == "", "a PMI word before the handshake must end the connection"
+        # the wrong key; a right digest for another nonce (replay); a rank outside the job
+        assert _answer(server.port, lambda n: f"cmd=tnt_auth rank=0 digest={auth_digest(b'guess', n, 0)}") == ""
+        assert _answer(server.port, lambda n: f"cmd=tnt_auth rank=0 digest={auth_digest(KEY.encode(), 'x', 0)}") == ""
+        assert _answer(server.port, lambda n: f"cmd=tnt_auth rank=7 digest={auth_digest(KEY.encode(), n, 7)}") == ""
+        assert _answer(server.port, lambda n: "x" * 400) == ""
+        with pytest.raises(ConnectionError, match="refused"):
+            connect_authenticated("127.0.0.1", server.port, "wrong-key", 0, timeout=10)
+        # a client that connects and says nothing does not hold up the ranks
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        ranks = [Client(server.port, rank) for rank in range(2)]
+        # a rank may join once: a second connection claiming rank 1 (even with the key) is refused
+        with pytest.raises(ConnectionError, match="refused"):
+            connect_authenticated("127.0.0.1", server.port, KEY, 1, timeout=10)
+        for c in ranks:
+            assert c.ask("cmd=init pmi_version=1 pmi_subversion=1")["rc"] == "0"
+        for c in ranks:
+            assert c.ask("cmd=finalize") == {"cmd": "finalize_ack"}
+        assert server.wait_finalized(5)
+        assert server.refused == 7
+        silent.close()
+    finally:
+        server.close()
+
+
+def test_a_silent_client_is_dropped_after_the_handshake_timeout(monkeypatch) -> None:
+    import tnt_comm_mpi.pmi_server as pmi
+
+    monkeypatch.setattr(pmi, "AUTH_TIMEOUT_S", 0.3)
+    server = PmiServer(1, ["n0"], key=KEY)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            lines = sock.makefile("r", encoding="ascii")
+            assert lines.readline().startswith("cmd=tnt_auth ")
+            start = time.monotonic()
+            assert lines.readline() == ""
+            assert time.monotonic() - start < 5
+        assert server.refused == 1
     finally:
         server.close()

@@ -48,7 +48,7 @@ from tnt_core import (
 from . import library
 from .buffers import Staged, prepare
 from .library import cuda_support, host_pmi_server, load_mpi, mark_failed, register_backend
-from .pmi_server import start_helper
+from .pmi_server import connect_authenticated, start_helper
 from .progress import Poller, PollSettings
 
 __all__ = ["MpiBackend", "NOT_UNDER_MPI", "MPI_IMPORTED_TOO_EARLY", "NOT_JOINED", "PMI_FD_CLOSED"]
@@ -361,10 +361,12 @@ class MpiBackend(CommBackend):
 
 
 def _join_through_rendezvous(config: Config) -> None:
-    """Ranks started by ``tnt run``: rank 0 serves PMI, every rank's MPI_Init connects to it.
+    """Ranks started by ``tnt run``: rank 0 serves PMI, every rank's MPI_Init talks to it.
 
-    Sets ``PMI_PORT``/``PMI_ID`` in this process's environment, where MPICH's PMI client
-    reads them during ``MPI_Init`` (see :mod:`tnt_comm_mpi.pmi_server`).
+    Each rank connects to the server and proves it knows the job key
+    (:func:`~tnt_comm_mpi.pmi_server.connect_authenticated`), then sets
+    ``PMI_FD``/``PMI_RANK``/``PMI_SIZE`` in this process's environment, where MPICH's PMI
+    client reads them during ``MPI_Init`` (see :mod:`tnt_comm_mpi.pmi_server`).
     """
     if not config.rendezvous:
         raise ConfigError(NOT_UNDER_MPI.format(size=config.size))
@@ -372,7 +374,8 @@ def _join_through_rendezvous(config: Config) -> None:
         raise ConfigError(MPI_IMPORTED_TOO_EARLY.format(size=config.size))
     host, _ = config.rendezvous_address()
     keys = [f"tnt/mpi/host/{r}" for r in range(config.size)]
-    with connect_store(config) as store:
+    with connect_store(config) as store:  # raises ConfigError without TNT_RENDEZVOUS_KEY
+        job_key = str(config.rendezvous_key)
         store.set(keys[config.rank], socket.gethostname().encode())
         if config.rank == 0:
             store.wait(keys, config.timeout_s)
@@ -381,7 +384,8 @@ def _join_through_rendezvous(config: Config) -> None:
                 "make this host's name resolve to its network address (/etc/hosts, DNS), "
                 "or start the job with mpiexec"))
             try:
-                helper, port = start_helper(config.size, hosts, address, config.timeout_s)
+                helper, port = start_helper(config.size, hosts, address, config.timeout_s,
+                                            key=job_key)
             except (OSError, RuntimeError) as exc:
                 raise CommError(f"cannot start the PMI server: {exc}", rank=0, operation="init") from exc
             host_pmi_server(helper)
@@ -391,9 +395,18 @@ def _join_through_rendezvous(config: Config) -> None:
         except CommError as exc:
             raise CommError(f"rank 0 did not publish its PMI server within {config.timeout_s:g}s "
                             f"(TNT_TIMEOUT_S): {exc}", rank=config.rank, operation="init") from exc
+    pmi_host, _, pmi_port_number = pmi_port.rpartition(":")
+    try:
+        sock = connect_authenticated(pmi_host, int(pmi_port_number), job_key, config.rank,
+                                     timeout=min(config.timeout_s, 60.0))
+    except (OSError, ConnectionError) as exc:
+        raise CommError(f"cannot join the job's PMI server at {pmi_port}: {exc}",
+                        rank=config.rank, operation="init") from exc
     for name in ("PMI_FD", "PMI_RANK", "PMI_SIZE", "PMI_PORT", "PMI_ID"):
         os.environ.pop(name, None)
-    os.environ.update(PMI_PORT=pmi_port, PMI_ID=str(config.rank))
+    # detach: the descriptor now belongs to MPICH's PMI client for the life of the process
+    os.environ.update(PMI_FD=str(sock.detach()), PMI_RANK=str(config.rank),
+                      PMI_SIZE=str(config.size))
 
 
 def _check_pmi_fd(env: Mapping[str, str]) -> None:

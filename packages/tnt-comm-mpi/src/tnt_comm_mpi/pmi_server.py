@@ -3,17 +3,28 @@
 An MPI library learns who it is and exchanges its network addresses ("business cards")
 through a process manager; ``mpiexec`` (Hydra) is one. Ranks that ``tnt run`` started
 have none, so rank 0 starts this server as a helper process (:func:`start_helper`),
-publishes its address in tnt's rendezvous store, and every rank initialises MPI with
-``PMI_PORT``/``PMI_ID`` pointing at it: MPICH's PMI client then connects here instead of
-to Hydra. A separate process, not a thread of rank 0: mpi4py holds the GIL while
+publishes its address in tnt's rendezvous store, and every rank connects to it and
+initialises MPI with ``PMI_FD`` set to that connection: MPICH's PMI client then talks to
+this server instead of Hydra. A separate process, not a thread of rank 0: mpi4py holds the GIL while
 ``MPI_Init`` waits for the PMI barrier, so a thread of rank 0 could never answer.
 
 The helper exits once every rank sent ``finalize``; if rank 0 goes away first (its end of
 the helper's stdin closes), it waits :data:`GRACE_S` more for the others, then exits.
 
+Only the job's ranks may talk to it: the server listens on TCP, where any process of the
+host (or, across hosts, of the network) can connect, and a client that could ``put``,
+``barrier_in`` or ``finalize`` for a rank corrupts or ends the job. So every connection
+first proves it knows the job key (``TNT_RENDEZVOUS_KEY``, which the rendezvous store
+checks the same way) before a single PMI word is served: the server sends
+``cmd=tnt_auth nonce=N``, the client answers ``cmd=tnt_auth rank=R digest=D`` with
+``D = HMAC-SHA256(key, "N:R")``, and the server answers ``cmd=tnt_auth_ok`` or closes the
+connection; each rank may connect once. MPICH's own PMI client cannot do this, so the rank
+does it in Python (:func:`connect_authenticated`) and hands the connected socket to MPI
+through ``PMI_FD``, the way Hydra's proxies hand over theirs.
+
 The wire protocol is PMI version 1 (MPICH's "simple PMI"): newline-terminated lines of
-``key=value`` words, the first word ``cmd=NAME``. Implemented: the ``initack`` handshake of
-``PMI_PORT`` clients, ``init``, ``get_maxes``, ``get_appnum``, ``get_my_kvsname``,
+``key=value`` words, the first word ``cmd=NAME``. Implemented: ``init``, ``get_maxes``,
+``get_appnum``, ``get_my_kvsname``,
 ``get_universe_size``, ``put``, ``get`` (with ``PMI_process_mapping`` for node-local
 ranks), ``barrier_in``, ``finalize`` and ``abort``. Not implemented: dynamic processes
 (spawn, publish/lookup names) -- the answer says so.
@@ -25,6 +36,8 @@ needs its own launcher.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -36,7 +49,8 @@ import threading
 from collections.abc import Sequence
 from typing import IO, cast
 
-__all__ = ["PmiServer", "process_mapping", "start_helper", "GRACE_S"]
+__all__ = ["PmiServer", "process_mapping", "start_helper", "connect_authenticated", "GRACE_S",
+           "AUTH_TIMEOUT_S"]
 
 #: how long the helper outlives rank 0 while other ranks have not finalised MPI yet
 GRACE_S = 30.0
@@ -44,6 +58,57 @@ GRACE_S = 30.0
 log = logging.getLogger("tnt.mpi.pmi")
 
 MAX_KEY, MAX_VALUE = 64, 1024
+#: how long a new connection has to prove it knows the job key
+AUTH_TIMEOUT_S = 10.0
+_MAX_AUTH_LINE = 256
+
+
+def auth_digest(key: bytes, nonce: str, rank: int) -> str:
+    """The answer to the server's challenge: binds the key, this connection and the rank."""
+    return hmac.new(key, f"{nonce}:{rank}".encode("ascii"), hashlib.sha256).hexdigest()
+
+
+def _read_line(sock: socket.socket) -> str:
+    """One line, read byte by byte: nothing past it may be consumed, since the socket goes
+    on to MPICH's PMI client, which reads its own lines from the same descriptor."""
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        if len(data) >= _MAX_AUTH_LINE:
+            raise ConnectionError("overlong handshake line")
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ConnectionError("connection closed during the handshake")
+        data += chunk
+    return data.decode("ascii", "replace")
+
+
+def connect_authenticated(host: str, port: int, key: str, rank: int, timeout: float) -> socket.socket:
+    """Connect to the job's PMI server and pass its challenge; the socket is ready for PMI.
+
+    :raises ConnectionError: the server refused the key, or went away.
+    :raises OSError: the server cannot be reached within ``timeout``.
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        challenge = _parse(_read_line(sock))
+        nonce = challenge.get("nonce", "")
+        if challenge.get("cmd") != "tnt_auth" or not nonce:
+            raise ConnectionError(f"{host}:{port} is not tnt's PMI server")
+        digest = auth_digest(key.encode(), nonce, rank)
+        sock.sendall(f"cmd=tnt_auth rank={rank} digest={digest}\n".encode("ascii"))
+        try:
+            accepted = _parse(_read_line(sock)).get("cmd") == "tnt_auth_ok"
+        except ConnectionError:  # the server hangs up on a client it refuses
+            accepted = False
+        if not accepted:
+            raise ConnectionError(f"the PMI server refused rank {rank}: wrong job key "
+                                  "(TNT_RENDEZVOUS_KEY), or this rank already joined")
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def process_mapping(hosts: Sequence[str]) -> str:
@@ -79,16 +144,23 @@ class PmiServer:
     :param hosts: the host name of every rank, in rank order (for the process mapping).
     :param kvsname: the job's name; MPICH derives shared-memory segment names from it, so
         it must differ between jobs that may run at the same time on one machine.
+    :param key: the job key every client must prove it knows (see the module's doc).
     """
 
     def __init__(self, size: int, hosts: Sequence[str], host: str = "127.0.0.1",
-                 kvsname: str = "tnt") -> None:
+                 kvsname: str = "tnt", *, key: str) -> None:
         if len(hosts) != size:
             raise ValueError(f"{len(hosts)} host names for {size} ranks")
         if not kvsname or any(c.isspace() or c == "=" for c in kvsname):
             raise ValueError(f"bad PMI job name {kvsname!r}")
+        if not key:
+            raise ValueError("the PMI server needs the job key")
         self.size = size
         self.kvsname = kvsname
+        self._key = key.encode()
+        self._connected: set[int] = set()
+        #: connections refused for not knowing the key (for tests and the log)
+        self.refused = 0
         self._kvs: dict[str, str] = {"PMI_process_mapping": process_mapping(hosts)}
         self._lock = threading.Condition()
         self._barrier_waiting: list[socket.socket] = []
@@ -125,22 +197,49 @@ class PmiServer:
             threading.Thread(target=self._serve, args=(conn,), name="tnt-pmi-conn",
                              daemon=True).start()
 
+    def _authenticate(self, conn: socket.socket) -> int:
+        """The rank this connection proved to be, or -1 (then it is closed unanswered)."""
+        nonce = secrets.token_hex(16)
+        try:
+            conn.settimeout(AUTH_TIMEOUT_S)
+            self._send(conn, f"cmd=tnt_auth nonce={nonce}")
+            answer = _parse(_read_line(conn))
+            rank = int(answer.get("rank", "-1"))
+            good = (answer.get("cmd") == "tnt_auth" and 0 <= rank < self.size
+                    and hmac.compare_digest(answer.get("digest", ""),
+                                            auth_digest(self._key, nonce, rank)))
+        except (OSError, ValueError, ConnectionError):
+            good, rank = False, -1
+        with self._lock:
+            if good and rank in self._connected:
+                good = False  # a replay, or a rank that connects twice: either is wrong
+            if good:
+                self._connected.add(rank)
+            else:
+                self.refused += 1
+        if not good:
+            try:
+                peer = conn.getpeername()
+            except OSError:
+                peer = "?"
+            log.warning("refused a PMI client from %s: it did not prove it knows the job key",
+                        peer)
+            return -1
+        conn.settimeout(None)
+        self._send(conn, "cmd=tnt_auth_ok")
+        return rank
+
     def _serve(self, conn: socket.socket) -> None:
-        rank = -1
+        rank = self._authenticate(conn)
+        if rank < 0:
+            conn.close()
+            return
         reader = conn.makefile("r", encoding="ascii", newline="\n")
         try:
             for line in reader:
                 msg = _parse(line)
                 cmd = msg.get("cmd") or msg.get("mcmd", "")
-                if cmd == "initack":
-                    rank = int(msg.get("pmiid", "-1"))
-                    if not 0 <= rank < self.size:
-                        log.error("PMI client announced id %r; expected 0..%d",
-                                  msg.get("pmiid"), self.size - 1)
-                        return
-                    self._send(conn, "cmd=initack", f"cmd=set size={self.size}",
-                               f"cmd=set rank={rank}", "cmd=set debug=0")
-                elif cmd == "init":
+                if cmd == "init":
                     self._send(conn, "cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0")
                 elif cmd == "get_maxes":
                     self._send(conn, f"cmd=maxes kvsname_max=256 keylen_max={MAX_KEY} "
@@ -204,10 +303,12 @@ class PmiServer:
         conn.sendall("".join(line + "\n" for line in lines).encode("ascii"))
 
 
-def start_helper(size: int, hosts: Sequence[str], bind: str, timeout: float) -> tuple[subprocess.Popen, int]:
+def start_helper(size: int, hosts: Sequence[str], bind: str, timeout: float, *,
+                 key: str) -> tuple[subprocess.Popen, int]:
     """Start the PMI server process for a job; return it and its port.
 
-    Its stdin stays open as long as the returned ``Popen`` (rank 0) lives.
+    Its stdin stays open as long as the returned ``Popen`` (rank 0) lives. The job key goes
+    through that pipe, not the command line, which every user of the host can read.
     """
     kvsname = f"tnt-{os.getpid()}-{secrets.token_hex(6)}"
     proc = subprocess.Popen(
@@ -220,7 +321,7 @@ def start_helper(size: int, hosts: Sequence[str], bind: str, timeout: float) -> 
         start_new_session=True,
     )
     stdin, stdout = cast(IO[str], proc.stdin), cast(IO[str], proc.stdout)  # PIPEs above
-    stdin.write(json.dumps(list(hosts)) + "\n")
+    stdin.write(json.dumps({"hosts": list(hosts), "key": key}) + "\n")
     stdin.flush()
     ready = threading.Event()
     line: list[str] = []
@@ -243,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kvsname", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[tnt pmi] %(levelname)s %(message)s")
-    hosts = json.loads(sys.stdin.readline())
-    server = PmiServer(args.size, hosts, host=args.bind, kvsname=args.kvsname)
+    job = json.loads(sys.stdin.readline())
+    server = PmiServer(args.size, job["hosts"], host=args.bind, kvsname=args.kvsname,
+                       key=job["key"])
     print(server.port, flush=True)
     parent_gone = threading.Event()
 
