@@ -110,9 +110,12 @@ def test_refuses_every_client_that_does_not_know_the_job_key() -> None:
         outsider.send("cmd=finalize")
         assert outsider.lines.readline() == "", "a PMI word before the handshake must end the connection"
         # the wrong key; a right digest for another nonce (replay); a rank outside the job
-        assert _answer(server.port, lambda n: f"cmd=tnt_auth rank=0 digest={auth_digest(b'guess', n, 0)}") == ""
-        assert _answer(server.port, lambda n: f"cmd=tnt_auth rank=0 digest={auth_digest(KEY.encode(), 'x', 0)}") == ""
-        assert _answer(server.port, lambda n: f"cmd=tnt_auth rank=7 digest={auth_digest(KEY.encode(), n, 7)}") == ""
+        key = KEY.encode()
+        for rank, digest in [(0, lambda n: auth_digest(b"guess", n, 0)),
+                             (0, lambda n: auth_digest(key, "x", 0)),
+                             (7, lambda n: auth_digest(key, n, 7))]:
+            line = lambda n, r=rank, d=digest: f"cmd=tnt_auth rank={r} digest={d(n)}"  # noqa: E731
+            assert _answer(server.port, line) == ""
         assert _answer(server.port, lambda n: "x" * 400) == ""
         with pytest.raises(ConnectionError, match="refused"):
             connect_authenticated("127.0.0.1", server.port, "wrong-key", 0, timeout=10)
