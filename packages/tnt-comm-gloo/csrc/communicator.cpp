@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "errors.h"
+#include "gloo_compat.h"
 
 namespace tnt_gloo {
 
@@ -196,7 +197,8 @@ struct Communicator::Shared {
   std::vector<char> scratch;
 };
 
-Communicator::Communicator(const ConnectOptions& options, gloo::rendezvous::Store& store)
+Communicator::Communicator(const ConnectOptions& options,
+                           const std::shared_ptr<gloo::rendezvous::Store>& store)
     : rank_(options.rank), size_(options.size), shared_(std::make_shared<Shared>()) {
   shared_->timeout = options.timeout;
   try {
@@ -209,7 +211,7 @@ Communicator::Communicator(const ConnectOptions& options, gloo::rendezvous::Stor
     auto device = gloo::transport::tcp::CreateDevice(attr);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     context->setTimeout(options.timeout);
-    context->connectFullMesh(store, device);
+    connect_full_mesh(*context, store, device);
     shared_->context = std::move(context);
   } catch (...) {
     throw GlooError("building the full TCP mesh failed: " +
@@ -220,7 +222,7 @@ Communicator::Communicator(const ConnectOptions& options, gloo::rendezvous::Stor
     shm.rank = rank_;
     shm.size = size_;
     shm.timeout = options.timeout;
-    ShmSetup setup = setup_shm(shm, store);
+    ShmSetup setup = setup_shm(shm, *store);
     shared_->shm = std::move(setup.shm);
     shm_reason_ = std::move(setup.reason);
     if (shared_->shm) shm_name_ = shared_->shm->segment_name();

@@ -88,7 +88,7 @@ class Communicator {
  public:
   // Builds the full mesh through `store` (blocking). Call without the GIL; the store
   // may call back into Python itself.
-  Communicator(const ConnectOptions& options, gloo::rendezvous::Store& store);
+  Communicator(const ConnectOptions& options, const std::shared_ptr<gloo::rendezvous::Store>& store);
   ~Communicator();
 
   Communicator(const Communicator&) = delete;

@@ -22,6 +22,7 @@
 #include "communicator.h"
 #include "cuda_staging.h"
 #include "errors.h"
+#include "gloo_compat.h"
 #include "types.h"
 
 namespace nb = nanobind;
@@ -71,6 +72,12 @@ class PythonStore : public gloo::rendezvous::Store {
     });
   }
 
+  // Drops the Python client (call with the GIL). Gloo's TCP context keeps the store after
+  // the mesh is built (for pairs it would connect lazily, which this module never asks
+  // for), so the store can outlive connect() and be destroyed on a thread without the GIL:
+  // it must hold no Python object by then. Later calls fail with GlooError.
+  void close() { client_ = nb::object(); }
+
  private:
   static double seconds(std::chrono::milliseconds ms) {
     return ms.count() > 0 ? static_cast<double>(ms.count()) / 1000.0 : 0.0;
@@ -80,6 +87,7 @@ class PythonStore : public gloo::rendezvous::Store {
   // travels through Gloo's frames.
   template <typename Fn>
   void call(const std::string& what, Fn&& fn) {
+    if (!client_.is_valid()) throw GlooError("rendezvous store " + what + ": the store is closed");
     try {
       fn();
     } catch (nb::python_error& e) {
@@ -310,18 +318,24 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
   options.shm.chunk_bytes = shm_chunk_bytes;
   options.shm.spin_us = shm_spin_us;
 
-  std::unique_ptr<gloo::rendezvous::Store> base;
+  StorePtr base;
+  std::shared_ptr<PythonStore> python_store;
   if (!store_client.is_none()) {
-    base = std::make_unique<PythonStore>(store_client, options.timeout);
+    python_store = std::make_shared<PythonStore>(store_client, options.timeout);
+    base = python_store;
   } else {
-    base = std::make_unique<gloo::rendezvous::FileStore>(file_store);
+    base = std::make_shared<gloo::rendezvous::FileStore>(file_store);
   }
-  gloo::rendezvous::PrefixStore store(prefix, *base);
+  StorePtr store = make_prefix_store(prefix, std::move(base));
   std::unique_ptr<Communicator> comm;
-  {
+  try {
     nb::gil_scoped_release release;
     comm = std::make_unique<Communicator>(options, store);
+  } catch (...) {
+    if (python_store) python_store->close();
+    throw;
   }
+  if (python_store) python_store->close();
   return std::make_unique<PyCommunicator>(std::move(comm));
 }
 
