@@ -1,6 +1,7 @@
 # Tarantella-NT: the two commands of the README.
 #   make run    the main job: a distributed training (2 ranks) of the quick-start model
 #   make test   every test of every package, the docs build included
+#   make wheels the wheels (and sdists) of every package into dist/ (ci/build-wheels.sh)
 # Both install what they need first: Debian packages (ci/install-system-deps.sh), a
 # virtual environment in .venv, every package in editable mode.
 
@@ -18,7 +19,7 @@ INPUTS  := Makefile VERSION ci/install-system-deps.sh ci/requirements-test.txt c
            $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
            $(wildcard packages/tnt-comm-gloo/CMakeLists.txt packages/tnt-comm-gloo/csrc/*)
 
-.PHONY: help setup run test tox docs bench clean
+.PHONY: help setup run test tox docs bench wheels clean
 
 help:
 	@echo "make run    distributed training of the quick-start model on $(NP) ranks"
@@ -26,6 +27,7 @@ help:
 	@echo "make tox    the same through tox, one environment per package"
 	@echo "make docs   build the documentation into docs/_build/html"
 	@echo "make bench  the allreduce benchmarks"
+	@echo "make wheels the wheels of every package into dist/ (pip install --find-links dist/ ...)"
 
 $(STAMP): $(INPUTS)
 	bash ci/install-system-deps.sh
@@ -53,5 +55,11 @@ bench: setup
 	$(BIN)/python benchmarks/allreduce.py --backend gloo
 	$(BIN)/python benchmarks/allreduce.py --backend mpi
 
+# Gloo is built from Debian's source package and linked into tnt-comm-gloo's wheel; builds
+# are cached by source hash (ci/build-wheels.sh says where and how)
+wheels:
+	bash ci/install-system-deps.sh
+	bash ci/build-wheels.sh
+
 clean:
-	rm -rf $(VENV) .tox docs/_build
+	rm -rf $(VENV) .tox docs/_build dist build/wheel-tools
