@@ -151,7 +151,7 @@ if ! from_cache "$pkg" "$key"; then
   # system Gloo
   { "$TOOLS/bin/python" -m build --no-isolation --sdist --outdir "$out" "packages/$pkg" \
     && "$TOOLS/bin/python" -m build --no-isolation --wheel --outdir "$out/raw" "packages/$pkg" \
-         -Cbuild-dir="$out/cmake-build" -Ccmake.define.TNT_GLOO_PREFIX="$GLOO/prefix"; } >"$out/build.log" 2>&1 \
+         -Cbuild-dir="$out/cmake-build" -Ccmake.define.BUNDLE_GLOO_PREFIX="$GLOO/prefix"; } >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; die "$pkg: build failed (log: $out/build.log)"; }
   "$TOOLS/bin/auditwheel" repair --wheel-dir "$out" "$out/raw"/*.whl >>"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; die "$pkg: auditwheel repair failed (log: $out/build.log)"; }
