@@ -233,3 +233,4 @@ def test_sdist_without_gloo_fails_with_one_line_naming_the_wheel(dist: Path, tmp
     for must in ("tnt-comm-gloo wheel", "libgloo-dev", "CMAKE_PREFIX_PATH"):
         assert must in line, line
     assert "Gloo not found (see the line above)" in out, out[-6000:]
+    assert line.strip() in (ROOT / "docs" / "installation.md").read_text(), "docs/installation.md quotes it"
