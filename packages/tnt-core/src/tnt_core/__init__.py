@@ -68,6 +68,7 @@ from .sharding import (
     micro_batch_sizes,
     micro_batch_slice,
 )
+from .stall import WatchedBackend, report_position
 from .timeline import Timeline, timeline_path
 
 try:
@@ -109,6 +110,7 @@ __all__ = [
     "TntError",
     "VARIABLES",
     "Variable",
+    "WatchedBackend",
     "address_towards",
     "check_buffer",
     "check_op",
@@ -135,6 +137,7 @@ __all__ = [
     "plan_buckets",
     "reachable_address",
     "read_setting",
+    "report_position",
     "reset_plugin_manager",
     "select_backend",
     "settings",

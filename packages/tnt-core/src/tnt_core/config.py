@@ -40,6 +40,7 @@ _FIELD_VARIABLES: dict[str, S.Variable] = {
     "output_all": S.TNT_OUTPUT_ALL,
     "num_threads": S.TNT_NUM_THREADS,
     "timeout_s": S.TNT_TIMEOUT_S,
+    "stall_warn_s": S.TNT_STALL_WARN_S,
     "timeline": S.TNT_TIMELINE,
     "overlap": S.TNT_OVERLAP,
     "tensorboard_on_all_devices": S.TNT_TENSORBOARD_ON_ALL_DEVICES,
@@ -65,6 +66,8 @@ class Config:
     output_all: bool = False
     num_threads: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: TNT_STALL_WARN_S: seconds in one collective before the stall inspector reports (0: off)
+    stall_warn_s: float = S.TNT_STALL_WARN_S.default
     #: TNT_TIMELINE: write a Chrome-trace timeline of the training steps to this path
     timeline: str | None = None
     #: TNT_OVERLAP=false: start allreduces only after backprop (to measure what overlap buys)

@@ -1,7 +1,9 @@
 """Logging of the ``tnt`` logger: rank-prefixed, quiet on non-master ranks.
 
 Non-master ranks show only errors unless ``TNT_LOG_ALL`` (``--log-on-all-devices``):
-with N ranks, N copies of every warning would bury the one that matters.
+with N ranks, N copies of every warning would bury the one that matters. A record logged
+with ``extra={"tnt_any_rank": True}`` passes on every rank: it is said by one rank only,
+whichever that is (the stall report of :mod:`tnt_core.stall`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class _RankFilter(logging.Filter):
         self._quiet = quiet
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not self._quiet or record.levelno >= logging.ERROR
+        return (not self._quiet or record.levelno >= logging.ERROR
+                or getattr(record, "tnt_any_rank", False))
 
 
 def configure_logging(config: Config, rank: int | None = None) -> None:

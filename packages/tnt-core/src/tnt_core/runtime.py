@@ -18,6 +18,7 @@ from .errors import ConfigError, PluginError
 from .log import configure_logging, logger
 from .peer_failure import install_excepthook
 from .plugins import get_plugin_manager
+from .stall import StallInspector, WatchedBackend, start_inspector
 
 __all__ = [
     "Runtime",
@@ -94,9 +95,13 @@ class Runtime:
     def __init__(self, config: Config, backend: CommBackend, spec: BackendSpec,
                  plugin_manager: pluggy.PluginManager) -> None:
         self.config = config
+        #: the job's communicator; in a multi-rank job a :class:`~tnt_core.stall.WatchedBackend`
+        #: around the plugin's backend (its ``inner``), which counts collectives for the
+        #: stall inspector
         self.backend = backend
         self.backend_spec = spec
         self.plugin_manager = plugin_manager
+        self.stall_inspector: StallInspector | None = None
         self._stopped = False
 
     # ranks come from the backend: under mpiexec MPI knows them, not the environment
@@ -136,6 +141,8 @@ class Runtime:
         try:
             self.plugin_manager.hook.tnt_runtime_stopping(runtime=self)
         finally:
+            if self.stall_inspector is not None:
+                self.stall_inspector.stop()
             self.backend.close()
 
     def __repr__(self) -> str:
@@ -175,7 +182,11 @@ def init(backend: str | None = None) -> Runtime:
             )
         if comm.rank != config.rank:  # e.g. under mpiexec, MPI knows the rank
             configure_logging(config, rank=comm.rank)
+        if comm.size > 1:
+            comm = WatchedBackend(comm)
         runtime = Runtime(config, comm, spec, pm)
+        if isinstance(comm, WatchedBackend):
+            runtime.stall_inspector = start_inspector(comm, config, config.stall_warn_s)
         _runtime = runtime
         if not _atexit_registered:
             atexit.register(shutdown)

@@ -251,6 +251,14 @@ TNT_TIMEOUT_S = _declare(
 TNT_OVERLAP = _declare("TNT_OVERLAP", "bool", True,
                        "`false` starts every allreduce only after backprop ends (to measure "
                        "what overlap buys)", "settings")
+#: Horovod's stall inspector warns after the same 60 s: longer than any healthy step of a
+#: synchronous job, short enough that a hung rank is named long before TNT_TIMEOUT_S.
+TNT_STALL_WARN_S = _declare(
+    "TNT_STALL_WARN_S", "float", 60.0,
+    "seconds in one collective after which the lowest waiting rank logs which ranks have not "
+    "arrived and where they were last seen (epoch, step); `0` turns the stall inspector off",
+    "settings", minimum=0.0)
+
 TNT_TIMELINE = _declare("TNT_TIMELINE", "str", None,
                         "write a Chrome-trace timeline of the training steps to this path "
                         "(one file per rank)", "settings")
