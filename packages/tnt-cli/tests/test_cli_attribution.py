@@ -7,6 +7,7 @@ when that rank is the last to exit, or the rank that hangs.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from io import BytesIO
@@ -96,6 +97,31 @@ def test_the_rank_that_raised_is_named_not_the_peer_that_exited_first(run_tnt, h
                                       for line in comm), res.stderr
 
 
+def test_the_stall_inspectors_verdict_names_the_ranks_that_did_not_arrive():
+    """What a waiting rank's stall inspector left in the store (tnt_core.stall) is the
+    verdict, also where processes cannot tell (mpirun/srun: one process for all ranks)."""
+    record = {"ranks": [2], "text": "rank 2 did not arrive at allreduce #7 within 3s (hung or too slow?)",
+              "seen": "last seen: rank 2 (epoch 1, step 4, fit; alive, heartbeat 1s ago)"}
+    specs = [ProcessSpec(argv=[sys.executable, "-c", f"import sys; sys.exit({agent.PEER_FAILURE_EXIT_CODE})"],
+                         host="localhost", ranks=(0,), specs=[]),
+             ProcessSpec(argv=[sys.executable, "-c", "import time; time.sleep(60)"],
+                         host="localhost", ranks=(1,), specs=[])]
+    err = BytesIO()
+    code = Supervisor(specs, grace_s=1.0, stdout=BytesIO(), stderr=err,
+                      not_arrived=lambda: json.dumps(record)).run()
+    assert code == 1
+    assert _last(err.getvalue().decode()) == (
+        "tnt run: rank 2 did not arrive at allreduce #7 within 3s (hung or too slow?); rank 0 on "
+        "localhost failed waiting for it; last seen: rank 2 (epoch 1, step 4, fit; alive, "
+        "heartbeat 1s ago); ending the other ranks")
+
+
+def test_an_agent_reports_its_ranks_cause():
+    sup = Supervisor([], grace_s=1.0, stdout=BytesIO(), stderr=BytesIO())
+    sup.rank_failed(3, 1, "[3] ValueError: boom")
+    assert sup.rank_causes == {3: "ValueError: boom"}
+
+
 def test_the_hung_rank_is_named(run_tnt, h):
     started = time.monotonic()
     res = run_tnt("-n", "3", "--backend", "store", "--timeout", "3", "--",
@@ -103,7 +129,33 @@ def test_the_hung_rank_is_named(run_tnt, h):
     took = time.monotonic() - started
     assert res.returncode == 1, res.stderr
     assert _last(res.stderr).startswith(
-        "tnt run: rank 1 on localhost did not take part in a collective"), res.stderr
-    assert "within 3s" in _last(res.stderr)
+        "tnt run: rank 1 did not arrive at allreduce #"), res.stderr
+    assert "within 3s (hung or too slow?); rank " in _last(res.stderr)
+    assert "; last seen: rank 1 (" in _last(res.stderr)
     assert took < 3 + SETTLE_S + 8, f"the job took {took:.1f}s to end"
 
+
+
+def test_a_hidden_ranks_stall_report_is_shown(run_tnt, h):
+    """Rank 0 hangs: rank 1, the lowest waiting rank, reports the stall. Its output is
+    hidden (not the master, no --output-on-all-devices), yet the tnt log line passes."""
+    res = run_tnt("-n", "3", "--backend", "store", "--timeout", "4", "-x", "TNT_STALL_WARN_S=1",
+                  "--", h.rank_script("peer_failure.py"), env={"TNT_TEST_HANG_RANK": "0"},
+                  timeout=30)
+    assert res.returncode == 1, res.stderr
+    reports = [line for line in res.stderr.splitlines() if "WARNING tnt.stall: stall:" in line]
+    assert len(reports) == 1 and reports[0].startswith("[tnt 1] WARNING tnt.stall: stall: rank 1 "
+                                                       "has waited "), res.stderr
+    assert "not arrived: rank 0 (outside any collective, after #3; alive, heartbeat " in reports[0]
+    assert _last(res.stderr).startswith("tnt run: rank 0 did not arrive at allreduce #4 within 4s"), \
+        res.stderr
+
+
+@pytest.mark.parametrize(("line", "shown"), [
+    (b"[tnt 1] WARNING tnt.stall: stall: rank 1 has waited 60s", True),
+    (b"[tnt 12] ERROR tnt: boom", True),
+    (b"[tnt 1] INFO tnt: chatter", False),
+    (b"WARNING: something else", False),
+])
+def test_which_lines_of_a_hidden_rank_pass(line, shown):
+    assert bool(agent.LOG_LINE_OF_TNT.match(line)) is shown

@@ -22,6 +22,7 @@ import collections
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -213,7 +214,9 @@ class Agent:
         def show_err(line: bytes) -> None:
             if output_all:
                 self.err.write(prefix + line)
-            elif master:
+            elif master or LOG_LINE_OF_TNT.match(line):
+                # the tnt logger of a non-master rank says only what must be seen (errors,
+                # and the stall report of whichever rank waits): shown as it comes
                 self.err.write(line)
             else:
                 self.tail.append(line)
@@ -267,7 +270,8 @@ class Agent:
                     self.err.write(prefix + line)
             if spec.get("rank") is None:  # under mpirun/srun only the agent can name the rank
                 self.err.write(f"[{rank}] tnt: rank {rank} on {self.host} {describe_exit(code)}\n".encode())
-                report_failure(env, rank, code)
+                last = self.tail[-1].decode(errors="replace").strip() if self.tail else ""
+                report_failure(env, rank, code, last)
         return 128 - code if code < 0 else code
 
 
@@ -275,9 +279,13 @@ class Agent:
 #: the other ranks instead of ending them, so the launcher does it
 FAILURE_KEY = "tnt/launcher/rank-failed"
 
+#: a line of the ``tnt`` logger (tnt_core.log's format) at warning level or above
+LOG_LINE_OF_TNT = re.compile(rb"^\[tnt \d+\] (?:WARNING|ERROR|CRITICAL) ")
 
-def report_failure(env: Mapping[str, str], rank: int, code: int) -> None:
-    """Tell ``tnt run`` through the rendezvous store that ``rank`` failed (best effort)."""
+
+def report_failure(env: Mapping[str, str], rank: int, code: int, last_line: str = "") -> None:
+    """Tell ``tnt run`` through the rendezvous store that ``rank`` failed (best effort):
+    ``"RANK CODE LAST-LINE"``, the last line of its error output being the cause."""
     url, key = env.get("TNT_RENDEZVOUS", ""), env.get("TNT_RENDEZVOUS_KEY", "")
     host, sep, port = url.rpartition(":")
     if not (sep and key and port.isdigit()):
@@ -287,7 +295,7 @@ def report_failure(env: Mapping[str, str], rank: int, code: int) -> None:
 
         client = StoreClient(host.strip("[]"), int(port), key, connect_timeout=5.0, timeout=5.0)
         try:
-            client.set(FAILURE_KEY, f"{rank} {code}".encode())
+            client.set(FAILURE_KEY, f"{rank} {code} {last_line}".rstrip().encode())
         finally:
             client.close()
     except Exception:  # noqa: BLE001 - the launcher may be gone already; nothing left to tell

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .devices import cpu_count, visible_gpus
@@ -140,7 +140,8 @@ def _run(options: RunOptions, prog: str) -> int:
         raise UsageError(f"{exc} (--rendezvous-host / --rendezvous-port)") from None
     with store:
         procs = launcher.processes(job, Rendezvous(store.url, store.key))
-        supervisor = Supervisor(procs, job.grace_s, prog=prog)
+        supervisor = Supervisor(procs, job.grace_s, prog=prog,
+                                not_arrived=_not_arrived_reader(store))
         if any(spec["rank"] is None for proc in procs for spec in proc.specs):
             _watch_rank_failures(store, supervisor)
         return supervisor.run()
@@ -159,12 +160,35 @@ def _watch_rank_failures(store: StoreServer, supervisor: Supervisor) -> None:
     def watch() -> None:
         try:
             client = StoreClient(host, port, store.key, connect_timeout=10.0)
-            rank, code = client.get(FAILURE_KEY, timeout=None).decode().split()
+            rank, code, *last = client.get(FAILURE_KEY, timeout=None).decode().split(" ", 2)
         except (TntError, OSError, ValueError):
             return  # the store closed: the job is over
-        supervisor.rank_failed(int(rank), int(code))
+        supervisor.rank_failed(int(rank), int(code), last[0] if last else "")
 
     threading.Thread(target=watch, name="tnt-failure-watch", daemon=True).start()
+
+
+def _not_arrived_reader(store: StoreServer) -> Callable[[], str | None]:
+    """What the stall inspector of a failed wait left in the store: the ranks that did not
+    arrive at the collective, as the launcher's verdict names them (None: nothing left)."""
+
+    def read() -> str | None:
+        from tnt_core import StoreClient, TntError
+        from tnt_core.stall import NOT_ARRIVED_KEY
+
+        host, port = store.address
+        try:
+            client = StoreClient(host, port, store.key, connect_timeout=2.0, timeout=2.0)
+            try:
+                if not client.check([NOT_ARRIVED_KEY]):
+                    return None
+                return client.get(NOT_ARRIVED_KEY).decode()
+            finally:
+                client.close()
+        except (TntError, OSError, ValueError):
+            return None
+
+    return read
 
 
 def run_command(argv: Sequence[str], prog: str = "tnt run") -> int:

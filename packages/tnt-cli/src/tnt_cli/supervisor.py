@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -100,8 +101,11 @@ class Supervisor:
     """Run ``specs`` to the end and return the job's exit code."""
 
     def __init__(self, specs: Sequence[ProcessSpec], grace_s: float, *, prog: str = "tnt run",
-                 stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> None:
+                 stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
+                 not_arrived: Callable[[], str | None] | None = None) -> None:
         self.specs = list(specs)
+        #: reads the stall inspector's verdict on a failed wait: which ranks did not arrive
+        self.not_arrived = not_arrived
         self.grace_s = grace_s
         self.prog = prog
         self.out = _Sink(stdout or sys.stdout.buffer)
@@ -116,6 +120,8 @@ class Supervisor:
         self.killed = False
         #: per process: the last exception line of its error output, its stderr pump
         self.last_exception: dict[int, str] = {}
+        #: per rank reported by an agent under mpirun/srun: its last exception line
+        self.rank_causes: dict[int, str] = {}
         self.err_pumps: dict[int, threading.Thread] = {}
         #: failures because a peer failed, in order, before the verdict: (kind, index)
         self.secondary: list[tuple[str, int]] = []
@@ -124,9 +130,13 @@ class Supervisor:
     def say(self, message: str) -> None:
         self.err.write(f"{self.prog}: {message}\n".encode())
 
-    def rank_failed(self, rank: int, code: int) -> None:
+    def rank_failed(self, rank: int, code: int, last_line: str = "") -> None:
         """Report a failed rank the processes' own exit codes cannot show (thread-safe):
-        under mpirun/srun one process stands for all ranks and may not end them."""
+        under mpirun/srun one process stands for all ranks and may not end them.
+        ``last_line``: the last line of the rank's error output (its cause, if any)."""
+        cause = exception_text(last_line) if last_line else None
+        if cause:
+            self.rank_causes[rank] = cause
         self.events.put(("rank-failed", rank, code))
 
     # -- signals ----------------------------------------------------------------------
@@ -273,6 +283,8 @@ class Supervisor:
 
     def _exception(self, kind: str, index: int) -> str | None:
         """The exception that process ``index`` printed last (its output read to the end)."""
+        if kind == "rank-failed":
+            return self.rank_causes.get(index)
         if kind != "exit":
             return None
         pump = self.err_pumps.get(index)
@@ -288,8 +300,13 @@ class Supervisor:
         first = self._label(kind, index)
         cause = self._exception(kind, index)
         waiting = f"{first} failed waiting for it" + (f" ({cause})" if cause else "")
+        verdict = self._stall_verdict()
         hung = [i for i in sorted(self.running) if len(self.specs[i].ranks) == 1]
-        if hung and all(k == "exit" for k, _ in self.secondary):
+        if verdict is not None:  # the stall inspector knows who did not arrive, and where
+            text, several, seen = verdict  # the waiting rank's CommError is just above
+            self.say(f"{text}; {first} failed waiting for {'them' if several else 'it'}"
+                     f"{'; ' + seen if seen else ''}{self._ending(kind)}")
+        elif hung and all(k == "exit" for k, _ in self.secondary):
             names = [self.specs[i].label for i in hung]
             if len(names) > 1:
                 waiting = waiting.replace("waiting for it", "waiting for them")
@@ -299,6 +316,19 @@ class Supervisor:
             self.say(f"{first} failed first, in a collective" + (f" ({cause})" if cause else "")
                      + self._ending(kind))
         self._stop_all()
+
+    def _stall_verdict(self) -> tuple[str, bool, str] | None:
+        """``(text, several ranks, where last seen)`` of the stall inspector's record of a
+        failed wait (tnt_core.stall.NOT_ARRIVED_KEY)."""
+        if self.not_arrived is None:
+            return None
+        try:
+            record = json.loads(self.not_arrived() or "null")
+            if not record:
+                return None
+            return str(record["text"]), len(record["ranks"]) > 1, str(record.get("seen", ""))
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def _escalate(self) -> None:
         if self.secondary and self.stopping_since is None and self.settle_until is not None \
