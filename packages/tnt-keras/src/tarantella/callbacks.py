@@ -266,6 +266,23 @@ class _Coordinator(keras.callbacks.Callback):
             self._sync_stop()
 
 
+class _Position(keras.callbacks.Callback):
+    """Tells tnt-core's stall inspector where this rank is (epoch, step, phase), so that a
+    peer waiting for it can say so. Run first: a callback that hangs comes after it."""
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        tnt_core.report_position(epoch=epoch, step=None, phase="fit")
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        tnt_core.report_position(step=batch + 1, phase="fit")  # 1-based, as the progress bar
+
+    def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        tnt_core.report_position(step=batch + 1, phase="evaluate")
+
+    def on_predict_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        tnt_core.report_position(step=batch + 1, phase="predict")
+
+
 def distribute_callbacks(callbacks: Sequence[Any], model: Any, runtime: tnt_core.Runtime,
                          adapters: Sequence[Any] = ()) -> list[keras.callbacks.Callback]:
     """The user's callbacks as they run on this rank, plus tarantella's coordinator.
@@ -274,7 +291,7 @@ def distribute_callbacks(callbacks: Sequence[Any], model: Any, runtime: tnt_core
     """
     hook = runtime.plugin_manager.hook.tnt_wrap_callback
     context = {"rank": runtime.rank, "size": runtime.size, "framework": "keras", "model": model}
-    out: list[keras.callbacks.Callback] = []
+    out: list[keras.callbacks.Callback] = [_Position()] if runtime.size > 1 else []
     for cb in callbacks:
         wrapped = hook(callback=cb, context=context)
         out.append(cb if wrapped is None else wrapped)
