@@ -193,12 +193,21 @@ def test_dead_and_hung_peers_with_gloo(scripts):
                     "-x", f"TNT_GLOO_SHM={shm}", "--", "hang.py"], scripts)
         assert hung.returncode == 1
         # whichever notices first: the backend's wait or the transport's (all quoted)
-        # the launcher names the hung rank, quoting what rank 0 failed with
+        # the launcher names the hung rank with the stall inspector's diagnosis
         assert hung.stderr.splitlines()[-1].startswith(
-            "tnt run: rank 1 on localhost did not take part in a collective (hung or too slow?): "
-            "rank 0 on localhost failed waiting for it (CommError: "), hung.stderr
-        assert_quoted(hung.stderr, r"^tnt_core.errors.CommError: .*(Timed out waiting 5000ms|"
-                                   r"did not complete within 5s|did not arrive within 5s)")
+            "tnt run: rank 1 did not arrive at allreduce #1 within 5s (hung or too slow?); "
+            "rank 0 on localhost failed waiting for it; last seen: rank 1 (before its first "
+            "collective; alive, heartbeat "), hung.stderr
+        assert_quoted(hung.stderr, r"^tnt run: rank 1 did not arrive")
+        # (the docs quote each wording once, without the stall diagnosis that follows)
+        assert_quoted(re.sub(r"; not arrived: .*$", "", hung.stderr, flags=re.MULTILINE),
+                      r"^tnt_core.errors.CommError: .*(Timed out waiting 5000ms|"
+                      r"did not complete within 5s|did not arrive within 5s)")
+    # without the stall inspector, the launcher names the rank still running
+    hung = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "--timeout", "5",
+                "-x", "TNT_STALL_WARN_S=0", "--", "hang.py"], scripts)
+    assert hung.returncode == 1
+    assert_quoted(hung.stderr, r"^tnt run: rank 1 on localhost did not take part in a collective")
 
 
 def test_a_failing_rank_ends_the_job(scripts):
