@@ -43,6 +43,9 @@ die() { echo "build-wheels: error: $*" >&2; exit 1; }
 
 if [ -z "$CACHE" ]; then CACHE=$(mktemp -d); trap 'rm -rf "$CACHE"' EXIT; fi
 mkdir -p "$CACHE" "$DIST"
+# one build at a time per cache (a tox env and the test suite may start this together)
+exec 9>"$CACHE/.lock"
+flock 9
 SELF_HASH=$( (cat "$0"; echo "$TOOL_REQS"; "$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 
 # The build tools, in their own venv (recreated when TOOL_REQS changes).
