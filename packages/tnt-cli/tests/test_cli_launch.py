@@ -132,6 +132,24 @@ def test_signal_to_launcher_leaves_no_process(start_tnt, h, tmp_path, sig):
     assert f"{signal.Signals(sig).name}: ending all ranks" in err
 
 
+@pytest.mark.parametrize("after_s", [0.3, 1.0])
+def test_ctrl_c_while_tnt_starts_exits_quietly(start_tnt, h, tmp_path, after_s):
+    """Ctrl+C (twice) before the supervisor handles it (the imports take ~0.5 s), or as it
+    starts: exit 130 and no KeyboardInterrupt traceback (there was one from wherever Python
+    was). Only the interpreter's own start, before tnt_cli._entry runs, stays Python's."""
+    proc = start_tnt("-n", "2", "--", h.rank_script("sleeper.py"))
+    time.sleep(after_s)
+    for _ in range(2):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    time.sleep(0.5)  # a rank that had started would have written its pid by now
+    started = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text().strip()]
+    assert h.still_alive(started) == []
+
+
 def test_killed_launcher_takes_its_ranks_along(start_tnt, h, tmp_path):
     proc = start_tnt("-n", "2", "--", h.rank_script("sleeper.py"))
     pids = h.read_pids(tmp_path, 2)

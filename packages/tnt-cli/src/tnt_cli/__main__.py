@@ -2,6 +2,6 @@
 
 import sys
 
-from .main import main
+from ._entry import main  # first: its Ctrl+C handler
 
 sys.exit(main())
