@@ -35,6 +35,14 @@ CASES = {
         lambda t, s: ["--hostfile", _hostfile(t, "localhost slots=2\n"), "-n", "3", "--", s],
         "-n 3 asks for more ranks than the hosts offer"),
     "script not found": (lambda t, s: ["-n", "2", "--", str(t / "missing.py")], "not found"),
+    "script is a directory": (lambda t, s: ["-n", "2", "--", str(t)], "is a directory; give the Python file"),
+    # a wrong size made the ranks wait for peers that never came (1800 s, then a host error)
+    "-x TNT_SIZE": (lambda t, s: ["-n", "2", "-x", "TNT_SIZE=5", "--", s],
+                    "-x TNT_SIZE=...: tnt run sets TNT_SIZE itself (the number of ranks: -n)"),
+    "-x TNT_RENDEZVOUS_KEY": (lambda t, s: ["-x", "TNT_RENDEZVOUS_KEY=k", "--", s],
+                              "tnt run sets TNT_RENDEZVOUS_KEY itself"),
+    "far more ranks than CPUs": (lambda t, s: ["-n", "100000", "--", s],
+                                 "100000 ranks on this machine, which has "),
     "unknown backend": (lambda t, s: ["--backend", "no-such-backend", "--", s],
                         "unknown backend 'no-such-backend'; installed:"),
     "backend that cannot serve the job": (lambda t, s: ["-n", "2", "--backend", "local", "--", s],
@@ -87,3 +95,16 @@ def test_tnt_backends_lists_installed_backends(run_tnt):
     assert res.returncode == 0, res.stderr
     names = [line.split()[0] for line in res.stdout.splitlines()]
     assert {"local", "store"} <= set(names)
+
+
+def test_many_more_ranks_than_cpus_is_a_warning(run_tnt, h, tmp_path):
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    few = run_tnt("-n", str(4 * cpus), "--dry-run", "--", h.rank_script("marker.py"))
+    assert few.returncode == 0 and "warning" not in few.stderr, few.stderr
+    many = 4 * cpus + 1
+    res = run_tnt("-n", str(many), "--dry-run", "--", h.rank_script("marker.py"))
+    assert res.returncode == 0, res.stderr
+    assert (f"tnt run: warning: {many} ranks on this machine's {cpus} CPU(s): oversubscribed"
+            in res.stderr), res.stderr

@@ -26,6 +26,16 @@ RANK_VARIABLES = ("TNT_RANK", "TNT_LOCAL_RANK", "TNT_LOCAL_SIZE", "TNT_NUM_THREA
 #: the launcher contract's variables equal on every rank
 JOB_VARIABLES = tuple(name for name, var in VARIABLES.items()
                       if var.group == "launcher" and name not in RANK_VARIABLES)
+#: the variables that make the job what it is: set by tnt run, never by -x (a wrong value
+#: would make the ranks wait for peers that never come, or for another job's store)
+LAUNCHER_OWNED = {
+    "TNT_RANK": "each rank gets its own",
+    "TNT_LOCAL_RANK": "each rank gets its own",
+    "TNT_LOCAL_SIZE": "from the placement: --n-per-node, the hostfile's slots",
+    "TNT_SIZE": "the number of ranks: -n",
+    "TNT_RENDEZVOUS": "the store tnt run hosts: --rendezvous-host, --rendezvous-port",
+    "TNT_RENDEZVOUS_KEY": "a fresh random key for every job",
+}
 #: job-wide settings a user may export in the launcher's shell instead of giving an option
 EXPORTABLE_VARIABLES = ("TNT_BACKEND", "TNT_FUSION_THRESHOLD_KB", "TNT_LOG_LEVEL",
                         "TNT_LOG_ALL", "TNT_OUTPUT_ALL", "TNT_TIMEOUT_S")
@@ -59,6 +69,9 @@ def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> 
         changes["timeout_s"] = options.timeout_s
     explicit: dict[str, str] = {}
     for name, value in options.env:
+        if name in LAUNCHER_OWNED:
+            raise ConfigError(f"-x {name}=...: tnt run sets {name} itself ({LAUNCHER_OWNED[name]}); "
+                              "drop it from -x")
         if name in VARIABLES:
             try:
                 VARIABLES[name].read({name: value})

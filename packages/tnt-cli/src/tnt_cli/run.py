@@ -16,7 +16,7 @@ from .job import Job, Rendezvous
 from .launchers import Launcher, choose_launcher
 from .network import is_local_host, store_bind_address
 from .options import RunOptions, parse_run_args
-from .placement import LOCALHOST, place_ranks
+from .placement import LOCALHOST, Placement, place_ranks
 
 if TYPE_CHECKING:
     from tnt_core import StoreServer
@@ -32,6 +32,9 @@ def _command(options: RunOptions) -> list[str]:
     if options.python:
         if shutil.which(options.python[0]) is None:
             raise UsageError(f"--python-interpreter: {options.python[0]!r} not found")
+        if not script.startswith("-") and os.path.isdir(script):
+            raise UsageError(f"script {script!r} is a directory; give the Python file to run "
+                             "(e.g. train.py), or -m PACKAGE to run a package's __main__")
         if not script.startswith("-") and not os.path.isfile(script):
             raise UsageError(f"script {script!r} not found (in {os.getcwd()})")
         return [*options.python, *options.command]
@@ -90,6 +93,7 @@ def resolve_job(options: RunOptions, launcher: Launcher) -> Job:
         placement = place_ranks(hosts, options.nranks, options.per_node,
                                 default_per_node=len(gpus), gpus=None)
         gpus, hide_gpus = [], True
+    _check_oversubscription(placement, cpu_count(), warnings)
     job = Job(options=options, placement=placement, command=command, cwd=os.getcwd(),
               gpus=gpus or None, hide_gpus=hide_gpus, agent_python=sys.executable,
               cores=cpu_count(), warnings=warnings)
@@ -97,6 +101,30 @@ def resolve_job(options: RunOptions, launcher: Launcher) -> Job:
     if backend:
         _check_backend(backend, placement.size, placement.max_local_size)
     return job
+
+
+#: ranks per CPU of this machine above which tnt run warns: a few per CPU are common in
+#: tests and on laptops; beyond that steps crawl and peers time out waiting
+WARN_RANKS_PER_CPU = 4
+#: most ranks ``tnt run`` starts on this machine per CPU: each is a Python process with the
+#: framework loaded (hundreds of MB); far more than the CPUs is a typo, not a test
+MAX_RANKS_PER_CPU = 32
+
+
+def _check_oversubscription(placement: Placement, cpus: int, warnings: list[str]) -> None:
+    """Many more ranks on this machine than CPUs: a warning; far more: an error before any
+    process starts (``-n 100000`` would otherwise start processes until memory runs out)."""
+    local = sum(1 for s in placement.slots if is_local_host(s.host))
+    if not local or local <= WARN_RANKS_PER_CPU * cpus:
+        return
+    limit = max(64, MAX_RANKS_PER_CPU * cpus)
+    if local > limit:
+        raise UsageError(f"{local} ranks on this machine, which has {cpus} CPU(s): at most "
+                         f"{limit} are started here ({MAX_RANKS_PER_CPU} per CPU); use a "
+                         "hostfile (--hostfile) to spread the ranks over more machines")
+    warnings.append(f"{local} ranks on this machine's {cpus} CPU(s): oversubscribed, each rank "
+                    f"gets a {local // cpus}th of a CPU and the job runs slower than with fewer "
+                    "ranks (raise --timeout if peers time out waiting)")
 
 
 def _cleanup(options: RunOptions, launcher: Launcher) -> int:
