@@ -152,3 +152,29 @@ def test_reachable_address_name_then_route_then_a_clear_error(monkeypatch):
         reachable_address("10.9.8.7", hint="set X")
     with pytest.raises(ConfigError, match=r"rendezvous host \(none\)"):
         reachable_address(None)
+
+
+def test_two_hundred_ranks_connect_at_once_without_kernel_retries():
+    """Every rank connects at start-up at the same moment. With socketserver's backlog of
+    5 the kernel dropped the rest and their SYN retries (1 s, 3 s, ...) made 200
+    connections take ~30 s; with the system's maximum backlog they take well under one."""
+    import concurrent.futures
+    import time
+
+    with StoreServer("127.0.0.1", 0) as server:
+        host, port = server.address
+        barrier = threading.Barrier(200)
+
+        def connect(i: int) -> None:
+            barrier.wait(10)
+            client = StoreClient(host, port, server.key, connect_timeout=30, timeout=30)
+            try:
+                client.set(f"rank/{i}", b"x")
+            finally:
+                client.close()
+
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(200) as pool:
+            list(pool.map(connect, range(200)))
+        took = time.monotonic() - start
+    assert took < 5.0, f"200 simultaneous connections took {took:.1f}s (kernel SYN retries?)"

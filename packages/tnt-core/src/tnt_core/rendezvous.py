@@ -186,6 +186,9 @@ class _Handler(socketserver.BaseRequestHandler):
 class _TCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # every rank connects at start-up at once: socketserver's backlog of 5 made the kernel
+    # drop the rest, whose retries (1 s, 3 s, 7 s...) made 200 connections take ~30 s
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, address: tuple[str, int], key: bytes) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
