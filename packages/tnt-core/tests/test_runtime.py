@@ -36,6 +36,16 @@ def test_named_backend_that_cannot_serve_the_job(clean_runtime):
         tnt_core.init(backend="local")
 
 
+def test_a_backend_that_needs_tnt_run_under_mpiexec_says_so(clean_runtime):
+    """``mpiexec -n 2 python script.py`` with TNT_BACKEND=store (or gloo): no TNT_SIZE, no
+    rendezvous. The message said "cannot serve this job (rank 0 of 1)"."""
+    clean_runtime.setenv("PMI_RANK", "1")
+    clean_runtime.setenv("PMI_SIZE", "2")
+    with pytest.raises(PluginError, match=r"backend 'store' needs `tnt run` to start the job; "
+                                          r"this process was started by an MPI launcher \(hydra\)"):
+        tnt_core.init(backend="store")
+
+
 def test_cannot_switch_backend_in_a_running_process(clean_runtime):
     tnt_core.init()
     with pytest.raises(ConfigError, match="already runs backend 'local'"):

@@ -15,6 +15,7 @@ import pluggy
 from .backend import BackendSpec, CommBackend
 from .config import Config
 from .errors import ConfigError, PluginError
+from .launch_env import detect_mpi_launch
 from .log import configure_logging, logger
 from .peer_failure import install_excepthook
 from .plugins import get_plugin_manager
@@ -70,10 +71,19 @@ def select_backend(config: Config, name: str | None = None,
         for spec in specs:
             if spec.name == name:
                 if not spec.is_available(config):
+                    available = _names(s for s in specs if s.is_available(config))
+                    launch = detect_mpi_launch()
+                    if launch is not None and not config.launched and (launch.size or 0) != 1:
+                        # under mpiexec/srun without tnt run: no TNT_SIZE, no store
+                        raise PluginError(
+                            f"backend {name!r} needs `tnt run` to start the job; this process "
+                            f"was started by an MPI launcher ({launch.launcher}), which only the "
+                            f"mpi backend can join. Run `tnt run -n N --backend {name} -- "
+                            f"script.py`, or use TNT_BACKEND=mpi (available: {available})"
+                        )
                     raise PluginError(
                         f"backend {name!r} is installed but cannot serve this job "
-                        f"(rank {config.rank} of {config.size}); available: "
-                        f"{_names(s for s in specs if s.is_available(config))}"
+                        f"(rank {config.rank} of {config.size}); available: {available}"
                     )
                 return spec
         raise PluginError(
