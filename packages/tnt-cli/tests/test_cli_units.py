@@ -87,3 +87,21 @@ def test_the_store_listens_where_the_route_to_the_first_remote_host_leaves():
     assert store_bind_address(["nodeX"], "10.0.0.1") == "10.0.0.1"
     with pytest.raises(UsageError, match=r"cannot resolve host 'no-such-host\.invalid'"):
         route_source_address("no-such-host.invalid")
+
+
+def test_orphan_segments_are_removed_and_held_ones_kept(tmp_path):
+    """What an agent does after its rank was killed: remove the MPI library's segments
+    that appeared since it started and that no live process maps or holds open."""
+    from tnt_cli.cleanup import remove_orphan_segments, shm_segments
+
+    old = tmp_path / "mpich_shm_old_0"
+    old.write_bytes(b"x")
+    before = shm_segments(str(tmp_path))
+    orphan, held, other = (tmp_path / "mpich_shm_dead_0", tmp_path / "mpich_shm_live_0",
+                           tmp_path / "not_mpich")
+    for path in (orphan, held, other):
+        path.write_bytes(b"x")
+    with open(held, "rb"):  # a live process (this one) still holds it
+        removed = remove_orphan_segments(before, str(tmp_path))
+    assert removed == [str(orphan)]
+    assert old.exists() and held.exists() and other.exists() and not orphan.exists()

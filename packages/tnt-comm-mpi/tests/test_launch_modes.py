@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mpi_jobs import WORKERS, mpiexec
+from mpi_jobs import MPIEXEC, WORKERS, mpiexec
 from tnt_core.testing import launch_ranks
 
 WORKER = str(WORKERS / "launch_worker.py")
@@ -178,6 +178,7 @@ def test_an_exception_on_one_rank_ends_the_job_at_once(tmp_path) -> None:
     import time
 
     start = time.monotonic()
+    shm_before = _mpich_segments()
     proc = subprocess.run([str(tnt), "run", "-n", "2", "--backend", "mpi", "--launcher", "local",
                            "--", str(script)], env=env, capture_output=True, text=True, timeout=110)
     elapsed = time.monotonic() - start
@@ -185,12 +186,62 @@ def test_an_exception_on_one_rank_ends_the_job_at_once(tmp_path) -> None:
     assert elapsed < 30, f"the job took {elapsed:.1f}s to end:\n{proc.stderr[-3000:]}"
     assert "ValueError: boom on rank 1" in proc.stderr, proc.stderr[-3000:]
     assert "rank 1" in proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]
+    # the failing ranks skip MPI_Finalize, which removes MPICH's segments; they unlink them
+    assert _mpich_segments() - shm_before == set()
+
+
+def _mpich_segments() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
 
 
 def test_an_exception_on_one_rank_ends_an_mpiexec_job_at_once(have_mpiexec, tmp_path) -> None:
     script = tmp_path / "raises.py"
     script.write_text(RAISES)
+    shm_before = _mpich_segments()
     result = launch_ranks([str(script)], 2, backend="mpi", timeout=110, tnt_timeout_s=120,
                           launcher=mpiexec(2, cleanup=True))
     assert not result.timed_out, result.describe()
     assert result.elapsed < 30, f"the job took {result.elapsed:.1f}s: {result.describe()}"
+    assert _mpich_segments() - shm_before == set()
+
+
+LOOPS = r"""
+import time, numpy as np, tnt_core
+runtime = tnt_core.init()
+print("started", flush=True)
+while True:
+    runtime.backend.allreduce(np.ones(4))
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpirun"])
+def test_ctrl_c_leaves_no_mpich_segments(tmp_path, launcher) -> None:
+    """Ctrl+C ends the ranks with SIGTERM, which ends Python without MPI_Finalize, where
+    MPICH removes its /dev/shm segments; the agents remove what nobody maps any more."""
+    import signal
+    import time
+
+    tnt = Path(sys.executable).parent / "tnt"
+    if not tnt.exists():
+        pytest.skip("tnt-cli is not installed")
+    if launcher == "mpirun" and not os.access(MPIEXEC, os.X_OK):
+        pytest.skip("no mpiexec")
+    script = tmp_path / "loops.py"
+    script.write_text(LOOPS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    shm_before = _mpich_segments()
+    proc = subprocess.Popen([str(tnt), "run", "-n", "2", "--backend", "mpi", "--launcher", launcher,
+                             "--", str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+        time.sleep(1.0)  # both ranks are in MPI, their segments mapped
+        assert _mpich_segments() - shm_before, "the job made no segment: nothing is tested"
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert _mpich_segments() - shm_before == set()

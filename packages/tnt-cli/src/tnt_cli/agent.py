@@ -30,6 +30,8 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
+from .cleanup import remove_orphan_segments, shm_segments
+
 __all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE"]
 
 SPEC_ENV = "TNT_AGENT_SPEC"
@@ -204,6 +206,7 @@ class Agent:
                               _numa_nodes()) + list(spec["argv"])
         output_all, master = bool(spec.get("output_all")), rank == 0
         prefix = f"[{rank}] ".encode()
+        shm_before = shm_segments()
 
         def show_out(line: bytes) -> None:
             if output_all:
@@ -262,6 +265,10 @@ class Agent:
         _killpg(self.proc.pid, signal.SIGKILL)  # helpers the rank left in its group
         for t in pumps:
             t.join(timeout=2.0)
+        if code != 0 or self.stop_requested.is_set():
+            # a killed rank cannot remove what its MPI library keeps in /dev/shm; the last
+            # agent of the host to get here finds it mapped by nobody and removes it
+            remove_orphan_segments(shm_before)
         if code != 0 and not self.stop_requested.is_set():
             if not (output_all or master):
                 # a rank that failed because a peer failed said why in its last line

@@ -18,7 +18,8 @@ import sys
 import time
 from collections.abc import Iterable
 
-__all__ = ["find_ranks", "end_ranks", "main", "MARKER_VARIABLE"]
+__all__ = ["find_ranks", "end_ranks", "main", "MARKER_VARIABLE", "shm_segments", "held_by_a_process",
+           "remove_orphan_segments"]
 
 MARKER_VARIABLE = b"TNT_RENDEZVOUS_KEY"
 WAIT_S = 5.0
@@ -95,6 +96,64 @@ def end_ranks(script: str, force: bool, wait_s: float = WAIT_S) -> tuple[list[in
         time.sleep(0.1)
         alive = _alive(alive)
     return [p for p in pids if p not in alive], alive
+
+
+#: shared-memory segments an MPI library leaves when its process is killed (MPICH names
+#: them so; it removes them in MPI_Finalize, which a killed rank never reaches)
+SEGMENT_PATTERNS = ("mpich_shm_*",)
+SHM_DIR = "/dev/shm"
+
+
+def shm_segments(shm_dir: str = SHM_DIR) -> set[str]:
+    """This user's segments of :data:`SEGMENT_PATTERNS` in ``shm_dir`` (paths)."""
+    import glob
+
+    uid, found = os.getuid(), set()
+    for pattern in SEGMENT_PATTERNS:
+        for path in glob.glob(os.path.join(shm_dir, pattern)):
+            try:
+                if os.stat(path).st_uid == uid:
+                    found.add(path)
+            except OSError:
+                continue
+    return found
+
+
+def held_by_a_process(paths: set[str]) -> set[str]:
+    """Which of ``paths`` a live process still maps or holds open."""
+    held: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+            held |= {p for p in paths if p in text}
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target in paths:
+                    held.add(target)
+        except OSError:
+            continue  # gone, or not ours to read
+        if held == paths:
+            break
+    return held
+
+
+def remove_orphan_segments(before: set[str], shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the segments made since ``before`` was taken that no live process maps or
+    holds: what killed ranks left. A job still running keeps its own (it maps them)."""
+    orphans = shm_segments(shm_dir) - before
+    if orphans:
+        orphans -= held_by_a_process(orphans)
+    removed = []
+    for path in sorted(orphans):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 def cleanup_host(script: str, force: bool, host: str | None = None) -> tuple[str, bool]:

@@ -30,7 +30,7 @@ from tnt_core import ConfigError
 from tnt_core import settings as tnt_settings
 
 __all__ = ["load_mpi", "mark_failed", "has_failed", "register_backend", "cuda_support",
-           "host_pmi_server", "loaded"]
+           "host_pmi_server", "loaded", "unlink_shared_memory"]
 
 log = logging.getLogger("tnt.mpi")
 
@@ -106,6 +106,31 @@ def _ending_with_an_error() -> bool:
     return getattr(sys, "last_value", None) is not None
 
 
+def unlink_shared_memory(maps: str = "/proc/self/maps") -> list[str]:
+    """Unlink the MPICH shared-memory segments this process has mapped; their names.
+
+    MPICH removes them in MPI_Finalize, which a failing rank skips (it would wait for
+    peers that will not come), so every abnormal end left 2-4 MB in /dev/shm. Unlinking
+    removes only the name: the job's ranks keep their mappings, and the memory is freed
+    when the last of them exits. Every failing rank does it; the first one wins.
+    """
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as fh:
+            paths = {line.split(maxsplit=5)[5].strip() for line in fh if "/dev/shm/mpich_shm_" in line}
+    except (OSError, IndexError):
+        return []
+    removed = []
+    for path in sorted(p.removesuffix(" (deleted)") for p in paths if not p.endswith("(deleted)")):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another failing rank was first
+            pass
+    if removed:
+        log.debug("unlinked %s", ", ".join(removed))
+    return removed
+
+
 def _at_exit() -> None:
     MPI = _mpi
     if MPI is None or MPI.Is_finalized():
@@ -124,6 +149,7 @@ def _at_exit() -> None:
         _pmi_server.kill()
     why = "a collective failed" if failed else "the program ended with an error"
     log.debug("%s: not calling MPI_Finalize (it would wait for the other ranks)", why)
+    unlink_shared_memory()
     if not _owns_finalize:
         # mpi4py would call MPI_Finalize after this hook and hang there; leave now.
         log.error("exiting without MPI_Finalize: %s (exit status 1)", why)
