@@ -206,6 +206,9 @@ def test_clean_install_trains_and_passes_conformance(dist: Path, tmp_path: Path)
     assert passed and not re.search(r"\d+ (failed|error)", out), out[-8000:]
 
     start = stamps["INSTALL-START"]
+    shown = re.compile(r"^(WHEEL-OK|gloo +priority|[0-9.]+ (Epoch|\d+/\d+ - |LeNet-5"
+                       r"|distributed \(|serial \(|largest))")
+    print("\n".join(line for line in out.splitlines() if shown.search(line)))
     print(f"pip install: {stamps['INSTALL-END'] - start:.1f} s; "
           f"pip install start to first trained epoch: {float(epoch.group(1)) - start:.1f} s; "
           f"tnt run (2 ranks + serial): {stamps['RUN-END'] - stamps['RUN-START']:.1f} s; "
