@@ -187,7 +187,10 @@ def test_clean_install_trains_and_passes_conformance(dist: Path, tmp_path: Path)
             packages/tnt-comm-gloo/tests/test_conformance_gloo.py
         echo "T-CONFORMANCE-END $(stamp)"
         """)
-    out, seconds = _run_namespaced(script, tmp_path, timeout=1700)
+    try:
+        out, seconds = _run_namespaced(script, tmp_path, timeout=1700)
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)  # ~1.5 GB (TensorFlow); pytest keeps 3 runs' tmp
 
     stamps = {m.group(1): float(m.group(2)) for m in re.finditer(r"^T-([A-Z-]+) ([0-9.]+)$", out, re.M)}
     needed = {"INSTALL-START", "INSTALL-END", "RUN-START", "RUN-END", "CONFORMANCE-END"}
