@@ -108,3 +108,18 @@ def test_many_more_ranks_than_cpus_is_a_warning(run_tnt, h, tmp_path):
     assert res.returncode == 0, res.stderr
     assert (f"tnt run: warning: {many} ranks on this machine's {cpus} CPU(s): oversubscribed"
             in res.stderr), res.stderr
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), [
+    ("TNT_STALL_WARN_S", "abc", "TNT_STALL_WARN_S='abc' is not a number"),
+    ("TNT_OVERLAP", "maybe", "TNT_OVERLAP='maybe' is not a boolean"),
+])
+def test_a_bad_exported_setting_fails_in_the_launcher(run_tnt, h, tmp_path, name, value, expected):
+    """Settings the ranks read (not only tnt run's own) are checked before a rank starts:
+    before, the ranks failed after loading their framework, with a traceback each."""
+    res = run_tnt("-n", "2", "--", h.rank_script("marker.py"), env={name: value})
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tnt run: error: {expected}"), res.stderr
+    assert lines[0].endswith("(exported in the shell that runs tnt run)")
+    assert not list(tmp_path.glob("ran.*"))

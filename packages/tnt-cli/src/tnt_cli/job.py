@@ -52,6 +52,9 @@ def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> 
     exported = {name: environ[name] for name in EXPORTABLE_VARIABLES if name in environ}
     try:
         cfg = Config.from_env(exported)
+        for name, var in VARIABLES.items():  # the ranks inherit the rest: check it here too
+            if name in environ and name not in LAUNCHER_OWNED:
+                var.read({name: environ[name]})
     except ConfigError as exc:
         raise ConfigError(f"{exc} (exported in the shell that runs tnt run)") from None
     changes: dict[str, object] = {"size": size}
