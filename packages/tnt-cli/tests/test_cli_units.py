@@ -96,12 +96,13 @@ def test_orphan_segments_are_removed_and_held_ones_kept(tmp_path):
 
     old = tmp_path / "mpich_shm_old_0"
     old.write_bytes(b"x")
-    before = shm_segments(str(tmp_path))
+    patterns = (str(tmp_path / "mpich_shm_*"),)
+    before = shm_segments(patterns)
     orphan, held, other = (tmp_path / "mpich_shm_dead_0", tmp_path / "mpich_shm_live_0",
                            tmp_path / "not_mpich")
     for path in (orphan, held, other):
         path.write_bytes(b"x")
     with open(held, "rb"):  # a live process (this one) still holds it
-        removed = remove_orphan_segments(before, str(tmp_path))
+        removed = remove_orphan_segments(before, patterns)
     assert removed == [str(orphan)]
     assert old.exists() and held.exists() and other.exists() and not orphan.exists()

@@ -98,19 +98,19 @@ def end_ranks(script: str, force: bool, wait_s: float = WAIT_S) -> tuple[list[in
     return [p for p in pids if p not in alive], alive
 
 
-#: shared-memory segments an MPI library leaves when its process is killed (MPICH names
-#: them so; it removes them in MPI_Finalize, which a killed rank never reaches)
-SEGMENT_PATTERNS = ("mpich_shm_*",)
-SHM_DIR = "/dev/shm"
+#: what an MPI job leaves when its processes are killed: MPICH's shared-memory segments
+#: (removed in MPI_Finalize, which a killed rank never reaches) and the hwloc file of a
+#: killed mpiexec (Hydra)
+LEFTOVER_PATTERNS = ("/dev/shm/mpich_shm_*", "/tmp/hydra_hwloc_xmlfile_*")
 
 
-def shm_segments(shm_dir: str = SHM_DIR) -> set[str]:
-    """This user's segments of :data:`SEGMENT_PATTERNS` in ``shm_dir`` (paths)."""
+def shm_segments(patterns: tuple[str, ...] = LEFTOVER_PATTERNS) -> set[str]:
+    """This user's files matching ``patterns`` (paths)."""
     import glob
 
     uid, found = os.getuid(), set()
-    for pattern in SEGMENT_PATTERNS:
-        for path in glob.glob(os.path.join(shm_dir, pattern)):
+    for pattern in patterns:
+        for path in glob.glob(pattern):
             try:
                 if os.stat(path).st_uid == uid:
                     found.add(path)
@@ -140,10 +140,11 @@ def held_by_a_process(paths: set[str]) -> set[str]:
     return held
 
 
-def remove_orphan_segments(before: set[str], shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove the segments made since ``before`` was taken that no live process maps or
+def remove_orphan_segments(before: set[str],
+                           patterns: tuple[str, ...] = LEFTOVER_PATTERNS) -> list[str]:
+    """Remove the files made since ``before`` was taken that no live process maps or
     holds: what killed ranks left. A job still running keeps its own (it maps them)."""
-    orphans = shm_segments(shm_dir) - before
+    orphans = shm_segments(patterns) - before
     if orphans:
         orphans -= held_by_a_process(orphans)
     removed = []

@@ -166,13 +166,34 @@ def _run(options: RunOptions, prog: str) -> int:
         store = StoreServer(bind, options.rendezvous_port)
     except ConfigError as exc:
         raise UsageError(f"{exc} (--rendezvous-host / --rendezvous-port)") from None
+    from .cleanup import shm_segments
+
+    leftovers_before = shm_segments()
     with store:
         procs = launcher.processes(job, Rendezvous(store.url, store.key))
         supervisor = Supervisor(procs, job.grace_s, prog=prog,
                                 not_arrived=_not_arrived_reader(store))
         if any(spec["rank"] is None for proc in procs for spec in proc.specs):
             _watch_rank_failures(store, supervisor)
-        return supervisor.run()
+        try:
+            return supervisor.run()
+        finally:
+            _sweep(leftovers_before)
+
+
+def _sweep(before: set[str]) -> None:
+    """Remove what the job's killed processes left on this machine (mpiexec's proxies may
+    kill an agent before it can sweep) once nothing holds it; ranks ended by SIGKILL may
+    take a moment to let go, so a few tries within a second. Nothing new: no wait."""
+    import time
+
+    from .cleanup import remove_orphan_segments, shm_segments
+
+    for _ in range(5):
+        if not shm_segments() - before:
+            return
+        remove_orphan_segments(before)
+        time.sleep(0.2)
 
 
 def _watch_rank_failures(store: StoreServer, supervisor: Supervisor) -> None:

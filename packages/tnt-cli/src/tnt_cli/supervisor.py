@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -44,6 +45,7 @@ __all__ = ["Supervisor"]
 
 #: extra seconds, beyond the agents' own grace period, before process groups are killed
 KILL_MARGIN_S = 2.0
+_PR_SET_PDEATHSIG = 1
 #: seconds a rank's exit with PEER_FAILURE_EXIT_CODE waits for the rank that failed first
 SETTLE_S = 1.5
 #: the last line of a Python traceback (agents prefix a hidden rank's lines with ``[rank] ``)
@@ -104,6 +106,12 @@ class Supervisor:
                  stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
                  not_arrived: Callable[[], str | None] | None = None) -> None:
         self.specs = list(specs)
+        self._pid = os.getpid()
+        self._prctl: Callable[..., int] | None
+        try:  # looked up before fork: the child must not load libraries
+            self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            self._prctl = None
         #: reads the stall inspector's verdict on a failed wait: which ranks did not arrive
         self.not_arrived = not_arrived
         self.grace_s = grace_s
@@ -151,12 +159,21 @@ class Supervisor:
         return previous
 
     # -- processes --------------------------------------------------------------------
+    def _preexec(self) -> None:
+        """In the child between fork and exec: SIGTERM it when tnt run dies, even by
+        SIGKILL. mpiexec/srun, in a session of their own, outlived a killed tnt run and
+        kept every rank running; on SIGTERM they end their ranks and clean up."""
+        if self._prctl is not None:
+            self._prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != self._pid:  # tnt run died between fork and prctl
+            os._exit(143)
+
     def _start(self, index: int, spec: ProcessSpec) -> subprocess.Popen | None:
         env = dict(os.environ)
         env.update(spec.env)
         try:
             proc = subprocess.Popen(
-                spec.argv, env=env, start_new_session=True,
+                spec.argv, env=env, start_new_session=True, preexec_fn=self._preexec,
                 stdin=subprocess.PIPE if spec.stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as exc:
