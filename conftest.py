@@ -8,36 +8,21 @@ once per session, that nothing new and unheld is left in /dev/shm or /tmp.
 
 from __future__ import annotations
 
-import glob
-import os
-
 import pytest
 
 _WATCHED = ("/dev/shm/*", "/tmp/hydra_hwloc_xmlfile_*")
 
 
-def _ours() -> set[str]:
-    uid, found = os.getuid(), set()
-    for pattern in _WATCHED:
-        for path in glob.glob(pattern):
-            try:
-                if os.stat(path).st_uid == uid:
-                    found.add(path)
-            except OSError:
-                continue
-    return found
-
-
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_in_dev_shm_or_tmp():
     try:
-        from tnt_cli.cleanup import held_by_a_process
+        from tnt_cli.cleanup import held_by_a_process, shm_segments
     except ImportError:  # a tox environment without tnt-cli
         yield
         return
-    before = _ours()
+    before = shm_segments(_WATCHED)
     yield
-    new = _ours() - before
+    new = shm_segments(_WATCHED) - before
     left = sorted(new - held_by_a_process(new)) if new else []
     if left:
         pytest.fail(f"the tests left {len(left)} file(s) that no process holds: {', '.join(left)}",
