@@ -237,6 +237,17 @@ def test_a_failing_rank_ends_the_job(scripts):
                                r"\(ValueError: boom\)")
 
 
+def test_collectives_the_ranks_disagree_on(scripts):
+    (scripts / "mismatch.py").write_text(textwrap.dedent("""
+        import numpy as np, tnt_core
+        backend = tnt_core.init().backend
+        backend.allreduce(np.ones(4 if tnt_core.get_rank() == 0 else 3, np.float32))
+    """))
+    proc = run([_bin("tnt"), "run", "-n", "2", "--", "mismatch.py"], scripts)
+    assert proc.returncode == 1
+    assert_quoted(proc.stderr, r"^tnt_core.errors.CollectiveMismatchError: \[rank 0\] collective #1")
+
+
 def test_keras_messages(scripts):
     pytest.importorskip("tarantella")
     (scripts / "keras_errors.py").write_text(textwrap.dedent("""

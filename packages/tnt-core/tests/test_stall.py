@@ -72,7 +72,7 @@ class _Fake(CommBackend):
 
 def test_the_watched_backend_counts_collectives_and_marks_only_blocking_waits():
     fake, ledger = _Fake(0, 2), Ledger()
-    watched = WatchedBackend(fake, ledger)
+    watched = WatchedBackend(fake, ledger, agree=False)
     assert (watched.rank, watched.size, watched.name, watched.extra) == (0, 2, "fake", fake.extra)
     assert isinstance(watched, CommBackend) and watched.inner is fake
     buf = np.ones(3, dtype=np.float32)
@@ -106,7 +106,7 @@ def test_the_watched_backend_counts_collectives_and_marks_only_blocking_waits():
 
 def test_a_failed_wait_keeps_the_backends_error_without_an_inspector():
     fake = _Fake(0, 2)
-    watched = WatchedBackend(fake, Ledger())
+    watched = WatchedBackend(fake, Ledger(), agree=False)
     with pytest.raises(CommError, match=r"did not complete within the timeout$"):
         watched.allreduce_async(np.ones(1)).wait(0.05)
 
@@ -119,7 +119,7 @@ def store():
 
 def _rank(store: StoreServer, rank: int, size: int, warn_s: float, timeout_s: float = 30.0):
     fake, ledger = _Fake(rank, size), Ledger()
-    watched = WatchedBackend(fake, ledger)
+    watched = WatchedBackend(fake, ledger, agree=False)
     host, port = store.address
     config = Config(rank=rank, size=size, rendezvous=f"{host}:{port}", rendezvous_key=store.key,
                     timeout_s=timeout_s, stall_warn_s=warn_s, launched=True)
@@ -218,7 +218,7 @@ def test_a_rank_whose_heartbeat_stopped_is_called_silent(store):
 
 def test_without_a_store_the_waiting_rank_still_warns(caplog):
     fake, ledger = _Fake(1, 2), Ledger()
-    watched = WatchedBackend(fake, ledger)
+    watched = WatchedBackend(fake, ledger, agree=False)
     inspector = start_inspector(watched, Config(rank=1, size=2, timeout_s=30.0), 0.5)
     assert inspector is not None
     try:

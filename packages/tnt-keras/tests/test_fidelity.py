@@ -103,6 +103,17 @@ def test_each_rank_draws_its_own_random_stream(facts):
     assert len(set(states)) == nprocs, f"ranks share dropout seed states: {states}"
 
 
+def test_a_model_that_differs_between_ranks_is_refused_on_every_rank(facts):
+    ranks, nprocs = facts
+    if nprocs == 1:
+        assert ranks[0]["differing_model"] == "trained"
+        return
+    for f in ranks:
+        assert f["differing_model"].startswith(
+            "the model differs between ranks: rank 0 has 6 variables (23 values), rank 1 has 6 "
+            "(28 values)"), f["differing_model"]
+
+
 def test_errors_name_the_users_path(facts):
     ranks, _ = facts
     assert "no_such_dir/model.keras" in ranks[0]["save_error"]

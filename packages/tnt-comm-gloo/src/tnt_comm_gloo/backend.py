@@ -67,6 +67,7 @@ from tnt_core import (
     Handle,
     check_buffer,
     check_op,
+    check_timeout,
     connect_store,
     reachable_address,
 )
@@ -349,7 +350,8 @@ class GlooBackend(CommBackend):
             raise CommError("the backend is closed", rank=self.rank, operation=operation)
 
     def _wait(self, work: _gloo.Work, operation: str, timeout: float | None) -> None:
-        timeout = self._timeout if timeout is None else timeout
+        checked = check_timeout(timeout)
+        timeout = self._timeout if checked is None else checked
         try:
             done = self._comm.wait(work, timeout)
         except _gloo.GlooError as exc:  # not _translate: this is the hot path

@@ -17,6 +17,7 @@ from .backend import (
     Handle,
     check_buffer,
     check_op,
+    check_timeout,
     wait_all,
 )
 from .comm_thread import CommThread, FutureHandle
@@ -27,7 +28,14 @@ from .config import (
     env_number,
     parse_bool,
 )
-from .errors import CommError, ConfigError, PluginError, ShardingError, TntError
+from .errors import (
+    CollectiveMismatchError,
+    CommError,
+    ConfigError,
+    PluginError,
+    ShardingError,
+    TntError,
+)
 from .fusion import (
     BUFFER_ALIGNMENT,
     Bucket,
@@ -89,6 +97,7 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "CommBackend",
+    "CollectiveMismatchError",
     "CommError",
     "CommThread",
     "CompletedHandle",
@@ -114,6 +123,7 @@ __all__ = [
     "address_towards",
     "check_buffer",
     "check_op",
+    "check_timeout",
     "connect_store",
     "detect_mpi_launch",
     "env_number",

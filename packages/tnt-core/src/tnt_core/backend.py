@@ -36,6 +36,7 @@ __all__ = [
     "Handle",
     "check_buffer",
     "check_op",
+    "check_timeout",
     "wait_all",
 ]
 
@@ -50,6 +51,24 @@ def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}")
     return op
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """Return ``timeout`` if it is None or a positive, finite number of seconds, else raise.
+
+    Checked before a wait starts: a wait that times out fails the communicator (the
+    collective may have half-run), so a nonsensical value must not get that far.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    if not 0 < float(timeout) < float("inf"):
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds, got {timeout}; pass None to "
+            "wait up to TNT_TIMEOUT_S, and poll with Handle.done() instead of a zero timeout"
+        )
+    return float(timeout)
 
 
 def check_buffer(buf: Any, operation: str, *, writeable: bool = True) -> np.ndarray:
@@ -111,6 +130,7 @@ def wait_all(handles: Sequence[Handle], timeout: float | None = None) -> list[np
     Handles of one backend go to its :meth:`Handle.wait_all`; a mixed list is waited for
     one handle after another.
     """
+    check_timeout(timeout)
     if handles and all(type(h) is type(handles[0]) for h in handles):
         return type(handles[0]).wait_all(handles, timeout)
     return [handle.wait(timeout) for handle in handles]
@@ -129,6 +149,7 @@ class CompletedHandle(Handle):
         return self._t
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
+        check_timeout(timeout)
         return self._buf
 
     def done(self) -> bool:

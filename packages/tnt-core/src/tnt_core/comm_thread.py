@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .backend import Handle
+from .backend import Handle, check_timeout
 from .errors import CommError
 
 __all__ = ["CommThread", "FutureHandle"]
@@ -74,7 +74,8 @@ class FutureHandle(Handle):
 
     def wait(self, timeout: float | None = None) -> Any:
         thread = self._thread
-        timeout = thread.timeout_s if timeout is None else timeout
+        checked = check_timeout(timeout)
+        timeout = thread.timeout_s if checked is None else checked
         if not self._event.is_set() and not thread._wait_for(self, timeout):
             self._timed_out(timeout)
         if self._error is not None:
@@ -86,6 +87,7 @@ class FutureHandle(Handle):
         """Wait for handles of one thread as one batch: a waiter that runs the queue runs
         it up to the last of them in one go, instead of handing the rest back to the
         thread after each (a wake-up each) and taking the next one over again."""
+        check_timeout(timeout)
         futures = [h for h in handles if isinstance(h, FutureHandle)]
         if len(futures) == len(handles) and len({id(h._thread) for h in futures}) == 1:
             last = max(futures, key=lambda h: h._seq)

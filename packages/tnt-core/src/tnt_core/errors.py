@@ -6,7 +6,8 @@ that users and tnt-keras handle a single exception type for "the collective fail
 
 from __future__ import annotations
 
-__all__ = ["TntError", "CommError", "ConfigError", "PluginError", "ShardingError"]
+__all__ = ["TntError", "CommError", "CollectiveMismatchError", "ConfigError", "PluginError",
+           "ShardingError"]
 
 
 class TntError(Exception):
@@ -39,6 +40,18 @@ class CommError(TntError):
 #: the first CommError made in this process: a collective failed here, even when a framework
 #: (``tf.numpy_function``) re-raised it as an exception of its own that does not chain it
 _first_comm_error: list[CommError] = []
+
+
+class CollectiveMismatchError(TntError, ValueError):
+    """The ranks called different collectives, or the same one with buffers of different
+    shape or dtype, a different reduction or root. Every rank raises it, before any data
+    moves (:mod:`tnt_core.agreement`); the message says what each rank passed.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, seq: int | None = None) -> None:
+        super().__init__(f"[rank {rank}] {message}" if rank is not None else message)
+        self.rank = rank
+        self.seq = seq
 
 
 class ConfigError(TntError, ValueError):

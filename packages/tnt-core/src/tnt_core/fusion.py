@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .backend import CommBackend, Handle, check_op, wait_all
+from .stall import WatchedBackend
 from .timeline import Timeline
 
 __all__ = ["TensorSpec", "Bucket", "BucketPlan", "plan_buckets", "FusedAllreducer", "BUFFER_ALIGNMENT"]
@@ -189,6 +190,7 @@ class FusedAllreducer:
             for b, buf in zip(plan.buckets, self._buffers)
         ]
         self._lock = threading.Lock()
+        self._agreed = False  # the ranks agree on the plan at its first use (stall.WatchedBackend)
         self._reset()
 
     def _reset(self) -> None:
@@ -233,6 +235,10 @@ class FusedAllreducer:
 
     def _issue_ready(self) -> None:
         # called with the lock held: issue in bucket order, as far as complete
+        if not self._agreed and self._complete[self._next_to_issue:self._next_to_issue + 1] == [True]:
+            if isinstance(self.backend, WatchedBackend):  # one header for every bucket, once
+                self.backend.agree_on_plan([b for b in self._buffers if b.size], self.op)
+            self._agreed = True
         while self._next_to_issue < len(self._complete) and self._complete[self._next_to_issue]:
             i = self._next_to_issue
             self._issued_at[i] = time.perf_counter()

@@ -10,8 +10,9 @@ Horovod's stall inspector, every rank of a multi-rank job keeps a :class:`Ledger
   through :func:`report_position`.
 
 The runtime wraps the backend in a :class:`WatchedBackend` that keeps the ledger: a counter
-increment per collective, and two clock reads when a wait actually blocks. A daemon thread
-(:class:`StallInspector`) publishes the ledger to the job's rendezvous store every few
+increment per collective, and two clock reads when a wait actually blocks. It also makes
+the ranks agree on each collective before data moves (:mod:`tnt_core.agreement`). A daemon
+thread (:class:`StallInspector`) publishes the ledger to the job's rendezvous store every few
 seconds (a heartbeat: a rank that stopped publishing is stuck outside Python's reach, or
 dead) and checks the local wait:
 
@@ -32,6 +33,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .backend import CommBackend, Handle, wait_all
+from .agreement import agree, header, plan_header
+from .backend import CommBackend, Handle, check_buffer, check_op, check_timeout, wait_all
 from .config import Config
 from .errors import CommError, TntError
 
@@ -135,6 +138,7 @@ class WatchedHandle(Handle):
         self.inner, self.seq, self.op, self.backend = inner, seq, op, backend
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
+        check_timeout(timeout)
         if self.inner.done():
             return self.inner.wait(timeout)
         with self.backend.waiting(self.seq, self.op):
@@ -148,6 +152,7 @@ class WatchedHandle(Handle):
 
     @classmethod
     def wait_all(cls, handles: Sequence[Handle], timeout: float | None = None) -> list[np.ndarray]:
+        check_timeout(timeout)
         watched = [h for h in handles if isinstance(h, WatchedHandle)]
         inner = [h.inner if isinstance(h, WatchedHandle) else h for h in handles]
         first = next((h for h in watched if not h.inner.done()), None)
@@ -159,18 +164,27 @@ class WatchedHandle(Handle):
 
 class WatchedBackend(CommBackend):
     """The job's backend as the runtime hands it out: the same collectives, each counted
-    in the :class:`Ledger`, and a failed wait explained by the :class:`StallInspector`.
+    in the :class:`Ledger`, checked for agreement between the ranks before data moves
+    (:mod:`tnt_core.agreement`), and a failed wait explained by the :class:`StallInspector`.
 
     Attributes the contract does not name (a backend's own extras) are the wrapped
     backend's; :attr:`inner` is the backend itself.
+
+    :param agree: exchange a header before each collective and raise
+        :class:`~tnt_core.CollectiveMismatchError` when the ranks' calls differ (off only
+        in tests of the raw transport).
     """
 
-    def __init__(self, inner: CommBackend, ledger: Ledger | None = None) -> None:
+    def __init__(self, inner: CommBackend, ledger: Ledger | None = None, *,
+                 agree: bool = True) -> None:
         self.inner = inner
         self.ledger = ledger or _ledger
         self.name = inner.name
         self.rank, self.size = inner.rank, inner.size
         self.local_rank, self.local_size = inner.local_rank, inner.local_size
+        self.agree = agree
+        # buffers whose allreduces were agreed on once, as a plan: id -> (weak ref, op)
+        self._agreed: dict[int, tuple[weakref.ref[np.ndarray], str]] = {}
         #: set by the inspector: explains a failed wait for collective ``seq`` that lasted
         #: the given seconds
         self.explain: Callable[[int, float], str | None] = lambda seq, waited: None
@@ -201,31 +215,97 @@ class WatchedBackend(CommBackend):
             return exc
         explained = CommError(f"{exc.args[0] if exc.args else exc}; {why}")
         explained.rank, explained.operation, explained.peer = exc.rank, exc.operation, exc.peer
-        first = errors._first_comm_error  # noqa: SLF001 - what the at-exit attribution prints
+        first = errors._first_comm_error  # noqa: SLF001 - what the at-exit attribution reads
         if first and first[0] is exc:
             first[0] = explained
         return explained
 
+    # -- agreement -----------------------------------------------------------------------
+
+    def _check(self, seq: int, op: str, words: np.ndarray) -> None:
+        """The header exchange of collective ``seq`` (a wait like the collective's own: a
+        rank that never comes is diagnosed there)."""
+        with self.waiting(seq, op):
+            agree(self.inner, words, seq, self.rank)
+
+    def agree_on_plan(self, buffers: Sequence[np.ndarray], op: str = "sum") -> None:
+        """Agree once on a fixed sequence of allreduces over ``buffers`` (the fused
+        gradient buckets, reused every step); their later allreduces skip the header."""
+        check_op(op)
+        if not self.agree:
+            return
+        seq = self.ledger.enter()
+        self._check(seq, "fused allreduce plan", plan_header(buffers, op))
+        for buf in buffers:
+            self._agreed[id(buf)] = (weakref.ref(buf, self._forget(id(buf))), op)
+
+    def _forget(self, key: int) -> Callable[[weakref.ref[np.ndarray]], None]:
+        """The callback that drops an agreed buffer once it is freed (its id may be reused)."""
+        def forget(_ref: weakref.ref[np.ndarray]) -> None:
+            self._agreed.pop(key, None)
+        return forget
+
+    def _needs_header(self, buf: Any, op: str) -> bool:
+        if not self.agree:
+            return False
+        agreed = self._agreed.get(id(buf))
+        return agreed is None or agreed[0]() is not buf or agreed[1] != op
+
+    def _local_checks(self, buf: Any, operation: str, *, writeable: bool = True) -> bool:
+        """Validate what this rank can validate alone, before any exchange; False for a
+        buffer only the backend itself understands (it raises, or handles it)."""
+        if isinstance(buf, np.ndarray):
+            check_buffer(buf, operation, writeable=writeable)
+            return True
+        return hasattr(buf, "__dlpack__") and hasattr(buf, "shape")
+
+    # -- the collectives -------------------------------------------------------------------
+
     def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
-        # the gradient path calls this per bucket: the ledger's counter inline, no call
+        # the gradient path calls this per bucket: agreed buffers cost a dict lookup here
         ledger = self.ledger
         ledger.entered += 1
-        return WatchedHandle(self.inner.allreduce_async(buf, op), ledger.entered, "allreduce", self)
+        seq = ledger.entered
+        if self._needs_header(buf, op):
+            check_op(op)
+            if self._local_checks(buf, "allreduce"):
+                self._check(seq, "allreduce", header("allreduce", buf, op=op))
+        return WatchedHandle(self.inner.allreduce_async(buf, op), seq, "allreduce", self)
 
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
-        with self.waiting(self.ledger.enter(), "allreduce"):
+        seq = self.ledger.enter()
+        if self.agree:
+            check_op(op)
+            if self._local_checks(buf, "allreduce"):
+                self._check(seq, "allreduce", header("allreduce", buf, op=op))
+        with self.waiting(seq, "allreduce"):
             return self.inner.allreduce(buf, op)
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
-        with self.waiting(self.ledger.enter(), "broadcast"):
+        seq = self.ledger.enter()
+        if self.agree:
+            if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+                raise TypeError(f"broadcast root must be a rank number, got {type(root).__name__}")
+            if not 0 <= root < self.size:
+                raise ValueError(f"broadcast root {root} is not a rank of this job (0..{self.size - 1})")
+            if self._local_checks(buf, "broadcast"):
+                self._check(seq, "broadcast", header("broadcast", buf, root=int(root)))
+        with self.waiting(seq, "broadcast"):
             return self.inner.broadcast(buf, root)
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
-        with self.waiting(self.ledger.enter(), "allgather"):
+        seq = self.ledger.enter()
+        if self.agree and self._local_checks(buf, "allgather", writeable=False):
+            self._check(seq, "allgather", header("allgather", buf))
+        with self.waiting(seq, "allgather"):
             return self.inner.allgather(buf)
 
     def barrier(self) -> None:
-        with self.waiting(self.ledger.enter(), "barrier"):
+        seq = self.ledger.enter()
+        if self.agree:  # the header exchange completes only once every rank entered: a barrier
+            self._check(seq, "barrier", header("barrier"))
+            return
+        with self.waiting(seq, "barrier"):
             self.inner.barrier()
 
     def close(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import keras
 import numpy as np
 
@@ -30,6 +32,7 @@ def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None
         seen.add(id(v))
         if np.dtype(v.dtype) in tnt_core.SUPPORTED_DTYPES:  # skips e.g. uint32 RNG states
             variables.append(v)
+    _check_same_model(variables, runtime)
     by_dtype: dict[np.dtype, list] = {}
     for v in variables:
         by_dtype.setdefault(np.dtype(v.dtype), []).append(v)
@@ -43,3 +46,23 @@ def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None
         for v, a in zip(group, values):
             v.assign(buf[offset:offset + a.size].reshape(a.shape))
             offset += a.size
+
+
+def _check_same_model(variables: list, runtime: tnt_core.Runtime) -> None:
+    """Refuse models that differ between ranks (layers, shapes, dtypes), before any weight
+    moves: the broadcast would otherwise pour one model's numbers into another's."""
+    layout = ";".join(f"{tuple(v.shape)}:{np.dtype(v.dtype)}" for v in variables)
+    mine = np.array([zlib.crc32(layout.encode()), len(variables),
+                     sum(int(np.prod(v.shape)) for v in variables)], dtype=np.int64)
+    every = runtime.backend.allgather(mine)
+    master = tnt_core.get_master_rank()
+    differing = [r for r in range(len(every)) if not np.array_equal(every[r], every[master])]
+    if differing:
+        r = differing[0]
+        (_, n0, v0), (_, n1, v1) = every[master], every[r]
+        other = " of other shapes or dtypes" if (n0, v0) == (n1, v1) else ""
+        raise ValueError(
+            f"the model differs between ranks: rank {master} has {n0} variables ({v0} values), "
+            f"rank {r} has {n1} ({v1} values){other}. Build the same model (layers, shapes, "
+            "dtypes) and optimizer on every rank: code that depends on tnt.get_rank() must not change them"
+        )

@@ -340,6 +340,14 @@ def _tnt_facts(tnt, keras, tf, out: str, who: str) -> dict:
         facts["save_error"] = "no error"
     except Exception as exc:  # noqa: BLE001 (whatever it is, its message must name the user's path)
         facts["save_error"] = str(exc)
+    # a model that depends on the rank: refused before any weight moves, on every rank
+    odd = tnt.Model(keras.Sequential([keras.Input((3,)), L.Dense(4 + tnt.get_rank()), L.Dense(1)]))
+    odd.compile(optimizer="sgd", loss="mse")
+    try:
+        odd.fit(np.zeros((8, 3)), np.zeros((8, 1)), batch_size=4, epochs=1, verbose=0)
+        facts["differing_model"] = "trained"
+    except ValueError as exc:
+        facts["differing_model"] = str(exc)
     return facts
 
 

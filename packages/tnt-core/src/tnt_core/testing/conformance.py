@@ -151,6 +151,17 @@ def case_bad_input(ctx: Context) -> None:
     buf = np.ones(4, np.float32)
     ctx.backend.allreduce(buf)
     assert np.array_equal(buf, np.full(4, ctx.size, np.float32)), "backend broken after bad input"
+    # a nonsense timeout is refused before the wait starts: it must not fail the communicator
+    handle = ctx.backend.allreduce_async(np.ones(4, np.float32))
+    for timeout in (-1, 0, float("nan")):
+        try:
+            handle.wait(timeout=timeout)
+        except ValueError as exc:
+            assert "timeout" in str(exc), f"the error for timeout={timeout} does not say timeout"
+        else:
+            raise AssertionError(f"Handle.wait(timeout={timeout}) was accepted")
+    assert np.array_equal(handle.wait(), np.full(4, ctx.size, np.float32)), \
+        "backend broken after a nonsense timeout"
 
 
 class _Skip(Exception):
