@@ -18,6 +18,7 @@ pays nothing per bucket.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -37,10 +38,9 @@ HEADER_LEN = 10
 _DTYPE_NAMES = {zlib.crc32(str(d).encode()): str(d) for d in SUPPORTED_DTYPES}
 
 
-def _dtype_name(buf: Any) -> str:
-    dtype = getattr(buf, "dtype", None)
+def _dtype_name(dtype: Any) -> str:
     name = getattr(dtype, "name", None) or str(dtype)
-    return name.replace("torch.", "")
+    return str(name).replace("torch.", "")
 
 
 def _shape(buf: Any) -> tuple[int, ...]:
@@ -56,14 +56,25 @@ def _crc(text: str) -> int:
 
 def header(kind: str, buf: Any = None, *, op: str | None = None,
            root: int | None = None) -> np.ndarray:
-    """The words that describe one call of ``kind`` on ``buf``."""
-    shape = _shape(buf) if buf is not None else ()
+    """The words that describe one call of ``kind`` on ``buf`` (read-only; cached, since a
+    program calls the same few collectives over and over)."""
+    if buf is None:
+        return _words(kind, (), None, op, root)
+    shape = buf.shape if isinstance(buf, np.ndarray) else _shape(buf)
+    return _words(kind, shape, getattr(buf, "dtype", "?"), op, root)
+
+
+@functools.lru_cache(maxsize=1024)
+def _words(kind: str, shape: tuple[int, ...], dtype_obj: Any, op: str | None,
+           root: int | None) -> np.ndarray:
+    dtype = _dtype_name(dtype_obj) if dtype_obj is not None else ""
     dims = list(shape[:_DIMS]) + [0] * (_DIMS - len(shape[:_DIMS]))
     arg = REDUCE_OPS.index(op) + 1 if op in REDUCE_OPS else (root if root is not None else -1)
-    dtype = _crc(_dtype_name(buf)) if buf is not None else 0
-    count = int(np.prod(shape, dtype=np.int64)) if buf is not None else 0
-    return np.array([_MAGIC, _KINDS.index(kind), dtype, arg, count, len(shape), *dims,
-                     _crc(repr(shape))], dtype=np.int64)
+    count = int(np.prod(shape, dtype=np.int64)) if dtype else 0
+    words = np.array([_MAGIC, _KINDS.index(kind), _crc(dtype) if dtype else 0, arg, count,
+                      len(shape), *dims, _crc(repr(tuple(shape)))], dtype=np.int64)
+    words.flags.writeable = False
+    return words
 
 
 def plan_header(buffers: Sequence[np.ndarray], op: str) -> np.ndarray:

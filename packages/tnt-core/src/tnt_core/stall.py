@@ -274,39 +274,40 @@ class WatchedBackend(CommBackend):
 
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
         seq = self.ledger.enter()
-        if self.agree:
-            check_op(op)
-            if self._local_checks(buf, "allreduce"):
-                self._check(seq, "allreduce", header("allreduce", buf, op=op))
-        with self.waiting(seq, "allreduce"):
+        with self.waiting(seq, "allreduce"):  # the header exchange is part of the wait
+            if self.agree:
+                check_op(op)
+                if self._local_checks(buf, "allreduce"):
+                    agree(self.inner, header("allreduce", buf, op=op), seq, self.rank)
             return self.inner.allreduce(buf, op)
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         seq = self.ledger.enter()
-        if self.agree:
-            if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-                raise TypeError(f"broadcast root must be a rank number, got {type(root).__name__}")
-            if not 0 <= root < self.size:
-                raise ValueError(f"broadcast root {root} is not a rank of this job (0..{self.size - 1})")
-            if self._local_checks(buf, "broadcast"):
-                self._check(seq, "broadcast", header("broadcast", buf, root=int(root)))
         with self.waiting(seq, "broadcast"):
+            if self.agree:
+                if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+                    raise TypeError(f"broadcast root must be a rank number, got {type(root).__name__}")
+                if not 0 <= root < self.size:
+                    raise ValueError(f"broadcast root {root} is not a rank of this job "
+                                     f"(0..{self.size - 1})")
+                if self._local_checks(buf, "broadcast"):
+                    agree(self.inner, header("broadcast", buf, root=int(root)), seq, self.rank)
             return self.inner.broadcast(buf, root)
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
         seq = self.ledger.enter()
-        if self.agree and self._local_checks(buf, "allgather", writeable=False):
-            self._check(seq, "allgather", header("allgather", buf))
         with self.waiting(seq, "allgather"):
+            if self.agree and self._local_checks(buf, "allgather", writeable=False):
+                agree(self.inner, header("allgather", buf), seq, self.rank)
             return self.inner.allgather(buf)
 
     def barrier(self) -> None:
         seq = self.ledger.enter()
-        if self.agree:  # the header exchange completes only once every rank entered: a barrier
-            self._check(seq, "barrier", header("barrier"))
-            return
         with self.waiting(seq, "barrier"):
-            self.inner.barrier()
+            if self.agree:  # the header exchange completes once every rank entered: a barrier
+                agree(self.inner, header("barrier"), seq, self.rank)
+            else:
+                self.inner.barrier()
 
     def close(self) -> None:
         self.inner.close()
