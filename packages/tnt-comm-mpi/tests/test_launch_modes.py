@@ -175,6 +175,8 @@ def test_an_exception_on_one_rank_ends_the_job_at_once(tmp_path) -> None:
     script.write_text(RAISES)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
     env["TNT_TIMEOUT_S"] = "120"  # a hang would show as a run of 2 minutes
+    mark = f"{tmp_path.name}-{os.getpid()}"
+    env["TNT_TEST_JOB_MARK"] = mark  # every process of the job inherits it
     import time
 
     start = time.monotonic()
@@ -188,6 +190,27 @@ def test_an_exception_on_one_rank_ends_the_job_at_once(tmp_path) -> None:
     assert "rank 1" in proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]
     # the failing ranks skip MPI_Finalize, which removes MPICH's segments; they unlink them
     assert _mpich_segments() - shm_before == set()
+    # rank 0's PMI helper ends with the job: tnt run SIGTERMs rank 0, whose exit hook then
+    # cannot end it (it outlived the job by 30 s)
+    deadline = time.monotonic() + 3.0
+    while _job_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _job_processes(mark), _job_processes(mark)
+
+
+def _job_processes(mark: str) -> list[str]:
+    """Command lines of the live processes whose environment has TNT_TEST_JOB_MARK=mark."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if (proc.info["status"] != psutil.STATUS_ZOMBIE
+                    and proc.environ().get("TNT_TEST_JOB_MARK") == mark):
+                found.append(" ".join(proc.info["cmdline"] or []))
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def _mpich_segments() -> set[str]:

@@ -44,6 +44,11 @@ class Client:
     def read(self) -> dict[str, str]:
         return dict(w.split("=", 1) for w in self.lines.readline().split())
 
+    def close(self) -> None:
+        """What the end of the rank's process does to its connection."""
+        self.lines.close()
+        self.sock.close()
+
 
 def test_a_two_rank_start_up_conversation() -> None:
     server = PmiServer(2, ["n0", "n0"], kvsname="job-1", key=KEY)
@@ -151,3 +156,66 @@ def test_a_silent_client_is_dropped_after_the_handshake_timeout(monkeypatch) -> 
         assert server.refused == 1
     finally:
         server.close()
+
+
+def _helper(size: int):
+    from tnt_comm_mpi.pmi_server import start_helper
+
+    proc, port = start_helper(size, ["n0"] * size, "127.0.0.1", 30, key=KEY)
+    clients = [Client(port, rank) for rank in range(size)]
+    for c in clients:
+        assert c.ask("cmd=init pmi_version=1 pmi_subversion=1")["rc"] == "0"
+    return proc, clients
+
+
+def _rank_0_exits(proc) -> None:
+    """What the helper sees when rank 0's process ends: its stdin reaches end of file."""
+    proc.stdin.close()
+
+
+def test_the_helper_ends_with_the_job_when_ranks_die_without_finalize() -> None:
+    """A rank killed (or raising, or SIGTERMed by tnt run) leaves without PMI ``finalize``;
+    once rank 0 is gone too, the helper must not outlive the job (it waited 30 s more)."""
+    proc, (rank0, rank1) = _helper(2)
+    try:
+        rank1.close()  # died
+        time.sleep(0.3)
+        assert proc.poll() is None, "the helper must serve rank 0 while it lives"
+        _rank_0_exits(proc)
+        rank0.close()
+        proc.wait(timeout=5)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_helper_serves_a_late_finalize_after_rank_0_left() -> None:
+    """The normal end: rank 0 finalised and exited; rank 1, still working, is served for as
+    long as its connection is open (also past the old 30 s limit), then the helper ends."""
+    proc, (rank0, rank1) = _helper(2)
+    try:
+        assert rank0.ask("cmd=finalize") == {"cmd": "finalize_ack"}
+        rank0.close()
+        _rank_0_exits(proc)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the helper left while rank 1 still needs it"
+        assert rank1.ask("cmd=get kvsname=x key=PMI_process_mapping")["rc"] == "0"
+        assert rank1.ask("cmd=finalize") == {"cmd": "finalize_ack"}
+        proc.wait(timeout=5)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_helper_ends_when_rank_0_leaves_before_every_rank_joined() -> None:
+    from tnt_comm_mpi.pmi_server import start_helper
+
+    proc, port = start_helper(2, ["n0", "n0"], "127.0.0.1", 30, key=KEY)
+    try:
+        rank0 = Client(port, 0)
+        _rank_0_exits(proc)
+        rank0.close()
+        proc.wait(timeout=5)
+    finally:
+        proc.kill()
+        proc.wait()

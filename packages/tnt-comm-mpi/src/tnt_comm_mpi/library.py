@@ -80,7 +80,8 @@ def loaded() -> bool:
 
 def host_pmi_server(helper: Any) -> None:
     """Remember rank 0's PMI helper process (tnt run mode): it ends by itself once every
-    rank finalised MPI; after a failure the exit hook ends it."""
+    rank finalised MPI, or rank 0 and every other rank are gone; after a failure the exit
+    hook ends it at once."""
     global _pmi_server
     _pmi_server = helper
 

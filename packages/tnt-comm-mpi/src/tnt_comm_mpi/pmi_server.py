@@ -8,8 +8,14 @@ initialises MPI with ``PMI_FD`` set to that connection: MPICH's PMI client then 
 this server instead of Hydra. A separate process, not a thread of rank 0: mpi4py holds the GIL while
 ``MPI_Init`` waits for the PMI barrier, so a thread of rank 0 could never answer.
 
-The helper exits once every rank sent ``finalize``; if rank 0 goes away first (its end of
-the helper's stdin closes), it waits :data:`GRACE_S` more for the others, then exits.
+The helper exits once every rank sent ``finalize``. Rank 0 may go away first (its end of
+the helper's stdin closes): after a normal end it finalised and its launcher killed its
+process group, while the other ranks may still need the server for their own
+``MPI_Finalize``, however late that comes. So from then on the helper serves the ranks
+whose connection is still open, and exits as soon as none is left: every rank finalised,
+or died (the kernel closes a dead rank's connection, even after SIGKILL), or never
+joined (then rank 0 cannot have passed ``MPI_Init``: the job failed). A failed job thus
+leaves no helper behind once its ranks are gone, however its ranks and ``tnt run`` ended.
 
 Only the job's ranks may talk to it: the server listens on TCP, where any process of the
 host (or, across hosts, of the network) can connect, and a client that could ``put``,
@@ -49,11 +55,8 @@ import threading
 from collections.abc import Sequence
 from typing import IO, cast
 
-__all__ = ["PmiServer", "process_mapping", "start_helper", "connect_authenticated", "GRACE_S",
+__all__ = ["PmiServer", "process_mapping", "start_helper", "connect_authenticated",
            "AUTH_TIMEOUT_S"]
-
-#: how long the helper outlives rank 0 while other ranks have not finalised MPI yet
-GRACE_S = 30.0
 
 log = logging.getLogger("tnt.mpi.pmi")
 
@@ -165,6 +168,8 @@ class PmiServer:
         self._lock = threading.Condition()
         self._barrier_waiting: list[socket.socket] = []
         self._finalized: set[int] = set()
+        #: ranks whose connection ended (finalised or not): none of them needs the server
+        self._gone: set[int] = set()
         self._closing = False
         self._sock = socket.create_server((host, 0), backlog=max(size, 16), reuse_port=False)
         self.port = self._sock.getsockname()[1]
@@ -177,6 +182,16 @@ class PmiServer:
         """Wait until every rank sent ``finalize`` (so none still needs the server)."""
         with self._lock:
             return self._lock.wait_for(lambda: len(self._finalized) >= self.size, timeout)
+
+    def wait_unneeded(self, timeout: float) -> bool:
+        """Wait until no rank can need the server any more, once rank 0 has gone: every
+        rank joined and left again (finalised or died), or some rank never joined (rank 0
+        cannot have passed ``MPI_Init`` without it, so the job failed)."""
+        def unneeded() -> bool:
+            return len(self._connected) < self.size or len(self._gone) >= self.size
+
+        with self._lock:
+            return self._lock.wait_for(unneeded, timeout)
 
     def close(self) -> None:
         self._closing = True
@@ -284,6 +299,8 @@ class PmiServer:
             with self._lock:
                 if conn in self._barrier_waiting:
                     self._barrier_waiting.remove(conn)
+                self._gone.add(rank)
+                self._lock.notify_all()
             try:
                 conn.close()
             except OSError:
@@ -351,13 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     parent_gone = threading.Event()
 
     def watch_stdin() -> None:
-        sys.stdin.read()  # returns at EOF: rank 0 exited or closed us
+        sys.stdin.read()  # returns at EOF: rank 0 exited (even by SIGKILL) or closed us
         parent_gone.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()
-    while not server.wait_finalized(0.5):
-        if parent_gone.is_set():
-            server.wait_finalized(GRACE_S)
+    while not server.wait_finalized(0.2):
+        # no time limit once rank 0 has gone: a live rank holds its connection open (the
+        # job is not over), a dead one's is closed by the kernel (see the module's doc)
+        if parent_gone.is_set() and server.wait_unneeded(0):
             break
     server.close()
     return 0
