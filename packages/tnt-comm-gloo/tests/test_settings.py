@@ -77,7 +77,7 @@ def test_explicit_interface_and_hostname_win() -> None:
     cfg = Config(rank=0, size=4, local_rank=0, local_size=2)
     loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
     assert GlooSettings(iface=loopback).listen_address(cfg) == ("", loopback)
-    assert GlooSettings(hostname="10.0.0.7").listen_address(cfg) == ("10.0.0.7", "")
+    assert GlooSettings(hostname="127.0.0.2").listen_address(cfg) == ("127.0.0.2", "")
 
 
 def test_unknown_interface_lists_the_real_ones() -> None:
@@ -85,6 +85,17 @@ def test_unknown_interface_lists_the_real_ones() -> None:
     with pytest.raises(ConfigError, match="not a network interface") as info:
         GlooSettings(iface="nosuchif0").listen_address(cfg)
     assert "lo" in str(info.value)
+
+
+@pytest.mark.parametrize(("hostname", "fragment"), [
+    ("no-such-host.invalid", "does not resolve on"),
+    ("192.0.2.1", r"resolves to 192\.0\.2\.1, not an address of"),  # TEST-NET-1: no host's
+])
+def test_a_hostname_that_is_not_this_host_is_named_before_gloo_connects(
+        hostname: str, fragment: str) -> None:
+    cfg = Config(rank=0, size=2, local_rank=0, local_size=2)
+    with pytest.raises(ConfigError, match=rf"^TNT_GLOO_HOSTNAME='{hostname}' {fragment}"):
+        GlooSettings(hostname=hostname).listen_address(cfg)
 
 
 def test_multi_node_takes_the_route_to_the_rendezvous_host_when_the_name_is_loopback(

@@ -11,11 +11,12 @@ from tnt_core import VARIABLES, Config, ConfigError
 
 from .agent import SPEC_VERSION
 from .devices import threads_per_rank
+from .network import is_local_host
 from .options import RunOptions
 from .placement import Placement, RankSlot
 
 __all__ = ["Job", "Rendezvous", "FORWARDED_VARIABLES", "JOB_VARIABLES", "RANK_VARIABLES",
-           "TERMINATE_GRACE_S", "job_settings"]
+           "TERMINATE_GRACE_S", "check_host_settings", "job_settings"]
 
 #: seconds between SIGTERM and SIGKILL when ranks are ended
 TERMINATE_GRACE_S = 3.0
@@ -89,6 +90,58 @@ def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> 
     return cfg.with_overrides(**changes)
 
 
+#: groups of variables that apply whatever the backend; any other group is a backend's
+#: (``gloo``, ``mpi``) and applies only when the job runs that backend
+_GENERAL_GROUPS = ("launcher", "settings", "plugins")
+
+
+def check_host_settings(cfg: Config, options: RunOptions, placement: Placement,
+                        environ: Mapping[str, str]) -> None:
+    """The rules of ``TNT_*`` values about a host (``Variable.host_check``: an interface
+    that exists, a name of this host, a directory that can be written), checked for the
+    ranks ``tnt run`` starts on its own host, which see the exported values and ``-x``'s.
+    Those of a backend's group only when the job runs that backend. Remote ranks check
+    theirs themselves, as they start (one line naming the variable)."""
+    if not any(is_local_host(host) for host in placement.hosts):
+        return
+    values = {name: environ[name] for name in VARIABLES if name in environ}
+    values.update((name, value) for name, value in options.env if name in VARIABLES)
+    backend: list[str | None] = []  # resolved on first need
+    for name, value in values.items():
+        var = VARIABLES[name]
+        if var.host_check is None or name in LAUNCHER_OWNED or not value.strip():
+            continue
+        if var.group not in _GENERAL_GROUPS:
+            if not backend:
+                backend.append(_job_backend(cfg, options, placement))
+            if backend[0] != var.group:
+                continue
+        try:
+            var.check_host(value.strip())
+        except ConfigError as exc:
+            given = f"-x {name}=..." if any(n == name for n, _ in options.env) else (
+                "exported in the shell that runs tnt run")
+            raise ConfigError(f"{exc} ({given})") from None
+
+
+def _job_backend(cfg: Config, options: RunOptions, placement: Placement) -> str | None:
+    """The backend the ranks will run: the one named, else the one they will choose when
+    tnt run starts them itself (None when unknown, e.g. under mpirun or srun, where MPI's
+    presence changes their choice)."""
+    if cfg.backend:
+        return cfg.backend
+    if options.launcher in ("mpirun", "srun"):
+        return None
+    from tnt_core import TntError, list_backends
+
+    probe = Config(rank=0, size=placement.size, local_rank=0, local_size=placement.max_local_size,
+                   rendezvous="127.0.0.1:1", rendezvous_key="-", launched=True)
+    try:
+        return next((spec.name for spec in list_backends() if spec.is_available(probe)), None)
+    except TntError:
+        return None  # the ranks will say why
+
+
 #: Config field of each exportable variable
 _FIELDS_OF = {"backend": "TNT_BACKEND", "fusion_threshold_kb": "TNT_FUSION_THRESHOLD_KB",
               "log_level": "TNT_LOG_LEVEL", "log_all": "TNT_LOG_ALL",
@@ -120,12 +173,18 @@ class Job:
     grace_s: float = TERMINATE_GRACE_S
     #: said to the user before the job starts
     warnings: list[str] = field(default_factory=list)
+    _host_checked: bool = field(default=False, init=False, repr=False, compare=False)
 
     # -- the launcher contract (docs/architecture.md) ------------------------------------
     def settings(self, environ: Mapping[str, str] | None = None) -> Config:
-        """The job-wide settings the ranks get: see :func:`job_settings`."""
-        return job_settings(self.options, self.placement.size,
-                            os.environ if environ is None else environ)
+        """The job-wide settings the ranks get: see :func:`job_settings`; the first call
+        also checks the values' rules about this host (:func:`check_host_settings`)."""
+        env = os.environ if environ is None else environ
+        cfg = job_settings(self.options, self.placement.size, env)
+        if not self._host_checked:
+            check_host_settings(cfg, self.options, self.placement, env)
+            self._host_checked = True
+        return cfg
 
     def common_env(self, rendezvous: Rendezvous) -> list[tuple[str, str]]:
         """Variables equal on every rank, in a fixed order."""

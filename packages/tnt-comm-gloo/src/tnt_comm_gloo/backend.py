@@ -51,7 +51,6 @@ import hashlib
 import itertools
 import logging
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +97,6 @@ SHM_MODES = tuple(c for c, _ in tnt_settings.TNT_GLOO_SHM.choices)
 #: Bytes per shared-memory slot: two per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's
 #: default /dev/shm is 64 MiB); large enough that the per-chunk synchronisation is noise.
 DEFAULT_SHM_CHUNK_BYTES: int = tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.default
-_SHM_CHUNK_LIMITS = (4096, 64 << 20)
 
 _KDL_CPU = 1  # DLPack device type of host memory
 _generation = itertools.count()  # one store prefix per communicator made by this process
@@ -108,16 +106,6 @@ _abandoned: list[object] = []
 
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def _shm_chunk_bytes(env: Mapping[str, str]) -> int:
-    value = tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env)
-    lo, hi = _SHM_CHUNK_LIMITS
-    if not lo <= value <= hi or value % 64:
-        raise ConfigError(
-            f"TNT_GLOO_SHM_CHUNK_BYTES={value} must be a multiple of 64 between {lo} and {hi}"
-        )
-    return value
 
 
 @dataclass(frozen=True)
@@ -144,24 +132,24 @@ class GlooSettings:
             bcube_max_bytes=tnt_settings.TNT_GLOO_BCUBE_MAX_BYTES.read(env),
             doubling_max_bytes=tnt_settings.TNT_GLOO_DOUBLING_MAX_BYTES.read(env),
             shm=tnt_settings.TNT_GLOO_SHM.read(env),
-            shm_chunk_bytes=_shm_chunk_bytes(env),
+            # its rule (a multiple of 64 in [4096, 64 MiB]) is declared, so tnt run checks it
+            shm_chunk_bytes=tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env),
             shm_spin_us=tnt_settings.TNT_GLOO_SHM_SPIN_US.read(env),
             shm_host_id=tnt_settings.TNT_GLOO_SHM_HOST_ID.read(env),
         )
 
     def listen_address(self, config: Config) -> tuple[str, str]:
-        """``(hostname, iface)`` for Gloo's TCP device; exactly one is non-empty."""
+        """``(hostname, iface)`` for Gloo's TCP device; exactly one is non-empty.
+
+        An interface that is not this host's, or a host name that is not an address of this
+        host, fails here with a :class:`ConfigError` naming the variable (the rule
+        ``tnt run`` checks for the ranks on its own host), not inside Gloo's connect.
+        """
         if self.iface:
-            try:
-                socket.if_nametoindex(self.iface)
-            except OSError:
-                names = ", ".join(name for _, name in socket.if_nameindex())
-                raise ConfigError(
-                    f"TNT_GLOO_IFACE={self.iface!r} is not a network interface of "
-                    f"{socket.gethostname()}; it has: {names}"
-                ) from None
+            tnt_settings.TNT_GLOO_IFACE.check_host(self.iface)
             return "", self.iface
         if self.hostname:
+            tnt_settings.TNT_GLOO_HOSTNAME.check_host(self.hostname)
             return self.hostname, ""
         if config.local_size == config.size:
             return "127.0.0.1", ""  # one node: loopback is fastest and needs no DNS

@@ -8,6 +8,7 @@ Load order (as tox does): specs -> names blocked by ``TNT_DISABLE_PLUGINS`` -> t
 
 from __future__ import annotations
 
+import logging
 import threading
 from importlib import metadata
 
@@ -16,6 +17,7 @@ import pluggy
 from . import hookspecs, settings
 from ._markers import ENTRY_POINT_GROUP, PROJECT_NAME
 from .errors import PluginError
+from .settings import bad_input
 
 __all__ = ["get_plugin_manager", "reset_plugin_manager", "BUILTIN_PLUGINS"]
 
@@ -26,6 +28,7 @@ BUILTIN_PLUGINS = ("tnt_core.local_backend",)
 
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
+log = logging.getLogger("tnt.plugins")
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
@@ -42,10 +45,22 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
         except Exception as exc:  # name the broken plugin instead of a bare ImportError
             dist = ep.dist.name if ep.dist else "an unknown distribution"
-            raise PluginError(
+            raise bad_input(PluginError(
                 f"cannot load tnt plugin {ep.name!r} ({ep.value}) from {dist}: {exc}. "
                 f"Reinstall or uninstall it, or set TNT_DISABLE_PLUGINS={ep.name} to skip it"
-            ) from exc
+            )) from exc
+
+
+def _warn_unknown_disabled(disabled: list[str], plugins: list[str]) -> None:
+    """A name in ``TNT_DISABLE_PLUGINS`` that no plugin has: a warning, not an error, since a
+    site may disable a plugin that only some of its nodes have installed."""
+    entry_points = sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)})
+    known = set(entry_points) | set(plugins) | set(BUILTIN_PLUGINS)
+    unknown = [name for name in disabled if name not in known]
+    if unknown:
+        log.warning("TNT_DISABLE_PLUGINS names %s, which no installed tnt plugin is called "
+                    "(installed: %s); ignored", ", ".join(repr(n) for n in unknown),
+                    ", ".join(entry_points) or "none")
 
 
 def _new_manager() -> pluggy.PluginManager:
@@ -53,19 +68,21 @@ def _new_manager() -> pluggy.PluginManager:
 
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    for name in settings.TNT_DISABLE_PLUGINS.read():
+    disabled, modules = settings.TNT_DISABLE_PLUGINS.read(), settings.TNT_PLUGINS.read()
+    _warn_unknown_disabled(disabled, modules)
+    for name in disabled:
         pm.set_blocked(name)
     if not settings.TNT_DISABLE_PLUGIN_AUTOLOAD.read():
         _load_entry_points(pm)
-    for module_name in settings.TNT_PLUGINS.read():
+    for module_name in modules:
         if pm.has_plugin(module_name) or pm.is_blocked(module_name):
             continue
         try:
             module = importlib.import_module(module_name)
-        except Exception as exc:
-            raise PluginError(
+        except Exception as exc:  # one line when uncaught (bad_input); the cause is kept
+            raise bad_input(PluginError(
                 f"cannot import plugin module {module_name!r} named in TNT_PLUGINS: {exc}"
-            ) from exc
+            )) from exc
         pm.register(module, name=module_name)
     for module_name in BUILTIN_PLUGINS:
         if not pm.has_plugin(module_name):

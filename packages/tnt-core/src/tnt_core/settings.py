@@ -10,10 +10,17 @@ a name, a default or a rule cannot differ between two places. A test fails when 
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 
@@ -21,11 +28,48 @@ __all__ = [
     "GROUPS",
     "VARIABLES",
     "Variable",
+    "bad_input",
     "env_number",
     "parse_bool",
     "read_setting",
     "variable",
 ]
+
+_E = TypeVar("_E", bound=BaseException)
+_hook_lock = threading.Lock()
+_hook_installed = False
+_BAD_INPUT = "_tnt_bad_input"  # the attribute that marks an exception as bad input
+
+
+def bad_input(exc: _E) -> _E:
+    """Mark ``exc`` as a mistake in the user's input (a ``TNT_*`` value, a plugin name):
+    should nothing catch it, it ends the process with one line, ``module.Class: message``,
+    as Python's last traceback line reads, instead of a traceback through tnt-core that
+    says nothing more (all of it with ``TNT_LOG_LEVEL=DEBUG``). Returns ``exc``:
+    ``raise bad_input(ConfigError(...))``.
+    """
+    setattr(exc, _BAD_INPUT, True)
+    global _hook_installed
+    with _hook_lock:
+        if not _hook_installed:
+            _hook_installed = True
+            sys.excepthook = _one_line_hook(sys.excepthook)
+    return exc
+
+
+def _one_line_hook(previous: Callable[[type[BaseException], BaseException, TracebackType | None],
+                                      None]
+                   ) -> Callable[[type[BaseException], BaseException, TracebackType | None], None]:
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        debug = (logging.getLogger("tnt").isEnabledFor(logging.DEBUG)
+                 or os.environ.get("TNT_LOG_LEVEL", "").strip().upper() == "DEBUG")
+        if debug or not getattr(exc, _BAD_INPUT, False):
+            previous(exc_type, exc, tb)
+            return
+        sys.stderr.write(traceback.format_exception_only(exc_type, exc)[-1])
+        sys.stderr.flush()
+
+    return hook
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -38,12 +82,13 @@ def parse_bool(name: str, value: str) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise ConfigError(f"{name}={value!r} is not a boolean; use true/false (or 1/0)")
+    raise bad_input(ConfigError(f"{name}={value!r} is not a boolean; use true/false (or 1/0)"))
 
 
 def env_number(env: Mapping[str, str], name: str, default: Any, *, integer: bool = False,
                minimum: float | None = None, above: float | None = None,
-               maximum: float | None = None, unit: str = "") -> Any:
+               maximum: float | None = None, multiple_of: int | None = None,
+               unit: str = "") -> Any:
     """The number in ``env[name]`` (``default`` when unset or blank), checked.
 
     One parser for every ``TNT_*`` number, so that a bad value always reads the same: the
@@ -56,16 +101,78 @@ def env_number(env: Mapping[str, str], name: str, default: Any, *, integer: bool
         value = int(raw) if integer else float(raw)
     except ValueError:
         what = "an integer" if integer else "a number"
-        raise ConfigError(f"{name}={raw!r} is not {what}{f' ({unit})' if unit else ''}") from None
-    if maximum is not None and minimum is not None and not minimum <= value <= maximum:
-        raise ConfigError(f"{name}={value} must be between {minimum} and {maximum}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}")
-    if above is not None and not value > above:
-        raise ConfigError(f"{name}={value} must be > {above}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(f"{name}={value} must be <= {maximum}")
+        raise bad_input(ConfigError(
+            f"{name}={raw!r} is not {what}{f' ({unit})' if unit else ''}")) from None
+    in_range = ((minimum is None or value >= minimum) and (above is None or value > above)
+                and (maximum is None or value <= maximum))
+    if not in_range or (multiple_of and value % multiple_of):
+        raise bad_input(ConfigError(f"{name}={value} must be "
+                                    f"{_rule_text(minimum, above, maximum, multiple_of)}"))
     return value
+
+
+def _rule_text(minimum: float | None, above: float | None, maximum: float | None,
+               multiple_of: int | None) -> str:
+    """What a number must be, e.g. ``a multiple of 64 between 4096 and 67108864``."""
+    if minimum is not None and maximum is not None:
+        text = f"between {minimum} and {maximum}"
+    else:
+        text = " and ".join(f"{op} {v}" for op, v in ((">=", minimum), (">", above), ("<=", maximum))
+                            if v is not None)
+    if not multiple_of:
+        return text
+    return f"a multiple of {multiple_of}" + (
+        f" {text}" if text.startswith("between") else f" and {text}" if text else "")
+
+
+# -- rules about the host a rank runs on (Variable.host_check) -----------------------------
+
+
+def interface_problem(name: str) -> str | None:
+    """None when ``name`` is a network interface of this host, else what is wrong."""
+    try:
+        socket.if_nametoindex(name)
+        return None
+    except OSError:
+        names = ", ".join(n for _, n in socket.if_nameindex())
+        return f"is not a network interface of {socket.gethostname()}; it has: {names}"
+
+
+def local_address_problem(host: str) -> str | None:
+    """None when ``host`` resolves to an address of this host (one a socket can bind to,
+    as Gloo's TCP device binds), else what is wrong."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        return (f"does not resolve on {socket.gethostname()} ({reason}); set it to an address "
+                "or a name of this host, or unset it")
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind(sockaddr)
+            return None
+        except OSError:
+            continue
+    addresses = ", ".join(sorted({str(info[4][0]) for info in infos}))
+    return (f"resolves to {addresses}, not an address of {socket.gethostname()}; set it to an "
+            "address or a name of this host, or unset it")
+
+
+def directory_problem(path: str) -> str | None:
+    """None when the directory of the file ``path`` exists and is writable, or can be
+    created; else what is wrong. (``{rank}`` in ``path`` counts as rank 0.)"""
+    parent = Path(path.replace("{rank}", "0")).parent
+    existing = parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be written: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == parent:
+            return f"cannot be written: the directory {parent} is not writable"
+        return f"cannot be written: {parent} cannot be created, {existing} is not writable"
+    return None
 
 
 #: The groups variables are declared in, in the order the docs list them.
@@ -103,7 +210,15 @@ class Variable:
     minimum: float | None = None
     above: float | None = None
     maximum: float | None = None
+    #: ``int``: the value must be a multiple of this
+    multiple_of: int | None = None
     unit: str = ""
+    #: a rule about the host that uses the value (an interface that exists there, a name that
+    #: resolves to it): the value -> what is wrong, or None. Not part of :meth:`read`, which
+    #: may run on another host (``tnt run``); :meth:`check_host` applies it, on the ranks
+    #: and in ``tnt run`` for the ranks it starts on its own host.
+    host_check: Callable[[str], str | None] | None = field(default=None, compare=False,
+                                                           repr=False)
 
     def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The value as exported, stripped; None when unset or blank."""
@@ -124,7 +239,7 @@ class Variable:
         if self.kind in ("int", "float"):
             return env_number(env, self.name, self.default, integer=self.kind == "int",
                               minimum=self.minimum, above=self.above, maximum=self.maximum,
-                              unit=self.unit)
+                              multiple_of=self.multiple_of, unit=self.unit)
         if self.kind == "bool":
             if self.default is None and raw.lower() == "auto":
                 return None  # tri-state: decided at run time
@@ -133,11 +248,19 @@ class Variable:
             value = raw.upper() if self.case == "upper" else raw.lower() if self.case == "lower" else raw
             allowed = [c for c, _ in self.choices]
             if value not in allowed:
-                raise ConfigError(f"{self.name}={value!r} is not one of {self._choices_text()}")
+                raise bad_input(ConfigError(
+                    f"{self.name}={value!r} is not one of {self._choices_text()}"))
             return value
         if self.kind == "list":
             return [item.strip() for item in raw.split(",") if item.strip()]
         return raw
+
+    def check_host(self, value: str) -> None:
+        """:class:`ConfigError` naming the variable when ``value`` breaks :attr:`host_check`
+        on this host."""
+        problem = self.host_check(value) if self.host_check is not None else None
+        if problem:
+            raise bad_input(ConfigError(f"{self.name}={value!r} {problem}"))
 
     def format(self, value: Any) -> str:
         """``value`` as it is written into the environment (what :meth:`read` reads back)."""
@@ -261,7 +384,8 @@ TNT_STALL_WARN_S = _declare(
 
 TNT_TIMELINE = _declare("TNT_TIMELINE", "str", None,
                         "write a Chrome-trace timeline of the training steps to this path "
-                        "(one file per rank)", "settings")
+                        "(one file per rank; a missing directory is created)", "settings",
+                        host_check=directory_problem)
 TNT_TENSORBOARD_ON_ALL_DEVICES = _declare(
     "TNT_TENSORBOARD_ON_ALL_DEVICES", "bool", False,
     "Keras' TensorBoard callback runs on every rank, each writing to `<log_dir>/rank_<r>`",
@@ -284,10 +408,11 @@ TNT_DISABLE_PLUGIN_AUTOLOAD = _declare(
 
 TNT_GLOO_IFACE = _declare("TNT_GLOO_IFACE", "str", None,
                           "network interface to listen on (e.g. `eth0`); wins over the host name",
-                          "gloo")
+                          "gloo", host_check=interface_problem)
 TNT_GLOO_HOSTNAME = _declare(
     "TNT_GLOO_HOSTNAME", "str", None, "address or host name to listen on", "gloo",
-    default_doc="loopback on one node, else the host name (or the route to the rendezvous host)")
+    default_doc="loopback on one node, else the host name (or the route to the rendezvous host)",
+    host_check=local_address_problem)
 TNT_GLOO_ALGORITHM = _declare(
     "TNT_GLOO_ALGORITHM", "choice", "auto",
     "the allreduce algorithm: `auto`, `ring`, `bcube` or `doubling` (power-of-two ranks)",
@@ -311,7 +436,7 @@ TNT_GLOO_SHM = _declare(
 TNT_GLOO_SHM_CHUNK_BYTES = _declare(
     "TNT_GLOO_SHM_CHUNK_BYTES", "int", 1 << 20,
     "bytes per shared-memory slot (two per rank), a multiple of 64 in [4096, 64 MiB]; the "
-    "same on every rank", "gloo", minimum=0, unit="bytes")
+    "same on every rank", "gloo", minimum=4096, maximum=64 << 20, multiple_of=64, unit="bytes")
 TNT_GLOO_SHM_SPIN_US = _declare(
     "TNT_GLOO_SHM_SPIN_US", "int", None,
     "µs a waiting rank spins (yielding every few µs) before sleeping on a futex", "gloo",

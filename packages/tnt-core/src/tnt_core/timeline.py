@@ -6,7 +6,10 @@ communication with backprop is visible. The writer only records; what to record 
 decided by the framework integration (tnt-keras) and :class:`tnt_core.FusedAllreducer`.
 
 Each rank writes its own file: ``path`` on the master, ``<stem>.rank<R><suffix>`` on the
-others (or ``path`` with ``{rank}`` replaced, if it contains that placeholder).
+others (or ``path`` with ``{rank}`` replaced, if it contains that placeholder). A missing
+directory is created when the timeline starts (as Keras' TensorBoard and ModelCheckpoint
+create theirs); one that cannot be created or written fails then, with a
+:class:`~tnt_core.ConfigError` naming ``TNT_TIMELINE``, not after the training.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from .errors import ConfigError
+from .settings import TNT_TIMELINE, bad_input
 
 __all__ = ["Timeline", "timeline_path"]
 
@@ -42,6 +48,13 @@ class Timeline:
     def __init__(self, path: str | os.PathLike[str], rank: int = 0) -> None:
         self.path = timeline_path(path, rank)
         self.rank = rank
+        TNT_TIMELINE.check_host(str(path))  # the rule tnt run checks for its own host
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise bad_input(ConfigError(
+                f"TNT_TIMELINE={str(path)!r} cannot be written: {self.path.parent}: "
+                f"{exc.strerror or exc}")) from None
         self._t0 = time.perf_counter()
         self._events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
