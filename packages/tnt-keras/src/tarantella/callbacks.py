@@ -68,6 +68,10 @@ class Callback(keras.callbacks.Callback):
         if not isinstance(keras_callback, keras.callbacks.Callback):
             raise TypeError(f"tnt.keras.callbacks.Callback wraps a keras.callbacks.Callback, got "
                             f"{type(keras_callback).__name__}")
+        for name, value in (("aggregate_logs", aggregate_logs), ("run_on_all_ranks", run_on_all_ranks)):
+            if not isinstance(value, (bool, np.bool_)):  # 'no' would count as True
+                raise TypeError(f"tnt.keras.callbacks.Callback({name}={value!r}): {name} must be "
+                                f"True or False, not {type(value).__name__}")
         self.keras_callback = keras_callback
         self.aggregate_logs = bool(aggregate_logs)
         self.run_on_all_ranks = bool(run_on_all_ranks)

@@ -30,6 +30,7 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 # Keras' own class-weight map (what its data adapters apply); no public name for it
@@ -344,6 +345,14 @@ class Model(keras.Model):
         :param tnt_distribute_validation_dataset: the same for the validation data.
         """
         self._assert_compile_called("fit")
+        callbacks = _check_loop_arguments(
+            "fit", callbacks, {"x": x, "y": y, "sample_weight": sample_weight,
+                               "validation_data": validation_data},
+            batch_size=batch_size, epochs=epochs, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            tnt_micro_batch_size=tnt_micro_batch_size,
+            tnt_validation_micro_batch_size=tnt_validation_micro_batch_size)
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
                                                                       validation_split)
@@ -391,6 +400,9 @@ class Model(keras.Model):
         if kwargs:
             raise TypeError(f"evaluate() got unexpected arguments {sorted(kwargs)}")
         self._assert_compile_called("evaluate")
+        callbacks = _check_loop_arguments(
+            "evaluate", callbacks, {"x": x, "y": y, "sample_weight": sample_weight},
+            batch_size=batch_size, steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
         runtime = self._tnt.runtime
         data = prepare_data(x, y, sample_weight, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
@@ -407,6 +419,8 @@ class Model(keras.Model):
                 tnt_micro_batch_size: int | None = None,
                 tnt_distribute_dataset: bool = True) -> Any:
         """``keras.Model.predict``, data-parallel; every rank returns the whole result, in order."""
+        callbacks = _check_loop_arguments("predict", callbacks, {"x": x}, batch_size=batch_size,
+                                          steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
         runtime = self._tnt.runtime
         data = prepare_data(x, None, None, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
@@ -497,6 +511,102 @@ class Model(keras.Model):
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+#: the counting arguments of fit/evaluate/predict: (smallest value, what it is); each may be
+#: None except ``epochs``, ``initial_epoch`` and ``validation_freq``
+_COUNTS = {
+    "batch_size": (1, "the global batch size"),
+    "validation_batch_size": (1, "the global batch size of the validation data"),
+    "epochs": (0, "the epoch to train up to"),
+    "initial_epoch": (0, "the epoch to start from"),
+    "steps_per_epoch": (1, "None: until the data is exhausted"),
+    "validation_steps": (1, "None: until the validation data is exhausted"),
+    "steps": (1, "None: until the data is exhausted"),
+    "validation_freq": (1, "validate every that many epochs"),
+    "tnt_micro_batch_size": (1, "the batch size of each rank"),
+    "tnt_validation_micro_batch_size": (1, "the validation batch size of each rank"),
+}
+_NOT_NONE = ("epochs", "initial_epoch", "validation_freq")
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _count_problem(name: str, value: Any) -> tuple[type[Exception], str] | None:
+    """What is wrong with the counting argument ``name=value``, if anything."""
+    smallest, meaning = _COUNTS[name]
+    if value is None and name not in _NOT_NONE:
+        return None
+    if name == "validation_freq" and isinstance(value, (list, tuple)):  # epochs to validate at
+        if all(_is_integer(v) and v >= 1 for v in value):
+            return None
+        return TypeError, "validation_freq must be an integer >= 1 or a list of epoch numbers >= 1"
+    kind = "a positive integer" if smallest == 1 else "an integer >= 0"
+    either = "" if name in _NOT_NONE else " or None"
+    if not _is_integer(value):
+        return TypeError, (f"{name} must be {kind}{either} ({meaning}), not "
+                           f"{type(value).__name__}")
+    if value < smallest:
+        return ValueError, f"{name} must be {kind}{either} ({meaning})"
+    return None
+
+
+def _callbacks_problem(callbacks: Any) -> tuple[list[Any] | None, str | None]:
+    """``callbacks`` as a list, as Keras takes it (a list, a tuple or a single callback), or
+    what is wrong with it."""
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks, None
+    items = keras.tree.flatten(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    for index, cb in enumerate(items):
+        if isinstance(cb, keras.callbacks.Callback):
+            continue
+        where = f"callbacks[{index}]" if isinstance(callbacks, (list, tuple)) else "callbacks"
+        if isinstance(cb, type) and issubclass(cb, keras.callbacks.Callback):
+            return None, (f"{where} is the class {cb.__name__}, not a callback: pass an instance, "
+                          f"{cb.__name__}(...)")
+        return None, (f"{where} is {type(cb).__name__} {cb!r:.40}, not a keras.callbacks.Callback; "
+                      "pass a list of callback instances")
+    return items, None
+
+
+def _data_problem(name: str, data: Any) -> str | None:
+    """NumPy arrays of strings or objects, which Keras cannot feed to a model."""
+    if isinstance(data, tf.data.Dataset) or data is None:
+        return None
+    try:
+        arrays = [a for a in keras.tree.flatten(data) if isinstance(a, np.ndarray)]
+    except (TypeError, ValueError):
+        return None  # Keras' adapter will say what it cannot use
+    for array in arrays:
+        if array.dtype.kind in "USO":
+            what = "Python objects" if array.dtype.kind == "O" else "strings"
+            return (f"{name} holds a NumPy array of {what} (dtype {array.dtype}), which a Keras "
+                    "model cannot take; convert it to numbers (e.g. with a StringLookup or "
+                    "TextVectorization layer outside the model), or pass a tf.Tensor or "
+                    "tf.data.Dataset of strings to a model with string inputs")
+    return None
+
+
+def _check_loop_arguments(method: str, callbacks: Any, data: dict[str, Any],
+                          **counts: Any) -> Any:
+    """Check the arguments of ``fit``/``evaluate``/``predict`` before anything else runs (no
+    collective yet; every rank has the same arguments, so all decide alike). One line that
+    names the argument, as plain Keras would raise or better; returns ``callbacks`` as a list
+    (Keras also takes a single callback or a tuple)."""
+    for name, value in counts.items():
+        problem = _count_problem(name, value)
+        if problem is not None:
+            raise problem[0](f"{method}({name}={value!r}): {problem[1]}")
+    for name, value in data.items():
+        message = _data_problem(name, value)
+        if message is not None:
+            raise TypeError(f"{method}({name}=...): {message}")
+    listed, message = _callbacks_problem(callbacks)
+    if message is not None:
+        raise TypeError(f"{method}(callbacks=...): {message}")
+    return listed
+
 
 
 def _model_arguments(model: Any = None, parallel_strategy: Any = ParallelStrategy.DATA,
