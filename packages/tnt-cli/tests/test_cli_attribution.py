@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from io import BytesIO
 
@@ -17,7 +18,10 @@ import pytest
 import tnt_core
 from tnt_cli import agent
 from tnt_cli.launchers.base import ProcessSpec
+from tnt_cli.run import _not_arrived_reader, _watch_rank_failures
 from tnt_cli.supervisor import SETTLE_S, Supervisor, exception_text
+from tnt_core import StoreClient, StoreServer
+from tnt_core.stall import NOT_ARRIVED_KEY
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -159,3 +163,60 @@ def test_a_hidden_ranks_stall_report_is_shown(run_tnt, h):
 ])
 def test_which_lines_of_a_hidden_rank_pass(line, shown):
     assert bool(agent.LOG_LINE_OF_TNT.match(line)) is shown
+
+
+STALL_RECORD = {"ranks": [1], "text": "rank 1 did not arrive at allreduce #9 within 10s (hung or too slow?)",
+                "seen": "last seen: rank 1 (outside any collective, after #8; alive, heartbeat 0s ago)"}
+
+
+@pytest.mark.parametrize(("reports", "stalled", "expected"), [
+    # rank 1 hangs: ranks 0 and 2 time out and exit 75, then Hydra ends rank 1 and exits 9
+    ([(2, 75, "[2] tnt_core.errors.CommError: [rank 2: allreduce #9] did not complete")], True,
+     "tnt run: rank 1 did not arrive at allreduce #9 within 10s (hung or too slow?); rank 2 "
+     "failed waiting for it; last seen: rank 1 (outside any collective, after #8; alive, "
+     "heartbeat 0s ago); ending the other ranks"),
+    # rank 1 raises; rank 2's consequence is reported first, the cause after it
+    ([(2, 75, "CommError: [rank 2: allreduce #9] peer closed"), (1, 1, "ValueError: boom")], False,
+     "tnt run: rank 1 failed: exited with code 1 (ValueError: boom); ending the other ranks"),
+    # no rank reported anything: mpiexec itself is the cause
+    ([], False, "tnt run: ranks 0-2 via "),
+])
+def test_under_mpirun_the_ranks_reports_outweigh_mpiexecs_own_exit(reports, stalled, expected):
+    """mpiexec ends with a code of its own (9) when a rank fails; the agents' reports, which
+    come through the store and often after that exit, name the rank (a race: the job once
+    blamed "ranks 0-2 via mpiexec" instead of the hung rank)."""
+    with StoreServer() as store:
+        env = {"TNT_RENDEZVOUS": store.url, "TNT_RENDEZVOUS_KEY": store.key}
+        mpiexec = ProcessSpec(argv=[sys.executable, "-c", "import sys; sys.exit(9)"], host="",
+                              ranks=(0, 1, 2), specs=[])
+        err = BytesIO()
+        sup = Supervisor([mpiexec], grace_s=1.0, stdout=BytesIO(), stderr=err,
+                         not_arrived=_not_arrived_reader(store), rank_reports=True)
+        _watch_rank_failures(store, sup)
+
+        def agents() -> None:
+            time.sleep(0.3)  # after mpiexec's exit
+            if stalled:
+                with StoreClient(*store.address, store.key) as client:
+                    client.set(NOT_ARRIVED_KEY, json.dumps(STALL_RECORD).encode())
+            for rank, code, line in reports:
+                agent.report_failure(env, rank, code, line)
+
+        threading.Thread(target=agents, daemon=True).start()
+        code = sup.run()
+    last = _last(err.getvalue().decode())
+    assert last.startswith(expected), last
+    assert code == {True: 1, False: 1 if reports else 9}[stalled]
+
+
+def test_under_mpirun_rank_0s_exception_is_in_the_verdict(run_tnt, h):
+    """The master's error output goes straight out, so its agent once reported no cause."""
+    from tnt_cli.launchers.mpirun import find_mpiexec
+
+    if find_mpiexec() is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    res = run_tnt("--launcher", "mpirun", "-n", "2", "--backend", "store", "--timeout", "20", "--",
+                  h.rank_script("peer_failure.py"), env={"TNT_TEST_FAIL_RANK": "0"}, timeout=40)
+    assert res.returncode == 1, res.stderr
+    assert _last(res.stderr) == ("tnt run: rank 0 failed: exited with code 1 (ValueError: boom); "
+                                 "ending the other ranks"), res.stderr

@@ -28,11 +28,13 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from .cleanup import remove_orphan_segments, shm_segments
 
-__all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE"]
+__all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE",
+           "exception_text", "report_failure", "read_failures"]
 
 SPEC_ENV = "TNT_AGENT_SPEC"
 #: a rank's exit code when it failed because a peer failed: tnt_core.PEER_FAILURE_EXIT_CODE
@@ -42,6 +44,21 @@ SPEC_VERSION = 1
 #: lines of a hidden rank's stderr shown when that rank fails
 STDERR_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
+#: the last line of a Python traceback (agents prefix a hidden rank's lines with ``[rank] ``)
+_EXCEPTION_LINE = re.compile(r"^(?:\[\d+\] )?(?:[A-Za-z_]\w*\.)*"
+                             r"([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .*)?)$")
+#: the longest exception text quoted in the launcher's verdict
+_CAUSE_CHARS = 300
+
+
+def exception_text(line: str) -> str | None:
+    """``ValueError: boom`` from a traceback's last line (module path and rank prefix
+    dropped), None when ``line`` is not one."""
+    m = _EXCEPTION_LINE.match(line.strip())
+    if m is None:
+        return None
+    text = m.group(1)
+    return text if len(text) <= _CAUSE_CHARS else text[:_CAUSE_CHARS - 3] + "..."
 
 
 def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int, int] | None:
@@ -123,6 +140,10 @@ class Agent:
         self.out = _Writer(1)
         self.err = _Writer(2)
         self.tail: collections.deque[bytes] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        #: the rank's last line of error output, and the last one that ends a traceback,
+        #: whoever shows them (the master's lines go straight out, not into ``tail``)
+        self.last_err_line = ""
+        self.last_exception_line = ""
         self._pid = os.getpid()
         self._prctl: Callable[..., int] | None
         try:  # looked up before fork: the child must not load libraries
@@ -215,6 +236,11 @@ class Agent:
                 self.out.write(line)
 
         def show_err(line: bytes) -> None:
+            text = line.decode(errors="replace").strip()
+            if text:
+                self.last_err_line = text
+                if exception_text(text) is not None:
+                    self.last_exception_line = text
             if output_all:
                 self.err.write(prefix + line)
             elif master or LOG_LINE_OF_TNT.match(line):
@@ -277,13 +303,14 @@ class Agent:
                     self.err.write(prefix + line)
             if spec.get("rank") is None:  # under mpirun/srun only the agent can name the rank
                 self.err.write(f"[{rank}] tnt: rank {rank} on {self.host} {describe_exit(code)}\n".encode())
-                last = self.tail[-1].decode(errors="replace").strip() if self.tail else ""
-                report_failure(env, rank, code, last)
+                report_failure(env, rank, code, self.last_exception_line or self.last_err_line)
         return 128 - code if code < 0 else code
 
 
-#: store key an agent under mpirun/srun sets when its rank fails: mpirun/srun may wait for
-#: the other ranks instead of ending them, so the launcher does it
+#: store keys an agent under mpirun/srun sets when its rank fails: mpirun/srun may wait for
+#: the other ranks instead of ending them, so the launcher does it. Every failing rank's
+#: agent reports (``FAILURE_KEY/N``, N counted by ``FAILURE_KEY/count``): the first report
+#: is often a rank that failed because a peer failed, the cause comes after it
 FAILURE_KEY = "tnt/launcher/rank-failed"
 
 #: a line of the ``tnt`` logger (tnt_core.log's format) at warning level or above
@@ -302,11 +329,24 @@ def report_failure(env: Mapping[str, str], rank: int, code: int, last_line: str 
 
         client = StoreClient(host.strip("[]"), int(port), key, connect_timeout=5.0, timeout=5.0)
         try:
-            client.set(FAILURE_KEY, f"{rank} {code} {last_line}".rstrip().encode())
+            number = client.add(f"{FAILURE_KEY}/count", 1)
+            client.set(f"{FAILURE_KEY}/{number}", f"{rank} {code} {last_line}".rstrip().encode())
         finally:
             client.close()
     except Exception:  # noqa: BLE001 - the launcher may be gone already; nothing left to tell
         pass
+
+
+def read_failures(client: Any) -> Iterator[tuple[int, int, str]]:
+    """``(rank, code, last line)`` of each report :func:`report_failure` leaves in the store
+    of ``client`` (a ``tnt_core.StoreClient``), in order, waiting for the next one; ends when
+    the store goes away."""
+    number = 1
+    while True:
+        raw = client.get(f"{FAILURE_KEY}/{number}", timeout=None).decode()
+        rank, code, *last = raw.split(" ", 2)
+        yield int(rank), int(code), last[0] if last else ""
+        number += 1
 
 
 def describe_exit(code: int) -> str:

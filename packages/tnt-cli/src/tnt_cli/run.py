@@ -171,9 +171,10 @@ def _run(options: RunOptions, prog: str) -> int:
     leftovers_before = shm_segments()
     with store:
         procs = launcher.processes(job, Rendezvous(store.url, store.key))
+        reported = any(spec["rank"] is None for proc in procs for spec in proc.specs)
         supervisor = Supervisor(procs, job.grace_s, prog=prog,
-                                not_arrived=_not_arrived_reader(store))
-        if any(spec["rank"] is None for proc in procs for spec in proc.specs):
+                                not_arrived=_not_arrived_reader(store), rank_reports=reported)
+        if reported:
             _watch_rank_failures(store, supervisor)
         try:
             return supervisor.run()
@@ -197,22 +198,23 @@ def _sweep(before: set[str]) -> None:
 
 
 def _watch_rank_failures(store: StoreServer, supervisor: Supervisor) -> None:
-    """Under mpirun/srun, agents report a failed rank through the store (agent.FAILURE_KEY)."""
+    """Under mpirun/srun, agents report every failed rank through the store
+    (agent.FAILURE_KEY): the first report may be a consequence, the cause a later one."""
     import threading
 
     from tnt_core import StoreClient, TntError
 
-    from .agent import FAILURE_KEY
+    from .agent import read_failures
 
     host, port = store.address
 
     def watch() -> None:
         try:
             client = StoreClient(host, port, store.key, connect_timeout=10.0)
-            rank, code, *last = client.get(FAILURE_KEY, timeout=None).decode().split(" ", 2)
+            for rank, code, last in read_failures(client):
+                supervisor.rank_failed(rank, code, last)
         except (TntError, OSError, ValueError):
             return  # the store closed: the job is over
-        supervisor.rank_failed(int(rank), int(code), last[0] if last else "")
 
     threading.Thread(target=watch, name="tnt-failure-watch", daemon=True).start()
 

@@ -12,6 +12,13 @@
   running (they did not take part in the collective the others failed in: hung), else the
   first rank that exited. Nothing is stopped meanwhile, so the failing rank's traceback
   gets out.
+* Under mpirun/srun one process stands for every rank, and it ends with a code of its own
+  once a rank failed (Hydra: 9, the signal it killed the others with). The agents report
+  each failed rank through the rendezvous store, and those reports may arrive after that
+  exit; so the process is named only if none arrives within ``SETTLE_S``. A report also
+  outruns the agent's own line about its rank (``[R] tnt: rank R on HOST exited ...``),
+  which comes through mpiexec's output: the verdict waits for that line (up to
+  ``AGENT_LINE_WAIT_S``), so that it stays the last one.
 * When a rank fails, or on SIGINT/SIGTERM/SIGHUP, every other process is asked to end
   (stdin closed, the launcher's stop signal sent to its process group); whatever still
   runs after the grace period is killed. A second Ctrl+C kills at once.
@@ -35,24 +42,26 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, BinaryIO
 
-from .agent import PEER_FAILURE_EXIT_CODE, describe_exit
+from .agent import PEER_FAILURE_EXIT_CODE, describe_exit, exception_text
 from .launchers.base import ProcessSpec
 
 # what signal.signal() returns: the previous handler (None: not installed from Python)
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "exception_text"]
 
 #: extra seconds, beyond the agents' own grace period, before process groups are killed
 KILL_MARGIN_S = 2.0
 _PR_SET_PDEATHSIG = 1
-#: seconds a rank's exit with PEER_FAILURE_EXIT_CODE waits for the rank that failed first
+#: seconds a rank's exit with PEER_FAILURE_EXIT_CODE waits for the rank that failed first,
+#: and the exit of a process standing for several ranks (mpirun/srun) for their reports
 SETTLE_S = 1.5
-#: the last line of a Python traceback (agents prefix a hidden rank's lines with ``[rank] ``)
-_EXCEPTION_LINE = re.compile(r"^(?:\[\d+\] )?(?:[A-Za-z_]\w*\.)*"
-                             r"([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .*)?)$")
-#: the longest exception text quoted in the launcher's verdict
-_CAUSE_CHARS = 300
+#: seconds an exit of mpirun/srun waits at least for reports of its ranks once one came
+LAUNCHER_DRAIN_S = 0.5
+#: seconds the verdict on an agent's report waits for the agent's line about its rank
+AGENT_LINE_WAIT_S = 1.0
+#: the line an agent under mpirun/srun writes when its rank failed (see agent.Agent.run)
+_AGENT_EXIT_LINE = re.compile(rb"^\[(\d+)\] tnt: rank (\d+) on \S+ (?:exited|was killed)")
 
 
 class _Sink:
@@ -82,16 +91,6 @@ def _pump(pipe: BinaryIO, sink: _Sink, seen: Callable[[bytes], None] | None = No
                 seen(line)
 
 
-def exception_text(line: str) -> str | None:
-    """``ValueError: boom`` from a traceback's last line (module path and rank prefix
-    dropped), None when ``line`` is not one."""
-    m = _EXCEPTION_LINE.match(line.strip())
-    if m is None:
-        return None
-    text = m.group(1)
-    return text if len(text) <= _CAUSE_CHARS else text[:_CAUSE_CHARS - 3] + "..."
-
-
 def _killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -104,7 +103,8 @@ class Supervisor:
 
     def __init__(self, specs: Sequence[ProcessSpec], grace_s: float, *, prog: str = "tnt run",
                  stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-                 not_arrived: Callable[[], str | None] | None = None) -> None:
+                 not_arrived: Callable[[], str | None] | None = None,
+                 rank_reports: bool = False) -> None:
         self.specs = list(specs)
         self._pid = os.getpid()
         self._prctl: Callable[..., int] | None
@@ -114,6 +114,14 @@ class Supervisor:
             self._prctl = None
         #: reads the stall inspector's verdict on a failed wait: which ranks did not arrive
         self.not_arrived = not_arrived
+        #: agents report failed ranks through :meth:`rank_failed` (mpirun/srun)
+        self.rank_reports = rank_reports
+        #: ``(index, exit status)`` of a process standing for several ranks that failed,
+        #: named only if no report of its ranks arrives within ``SETTLE_S``
+        self.launcher_exit: tuple[int, int] | None = None
+        #: ranks whose agent's line about their failure has gone out (mpirun/srun)
+        self.agent_lines: set[int] = set()
+        self._agent_line = threading.Condition()
         self.grace_s = grace_s
         self.prog = prog
         self.out = _Sink(stdout or sys.stdout.buffer)
@@ -190,6 +198,11 @@ class Supervisor:
             text = exception_text(line.decode(errors="replace"))
             if text is not None:
                 self.last_exception[index] = text
+            said = _AGENT_EXIT_LINE.match(line)
+            if said is not None and said.group(1) == said.group(2):
+                with self._agent_line:
+                    self.agent_lines.add(int(said.group(1)))
+                    self._agent_line.notify_all()
 
         for pipe, sink, watch in ((proc.stdout, self.out, None), (proc.stderr, self.err, seen)):
             t = threading.Thread(target=_pump, args=(pipe, sink, watch), daemon=True)
@@ -241,7 +254,7 @@ class Supervisor:
                 self._handle_pending()
             if self.stopping_since is not None:
                 break
-        while self.running:
+        while self.running or (self.launcher_exit is not None and self.stopping_since is None):
             try:
                 kind, index, value = self.events.get(timeout=0.1)
             except queue.Empty:
@@ -280,12 +293,30 @@ class Supervisor:
         code = value if value >= 0 else 128 - value
         if code == 0 or self.stopping_since is not None:
             return
+        if kind == "exit" and self.rank_reports and len(self.specs[index].ranks) > 1:
+            # mpiexec/srun ended because a rank failed: the ranks' reports say which and
+            # why, and may still be on their way through the store
+            if self.launcher_exit is None:
+                self.launcher_exit = (index, value)
+                # its agents reported before they exited: what is in the store arrives in
+                # moments, all the more when some report already came
+                wait = SETTLE_S if self.settle_until is None else LAUNCHER_DRAIN_S
+                self.settle_until = max(self.settle_until or 0.0, time.monotonic() + wait)
+            return
         if code == PEER_FAILURE_EXIT_CODE:  # a consequence: wait a little for the cause
             self.secondary.append((kind, index))
             if self.settle_until is None:
                 self.settle_until = time.monotonic() + SETTLE_S
             return
+        self._fail(kind, index, value)
+
+    def _fail(self, kind: str, index: int, value: int) -> None:
+        """Name the failure of ``index`` (exit status / reported code ``value``), end the job."""
+        code = value if value >= 0 else 128 - value
         self.exit_code = code
+        if kind == "rank-failed":  # its agent's line about it may still be on its way
+            with self._agent_line:
+                self._agent_line.wait_for(lambda: index in self.agent_lines, AGENT_LINE_WAIT_S)
         hint = self.specs[index].failure_hints.get(code) if kind == "exit" else None
         notes = "; ".join(n for n in (hint, self._exception(kind, index)) if n)
         self.say(f"{self._label(kind, index)} failed: {describe_exit(value)}"
@@ -348,9 +379,16 @@ class Supervisor:
             return None
 
     def _escalate(self) -> None:
-        if self.secondary and self.stopping_since is None and self.settle_until is not None \
+        if self.stopping_since is None and self.settle_until is not None \
                 and time.monotonic() >= self.settle_until:
-            self._name_secondary()
+            if self.launcher_exit is not None:  # what it printed last goes out first
+                pump = self.err_pumps.get(self.launcher_exit[0])
+                if pump is not None:
+                    pump.join(timeout=1.0)
+            if self.secondary:
+                self._name_secondary()
+            elif self.launcher_exit is not None:  # no rank reported: the process is the cause
+                self._fail("exit", *self.launcher_exit)
         if self.stopping_since is None or self.killed:
             return
         if time.monotonic() - self.stopping_since > self.grace_s + KILL_MARGIN_S:
