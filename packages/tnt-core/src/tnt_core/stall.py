@@ -222,10 +222,12 @@ class WatchedBackend(CommBackend):
 
     # -- agreement -----------------------------------------------------------------------
 
-    def _check(self, seq: int, op: str, words: np.ndarray) -> None:
-        """The header exchange of collective ``seq`` (a wait like the collective's own: a
-        rank that never comes is diagnosed there)."""
-        with self.waiting(seq, op):
+    def _agree(self, words: np.ndarray) -> None:
+        """The header exchange before a collective. On the wire it is an allreduce of its
+        own, so it gets its own number in the ledger: the numbers stay those of the
+        backend's operations, which the backend's CommErrors name (``allreduce #7``)."""
+        seq = self.ledger.enter()
+        with self.waiting(seq, "allreduce"):
             agree(self.inner, words, seq, self.rank)
 
     def agree_on_plan(self, buffers: Sequence[np.ndarray], op: str = "sum") -> None:
@@ -234,8 +236,7 @@ class WatchedBackend(CommBackend):
         check_op(op)
         if not self.agree:
             return
-        seq = self.ledger.enter()
-        self._check(seq, "fused allreduce plan", plan_header(buffers, op))
+        self._agree(plan_header(buffers, op))
         for buf in buffers:
             self._agreed[id(buf)] = (weakref.ref(buf, self._forget(id(buf))), op)
 
@@ -263,51 +264,45 @@ class WatchedBackend(CommBackend):
 
     def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
         # the gradient path calls this per bucket: agreed buffers cost a dict lookup here
-        ledger = self.ledger
-        ledger.entered += 1
-        seq = ledger.entered
         if self._needs_header(buf, op):
             check_op(op)
             if self._local_checks(buf, "allreduce"):
-                self._check(seq, "allreduce", header("allreduce", buf, op=op))
-        return WatchedHandle(self.inner.allreduce_async(buf, op), seq, "allreduce", self)
+                self._agree(header("allreduce", buf, op=op))
+        ledger = self.ledger
+        ledger.entered += 1
+        return WatchedHandle(self.inner.allreduce_async(buf, op), ledger.entered, "allreduce", self)
 
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
-        seq = self.ledger.enter()
-        with self.waiting(seq, "allreduce"):  # the header exchange is part of the wait
-            if self.agree:
-                check_op(op)
-                if self._local_checks(buf, "allreduce"):
-                    agree(self.inner, header("allreduce", buf, op=op), seq, self.rank)
+        if self.agree:
+            check_op(op)
+            if self._local_checks(buf, "allreduce"):
+                self._agree(header("allreduce", buf, op=op))
+        with self.waiting(self.ledger.enter(), "allreduce"):
             return self.inner.allreduce(buf, op)
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
-        seq = self.ledger.enter()
-        with self.waiting(seq, "broadcast"):
-            if self.agree:
-                if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-                    raise TypeError(f"broadcast root must be a rank number, got {type(root).__name__}")
-                if not 0 <= root < self.size:
-                    raise ValueError(f"broadcast root {root} is not a rank of this job "
-                                     f"(0..{self.size - 1})")
-                if self._local_checks(buf, "broadcast"):
-                    agree(self.inner, header("broadcast", buf, root=int(root)), seq, self.rank)
+        if self.agree:
+            if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+                raise TypeError(f"broadcast root must be a rank number, got {type(root).__name__}")
+            if not 0 <= root < self.size:
+                raise ValueError(f"broadcast root {root} is not a rank of this job (0..{self.size - 1})")
+            if self._local_checks(buf, "broadcast"):
+                self._agree(header("broadcast", buf, root=int(root)))
+        with self.waiting(self.ledger.enter(), "broadcast"):
             return self.inner.broadcast(buf, root)
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
-        seq = self.ledger.enter()
-        with self.waiting(seq, "allgather"):
-            if self.agree and self._local_checks(buf, "allgather", writeable=False):
-                agree(self.inner, header("allgather", buf), seq, self.rank)
+        if self.agree and self._local_checks(buf, "allgather", writeable=False):
+            self._agree(header("allgather", buf))
+        with self.waiting(self.ledger.enter(), "allgather"):
             return self.inner.allgather(buf)
 
     def barrier(self) -> None:
-        seq = self.ledger.enter()
-        with self.waiting(seq, "barrier"):
-            if self.agree:  # the header exchange completes once every rank entered: a barrier
-                agree(self.inner, header("barrier"), seq, self.rank)
-            else:
-                self.inner.barrier()
+        if self.agree:  # the header exchange completes once every rank entered: a barrier
+            self._agree(header("barrier"))
+            return
+        with self.waiting(self.ledger.enter(), "barrier"):
+            self.inner.barrier()
 
     def close(self) -> None:
         self.inner.close()
