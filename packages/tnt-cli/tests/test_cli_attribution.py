@@ -46,8 +46,9 @@ def test_exception_text(line, text):
     assert exception_text(line) == text
 
 
-def _supervise(*scripts: str) -> tuple[int, str, float]:
-    specs = [ProcessSpec(argv=[sys.executable, "-c", s], host="localhost", ranks=(r,), specs=[])
+def _supervise(*scripts: str, stdin: bytes | None = None) -> tuple[int, str, float]:
+    specs = [ProcessSpec(argv=[sys.executable, "-c", s], host="localhost", ranks=(r,), specs=[],
+                         stdin=stdin)
              for r, s in enumerate(scripts)]
     err = BytesIO()
     start = time.monotonic()
@@ -64,6 +65,19 @@ def test_a_consequence_that_exits_first_is_not_named():
     assert _last(err) == ("tnt run: rank 1 on localhost failed: exited with code 1 "
                           "(ValueError: boom); ending the other ranks")
     assert "Traceback" in err  # the cause's own traceback got out before the verdict
+
+
+def test_the_verdict_is_the_last_line_even_when_a_peer_prints_while_it_ends():
+    # rank 0 prints its CommError only once told to end (its stdin closes, as an agent's
+    # does): after the verdict on rank 1 was known
+    code, err, _ = _supervise(
+        "import sys; sys.stdin.read(); "
+        "print('CommError: rank 1 exited during the allreduce', file=sys.stderr, flush=True); "
+        f"sys.exit({agent.PEER_FAILURE_EXIT_CODE})",
+        "import os, time; time.sleep(0.3); os._exit(3)", stdin=b"")
+    assert code == 3
+    assert "CommError: rank 1 exited during the allreduce" in err
+    assert _last(err) == "tnt run: rank 1 on localhost failed: exited with code 3; ending the other ranks"
 
 
 def test_the_rank_still_running_is_named_when_only_consequences_failed():

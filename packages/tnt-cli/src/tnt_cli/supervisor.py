@@ -142,9 +142,22 @@ class Supervisor:
         #: failures because a peer failed, in order, before the verdict: (kind, index)
         self.secondary: list[tuple[str, int]] = []
         self.settle_until: float | None = None
+        #: the verdict, held back until the other processes ended and their output was
+        #: read, so that it is the last line however their output and their end interleave
+        self.verdict: str | None = None
 
     def say(self, message: str) -> None:
         self.err.write(f"{self.prog}: {message}\n".encode())
+
+    def _conclude(self, message: str) -> None:
+        """Name the failure: printed once every process ended (:meth:`_say_verdict`)."""
+        if self.verdict is None:
+            self.verdict = message
+
+    def _say_verdict(self) -> None:
+        verdict, self.verdict = self.verdict, None
+        if verdict is not None:
+            self.say(verdict)
 
     def rank_failed(self, rank: int, code: int, last_line: str = "") -> None:
         """Report a failed rank the processes' own exit codes cannot show (thread-safe):
@@ -241,6 +254,7 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            self._say_verdict()  # if _run did not get to it
             self._stop_all()
             self._kill_all()  # nothing may outlive tnt run, whatever happened above
             for sig, handler in previous.items():
@@ -264,8 +278,9 @@ class Supervisor:
             self._escalate()
         if self.secondary and self.stopping_since is None:
             self._name_secondary()  # every process ended within the settle time
-        for t in self.threads:
+        for t in self.threads:  # the processes' output, read to its end
             t.join(timeout=2.0)
+        self._say_verdict()
         return self.exit_code if self.exit_code is not None else 0
 
     def _handle_pending(self) -> None:
@@ -319,8 +334,8 @@ class Supervisor:
                 self._agent_line.wait_for(lambda: index in self.agent_lines, AGENT_LINE_WAIT_S)
         hint = self.specs[index].failure_hints.get(code) if kind == "exit" else None
         notes = "; ".join(n for n in (hint, self._exception(kind, index)) if n)
-        self.say(f"{self._label(kind, index)} failed: {describe_exit(value)}"
-                 + (f" ({notes})" if notes else "") + self._ending(kind))
+        self._conclude(f"{self._label(kind, index)} failed: {describe_exit(value)}"
+                       + (f" ({notes})" if notes else "") + self._ending(kind))
         self._stop_all()
 
     def _label(self, kind: str, index: int) -> str:
@@ -352,17 +367,17 @@ class Supervisor:
         hung = [i for i in sorted(self.running) if len(self.specs[i].ranks) == 1]
         if verdict is not None:  # the stall inspector knows who did not arrive, and where
             text, several, seen = verdict  # the waiting rank's CommError is just above
-            self.say(f"{text}; {first} failed waiting for {'them' if several else 'it'}"
-                     f"{'; ' + seen if seen else ''}{self._ending(kind)}")
+            self._conclude(f"{text}; {first} failed waiting for {'them' if several else 'it'}"
+                           f"{'; ' + seen if seen else ''}{self._ending(kind)}")
         elif hung and all(k == "exit" for k, _ in self.secondary):
             names = [self.specs[i].label for i in hung]
             if len(names) > 1:
                 waiting = waiting.replace("waiting for it", "waiting for them")
-            self.say(f"{', '.join(names)} did not take part in a collective (hung or too slow?): "
-                     f"{waiting}{self._ending(kind)}")
+            self._conclude(f"{', '.join(names)} did not take part in a collective (hung or too "
+                           f"slow?): {waiting}{self._ending(kind)}")
         else:
-            self.say(f"{first} failed first, in a collective" + (f" ({cause})" if cause else "")
-                     + self._ending(kind))
+            self._conclude(f"{first} failed first, in a collective" + (f" ({cause})" if cause else "")
+                           + self._ending(kind))
         self._stop_all()
 
     def _stall_verdict(self) -> tuple[str, bool, str] | None:
