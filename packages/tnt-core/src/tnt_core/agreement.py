@@ -6,7 +6,7 @@ reduce or gather whatever lies in memory and return normally, or abort the proce
 handed different roots, a broadcast returns each rank's own data. Either way the job goes
 on with numbers no serial run would give. So before each collective of a multi-rank job
 the :class:`~tnt_core.stall.WatchedBackend` compares a fixed-size header describing the
-call (:data:`HEADER_LEN` int64 words, in one small allreduce: :func:`agree`): equal
+call (:data:`HEADER_LEN` int64 words, in one small allreduce: :func:`mismatch`): equal
 headers let the collective run; different ones make every rank raise the same error,
 naming what each rank passed, before any data moves.
 
@@ -28,7 +28,7 @@ import numpy as np
 from .backend import REDUCE_OPS, SUPPORTED_DTYPES
 from .errors import CollectiveMismatchError
 
-__all__ = ["HEADER_LEN", "header", "plan_header", "agree"]
+__all__ = ["HEADER_LEN", "header", "plan_header", "mismatch", "disagreement"]
 
 _MAGIC = 0x746E74  # "tnt": a header that met a data buffer of another rank shows as garbage
 _KINDS = ("allreduce", "broadcast", "allgather", "barrier", "fused allreduce plan")
@@ -133,9 +133,10 @@ def _ranks(ranks: list[int]) -> str:
     return f"ranks {', '.join(map(str, ranks))} called"
 
 
-def agree(backend: Any, words: np.ndarray, seq: int, rank: int) -> None:
-    """Compare ``words`` across the ranks of ``backend`` (the raw backend); raise
-    :class:`CollectiveMismatchError` on every rank if any rank's words differ.
+def mismatch(backend: Any, words: np.ndarray, seq: int, rank: int) -> CollectiveMismatchError | None:
+    """Compare ``words`` across the ranks of ``backend`` (the raw backend): None if every
+    rank passed the same, else the :class:`CollectiveMismatchError` every rank raises (the
+    caller raises it, so that the traceback ends at the user's call).
 
     One allreduce with ``max`` over ``words`` and their negation gives every rank the
     maximum and the minimum of each word: all equal exactly when they agree. (An allreduce
@@ -147,9 +148,9 @@ def agree(backend: Any, words: np.ndarray, seq: int, rank: int) -> None:
     n = words.size
     extremes = backend.allreduce(np.concatenate([words, -words]), "max")
     if bool((extremes[:n] == -extremes[n:]).all()):
-        return
+        return None
     rows = np.asarray(backend.allgather(words))
-    raise CollectiveMismatchError(
+    return CollectiveMismatchError(
         f"collective #{seq} differs between ranks: {disagreement(rows)}. Every rank must "
         "call the same collectives in the same order, with buffers of the same shape and "
         "dtype, the same reduction and the same root (look for code that depends on the "

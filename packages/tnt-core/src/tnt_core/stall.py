@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .agreement import agree, header, plan_header
+from .agreement import header, mismatch, plan_header
 from .backend import CommBackend, Handle, check_buffer, check_op, check_timeout, wait_all
 from .config import Config
-from .errors import CommError, TntError
+from .errors import CollectiveMismatchError, CommError, TntError
 
 __all__ = ["Ledger", "WatchedBackend", "StallInspector", "report_position", "ledger",
            "ANY_RANK", "NOT_ARRIVED_KEY"]
@@ -222,13 +222,14 @@ class WatchedBackend(CommBackend):
 
     # -- agreement -----------------------------------------------------------------------
 
-    def _agree(self, words: np.ndarray) -> None:
-        """The header exchange before a collective. On the wire it is an allreduce of its
-        own, so it gets its own number in the ledger: the numbers stay those of the
-        backend's operations, which the backend's CommErrors name (``allreduce #7``)."""
+    def _agree(self, words: np.ndarray) -> CollectiveMismatchError | None:
+        """The header exchange before a collective; the error every rank raises if they
+        differ. On the wire it is an allreduce of its own, so it gets its own number in the
+        ledger: the numbers stay those of the backend's operations, which the backend's
+        CommErrors name (``allreduce #7``)."""
         seq = self.ledger.enter()
         with self.waiting(seq, "allreduce"):
-            agree(self.inner, words, seq, self.rank)
+            return mismatch(self.inner, words, seq, self.rank)
 
     def agree_on_plan(self, buffers: Sequence[np.ndarray], op: str = "sum") -> None:
         """Agree once on a fixed sequence of allreduces over ``buffers`` (the fused
@@ -236,7 +237,9 @@ class WatchedBackend(CommBackend):
         check_op(op)
         if not self.agree:
             return
-        self._agree(plan_header(buffers, op))
+        error = self._agree(plan_header(buffers, op))
+        if error is not None:
+            raise error
         for buf in buffers:
             self._agreed[id(buf)] = (weakref.ref(buf, self._forget(id(buf))), op)
 
@@ -252,54 +255,75 @@ class WatchedBackend(CommBackend):
         agreed = self._agreed.get(id(buf))
         return agreed is None or agreed[0]() is not buf or agreed[1] != op
 
-    def _local_checks(self, buf: Any, operation: str, *, writeable: bool = True) -> bool:
-        """Validate what this rank can validate alone, before any exchange; False for a
-        buffer only the backend itself understands (it raises, or handles it)."""
-        if isinstance(buf, np.ndarray):
-            check_buffer(buf, operation, writeable=writeable)
-            return True
-        return hasattr(buf, "__dlpack__") and hasattr(buf, "shape")
+    def _refusal(self, buf: Any, operation: str, *, op: str | None = None, root: Any = None,
+                 writeable: bool = True) -> Exception | None:
+        """What this rank can refuse alone, before any exchange: the error to raise (from
+        the public method, so the traceback ends at the user's call), or None."""
+        try:
+            if op is not None:
+                check_op(op)
+            if root is not None:
+                if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+                    raise TypeError(f"broadcast root must be a rank number, got {type(root).__name__}")
+                if not 0 <= root < self.size:
+                    raise ValueError(f"broadcast root {root} is not a rank of this job "
+                                     f"(0..{self.size - 1})")
+            if not (hasattr(buf, "__dlpack__") and hasattr(buf, "shape")) or isinstance(buf, np.ndarray):
+                check_buffer(buf, operation, writeable=writeable)
+        except (TypeError, ValueError) as exc:
+            return exc.with_traceback(None)
+        return None
+
+    def _header_error(self, kind: str, buf: Any = None, *, op: str | None = None,
+                      root: Any = None, writeable: bool = True) -> Exception | None:
+        """The local checks, then the header exchange: the error to raise, or None."""
+        refused = self._refusal(buf, kind, op=op, root=root, writeable=writeable) \
+            if kind != "barrier" else None
+        if refused is not None:
+            return refused
+        return self._agree(header(kind, buf, op=op, root=None if root is None else int(root)))
 
     # -- the collectives -------------------------------------------------------------------
 
     def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
         # the gradient path calls this per bucket: agreed buffers cost a dict lookup here
         if self._needs_header(buf, op):
-            check_op(op)
-            if self._local_checks(buf, "allreduce"):
-                self._agree(header("allreduce", buf, op=op))
+            error = self._header_error("allreduce", buf, op=op)
+            if error is not None:
+                raise error
         ledger = self.ledger
         ledger.entered += 1
         return WatchedHandle(self.inner.allreduce_async(buf, op), ledger.entered, "allreduce", self)
 
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
         if self.agree:
-            check_op(op)
-            if self._local_checks(buf, "allreduce"):
-                self._agree(header("allreduce", buf, op=op))
+            error = self._header_error("allreduce", buf, op=op)
+            if error is not None:
+                raise error
         with self.waiting(self.ledger.enter(), "allreduce"):
             return self.inner.allreduce(buf, op)
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         if self.agree:
-            if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-                raise TypeError(f"broadcast root must be a rank number, got {type(root).__name__}")
-            if not 0 <= root < self.size:
-                raise ValueError(f"broadcast root {root} is not a rank of this job (0..{self.size - 1})")
-            if self._local_checks(buf, "broadcast"):
-                self._agree(header("broadcast", buf, root=int(root)))
+            error = self._header_error("broadcast", buf, root=root)
+            if error is not None:
+                raise error
         with self.waiting(self.ledger.enter(), "broadcast"):
             return self.inner.broadcast(buf, root)
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
-        if self.agree and self._local_checks(buf, "allgather", writeable=False):
-            self._agree(header("allgather", buf))
+        if self.agree:
+            error = self._header_error("allgather", buf, writeable=False)
+            if error is not None:
+                raise error
         with self.waiting(self.ledger.enter(), "allgather"):
             return self.inner.allgather(buf)
 
     def barrier(self) -> None:
         if self.agree:  # the header exchange completes once every rank entered: a barrier
-            self._agree(header("barrier"))
+            error = self._header_error("barrier")
+            if error is not None:
+                raise error
             return
         with self.waiting(self.ledger.enter(), "barrier"):
             self.inner.barrier()
