@@ -35,6 +35,7 @@ from .errors import (
     PluginError,
     ShardingError,
     TntError,
+    UnsupportedOperationError,
 )
 from .fusion import (
     BUFFER_ALIGNMENT,
@@ -117,6 +118,7 @@ __all__ = [
     "TensorSpec",
     "Timeline",
     "TntError",
+    "UnsupportedOperationError",
     "VARIABLES",
     "Variable",
     "WatchedBackend",

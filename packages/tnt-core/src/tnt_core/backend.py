@@ -26,6 +26,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .config import Config
+    from .errors import UnsupportedOperationError
 
 __all__ = [
     "REDUCE_OPS",
@@ -34,8 +35,11 @@ __all__ = [
     "CommBackend",
     "CompletedHandle",
     "Handle",
+    "CAPABILITIES",
     "check_buffer",
     "check_op",
+    "check_peer",
+    "check_split_ranks",
     "check_timeout",
     "wait_all",
 ]
@@ -51,6 +55,42 @@ def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}")
     return op
+
+
+#: the optional capabilities a backend may declare in :attr:`CommBackend.capabilities`
+CAPABILITIES: tuple[str, ...] = ("p2p", "groups")
+
+
+def check_peer(peer: Any, size: int, operation: str, tag: Any) -> tuple[int, int]:
+    """Return ``(peer, tag)`` if ``peer`` is a rank in ``[0, size)`` and ``tag`` a
+    non-negative int, else raise TypeError/ValueError saying what to pass."""
+    for what, value in (("peer rank", peer), ("tag", tag)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{operation}: the {what} must be an int, got {type(value).__name__}")
+    if not 0 <= int(peer) < size:
+        raise ValueError(f"{operation}: rank {peer} is not a rank of this communicator (0..{size - 1})")
+    if int(tag) < 0:
+        raise ValueError(f"{operation}: tag must be >= 0, got {tag}")
+    return int(peer), int(tag)
+
+
+def check_split_ranks(ranks: Any, size: int) -> tuple[int, ...]:
+    """Return ``ranks`` as a tuple if it is a non-empty sequence of distinct ranks in
+    ``[0, size)``, else raise TypeError/ValueError."""
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise TypeError(f"split needs a sequence of ranks, got {type(ranks).__name__}")
+    out = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+            raise TypeError(f"split: ranks must be ints, got {type(r).__name__}")
+        if not 0 <= int(r) < size:
+            raise ValueError(f"split: rank {r} is not a rank of this communicator (0..{size - 1})")
+        out.append(int(r))
+    if not out:
+        raise ValueError("split needs at least one rank")
+    if len(set(out)) != len(out):
+        raise ValueError(f"split: ranks {out} name a rank twice")
+    return tuple(out)
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -162,9 +202,15 @@ class CommBackend(abc.ABC):
     Subclasses set ``name``, ``rank``, ``size``, ``local_rank`` and ``local_size`` in
     ``__init__`` and implement the abstract collectives. The blocking ``allreduce`` is
     derived from ``allreduce_async``.
+
+    Point-to-point (:meth:`send_async`, :meth:`recv_async`) and groups (:meth:`split`) are
+    optional: a backend lists what it implements in :attr:`capabilities`; the defaults
+    raise :class:`~tnt_core.UnsupportedOperationError`.
     """
 
     name: str = "abstract"
+    #: the optional capabilities implemented, a subset of :data:`CAPABILITIES`
+    capabilities: frozenset[str] = frozenset()
     rank: int
     size: int
     local_rank: int
@@ -196,6 +242,43 @@ class CommBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the communicator. Idempotent."""
+
+    # -- optional: point-to-point and groups -----------------------------------------------
+
+    def supports(self, capability: str) -> bool:
+        """True if this backend implements ``capability`` (``"p2p"`` or ``"groups"``)."""
+        if capability not in CAPABILITIES:
+            raise ValueError(f"unknown capability {capability!r}; use one of {', '.join(CAPABILITIES)}")
+        return capability in self.capabilities
+
+    def _unsupported(self, capability: str, operation: str) -> UnsupportedOperationError:
+        from .errors import UnsupportedOperationError
+
+        what = {"p2p": "point-to-point messages", "groups": "groups (split)"}[capability]
+        return UnsupportedOperationError(
+            f"{operation}: the {self.name!r} backend does not support {what}; pipelining needs "
+            "a backend that does (gloo, mpi; see docs/plugins.md), picked with TNT_BACKEND / "
+            f"`tnt run --backend`. Check with backend.supports({capability!r})."
+        )
+
+    def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:
+        """Start sending ``buf`` to rank ``dest``; messages to one (peer, tag) arrive in the
+        order sent. ``buf`` must not change until the handle's ``wait`` returns."""
+        raise self._unsupported("p2p", "send")
+
+    def recv_async(self, buf: np.ndarray, src: int, tag: int = 0) -> Handle:
+        """Start receiving the next message from rank ``src`` with ``tag`` into ``buf``. A
+        message of another byte size than ``buf`` raises on this rank (CommError or
+        ValueError) instead of truncating."""
+        raise self._unsupported("p2p", "recv")
+
+    def split(self, ranks: Sequence[int]) -> CommBackend | None:
+        """A communicator over ``ranks`` (their order gives the group ranks).
+
+        Collective: every rank of this communicator calls it, with the same list. Members
+        get the group's backend, others None. Closing the group leaves this one open.
+        """
+        raise self._unsupported("groups", "split")
 
     def __enter__(self) -> CommBackend:
         return self

@@ -7,7 +7,7 @@ that users and tnt-keras handle a single exception type for "the collective fail
 from __future__ import annotations
 
 __all__ = ["TntError", "CommError", "CollectiveMismatchError", "ConfigError", "PluginError",
-           "ShardingError"]
+           "ShardingError", "UnsupportedOperationError"]
 
 
 class TntError(Exception):
@@ -64,3 +64,11 @@ class PluginError(TntError):
 
 class ShardingError(TntError, ValueError):
     """A batch cannot be split over the ranks as asked (e.g. fewer samples than ranks)."""
+
+
+class UnsupportedOperationError(TntError, NotImplementedError):
+    """The backend lacks an optional capability (point-to-point, groups) that was used.
+
+    Raised only when the operation is called: a backend without it keeps working for data
+    parallelism. Check first with ``backend.supports("p2p")`` / ``backend.supports("groups")``.
+    """

@@ -6,12 +6,25 @@ without a launcher.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
+
 import numpy as np
 
 from ._markers import hookimpl
-from .backend import BackendSpec, CommBackend, CompletedHandle, Handle, check_buffer, check_op
+from .backend import (
+    BackendSpec,
+    CommBackend,
+    CompletedHandle,
+    Handle,
+    check_buffer,
+    check_op,
+    check_peer,
+    check_split_ranks,
+    check_timeout,
+)
 from .config import Config
-from .errors import ConfigError
+from .errors import CommError, ConfigError
 
 __all__ = ["LocalBackend"]
 
@@ -20,6 +33,7 @@ class LocalBackend(CommBackend):
     """A communicator of size 1."""
 
     name = "local"
+    capabilities = frozenset({"p2p", "groups"})
 
     def __init__(self, config: Config | None = None) -> None:
         config = config or Config()
@@ -31,6 +45,7 @@ class LocalBackend(CommBackend):
             )
         self.rank, self.size, self.local_rank, self.local_size = 0, 1, 0, 1
         self._closed = False
+        self._messages: dict[int, deque[bytes]] = {}
 
     def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
         check_op(op)
@@ -47,8 +62,51 @@ class LocalBackend(CommBackend):
     def barrier(self) -> None:
         return None
 
+    def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:
+        """A message to itself, kept until received (rank 0 is the only peer)."""
+        check_buffer(buf, "send", writeable=False)
+        _, tag = check_peer(dest, 1, "send", tag)
+        self._messages.setdefault(tag, deque()).append(np.ascontiguousarray(buf).tobytes())
+        return CompletedHandle(buf)
+
+    def recv_async(self, buf: np.ndarray, src: int, tag: int = 0) -> Handle:
+        check_buffer(buf, "recv")
+        _, tag = check_peer(src, 1, "recv", tag)
+        return _LocalRecv(self._messages.setdefault(tag, deque()), buf, tag)
+
+    def split(self, ranks: Sequence[int]) -> CommBackend | None:
+        check_split_ranks(ranks, 1)
+        return LocalBackend()
+
     def close(self) -> None:
         self._closed = True
+
+
+class _LocalRecv(Handle):
+    """Completes when a send to itself with the tag was posted (before or after it): one
+    thread can only send it before waiting, so a wait finding none fails at once."""
+
+    def __init__(self, queue: deque[bytes], buf: np.ndarray, tag: int) -> None:
+        self._queue, self._buf, self._tag = queue, buf, tag
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or bool(self._queue)
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        check_timeout(timeout)
+        if self._done:
+            return self._buf
+        if not self._queue:
+            raise CommError(f"no message with tag {self._tag} was sent to this rank",
+                            rank=0, operation=f"recv from 0 tag {self._tag}")
+        data = self._queue.popleft()
+        self._done = True
+        if len(data) != self._buf.nbytes:
+            raise CommError(f"message of {len(data)} bytes does not fit the receive buffer of "
+                            f"{self._buf.nbytes} bytes", rank=0, operation=f"recv tag {self._tag}")
+        self._buf.reshape(-1)[...] = np.frombuffer(data, dtype=self._buf.dtype)
+        return self._buf
 
 
 @hookimpl

@@ -328,6 +328,34 @@ class WatchedBackend(CommBackend):
         with self.waiting(self.ledger.enter(), "barrier"):
             self.inner.barrier()
 
+    # -- point-to-point and groups (optional; the inner backend's capabilities) -----------
+
+    @property
+    def capabilities(self) -> frozenset[str]:  # type: ignore[override]
+        return self.inner.capabilities
+
+    def supports(self, capability: str) -> bool:
+        return self.inner.supports(capability)
+
+    def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:
+        """Not a collective: no header, not counted in the ledger."""
+        return self.inner.send_async(buf, dest, tag)
+
+    def recv_async(self, buf: np.ndarray, src: int, tag: int = 0) -> Handle:
+        return self.inner.recv_async(buf, src, tag)
+
+    def split(self, ranks: Sequence[int]) -> CommBackend | None:
+        """A collective of this communicator (counted, and agreed on like a barrier); the
+        group's backend comes wrapped, with a ledger of its own: its collectives are
+        numbered among its members only."""
+        if self.agree:
+            error = self._header_error("barrier")
+            if error is not None:
+                raise error
+        with self.waiting(self.ledger.enter(), "split"):
+            group = self.inner.split(ranks)
+        return None if group is None else WatchedBackend(group, Ledger(), agree=self.agree)
+
     def close(self) -> None:
         self.inner.close()
 

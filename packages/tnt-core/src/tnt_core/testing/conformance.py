@@ -168,6 +168,163 @@ class _Skip(Exception):
     pass
 
 
+# -- point-to-point and groups (optional capabilities) ---------------------------------------
+
+P2P_LARGE_BYTES = 4 * 1024 * 1024
+
+
+def _need(ctx: Context, capability: str) -> None:
+    if not ctx.backend.supports(capability):
+        raise _Skip(f"the {ctx.backend.name!r} backend does not declare {capability!r}")
+    if ctx.size < 2 and capability == "p2p":
+        raise _Skip("needs two ranks")
+
+
+def _msg(src: int, k: int, n: int, dtype: str) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) + 3 * src + 7 * k) % 101).astype(dtype)
+
+
+def _ring(backend: CommBackend, k: int, n: int, dtype: str, *, recv_first: bool, tag: int = 0
+          ) -> None:
+    """Send to the right neighbour, receive from the left; check the left's message."""
+    rank, size = backend.rank, backend.size
+    left, right = (rank - 1) % size, (rank + 1) % size
+    buf = np.full(n, -1, dtype=dtype)
+    out = _msg(rank, k, n, dtype)
+    if recv_first:
+        r = backend.recv_async(buf, left, tag)
+        s = backend.send_async(out, right, tag)
+    else:
+        s = backend.send_async(out, right, tag)
+        r = backend.recv_async(buf, left, tag)
+    got = r.wait()
+    s.wait()
+    assert got is buf or (buf.size and np.shares_memory(got, buf)), "recv must return its buffer"
+    assert np.array_equal(buf, _msg(left, k, n, dtype)), f"ring message {k} ({dtype}, {n}) wrong"
+
+
+def case_p2p_ring(ctx: Context) -> None:
+    """Ring exchange of every dtype and size (0 bytes to 4 MiB), recv posted before and
+    after the send."""
+    _need(ctx, "p2p")
+    k = 0
+    for dtype in DTYPES:
+        for n in (0, 1, 1001, P2P_LARGE_BYTES // np.dtype(dtype).itemsize):
+            k += 1
+            _ring(ctx.backend, k, n, dtype, recv_first=k % 2 == 0)
+
+
+def case_p2p_order(ctx: Context) -> None:
+    """Several messages on one (peer, tag) arrive in order; tags may be received out of
+    their send order; receives posted late find their messages."""
+    _need(ctx, "p2p")
+    b, rank, size = ctx.backend, ctx.rank, ctx.size
+    left, right = (rank - 1) % size, (rank + 1) % size
+    sends = [b.send_async(_msg(rank, k, 257, "int32"), right, tag=5) for k in range(6)]
+    sends += [b.send_async(_msg(rank, 100 + t, 33, "float64"), right, tag=t) for t in (1, 2, 3)]
+    time.sleep(0.05)
+    # tags in reverse order of sending
+    for t in (3, 2, 1):
+        got = np.empty(33, np.float64)
+        b.recv_async(got, left, tag=t).wait()
+        assert np.array_equal(got, _msg(left, 100 + t, 33, "float64")), f"tag {t} wrong message"
+    bufs = [np.empty(257, np.int32) for _ in range(6)]
+    recvs = [b.recv_async(buf, left, tag=5) for buf in bufs]
+    for k in reversed(range(6)):  # waiting out of order does not reorder the messages
+        recvs[k].wait()
+    for k, buf in enumerate(bufs):
+        assert np.array_equal(buf, _msg(left, k, 257, "int32")), f"message {k} on tag 5 out of order"
+    for h in sends:
+        h.wait()
+    bad_calls: tuple[Callable[[], object], ...] = (
+        lambda: b.send_async(np.zeros(2, np.float32), size, 0),
+        lambda: b.recv_async(np.zeros(2, np.float32), -1, 0),
+        lambda: b.send_async(np.zeros(2, np.float32), right, -3),
+        lambda: b.recv_async(np.zeros(2, np.uint8), left, 0),
+    )
+    for bad in bad_calls:
+        try:
+            bad()
+        except (TypeError, ValueError) as exc:
+            assert str(exc), "error without a message"
+        else:
+            raise AssertionError("a bad peer, tag or buffer was accepted")
+    ctx.backend.barrier()
+
+
+def case_groups(ctx: Context) -> None:
+    """Split into evens and odds (two splits); collectives and p2p inside each group see
+    only its members; non-members get None; closing a group leaves the job's open."""
+    _need(ctx, "groups")
+    b, rank = ctx.backend, ctx.rank
+    evens, odds = list(range(0, ctx.size, 2)), list(range(1, ctx.size, 2))
+    groups = [b.split(evens), b.split(odds) if odds else None]
+    for members, group in zip((evens, odds), groups):
+        if rank not in members:
+            assert group is None, f"rank {rank} is not in {members} but got a group"
+            continue
+        assert group is not None, f"rank {rank} is in {members} but got None"
+        assert (group.rank, group.size) == (members.index(rank), len(members)), \
+            f"group rank/size {group.rank}/{group.size} for members {members}"
+        buf = np.array([rank + 1, 1], dtype=np.int64)
+        group.allreduce(buf)
+        assert buf.tolist() == [sum(r + 1 for r in members), len(members)], f"group allreduce {buf}"
+        root_buf = np.array([rank], dtype=np.int32)
+        group.broadcast(root_buf, root=len(members) - 1)
+        assert root_buf[0] == members[-1], f"group broadcast gave {root_buf[0]}"
+        gathered = group.allgather(np.array([rank], dtype=np.int32))
+        assert gathered.ravel().tolist() == members, f"group allgather {gathered.ravel()}"
+        group.barrier()
+        if group.size > 1 and group.supports("p2p"):
+            _ring(group, 1, 1000, "float32", recv_first=True, tag=9)
+        group.close()
+        group.close()
+    buf = np.ones(3, np.float32)
+    b.allreduce(buf)
+    assert np.array_equal(buf, np.full(3, ctx.size, np.float32)), "parent broken after group close"
+    try:
+        b.split([0, 0])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("split([0, 0]) was accepted")
+
+
+def case_p2p_size_mismatch(ctx: Context) -> None:
+    """A message larger or smaller than the receive buffer raises on the receiver."""
+    _need(ctx, "p2p")
+    b, rank, size = ctx.backend, ctx.rank, ctx.size
+    left, right = (rank - 1) % size, (rank + 1) % size
+    for tag, (sent, room) in ((11, (10, 5)), (12, (5, 10))):
+        s = b.send_async(np.ones(sent, np.float32), right, tag)
+        try:
+            b.recv_async(np.zeros(room, np.float32), left, tag).wait()
+        except (CommError, ValueError) as exc:
+            assert "byte" in str(exc) or "size" in str(exc), f"unclear size error: {exc}"
+        else:
+            raise AssertionError(f"a {sent}-element message was received into {room} elements")
+        try:
+            s.wait(timeout=5.0)
+        except CommError:
+            pass  # the transport may fail the send too
+
+
+def case_p2p_recv_timeout(ctx: Context) -> None:
+    """A receive nobody sends fails with CommError within the timeout (last p2p case: a
+    backend may leave the communicator failed afterwards, as after a collective's timeout)."""
+    _need(ctx, "p2p")
+    handle = ctx.backend.recv_async(np.zeros(4, np.float32), (ctx.rank - 1) % ctx.size, tag=77)
+    t0 = time.monotonic()
+    try:
+        handle.wait(timeout=1.0)
+    except CommError as exc:
+        assert "recv" in str(exc) and f"rank {ctx.rank}" in str(exc), f"unclear: {exc}"
+    else:
+        raise AssertionError("a receive nobody sent returned")
+    took = time.monotonic() - t0
+    assert took < 6.0, f"the timed-out receive took {took:.1f}s for a 1 s timeout"
+
+
 CASES: dict[str, Callable[[Context], None]] = {
     **{f"allreduce-{op}-{dt}": _make_allreduce_case(op, dt) for op in REDUCE_OPS for dt in DTYPES},
     "allreduce-64MiB": case_allreduce_64mib,
@@ -176,6 +333,11 @@ CASES: dict[str, Callable[[Context], None]] = {
     "barrier": case_barrier,
     "async-in-flight": case_async_in_flight,
     "bad-input": case_bad_input,
+    "p2p-ring": case_p2p_ring,
+    "p2p-order": case_p2p_order,
+    "groups": case_groups,
+    "p2p-size-mismatch": case_p2p_size_mismatch,
+    "p2p-recv-timeout": case_p2p_recv_timeout,
 }
 CASE_NAMES = (*CASES, "close-idempotent")
 

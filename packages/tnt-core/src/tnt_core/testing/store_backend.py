@@ -14,16 +14,28 @@ results, as the real backends must.
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+import threading
+import time
+from collections.abc import MutableMapping, Sequence
 
 import numpy as np
 
 from .._markers import hookimpl
-from ..backend import BackendSpec, CommBackend, Handle, check_buffer, check_op
+from ..backend import (
+    BackendSpec,
+    CommBackend,
+    CompletedHandle,
+    Handle,
+    check_buffer,
+    check_op,
+    check_peer,
+    check_split_ranks,
+    check_timeout,
+)
 from ..comm_thread import CommThread
 from ..config import Config
 from ..errors import CommError
-from ..rendezvous import connect_store
+from ..rendezvous import StoreClient, connect_store
 
 __all__ = ["STORE_PLUGIN", "StoreBackend", "enable_store_backend"]
 
@@ -51,24 +63,115 @@ def enable_store_backend(env: MutableMapping[str, str] | None = None) -> None:
 _REDUCE = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 
 
+class _RecvHandle(Handle):
+    """A receive from the store: polled with back-off (the store client's lock is never held
+    across the wait, so collectives and sends go on meanwhile)."""
+
+    def __init__(self, store: StoreClient, rank: int, timeout: float, key: str, buf: np.ndarray,
+                 name: str) -> None:
+        self._store, self._rank, self._timeout = store, rank, timeout
+        self._key, self._buf, self._name = key, buf, name
+        self._done = False
+        self._t: float | None = None
+
+    def done(self) -> bool:
+        if not self._done and self._store.check([self._key]):
+            self._complete()
+        return self._done
+
+    def completion_time(self) -> float | None:
+        return self._t
+
+    def _complete(self) -> None:
+        store = self._store
+        data = store.get(self._key)
+        store.delete(self._key)
+        self._done, self._t = True, time.perf_counter()
+        if len(data) != self._buf.nbytes:
+            raise CommError(f"message of {len(data)} bytes does not fit the receive buffer of "
+                            f"{self._buf.nbytes} bytes ({self._buf.dtype} {self._buf.shape})",
+                            rank=self._rank, operation=self._name)
+        self._buf.reshape(-1)[...] = np.frombuffer(data, dtype=self._buf.dtype)
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        limit = check_timeout(timeout) or self._timeout
+        deadline, pause = time.monotonic() + limit, 0.0005
+        while not self._done:
+            if self._store.check([self._key]):
+                self._complete()
+                break
+            if time.monotonic() >= deadline:
+                raise CommError(f"no message arrived within {limit:g}s: peer dead, hung or "
+                                "never sent", rank=self._rank, operation=self._name)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        return self._buf
+
+
 class StoreBackend(CommBackend):
     name = "store"
+    capabilities = frozenset({"p2p", "groups"})
 
-    def __init__(self, config: Config) -> None:
-        self.rank, self.size = config.rank, config.size
+    def __init__(self, config: Config, *, prefix: str = "tnt/store",
+                 group: tuple[int, int] | None = None) -> None:
+        self.rank, self.size = group or (config.rank, config.size)
         self.local_rank, self.local_size = config.local_rank, config.local_size
+        self._config, self._prefix = config, prefix
         self._timeout = config.timeout_s
         self._store = connect_store(config)
+        self._p2p = connect_store(config)  # sends and receives, beside the comm thread's
         self._thread = CommThread("tnt-store-comm", self.rank, config.timeout_s)
         self._seq = 0
+        self._splits = 0
+        self._sent: dict[tuple[int, int], int] = {}
+        self._posted: dict[tuple[int, int], int] = {}
+        self._p2p_lock = threading.Lock()
         self._closed = False
         # the handshake everyone must pass before the first collective: all ranks alive
-        self._store.set(f"tnt/store/alive/{self.rank}", b"1")
-        self._store.wait([f"tnt/store/alive/{r}" for r in range(self.size)], self._timeout)
+        self._store.set(f"{prefix}/alive/{self.rank}", b"1")
+        self._store.wait([f"{prefix}/alive/{r}" for r in range(self.size)], self._timeout)
 
     def _next(self, what: str) -> tuple[str, str]:
         self._seq += 1
-        return f"tnt/store/{self._seq}", f"{what} #{self._seq}"
+        return f"{self._prefix}/{self._seq}", f"{what} #{self._seq}"
+
+    # -- point-to-point: one key per message, numbered per (sender, receiver, tag) ---------
+
+    def _p2p_key(self, src: int, dst: int, tag: int, n: int) -> str:
+        return f"{self._prefix}/p2p/{src}/{dst}/{tag}/{n}"
+
+    def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:
+        check_buffer(buf, "send", writeable=False)
+        dest, tag = check_peer(dest, self.size, "send", tag)
+        with self._p2p_lock:
+            n = self._sent.get((dest, tag), 0)
+            self._sent[(dest, tag)] = n + 1
+        self._p2p.set(self._p2p_key(self.rank, dest, tag, n), np.ascontiguousarray(buf).tobytes())
+        return CompletedHandle(buf)
+
+    def recv_async(self, buf: np.ndarray, src: int, tag: int = 0) -> Handle:
+        check_buffer(buf, "recv")
+        src, tag = check_peer(src, self.size, "recv", tag)
+        with self._p2p_lock:
+            n = self._posted.get((src, tag), 0)
+            self._posted[(src, tag)] = n + 1
+        return _RecvHandle(self._p2p, self.rank, self._timeout, self._p2p_key(src, self.rank, tag, n), buf,
+                           f"recv from {src} tag {tag} #{n}")
+
+    # -- groups: a store backend of its own under a key prefix -----------------------------
+
+    def split(self, ranks: Sequence[int]) -> CommBackend | None:
+        members = check_split_ranks(ranks, self.size)
+        self._splits += 1
+        # every rank must pass the same list: compare a digest of it
+        digest = np.array([len(members), hash(members) & 0x7FFFFFFFFFFF], dtype=np.int64)
+        seen = self.allgather(digest)
+        if not (seen == digest).all():
+            raise ValueError(f"split: the ranks passed different lists (this rank: {list(members)})")
+        if self.rank not in members:
+            return None
+        return StoreBackend(self._config, prefix=f"{self._prefix}/g{self._splits}",
+                            group=(members.index(self.rank), len(members)))
 
     def _exchange(self, prefix: str, payload: bytes | None, op: str, senders: range) -> list[bytes]:
         """Publish ``payload`` (if any) and fetch the payloads of ``senders``, in rank order."""
@@ -141,6 +244,7 @@ class StoreBackend(CommBackend):
         self._closed = True
         self._thread.close()
         self._store.close()
+        self._p2p.close()
 
 
 @hookimpl
