@@ -25,7 +25,8 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ from tnt_core import (
     detect_mpi_launch,
     reachable_address,
 )
+from tnt_core.backend import check_buffer, check_peer, check_split_ranks, check_timeout
 
 from . import library
 from .buffers import Staged, prepare
@@ -96,6 +98,7 @@ class MpiBackend(CommBackend):
     """
 
     name = "mpi"
+    capabilities = frozenset({"p2p", "groups"})
 
     def __init__(self, config: Config, *, environ: Mapping[str, str] | None = None) -> None:
         self._closed = False
@@ -339,6 +342,61 @@ class MpiBackend(CommBackend):
         """True once a collective failed; the backend then refuses further collectives."""
         return self._thread.failure is not None
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    # -- point-to-point and groups -----------------------------------------------------
+
+    def _p2p(self, buf: np.ndarray, peer: int, tag: int, operation: str, send: bool) -> Handle:
+        check_buffer(buf, operation, writeable=not send)
+        peer, tag = check_peer(peer, self.size, operation, tag)
+        name = f"{operation} {'to' if send else 'from'} {peer} tag {tag} #{next(self._seq)}"
+        comm, MPI = self._comm, self._MPI
+        data = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+
+        def start() -> Any:  # MPI_Isend / MPI_Irecv: returns at once, on the comm thread
+            if send:
+                return comm.Isend([data, MPI.BYTE], dest=peer, tag=tag)
+            return comm.Irecv([data, MPI.BYTE], source=peer, tag=tag)
+
+        request = self._call(start, name)
+        return _MpiP2pHandle(request, buf, name, None if send else data.nbytes, self._MPI,
+                             self._call, self.rank, self._timeout)
+
+    def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:
+        """Start sending ``buf`` to ``dest`` (MPI_Isend); ordered per (peer, tag)."""
+        return self._p2p(buf, dest, tag, "send", True)
+
+    def recv_async(self, buf: np.ndarray, src: int, tag: int = 0) -> Handle:
+        """Start receiving from ``src`` into ``buf`` (MPI_Irecv); a message of another size
+        raises CommError on this rank."""
+        return self._p2p(buf, src, tag, "recv", False)
+
+    def split(self, ranks: Sequence[int]) -> CommBackend | None:
+        """A communicator over ``ranks`` (MPI_Comm_split; collective over this one). The
+        group shares this backend's communication thread (MPI is called from one thread)."""
+        members = check_split_ranks(ranks, self.size)
+        name = f"split #{next(self._seq)}"
+        comm, MPI = self._comm, self._MPI
+        digest = np.array([len(members), hash(members) & 0x7FFFFFFFFFFF], dtype=np.int64)
+        if not (self.allgather(digest) == digest).all():
+            raise ValueError(f"split: the ranks passed different lists (this rank: {list(members)})")
+        member = self.rank in members
+
+        def run() -> Any:
+            color = 0 if member else MPI.UNDEFINED
+            sub = comm.Split(color, members.index(self.rank) if member else 0)
+            if sub != MPI.COMM_NULL:
+                sub.Set_errhandler(MPI.ERRORS_RETURN)
+            return sub
+
+        sub = self._call(run, name)
+        if not member:
+            return None
+        return _MpiGroup(self, sub)
+
     def close(self) -> None:
         """Finish queued collectives, free the communicator, stop the thread. Idempotent.
 
@@ -358,6 +416,87 @@ class MpiBackend(CommBackend):
         self._thread.close(timeout=5.0)
         if self.failed:
             mark_failed()
+
+
+class _MpiGroup(MpiBackend):
+    """A sub-communicator: the parent's thread and poller, a communicator of its own."""
+
+    def __init__(self, parent: MpiBackend, comm: Any) -> None:
+        self.__dict__.update(vars(parent))  # thread, poller, MPI module, dtype facts
+        self._parent = parent
+        self._closed = False
+        self._seq = itertools.count(1)
+        self._comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def close(self) -> None:
+        """Free the group's communicator; the parent (and the shared thread) stay open."""
+        if self._closed:
+            return
+        self._closed = True
+        comm, self._comm = self._comm, None
+        if comm is not None and not self.failed and not self._parent.closed:
+            try:
+                self._thread.submit(comm.Free, "close group (MPI_Comm_free)").wait(self._timeout)
+            except CommError as exc:
+                log.debug("rank %d: closing a group: %s", self.rank, exc)
+
+
+class _MpiP2pHandle(Handle):
+    """A send or receive in flight: tested on the communication thread, slept on here."""
+
+    def __init__(self, request: Any, buf: np.ndarray, name: str, expect: int | None, MPI: Any,
+                 call: Callable[[Callable[[], Any], str], Any], rank: int, timeout: float) -> None:
+        self._request, self._buf, self._name = request, buf, name
+        self._expect = expect  # bytes a receive must get
+        self._MPI, self._call, self._rank, self._timeout = MPI, call, rank, timeout
+        self._done = False
+        self._error: CommError | None = None
+        self._t: float | None = None
+
+    def completion_time(self) -> float | None:
+        return self._t
+
+    def _test(self) -> bool:
+        if self._done:
+            return True
+        MPI, request, expect = self._MPI, self._request, self._expect
+
+        def test() -> Any:  # errors come back as values: a size mismatch fails only this
+            status = MPI.Status()
+            try:
+                if not request.Test(status):
+                    return None
+            except MPI.Exception as exc:
+                return f"MPI error: {exc.Get_error_string().strip()}"
+            got = status.Get_count(MPI.BYTE)
+            if expect is not None and got != expect:
+                return f"message of {got} bytes does not fit the receive buffer of {expect} bytes"
+            return True
+
+        result = self._call(test, self._name)
+        if result is None:
+            return False
+        self._done, self._t = True, time.perf_counter()
+        if result is not True:
+            self._error = CommError(str(result), rank=self._rank, operation=self._name)
+        return True
+
+    def done(self) -> bool:
+        return self._test()
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        limit = check_timeout(timeout) or self._timeout
+        deadline, pause = time.monotonic() + limit, 0.00005
+        while not self._test():
+            if time.monotonic() >= deadline:
+                raise CommError(f"not complete within {limit:g}s: peer dead, hung or never "
+                                "matched it", rank=self._rank, operation=self._name)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        if self._error is not None:
+            raise self._error
+        return self._buf
 
 
 def _join_through_rendezvous(config: Config) -> None:
