@@ -47,11 +47,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -64,6 +65,7 @@ from tnt_core import (
     Config,
     ConfigError,
     Handle,
+    LocalBackend,
     check_buffer,
     check_op,
     check_timeout,
@@ -71,6 +73,7 @@ from tnt_core import (
     reachable_address,
 )
 from tnt_core import settings as tnt_settings
+from tnt_core.backend import check_split_ranks
 
 from . import _gloo
 
@@ -234,8 +237,11 @@ class GlooBackend(CommBackend):
     allreduce over shared memory when every rank runs on one host."""
 
     name = "gloo"
+    #: groups (split) only: point-to-point needs Gloo's unbound buffers in the native module
+    capabilities = frozenset({"groups"})
 
-    def __init__(self, config: Config, settings: GlooSettings | None = None) -> None:
+    def __init__(self, config: Config, settings: GlooSettings | None = None, *,
+                 _group: str | None = None) -> None:
         if config.size < 2:
             raise ConfigError(
                 "the gloo backend needs TNT_SIZE >= 2; a single process uses the 'local' "
@@ -258,8 +264,11 @@ class GlooBackend(CommBackend):
         self._seq = 0
         self._inflight: collections.deque[GlooHandle] = collections.deque()
         self._closed = False
+        self._config, self._splits = config, 0
         hostname, iface = self._settings.listen_address(config)
-        generation = next(_generation)
+        # a group's name (from split) is the same on its members, whatever else they made
+        generation: int | str = _group if _group is not None else next(_generation)
+        self._group_name = f"{generation}-"
         file_dir = _file_store_dir(config.rendezvous)
         store = None
         try:
@@ -434,6 +443,23 @@ class GlooBackend(CommBackend):
         with self._translate(name):
             work = self._comm.barrier(name)
         self._wait(work, name, None)
+
+    def split(self, ranks: Sequence[int]) -> CommBackend | None:
+        """A communicator over ``ranks``: a new Gloo context over them on the same
+        rendezvous store under a key prefix of its own (collective over this one). A group
+        of one rank is a ``local`` backend."""
+        members = check_split_ranks(ranks, self.size)
+        self._splits += 1
+        digest = np.array([len(members), hash(members) & 0x7FFFFFFFFFFF], dtype=np.int64)
+        if not (self.allgather(digest) == digest).all():
+            raise ValueError(f"split: the ranks passed different lists (this rank: {list(members)})")
+        if self.rank not in members:
+            return None
+        config = dataclasses.replace(self._config, rank=members.index(self.rank),
+                                     size=len(members))
+        if len(members) == 1:
+            return LocalBackend(dataclasses.replace(config, local_rank=0, local_size=1))
+        return GlooBackend(config, self._settings, _group=f"{self._group_name}g{self._splits}")
 
     def close(self) -> None:
         """Finish queued collectives, stop the worker, close the connections. Idempotent."""
