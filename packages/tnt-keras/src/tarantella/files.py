@@ -73,7 +73,11 @@ def _write_atomically(write: Callable[[str], None], path: str) -> None:
     except BaseException as exc:
         _remove(tmp)
         if isinstance(exc, Exception) and tmp in str(exc):  # name the user's path, not ours
-            raise type(exc)(str(exc).replace(tmp, path)) from exc
+            try:
+                renamed = type(exc)(str(exc).replace(tmp, path))
+            except Exception:  # noqa: BLE001 (a type that takes other arguments: keep it as it is)
+                raise exc from None
+            raise renamed from None
         raise
 
 
