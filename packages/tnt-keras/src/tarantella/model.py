@@ -25,7 +25,9 @@ saved file is exactly the one plain Keras writes and loads without tarantella.
 from __future__ import annotations
 
 import enum
+import errno
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -42,7 +44,7 @@ from . import callbacks as tnt_callbacks
 from . import files, randomness, steps
 from .batchnorm import synchronized_layers
 from .datasets import DistributedData, prepare_data, shard_arrays, split_validation
-from .errors import NotSupportedError
+from .errors import DatasetError, NotSupportedError, user_facing
 from .gradients import GradientReducer
 from .losses import normaliser
 from .steps import LocalIncrements, current_step, gradient_factor
@@ -105,14 +107,23 @@ def _distributed_class(cls: type) -> type:
     return sub
 
 
+#: strategies of the Tarantella design that this release does not implement
+_NOT_IMPLEMENTED = {"pipeline": "pipeline parallelism", "pipelining": "pipeline parallelism",
+                    "all": "data and pipeline parallelism combined"}
+
+
 def _strategy(value: Any) -> ParallelStrategy:
-    try:
-        strategy = ParallelStrategy(value.value if isinstance(value, ParallelStrategy) else value)
-    except ValueError:
-        raise NotSupportedError(
-            f"parallel_strategy={value!r}: tarantella supports tnt.ParallelStrategy.DATA"
-        ) from None
-    return strategy
+    if isinstance(value, ParallelStrategy):
+        return value
+    if isinstance(value, str) and value.lower() in [s.value for s in ParallelStrategy]:
+        return ParallelStrategy(value.lower())
+    what = _NOT_IMPLEMENTED.get(value.lower()) if isinstance(value, str) else None
+    problem = (f"{what} is not implemented in this release" if what is not None
+               else "not a parallel strategy")
+    raise NotSupportedError(
+        f"tnt.Model(parallel_strategy={value!r}): {problem}; data parallelism is the only "
+        "strategy available: use tnt.ParallelStrategy.DATA (or 'data', the default)"
+    )
 
 
 def _distribute(model: Any, parallel_strategy: Any) -> Model:
@@ -150,7 +161,8 @@ class Model(keras.Model):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Model:
-            return _distribute(*_model_arguments(*args, **kwargs))
+            model, strategy = _model_arguments(*args, **kwargs)
+            return _distribute(model, _strategy(strategy))  # a bad strategy: one frame deep
         base = cls.__dict__.get("_tnt_base")
         if base is None:
             raise TypeError(
@@ -192,12 +204,20 @@ class Model(keras.Model):
 
     # -- configuration ------------------------------------------------------------------------
 
+    @user_facing
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """As ``keras.Model.compile``; XLA is switched off (the step calls into Python)."""
         if kwargs.get("jit_compile") is True:
             warnings.warn("tnt.Model runs the collectives from Python inside the step, which XLA "
                           "cannot compile; using jit_compile=False", stacklevel=2)
             kwargs["jit_compile"] = False
+        optimizer = kwargs.get("optimizer", args[0] if args else None)
+        if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            raise ValueError(
+                f"compile(optimizer={type(optimizer).__name__}(...)): a TensorFlow 1 optimizer "
+                "(tf.compat.v1.train), which Keras 3 cannot use; pass a Keras optimizer, e.g. "
+                "keras.optimizers.SGD(learning_rate=0.1), or its name, e.g. 'sgd'"
+            )
         super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
         self._tnt_check_compiled()
 
@@ -221,12 +241,18 @@ class Model(keras.Model):
     # -- the steps (Keras' own or the user's, distributed) -------------------------------------
 
     def train_step(self, data: Any) -> Any:
+        if not steps.is_distributed(data):
+            raise steps.undistributed("train_step")
         return steps.train_step(self, data, super().train_step, self._tnt)
 
     def test_step(self, data: Any) -> Any:
+        if not steps.is_distributed(data):
+            raise steps.undistributed("test_step")
         return steps.test_step(self, data, super().test_step, self._tnt)
 
     def predict_step(self, data: Any) -> Any:
+        if not steps.is_distributed(data):
+            raise steps.undistributed("predict_step")
         return steps.predict_step(self, data, super().predict_step, self._tnt)
 
     def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
@@ -261,21 +287,16 @@ class Model(keras.Model):
     def _tnt_build(self, batch_spec: Any, distributed: bool = True, *, predict: bool = False) -> None:
         """Build model, metrics and optimizer before the first step, as Keras does under a
         distribution strategy, so that the master's state can be broadcast first. For
-        ``predict``, the layers only (a symbolic call), as Keras' predict needs no metrics."""
-        try:
-            if predict:
-                if not all(layer.built for layer in [self, *_all_layers(self)]):
-                    x = batch_spec[0] if isinstance(batch_spec, tuple) else batch_spec
-                    self(keras.tree.map_structure(
-                        lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
-            else:
-                self._symbolic_build(data_batch=batch_spec)
-        except Exception as exc:
-            raise type(exc)(
-                f"{exc}\n(tarantella builds the model, its metrics and optimizer before the "
-                "first step so that the master's weights can be broadcast; build the model "
-                "yourself by calling it on a batch before fit/evaluate/predict)"
-            ) from exc
+        ``predict``, the layers only (a symbolic call), as Keras' predict needs no metrics.
+        What fails here (a wrong input shape, an unknown loss) is Keras' own error, as its
+        first step would raise it."""
+        if predict:
+            if not all(layer.built for layer in [self, *_all_layers(self)]):
+                x = batch_spec[0] if isinstance(batch_spec, tuple) else batch_spec
+                self(keras.tree.map_structure(
+                    lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
+        else:
+            self._symbolic_build(data_batch=batch_spec)
         self._tnt.synchronized_bn = synchronized_layers(_all_layers(self))
         self._tnt_check_layers(distributed)
         if not self._tnt.seeds_folded:
@@ -326,6 +347,7 @@ class Model(keras.Model):
 
     # -- the loops -------------------------------------------------------------------------------
 
+    @user_facing
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
             validation_data: Any = None, shuffle: bool = True, class_weight: Any = None,
@@ -353,6 +375,9 @@ class Model(keras.Model):
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
             tnt_micro_batch_size=tnt_micro_batch_size,
             tnt_validation_micro_batch_size=tnt_validation_micro_batch_size)
+        _single_samples(self, "fit", "x", x, tnt_micro_batch_size)
+        _single_samples(self, "fit", "validation_data", validation_data,
+                        tnt_validation_micro_batch_size)
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
                                                                       validation_split)
@@ -387,6 +412,7 @@ class Model(keras.Model):
             validation_freq=validation_freq,
         )
 
+    @user_facing
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
                  callbacks: Any = None, return_dict: bool = False, *,
@@ -403,6 +429,7 @@ class Model(keras.Model):
         callbacks = _check_loop_arguments(
             "evaluate", callbacks, {"x": x, "y": y, "sample_weight": sample_weight},
             batch_size=batch_size, steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
+        _single_samples(self, "evaluate", "x", x, tnt_micro_batch_size)
         runtime = self._tnt.runtime
         data = prepare_data(x, y, sample_weight, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
@@ -414,6 +441,7 @@ class Model(keras.Model):
         return super().evaluate(data.dataset, verbose=verbose if runtime.is_master else 0,
                                 steps=steps, callbacks=callback_list, return_dict=return_dict)
 
+    @user_facing
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
                 steps: int | None = None, callbacks: Any = None, *,
                 tnt_micro_batch_size: int | None = None,
@@ -421,6 +449,7 @@ class Model(keras.Model):
         """``keras.Model.predict``, data-parallel; every rank returns the whole result, in order."""
         callbacks = _check_loop_arguments("predict", callbacks, {"x": x}, batch_size=batch_size,
                                           steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
+        _single_samples(self, "predict", "x", x, tnt_micro_batch_size)
         runtime = self._tnt.runtime
         data = prepare_data(x, None, None, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
@@ -445,6 +474,7 @@ class Model(keras.Model):
             self._tnt_broadcast()
         return steps.pack(rows, tf.constant([n, b], tf.int64))
 
+    @user_facing
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:
         """``keras.Model.train_on_batch`` on the *global* batch: every rank passes the same
@@ -458,6 +488,7 @@ class Model(keras.Model):
         packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
         return super().train_on_batch(packed, return_dict=return_dict)
 
+    @user_facing
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
         """``keras.Model.test_on_batch`` on the global batch (see :meth:`train_on_batch`)."""
@@ -465,6 +496,7 @@ class Model(keras.Model):
         packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
         return super().test_on_batch(packed, return_dict=return_dict)
 
+    @user_facing
     def predict_on_batch(self, x: Any) -> Any:
         """``keras.Model.predict_on_batch`` on the global batch; every rank gets all rows."""
         packed = self._tnt_on_batch((x,), predict=True)
@@ -472,16 +504,22 @@ class Model(keras.Model):
 
     # -- weights, saving --------------------------------------------------------------------
 
+    @user_facing
     def set_weights(self, weights: list) -> None:
         """As Keras; the master's weights are broadcast before the next step."""
         super().set_weights(weights)
         self._tnt.needs_broadcast = True
 
+    @user_facing
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """As Keras (every rank reads); the master's weights are broadcast before the next step."""
+        path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
+        if isinstance(path, str) and "://" not in path and not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         super().load_weights(filepath, *args, **kwargs)
         self._tnt.needs_broadcast = True
 
+    @user_facing
     def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None, *,
              tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
         """Save the model as Keras does (a plain Keras file). Call on every rank: the master
@@ -490,18 +528,22 @@ class Model(keras.Model):
         parent = super().save
         if zipped is not None:
             kwargs["zipped"] = zipped
+        _check_suffix("save", filepath, kwargs)
         files.write_collectively(lambda path: parent(path, overwrite=True, **kwargs), filepath,
                                  overwrite=overwrite, all_devices=tnt_save_all_devices,
                                  runtime=self._tnt.runtime)
 
+    @user_facing
     def save_weights(self, filepath: Any, overwrite: bool = True, *,
                      tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
         """Save the weights (``.weights.h5``); the master writes, as :meth:`save`."""
         parent = super().save_weights
+        _check_suffix("save_weights", filepath, kwargs)
         files.write_collectively(lambda path: parent(path, overwrite=True, **kwargs), filepath,
                                  overwrite=overwrite, all_devices=tnt_save_all_devices,
                                  runtime=self._tnt.runtime)
 
+    @user_facing
     def export(self, filepath: Any, *args: Any, tnt_save_all_devices: bool = False,
                **kwargs: Any) -> None:
         """``keras.Model.export``, written by the master only (every rank waits for it)."""
@@ -511,6 +553,32 @@ class Model(keras.Model):
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+def _check_suffix(method: str, filepath: Any, kwargs: dict[str, Any]) -> None:
+    """Keras' own refusal of a file name it cannot save to, raised before the collective
+    write (so every rank raises it, not only the writer); the cases Keras decides first or
+    otherwise are left to Keras."""
+    if not isinstance(filepath, (str, os.PathLike)):
+        return
+    path = str(filepath)
+    if method == "save":
+        if set(kwargs) - {"include_optimizer", "zipped"} or kwargs.get("zipped") is False \
+                or path.startswith("hf://") or path.endswith((".keras", ".h5", ".hdf5")):
+            return
+        raise ValueError(  # Keras 3's message (keras.saving.save_model)
+            "Invalid filepath extension for saving. Please add either a `.keras` extension for "
+            "the native Keras format (recommended) or a `.h5` extension. Use "
+            "`model.export(filepath)` if you want to export a SavedModel for use with "
+            f"TFLite/TFServing/etc. Received: filepath={filepath}."
+        )
+    sharded = kwargs.get("max_shard_size") is not None
+    if not path.endswith(("weights.h5", "weights.json") if sharded else ".weights.h5"):
+        raise ValueError(  # Keras 3's messages (keras.saving.save_weights)
+            "The filename must end in `.weights.json` when `max_shard_size` is specified. "
+            f"Received: filepath={path}" if sharded
+            else f"The filename must end in `.weights.h5`. Received: filepath={path}"
+        )
+
 
 #: the counting arguments of fit/evaluate/predict: (smallest value, what it is); each may be
 #: None except ``epochs``, ``initial_epoch`` and ``validation_freq``
@@ -571,9 +639,14 @@ def _callbacks_problem(callbacks: Any) -> tuple[list[Any] | None, str | None]:
 
 
 def _data_problem(name: str, data: Any) -> str | None:
-    """NumPy arrays of strings or objects, which Keras cannot feed to a model."""
+    """A file name, or NumPy arrays of strings or objects, which Keras cannot feed to a model."""
     if isinstance(data, tf.data.Dataset) or data is None:
         return None
+    if isinstance(data, (str, bytes, os.PathLike)):
+        return (f"{name} is the {type(data).__name__} {data!r:.60}, not data: Keras does not "
+                "read files; load it first, into NumPy arrays (e.g. numpy.loadtxt, "
+                "pandas.read_csv) or a tf.data.Dataset (e.g. "
+                "tf.data.experimental.make_csv_dataset), and pass that")
     try:
         arrays = [a for a in keras.tree.flatten(data) if isinstance(a, np.ndarray)]
     except (TypeError, ValueError):
@@ -586,6 +659,44 @@ def _data_problem(name: str, data: Any) -> str | None:
                     "TextVectorization layer outside the model), or pass a tf.Tensor or "
                     "tf.data.Dataset of strings to a model with string inputs")
     return None
+
+
+def _first_dimensions(data: Any) -> list[int] | None:
+    """The first dimension of every array in ``data`` (NumPy arrays and tensors, nested);
+    None when it holds anything else (Keras' adapters judge that)."""
+    try:
+        leaves = keras.tree.flatten(data)
+    except (TypeError, ValueError):
+        return None
+    sizes = []
+    for leaf in leaves:
+        if leaf is None:
+            continue
+        if not isinstance(leaf, (np.ndarray, tf.Tensor)) or len(leaf.shape) == 0 \
+                or leaf.shape[0] is None:
+            return None
+        sizes.append(int(leaf.shape[0]))
+    return sizes
+
+
+def _cardinality_problem(data: dict[str, Any]) -> str | None:
+    """Arrays of ``x``, ``y``, ``sample_weight`` with different numbers of samples."""
+    sizes: dict[str, list[int]] = {}
+    for name, value in data.items():
+        if value is None:
+            continue
+        found = _first_dimensions(value)
+        if found is None:
+            return None
+        sizes[name] = found
+    if len({n for found in sizes.values() for n in found}) < 2:
+        return None
+    names = list(sizes)
+    listed = " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
+    counts = ", ".join(f"{name}: {'/'.join(map(str, dict.fromkeys(found)))}"
+                       for name, found in sizes.items())
+    return (f"{listed} have different numbers of samples ({counts}); every array must have "
+            "one entry per sample along its first dimension")
 
 
 def _check_loop_arguments(method: str, callbacks: Any, data: dict[str, Any],
@@ -602,11 +713,49 @@ def _check_loop_arguments(method: str, callbacks: Any, data: dict[str, Any],
         message = _data_problem(name, value)
         if message is not None:
             raise TypeError(f"{method}({name}=...): {message}")
+    arrays = {name: data.get(name) for name in ("x", "y", "sample_weight")}
+    message = _cardinality_problem(arrays)
+    if message is not None:
+        given = ", ".join(f"{name}=..." for name, value in arrays.items() if value is not None)
+        raise DatasetError(f"{method}({given}): {message}")
+    validation = data.get("validation_data")
+    if isinstance(validation, (list, tuple)) and len(validation) in (2, 3):
+        message = _cardinality_problem(dict(zip(("x", "y", "sample_weight"), validation)))
+        if message is not None:
+            raise DatasetError(f"{method}(validation_data=...): its {message}")
     listed, message = _callbacks_problem(callbacks)
     if message is not None:
         raise TypeError(f"{method}(callbacks=...): {message}")
     return listed
 
+
+
+def _single_samples(model: keras.Model, method: str, name: str, data: Any,
+                    micro_batch_size: int | None) -> None:
+    """Refuse a tf.data.Dataset of single samples (not batched) for a model with one input,
+    where Keras' first step would fail on the rank of the input (before any collective)."""
+    if not isinstance(data, tf.data.Dataset) or micro_batch_size is not None:
+        return
+    try:
+        inputs = model.inputs  # a sub-classed model has none: its step will say
+    except (AttributeError, ValueError):
+        return
+    if not inputs or len(inputs) != 1:
+        return
+    spec = data.element_spec
+    if isinstance(spec, tuple) and spec:
+        spec = spec[0]
+    expected = tuple(inputs[0].shape)
+    if (not isinstance(spec, tf.TensorSpec) or spec.shape.rank != len(expected) - 1
+            or expected[-1] == 1  # Keras adds the last axis of size 1 itself
+            or not tf.TensorShape(expected[1:]).is_compatible_with(spec.shape)):
+        return
+    raise DatasetError(
+        f"{method}({name}=...): the tf.data.Dataset yields single samples (x of shape "
+        f"{tuple(spec.shape)}; the model takes batches of shape {expected}): batch it with the "
+        "global batch size (dataset.batch(global_batch_size)), or pass tnt_micro_batch_size= to "
+        "let tarantella batch it"
+    )
 
 
 def _model_arguments(model: Any = None, parallel_strategy: Any = ParallelStrategy.DATA,

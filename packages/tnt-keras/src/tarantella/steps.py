@@ -57,16 +57,35 @@ def _is_packed(x: Any) -> bool:
     return isinstance(x, dict) and set(x) == {BATCH_KEY, INFO_KEY}
 
 
+def _packed(data: Any) -> Any:
+    """The element of a distributed dataset in what Keras hands a step (``*_on_batch`` wrap
+    it as ``(element, None, None)``), or None."""
+    if isinstance(data, tuple) and data and _is_packed(data[0]) and all(d is None for d in data[1:]):
+        data = data[0]
+    return data if _is_packed(data) else None
+
+
+def undistributed(method: str) -> DatasetError:
+    """The error of a step that was handed data tarantella did not distribute."""
+    return DatasetError(
+        f"{method}() of a tnt.Model was given data that tarantella did not distribute (was it "
+        "called directly?): call fit/evaluate/predict or train_on_batch/test_on_batch/"
+        "predict_on_batch on the tnt.Model, which run the step on each rank's part of the "
+        "global batch"
+    )
+
+
+def is_distributed(data: Any) -> bool:
+    """Whether a step was handed data tarantella distributed."""
+    return _packed(data) is not None
+
+
 def unpack(data: Any) -> tuple[Any, tf.Tensor, tf.Tensor]:
     """``(micro_batch, n, b)`` from what Keras hands a step: an element of a distributed
     dataset, or the ``(x, y, sample_weight)`` / ``(x,)`` of ``*_on_batch`` around one."""
-    if isinstance(data, tuple) and data and _is_packed(data[0]) and all(d is None for d in data[1:]):
-        data = data[0]
-    if not _is_packed(data):
-        raise DatasetError(
-            "the step of a tnt.Model received data that tarantella did not distribute; call "
-            "fit/evaluate/predict/*_on_batch on the tnt.Model (not a train_function of your own)"
-        )
+    data = _packed(data)
+    if data is None:
+        raise undistributed("the step")
     info = data[INFO_KEY]
     return data[BATCH_KEY], info[0], info[1]
 
