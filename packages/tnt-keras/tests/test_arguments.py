@@ -134,3 +134,166 @@ def test_tnt_callback_flags_must_be_booleans():
     with pytest.raises(TypeError, match=r"^tnt.keras.callbacks.Callback\(aggregate_logs=1\)"):
         tnt.keras.callbacks.Callback(cb, aggregate_logs=1)
     assert not tnt.keras.callbacks.Callback(cb, run_on_all_ranks=np.bool_(False)).run_on_all_ranks
+
+
+# -- the common mistakes of bad_inputs.py's API table: Keras' own message where it is clear,
+# -- a better one naming the culprit where it is not; either way at most two library frames
+# -- (the entry point and the line that refused) and no chained traceback
+
+_LIBRARY_DIRS = ("/tarantella/", "/tnt_core/", "/keras/", "/tensorflow/", "/numpy/", "/h5py/")
+
+
+def _assert_user_facing(info: pytest.ExceptionInfo) -> None:
+    exc = info.value
+    assert exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__), \
+        "a chained traceback"
+    inside = [f"{f.filename}:{f.lineno}" for f in traceback.extract_tb(info.tb)
+              if any(d in f.filename for d in _LIBRARY_DIRS)]
+    assert len(inside) <= 2, inside
+
+
+def _model(**dense: object) -> keras.Model:
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, **dense)])
+
+
+def _fit(model: keras.Model, *args: object, **kwargs: object) -> None:
+    model.fit(*args, verbose=0, **kwargs)
+
+
+def _sum_loss_and_regularizer() -> None:
+    model = tnt.Model(_model(kernel_regularizer="l2"))
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    _fit(model, X, Y, batch_size=8)
+
+
+def _unknown_loss() -> None:
+    model = tnt.Model(_model())
+    model.compile(optimizer="sgd", loss="msee")
+    _fit(model, X, Y)
+
+
+def _train_step_called_directly() -> None:
+    import tensorflow as tf
+
+    model = _compiled()
+    _fit(model, X, Y, batch_size=8)
+    model.train_step((tf.constant(X[:8]), tf.constant(Y[:8])))
+
+
+def _unbatched_dataset() -> None:
+    import tensorflow as tf
+
+    _fit(_compiled(), tf.data.Dataset.from_tensor_slices((X, Y)))
+
+
+def _tf1_optimizer() -> None:
+    import tensorflow as tf
+
+    tnt.Model(_model()).compile(optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                loss="mse")
+
+
+MISTAKES = [
+    ("pipeline strategy", lambda: tnt.Model(_model(), parallel_strategy="pipeline"),
+     tnt.NotSupportedError,
+     "tnt.Model(parallel_strategy='pipeline'): pipeline parallelism is not implemented in this "
+     "release; data parallelism is the only strategy available: use tnt.ParallelStrategy.DATA "
+     "(or 'data', the default)"),
+    ("unknown strategy", lambda: tnt.Model(_model(), parallel_strategy="model"),
+     tnt.NotSupportedError, "tnt.Model(parallel_strategy='model'): not a parallel strategy; data"),
+    ("unknown optimizer", lambda: tnt.Model(_model()).compile(optimizer="sgdd", loss="mse"),
+     ValueError, "Could not interpret optimizer identifier: sgdd"),  # Keras' own
+    ("TF1 optimizer", _tf1_optimizer, ValueError,
+     "compile(optimizer=GradientDescentOptimizer(...)): a TensorFlow 1 optimizer "
+     "(tf.compat.v1.train), which Keras 3 cannot use; pass a Keras optimizer"),
+    ("unknown loss", _unknown_loss, ValueError, "Could not interpret loss identifier: msee"),
+    ("sum loss and a regularizer", _sum_loss_and_regularizer, tnt.NotSupportedError,
+     "a loss with reduction='sum' (or 'none') next to regularization losses"),
+    ("x and y lengths", lambda: _fit(_compiled(), X, Y[:5]), ValueError,
+     "fit(x=..., y=...): x and y have different numbers of samples (x: 16, y: 5); every array "
+     "must have one entry per sample along its first dimension"),
+    ("sample_weight length", lambda: _fit(_compiled(), X, Y, sample_weight=np.ones(3)),
+     ValueError,
+     "fit(x=..., y=..., sample_weight=...): x, y and sample_weight have different numbers of "
+     "samples (x: 16, y: 16, sample_weight: 3)"),
+    ("validation_data lengths", lambda: _fit(_compiled(), X, Y, validation_data=(X[:3], Y)),
+     ValueError, "fit(validation_data=...): its x and y have different numbers of samples "
+     "(x: 3, y: 16)"),
+    ("evaluate lengths", lambda: _compiled().evaluate(X, Y[:4], verbose=0), ValueError,
+     "evaluate(x=..., y=...): x and y have different numbers of samples (x: 16, y: 4)"),
+    ("a file name as data", lambda: _fit(_compiled(), "data.csv", Y), TypeError,
+     "fit(x=...): x is the str 'data.csv', not data: Keras does not read files; load it first"),
+    ("wrong feature shape", lambda: _fit(_compiled(), np.ones((16, 3), "float32"), Y),
+     ValueError, "Exception encountered when calling Sequential.call()."),  # Keras' own
+    ("predict wrong shape", lambda: _compiled().predict(np.ones((4, 7), "float32"), verbose=0),
+     ValueError, "Exception encountered when calling Sequential.call()."),  # Keras' own
+    ("unbatched dataset", _unbatched_dataset, ValueError,
+     "fit(x=...): the tf.data.Dataset yields single samples (x of shape (4,); the model takes "
+     "batches of shape (None, 4)): batch it with the global batch size "
+     "(dataset.batch(global_batch_size)), or pass tnt_micro_batch_size= to let tarantella "
+     "batch it"),
+    ("train_step called directly", _train_step_called_directly, tnt.DatasetError,
+     "train_step() of a tnt.Model was given data that tarantella did not distribute (was it "
+     "called directly?): call fit/evaluate/predict or train_on_batch/test_on_batch/"
+     "predict_on_batch on the tnt.Model"),
+    ("save into a missing directory", lambda: _compiled().save("/nonexistent/dir/m.keras"),
+     FileNotFoundError, "[Errno 2] No such file or directory: '/nonexistent/dir/m.keras'"),
+    ("save with a wrong suffix", lambda: _compiled().save("model.txt"), ValueError,
+     "Invalid filepath extension for saving. Please add either a `.keras` extension"),  # Keras'
+    ("save_weights with a wrong suffix", lambda: _compiled().save_weights("w.h5"), ValueError,
+     "The filename must end in `.weights.h5`. Received: filepath=w.h5"),  # Keras' own
+    ("load_weights of a missing file",
+     lambda: _compiled().load_weights("/nonexistent/w.weights.h5"), FileNotFoundError,
+     "[Errno 2] No such file or directory: '/nonexistent/w.weights.h5'"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [m[1:] for m in MISTAKES],
+                         ids=[m[0] for m in MISTAKES])
+def test_a_common_mistake_is_one_clear_error_at_the_users_call(call, error, message):
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value).startswith(message), str(info.value)
+    assert "tarantella builds" not in str(info.value), "Keras' message, nothing appended"
+    _assert_user_facing(info)
+
+
+def test_the_messages_of_keras_are_keras_own(tmp_path):
+    """Where plain Keras' message is clear, tnt.Model raises exactly it."""
+    for call in (lambda m: m.save(str(tmp_path / "model.txt")),
+                 lambda m: m.save_weights(str(tmp_path / "w.h5")),
+                 lambda m: m.compile(optimizer="sgdd")):
+        messages = []
+        for model in (_model(), tnt.Model(_model())):
+            model.compile(optimizer="sgd", loss="mse")
+            with pytest.raises(ValueError) as info:
+                call(model)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1]
+
+
+def test_full_tracebacks_when_keras_filtering_is_off():
+    keras.config.disable_traceback_filtering()
+    try:
+        with pytest.raises(ValueError) as info:
+            _compiled().predict(np.ones((4, 7), "float32"), verbose=0)
+    finally:
+        keras.config.enable_traceback_filtering()
+    frames = traceback.extract_tb(info.tb)
+    assert sum("/tarantella/" in f.filename for f in frames) >= 2, "tarantella's own frames"
+
+
+def test_what_the_new_checks_must_not_refuse():
+    """Batched rank-1 data for an input of shape (1,) (Keras adds the axis), an unbatched
+    dataset with tnt_micro_batch_size, arrays of equal length: as before."""
+    import tensorflow as tf
+
+    model = tnt.Model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(2)]))
+    model.compile(optimizer="sgd", loss="mse")
+    _fit(model, tf.data.Dataset.from_tensor_slices((np.ones(8, "float32"), Y[:8])).batch(4),
+         shuffle=False)
+    _fit(_compiled(), tf.data.Dataset.from_tensor_slices((X, Y)), tnt_micro_batch_size=8,
+         shuffle=False)
+    _fit(_compiled(), X, Y, sample_weight=np.ones(16), validation_data=(X[:4], Y[:4]))
+    assert tnt.Model(_model(), parallel_strategy="DATA").parallel_strategy is \
+        tnt.ParallelStrategy.DATA
