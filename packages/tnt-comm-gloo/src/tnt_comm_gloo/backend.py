@@ -68,12 +68,12 @@ from tnt_core import (
     LocalBackend,
     check_buffer,
     check_op,
+    check_split_ranks,
     check_timeout,
     connect_store,
     reachable_address,
 )
 from tnt_core import settings as tnt_settings
-from tnt_core.backend import check_split_ranks
 
 from . import _gloo
 

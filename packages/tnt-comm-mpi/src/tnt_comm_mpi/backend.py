@@ -40,12 +40,15 @@ from tnt_core import (
     ConfigError,
     Handle,
     MpiLaunch,
+    check_buffer,
     check_op,
+    check_peer,
+    check_split_ranks,
+    check_timeout,
     connect_store,
     detect_mpi_launch,
     reachable_address,
 )
-from tnt_core.backend import check_buffer, check_peer, check_split_ranks, check_timeout
 
 from . import library
 from .buffers import Staged, prepare

@@ -17,6 +17,8 @@ from .backend import (
     Handle,
     check_buffer,
     check_op,
+    check_peer,
+    check_split_ranks,
     check_timeout,
     wait_all,
 )
@@ -125,6 +127,8 @@ __all__ = [
     "address_towards",
     "check_buffer",
     "check_op",
+    "check_peer",
+    "check_split_ranks",
     "check_timeout",
     "connect_store",
     "detect_mpi_launch",
