@@ -203,8 +203,8 @@ def dlpack(report: Report, backend, fake_cudart: str) -> None:
     def missing_runtime() -> None:
         os.environ["TNT_GLOO_CUDART"] = "/nonexistent/libcudart.so"
         tensor = FakeCudaTensor(np.ones(4, np.float32))
-        try:
-            backend.allreduce_async(tensor)
+        try:  # raised by the call, or (agreement first, then the start) by its wait
+            backend.allreduce_async(tensor).wait()
         except CommError as exc:
             assert "CUDA runtime" in str(exc) and "TNT_GLOO_CUDART" in str(exc), str(exc)
         else:
@@ -253,8 +253,8 @@ def dlpack(report: Report, backend, fake_cudart: str) -> None:
                 managed.dl_tensor.strides = strides
                 return capsule
 
-        try:
-            backend.allreduce_async(Strided(np.zeros(4, np.float32)))
+        try:  # raised by the call, or (agreement first, then the start) by its wait
+            backend.allreduce_async(Strided(np.zeros(4, np.float32))).wait()
         except ValueError as exc:
             assert "contiguous" in str(exc), str(exc)
         else:

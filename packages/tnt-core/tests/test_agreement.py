@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tnt_core import CollectiveMismatchError, FusedAllreducer, Handle, TensorSpec, plan_buckets
+from tnt_core import CollectiveMismatchError, CommError, FusedAllreducer, Handle, TensorSpec, plan_buckets
 from tnt_core.agreement import HEADER_LEN, disagreement, header, plan_header
 from tnt_core.backend import CommBackend, CompletedHandle
 from tnt_core.stall import Ledger, WatchedBackend
@@ -149,3 +149,96 @@ def test_every_rank_refuses_a_mismatch_and_the_job_goes_on(tmp_path, backend):
     if backend == "gloo" and importlib.util.find_spec("tnt_comm_gloo") is None:
         pytest.skip("tnt-comm-gloo is not installed")
     agreement_job.check_reports(_run_job(tmp_path, backend))
+
+
+class _Gate(Handle):
+    """A header exchange that completes when the test opens the gate (the late peer)."""
+
+    def __init__(self, buf: np.ndarray, gate) -> None:
+        self.buf, self.gate = buf, gate
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        assert self.gate.wait(10), "the gate never opened"
+        return self.buf
+
+    def done(self) -> bool:
+        return self.gate.is_set()
+
+
+class _LatePeer(_Recording):
+    """A peer that arrives at the next header exchange after ``late = True`` only when
+    ``gate`` is set (or the backend closes, which ends what is in flight)."""
+
+    def __init__(self, peer_words=lambda words: words) -> None:
+        import threading
+        super().__init__(peer_words)
+        self.gate = threading.Event()
+        self.late = True
+
+    def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
+        handle = super().allreduce_async(buf, op)
+        if self.calls[-1] == "header" and self.late:
+            self.late = False
+            return _Gate(handle.wait(), self.gate)
+        return handle
+
+    def close(self) -> None:
+        self.gate.set()
+
+
+def test_allreduce_async_returns_before_the_agreement_and_keeps_program_order():
+    inner = _LatePeer()
+    inner.late = False
+    watched = WatchedBackend(inner, Ledger())
+    planned = np.ones(3, np.float32)
+    watched.agree_on_plan([planned])
+    inner.calls.clear()
+    inner.late = True
+    first = watched.allreduce_async(np.ones(4, np.float32))       # its peer is late
+    second = watched.allreduce_async(planned)                     # no header, but after it
+    third = watched.allreduce_async(np.ones(2, np.float32), "max")
+    assert not first.done() and inner.calls == ["header"], "started before the agreement"
+    inner.gate.set()
+    watched.allreduce(np.ones(5, np.float32))                     # blocking: after all three
+    assert [h.wait(5).size for h in (first, second, third)] == [4, 3, 2]
+    assert inner.calls == ["header", "allreduce", "allreduce", "header", "allreduce",
+                           "header", "allreduce"]
+    assert first.done() and watched.ledger.entered == 8, "the plan, then 3 headers and 4 allreduces"
+
+
+def test_a_disagreement_on_allreduce_async_is_raised_by_wait_and_no_data_moves():
+    def peer_passes_another_op(words):
+        return header("allreduce", np.ones(4, np.float32), op="max")
+
+    inner = _Recording(peer_passes_another_op)
+    watched = WatchedBackend(inner, Ledger())
+    handle = watched.allreduce_async(np.ones(4, np.float32))
+    with pytest.raises(CollectiveMismatchError, match=r"rank 1 called allreduce of float32 \(4,\) \(max\)"):
+        handle.wait(5)
+    assert inner.calls == ["header", "allgather"]
+    assert handle.done()
+
+
+def test_a_wait_that_times_out_before_the_agreement_says_so_and_can_be_retried():
+    inner = _LatePeer()
+    watched = WatchedBackend(inner, Ledger())
+    handle = watched.allreduce_async(np.ones(4, np.float32))
+    with pytest.raises(CommError, match=r"not every rank entered the allreduce within 0.2 s"):
+        handle.wait(0.2)
+    inner.gate.set()
+    assert handle.wait(5).tolist() == [1.0] * 4
+
+
+def test_closing_fails_the_launches_not_yet_started():
+    inner = _LatePeer()
+    watched = WatchedBackend(inner, Ledger())
+    first = watched.allreduce_async(np.ones(4, np.float32))
+    queued = watched.allreduce_async(np.ones(2, np.float32))
+    watched.close()  # ends the first one's header exchange, as a backend's close does
+    try:  # started before the close, or not
+        assert first.wait(5).tolist() == [1.0] * 4
+    except CommError as exc:
+        assert "closed before this allreduce started" in str(exc)
+    with pytest.raises(CommError, match="closed before this allreduce started"):
+        queued.wait(5)
+    assert first.done() and queued.done()

@@ -14,21 +14,30 @@ A collective that repeats every step over buffers allocated once (the fused grad
 buckets of :class:`~tnt_core.FusedAllreducer`) agrees once, on the whole plan, when the
 buffers are first used; from then on those buffers go out without a header, so the step
 pays nothing per bucket.
+
+``allreduce_async`` keeps its promise to return at once: its header goes out asynchronously
+and the :class:`Launcher` starts the allreduce when the header agreed, keeping the rank's
+collectives in program order (:class:`DeferredHandle` is what the caller waits on).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import time
 import zlib
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
-from .backend import REDUCE_OPS, SUPPORTED_DTYPES
-from .errors import CollectiveMismatchError
+from .backend import REDUCE_OPS, SUPPORTED_DTYPES, Handle, check_timeout
+from .errors import CollectiveMismatchError, CommError
 
-__all__ = ["HEADER_LEN", "header", "plan_header", "mismatch", "disagreement"]
+__all__ = ["HEADER_LEN", "header", "plan_header", "exchange_words", "verdict", "mismatch",
+           "disagreement", "DeferredHandle", "Launcher"]
 
 _MAGIC = 0x746E74  # "tnt": a header that met a data buffer of another rank shows as garbage
 _KINDS = ("allreduce", "broadcast", "allgather", "barrier", "fused allreduce plan")
@@ -133,20 +142,22 @@ def _ranks(ranks: list[int]) -> str:
     return f"ranks {', '.join(map(str, ranks))} called"
 
 
-def mismatch(backend: Any, words: np.ndarray, seq: int, rank: int) -> CollectiveMismatchError | None:
-    """Compare ``words`` across the ranks of ``backend`` (the raw backend): None if every
-    rank passed the same, else the :class:`CollectiveMismatchError` every rank raises (the
-    caller raises it, so that the traceback ends at the user's call).
+def exchange_words(words: np.ndarray) -> np.ndarray:
+    """The buffer of the header exchange: ``words`` and their negation, for one allreduce
+    with ``max`` that gives every rank the maximum and the minimum of each word."""
+    return np.concatenate([words, -words])
 
-    One allreduce with ``max`` over ``words`` and their negation gives every rank the
-    maximum and the minimum of each word: all equal exactly when they agree. (An allreduce
-    of 160 bytes is the cheapest collective every backend has; Gloo's allgather of the same
-    size costs more than ten times as much.) Only when they differ does an allgather fetch
-    every rank's words, for the message: every rank sees the same maxima and minima, so
-    every rank takes that path alike.
+
+def verdict(backend: Any, words: np.ndarray, extremes: np.ndarray, seq: int,
+            rank: int) -> CollectiveMismatchError | None:
+    """None if the exchanged ``extremes`` show every rank passed ``words``, else the
+    :class:`CollectiveMismatchError` every rank raises (the caller raises it, so that the
+    traceback ends at the user's call).
+
+    Only when they differ does an allgather fetch every rank's words, for the message:
+    every rank sees the same maxima and minima, so every rank takes that path alike.
     """
     n = words.size
-    extremes = backend.allreduce(np.concatenate([words, -words]), "max")
     if bool((extremes[:n] == -extremes[n:]).all()):
         return None
     rows = np.asarray(backend.allgather(words))
@@ -155,3 +166,140 @@ def mismatch(backend: Any, words: np.ndarray, seq: int, rank: int) -> Collective
         "call the same collectives in the same order, with buffers of the same shape and "
         "dtype, the same reduction and the same root (look for code that depends on the "
         "rank or on data only some ranks have)", rank=rank, seq=seq)
+
+
+def mismatch(backend: Any, words: np.ndarray, seq: int, rank: int) -> CollectiveMismatchError | None:
+    """Compare ``words`` across the ranks of ``backend`` (the raw backend), blocking: None
+    if every rank passed the same, else the error every rank raises.
+
+    One allreduce with ``max`` (:func:`exchange_words`): an allreduce of 160 bytes is the
+    cheapest collective every backend has; Gloo's allgather of the same size costs more
+    than ten times as much.
+    """
+    return verdict(backend, words, backend.allreduce(exchange_words(words), "max"), seq, rank)
+
+
+class DeferredHandle(Handle):
+    """An ``allreduce_async`` that starts once its header agreed (:class:`Launcher`).
+
+    Waiting for it waits, as collective ``header_seq``, for the agreement, then for the
+    allreduce itself; a disagreement or a failure of the exchange is raised from
+    :meth:`wait`, at the user's call.
+    """
+
+    __slots__ = ("header_seq", "_launched", "_inner", "_error", "_watch")
+
+    def __init__(self, header_seq: int,
+                 watch: Callable[[int, str], AbstractContextManager[None]]) -> None:
+        self.header_seq = header_seq
+        self._launched = threading.Event()
+        self._inner: Handle | None = None
+        self._error: BaseException | None = None
+        self._watch = watch
+
+    def resolve(self, inner: Handle | None = None, error: BaseException | None = None) -> None:
+        """Called by the launcher: the started operation, or why it was not started."""
+        self._inner, self._error = inner, error
+        self._launched.set()
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        check_timeout(timeout)
+        start = time.monotonic()
+        if not self._launched.is_set():
+            # timeout None: the launcher's own wait for the header ends at TNT_TIMEOUT_S
+            with self._watch(self.header_seq, "allreduce"):
+                if not self._launched.wait(timeout):
+                    raise CommError(f"not every rank entered the allreduce within {timeout:g} s "
+                                    f"(collective #{self.header_seq}, the agreement on it)",
+                                    operation="allreduce")
+        if self._error is not None:
+            if isinstance(self._error, CommError):
+                with self._watch(self.header_seq, "allreduce"):
+                    raise self._error
+            raise self._error
+        assert self._inner is not None
+        left = None if timeout is None else max(timeout - (time.monotonic() - start), 1e-3)
+        return self._inner.wait(left)
+
+    def done(self) -> bool:
+        if not self._launched.is_set():
+            return False
+        return self._error is not None or (self._inner is not None and self._inner.done())
+
+    def completion_time(self) -> float | None:
+        return self._inner.completion_time() if self._inner is not None and self.done() else None
+
+
+class Launcher:
+    """Starts, in program order, the collectives that must wait for an agreement.
+
+    Why: ``allreduce_async`` promises to return at once and to move data while the caller
+    computes, but a collective may not start before its header agreed, which takes every
+    rank's arrival. So the header goes out asynchronously and this one daemon thread waits
+    for it, then starts the collective. While it has work, every later collective of this
+    rank is queued behind it (or, if blocking, waits for the queue to empty), so the order
+    on the wire is the program's order on every rank; when it has none, collectives go out
+    directly and pay nothing.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._jobs: deque[tuple[int, Callable[[], None]]] = deque()
+        self._busy = 0  # jobs queued or running; the caller's direct path needs 0
+        self._current = 0  # the collective the running job waits for
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def idle(self) -> bool:
+        return self._busy == 0
+
+    def defer(self, seq: int, job: Callable[[], None]) -> None:
+        """Run ``job`` (which must not raise) after every job deferred before it."""
+        with self._cond:
+            self._busy += 1
+            self._jobs.append((seq, job))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def drain(self, watch: Callable[[int, str], AbstractContextManager[None]]) -> None:
+        """Block until every deferred job has run (a blocking collective goes next)."""
+        if self._busy == 0:
+            return
+        jobs = self._jobs
+        with watch(self._current or (jobs[0][0] if jobs else 0), "allreduce"), self._cond:
+            while self._busy:
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                self._current, job = self._jobs[0]
+            job()
+            with self._cond:
+                self._jobs.popleft()
+                self._busy -= 1
+                self._current = 0
+                self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stop(self) -> None:
+        """The backend is closing: jobs not yet started fail their handles."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)

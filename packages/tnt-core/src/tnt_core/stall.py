@@ -29,6 +29,7 @@ every waiting rank, but cannot name the ranks it waits for.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -42,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .agreement import header, mismatch, plan_header
+from .agreement import DeferredHandle, Launcher, exchange_words, header, mismatch, plan_header, verdict
 from .backend import CommBackend, Handle, check_buffer, check_op, check_timeout, wait_all
 from .config import Config
 from .errors import CollectiveMismatchError, CommError, TntError
@@ -185,6 +186,8 @@ class WatchedBackend(CommBackend):
         self.agree = agree
         # buffers whose allreduces were agreed on once, as a plan: id -> (weak ref, op)
         self._agreed: dict[int, tuple[weakref.ref[np.ndarray], str]] = {}
+        # starts the allreduce_async calls whose header is in flight, in program order
+        self._launcher = Launcher(f"tnt-agreement-{inner.name}")
         #: set by the inspector: explains a failed wait for collective ``seq`` that lasted
         #: the given seconds
         self.explain: Callable[[int, float], str | None] = lambda seq, waited: None
@@ -237,6 +240,7 @@ class WatchedBackend(CommBackend):
         check_op(op)
         if not self.agree:
             return
+        self._drain()
         error = self._agree(plan_header(buffers, op))
         if error is not None:
             raise error
@@ -268,7 +272,8 @@ class WatchedBackend(CommBackend):
                 if not 0 <= root < self.size:
                     raise ValueError(f"broadcast root {root} is not a rank of this job "
                                      f"(0..{self.size - 1})")
-            if not (hasattr(buf, "__dlpack__") and hasattr(buf, "shape")) or isinstance(buf, np.ndarray):
+            # a DLPack tensor (host or device) is the backend's to accept or refuse
+            if isinstance(buf, np.ndarray) or not hasattr(buf, "__dlpack__"):
                 check_buffer(buf, operation, writeable=writeable)
         except (TypeError, ValueError) as exc:
             return exc.with_traceback(None)
@@ -286,16 +291,58 @@ class WatchedBackend(CommBackend):
     # -- the collectives -------------------------------------------------------------------
 
     def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
+        """Returns at once, as the contract says, header or not: a call that needs the
+        agreement sends its header asynchronously and the :class:`~tnt_core.agreement.
+        Launcher` starts the allreduce once the header agreed."""
+        ledger, launcher = self.ledger, self._launcher
         # the gradient path calls this per bucket: agreed buffers cost a dict lookup here
         if self._needs_header(buf, op):
-            error = self._header_error("allreduce", buf, op=op)
-            if error is not None:
-                raise error
-        ledger = self.ledger
-        ledger.entered += 1
-        return WatchedHandle(self.inner.allreduce_async(buf, op), ledger.entered, "allreduce", self)
+            refused = self._refusal(buf, "allreduce", op=op)
+            if refused is not None:
+                raise refused
+            words = header("allreduce", buf, op=op)
+            header_seq, seq = ledger.enter(), ledger.enter()
+            handle = DeferredHandle(header_seq, self.waiting)
+            exchange = self.inner.allreduce_async(exchange_words(words), "max") \
+                if launcher.idle else None
+            launcher.defer(header_seq, functools.partial(
+                self._start_agreed, handle, exchange, words, buf, op, header_seq, seq))
+            return handle
+        seq = ledger.enter()
+        if not launcher.idle:  # an earlier call still waits for its agreement: after it
+            handle = DeferredHandle(seq, self.waiting)
+            launcher.defer(seq, functools.partial(
+                self._start_agreed, handle, None, None, buf, op, seq, seq))
+            return handle
+        return WatchedHandle(self.inner.allreduce_async(buf, op), seq, "allreduce", self)
+
+    def _start_agreed(self, handle: DeferredHandle, exchange: Handle | None,
+                      words: np.ndarray | None, buf: Any, op: str, header_seq: int,
+                      seq: int) -> None:
+        """A launcher job: send the header if the caller could not, wait for the agreement,
+        start the allreduce (or fail the handle with the reason it was not started)."""
+        try:
+            if self._launcher.closed:
+                raise CommError("the backend was closed before this allreduce started",
+                                rank=self.rank, operation=f"allreduce #{seq}")
+            if words is not None:
+                if exchange is None:
+                    exchange = self.inner.allreduce_async(exchange_words(words), "max")
+                error = verdict(self.inner, words, exchange.wait(), header_seq, self.rank)
+                if error is not None:
+                    handle.resolve(error=error)
+                    return
+            handle.resolve(WatchedHandle(self.inner.allreduce_async(buf, op), seq, "allreduce", self))
+        except BaseException as exc:  # noqa: BLE001 - the caller's wait raises it
+            handle.resolve(error=exc)
+
+    def _drain(self) -> None:
+        """A blocking collective goes out after the deferred ones (program order)."""
+        if not self._launcher.idle:
+            self._launcher.drain(self.waiting)
 
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
+        self._drain()
         if self.agree:
             error = self._header_error("allreduce", buf, op=op)
             if error is not None:
@@ -304,6 +351,7 @@ class WatchedBackend(CommBackend):
             return self.inner.allreduce(buf, op)
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
+        self._drain()
         if self.agree:
             error = self._header_error("broadcast", buf, root=root)
             if error is not None:
@@ -312,6 +360,7 @@ class WatchedBackend(CommBackend):
             return self.inner.broadcast(buf, root)
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
+        self._drain()
         if self.agree:
             error = self._header_error("allgather", buf, writeable=False)
             if error is not None:
@@ -320,6 +369,7 @@ class WatchedBackend(CommBackend):
             return self.inner.allgather(buf)
 
     def barrier(self) -> None:
+        self._drain()
         if self.agree:  # the header exchange completes once every rank entered: a barrier
             error = self._header_error("barrier")
             if error is not None:
@@ -348,6 +398,7 @@ class WatchedBackend(CommBackend):
         """A collective of this communicator (counted, and agreed on like a barrier); the
         group's backend comes wrapped, with a ledger of its own: its collectives are
         numbered among its members only."""
+        self._drain()
         if self.agree:
             error = self._header_error("barrier")
             if error is not None:
@@ -357,7 +408,11 @@ class WatchedBackend(CommBackend):
         return None if group is None else WatchedBackend(group, Ledger(), agree=self.agree)
 
     def close(self) -> None:
+        # queued launches fail their handles; one waiting for its header ends with the
+        # backend's close (which finishes or fails what it was given)
+        self._launcher.stop()
         self.inner.close()
+        self._launcher.join(5.0)
 
     def __repr__(self) -> str:
         return repr(self.inner)
