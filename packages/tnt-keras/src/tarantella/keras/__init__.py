@@ -1,5 +1,6 @@
-"""Keras-specific names of tarantella: ``tnt.keras.callbacks.Callback``."""
+"""Keras-specific names of tarantella: ``tnt.keras.callbacks.Callback``,
+``tnt.keras.layers.SplitLayer``."""
 
-from . import callbacks
+from . import callbacks, layers
 
-__all__ = ["callbacks"]
+__all__ = ["callbacks", "layers"]
