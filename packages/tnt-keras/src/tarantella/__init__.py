@@ -24,6 +24,19 @@ from tnt_core import get_master_rank, get_rank, get_size, is_master_rank  # noqa
 from . import keras, models  # noqa: E402
 from .errors import DatasetError, NotSupportedError, TntKerasError  # noqa: E402
 from .model import Model, ParallelStrategy  # noqa: E402
+from .user_collectives import (  # noqa: E402
+    Barrier,
+    Group,
+    ReductionOp,
+    TensorAllgatherer,
+    TensorAllreducer,
+    TensorBroadcaster,
+    allgather,
+    allreduce,
+    broadcast,
+    get_group_master_rank,
+    is_group_master_rank,
+)
 
 try:
     __version__ = version("tnt-keras")
@@ -40,6 +53,18 @@ __all__ = [
     "get_rank",
     "get_size",
     "is_master_rank",
+    # collectives a script calls, and groups of ranks (user_collectives)
+    "Barrier",
+    "Group",
+    "ReductionOp",
+    "TensorAllgatherer",
+    "TensorAllreducer",
+    "TensorBroadcaster",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "get_group_master_rank",
+    "is_group_master_rank",
     "keras",
     "models",
     "__version__",
