@@ -1,0 +1,196 @@
+"""One pipelined training step of one stage: micro-batches through the partitions.
+
+Why this shape: rank ``p`` holds partition ``p`` only (:mod:`tarantella.partition`), so a
+step is a conversation between neighbours. The global batch is split into micro-batches;
+for each, stage ``p`` receives its inputs from ``p - 1`` (point-to-point), runs its
+partition under a gradient tape and sends its outputs on, without waiting for the rest of
+the pipeline, so stage ``p`` computes micro-batch ``k + 1`` while ``p + 1`` computes ``k``.
+Then the gradients flow back the same way, micro-batch by micro-batch (GPipe's fill and
+drain): the last stage differentiates the loss, every other stage its outputs against the
+gradients ``p + 1`` sent, and each stage accumulates its own weights' gradients and applies
+them once, with its own optimizer, after the last micro-batch.
+
+Serial equivalence: Keras' compiled loss is the mean over the batch, so micro-batch ``k``
+of ``b_k`` samples contributes its own mean times ``b_k / B``; the accumulated gradient is
+then the full batch's gradient up to float round-off. Weight regularisation is added once
+per step, on the stage that holds the weights. What this step cannot make serial (a
+``BatchNormalization`` that would see micro-batch statistics, activity regularisers) is
+refused by :func:`check_stage_model`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tnt_core
+
+from .errors import NotSupportedError
+from .partition import Partitioning
+
+__all__ = ["StageStep", "micro_batch_sizes", "check_stage_model"]
+
+_FORWARD, _BACKWARD = 0, 1
+
+
+def micro_batch_sizes(batch: int, num_micro_batches: int) -> list[int]:
+    """``batch`` samples in ``num_micro_batches`` nearly equal parts, the larger first (the
+    part count drops to ``batch`` when the batch is smaller: no empty micro-batches)."""
+    if batch <= 0:
+        return []
+    count = min(batch, num_micro_batches)
+    base, extra = divmod(batch, count)
+    return [base + 1 if k < extra else base for k in range(count)]
+
+
+def check_stage_model(model: keras.Model, stage: int) -> None:
+    """Refuse what micro-batching cannot keep serial, naming the layer."""
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras' own walk
+        if isinstance(layer, keras.layers.BatchNormalization) and not getattr(layer, "synchronized", False):
+            raise NotSupportedError(
+                f"BatchNormalization layer {layer.name!r} (partition {stage}) would compute its "
+                "statistics on each micro-batch, not the batch, under pipelining: use "
+                "num_micro_batches=1, or a normalisation that does not use batch statistics "
+                "(keras.layers.LayerNormalization, GroupNormalization)")
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise NotSupportedError(
+                f"layer {layer.name!r} (partition {stage}) has an activity_regularizer, which "
+                "pipelining does not support yet; use a weight regulariser "
+                "(kernel_regularizer=...) or drop it")
+
+
+def _flat(values: Any) -> list[Any]:
+    return list(values) if isinstance(values, (list, tuple)) else [values]
+
+
+def _split(tensor: Any, sizes: Sequence[int]) -> list[Any]:
+    return tf.split(tensor, list(sizes), axis=0) if tensor is not None else [None] * len(sizes)
+
+
+@dataclass
+class _InFlight:
+    """What micro-batch ``k``'s backward pass needs from its forward pass."""
+
+    tape: tf.GradientTape
+    inputs: list[tf.Tensor]
+    outputs: list[tf.Tensor]
+    loss: tf.Tensor | None
+
+
+class StageStep:
+    """Stage ``stage`` of a pipeline over ``parts``: :meth:`train` runs one step.
+
+    :param backend: a communicator with point-to-point (``backend.supports("p2p")``) in
+        which stage ``p`` is rank ``ranks[p]``.
+    :param loss: the ``keras.losses.Loss`` of the model's (single) output, reducing over
+        the batch with ``sum_over_batch_size`` as compiled losses do.
+    :param optimizer: this stage's optimizer (over its partition's weights only).
+    """
+
+    def __init__(self, parts: Partitioning, stage: int, backend: tnt_core.CommBackend, *,
+                 loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
+                 ranks: Sequence[int] | None = None) -> None:
+        if not backend.supports("p2p"):
+            raise NotSupportedError(
+                f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
+                "does not provide; use a backend that does (tnt run --backend mpi)")
+        self.parts, self.stage, self.backend = parts, stage, backend
+        self.model = parts.models[stage]
+        check_stage_model(self.model, stage)
+        if not isinstance(loss, keras.losses.Loss):
+            raise TypeError(f"StageStep(loss=...) takes a keras.losses.Loss (it reduces over the "
+                            f"batch as a compiled loss does), got {loss!r}")
+        self.loss = loss
+        self.optimizer = optimizer
+        self.num_micro_batches = int(num_micro_batches)
+        self.ranks = list(ranks) if ranks is not None else list(range(parts.num_partitions))
+        self.first, self.last = stage == 0, stage == parts.num_partitions - 1
+        self.weights = list(self.model.trainable_weights)
+
+    # -- messages to the neighbours --------------------------------------------------------
+
+    def _send(self, tensors: Sequence[Any], to: int, direction: int) -> list[tnt_core.Handle]:
+        handles = []
+        for j, t in enumerate(tensors):
+            buf = np.ascontiguousarray(np.asarray(t))
+            handles.append(self.backend.send_async(buf, self.ranks[to], 2 * j + direction))
+        return handles
+
+    def _receive(self, specs: Sequence[Any], batch: int, frm: int, direction: int) -> list[tf.Tensor]:
+        bufs = [np.empty((batch, *[int(d) for d in s.shape[1:]]), dtype=tf.as_dtype(s.dtype).as_numpy_dtype)
+                for s in specs]
+        handles = [self.backend.recv_async(buf, self.ranks[frm], 2 * j + direction)
+                   for j, buf in enumerate(bufs)]
+        return [tf.convert_to_tensor(h.wait()) for h in handles]
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def train(self, x: Any, y: Any, sample_weight: Any = None) -> float:
+        """One optimizer step on the global batch ``(x, y)`` (``x`` is read on the first
+        stage, ``y`` and ``sample_weight`` on the last; every stage needs the batch's size
+        from ``y``). Returns this stage's part of the batch's loss (the compiled loss on the
+        last stage, plus each stage's weight regularisation): their sum is the loss."""
+        batch = int(tf.shape(_flat(y)[0])[0])
+        sizes = micro_batch_sizes(batch, self.num_micro_batches)
+        xs = [list(part) for part in zip(*[_split(t, sizes) for t in _flat(x)])] if self.first else None
+        ys = _split(y, sizes) if self.last else None
+        sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
+        pending: list[tnt_core.Handle] = []
+        flights: list[_InFlight] = []
+        for k, b in enumerate(sizes):
+            if self.first:
+                assert xs is not None
+                inputs = xs[k]
+            else:
+                inputs = self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
+            with tf.GradientTape() as tape:
+                if not self.first:
+                    tape.watch(inputs)
+                outputs = self.model(inputs if len(inputs) > 1 else inputs[0], training=True)
+                loss = None
+                if self.last:
+                    assert ys is not None
+                    loss = self.loss(ys[k], outputs, sample_weight=sws[k]) * (b / batch)
+                if k == 0 and self.model.losses:  # weight regularisation: once per step
+                    regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
+                    loss = regularisation if loss is None else loss + regularisation
+            flat_out = _flat(outputs)
+            if not self.last:
+                pending += self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
+            flights.append(_InFlight(tape, inputs, flat_out, loss))
+        accumulated: list[Any] = [None] * len(self.weights)
+        total = 0.0
+        for k in reversed(range(len(sizes))):
+            flight = flights[k]
+            targets: list[Any] = []
+            seeds: list[Any] = []
+            if not self.last:
+                # one gradient per input of the next stage; an output sent twice (through two
+                # SplitLayers) is a target twice, and the tape sums its two gradients
+                sent = [flight.outputs[i] for i in self._routes_out()]
+                targets += sent
+                seeds += self._receive(sent, sizes[k], self.stage + 1, _BACKWARD)
+            if flight.loss is not None:
+                targets.append(flight.loss)
+                seeds.append(tf.ones_like(flight.loss))
+                total += float(flight.loss)
+            sources = self.weights + ([] if self.first else list(flight.inputs))
+            grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
+                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            flights[k] = None  # type: ignore[call-overload]  # the tape's activations go now
+            for i, g in enumerate(grads[:len(self.weights)]):
+                accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
+            if not self.first:
+                pending += self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD)
+        self.optimizer.apply(accumulated, self.weights)
+        tnt_core.wait_all(pending)
+        return total
+
+    def _routes_out(self) -> list[int]:
+        """Which of this partition's outputs go to the next stage, in its input order."""
+        return self.parts.routes[self.stage]

@@ -1,0 +1,127 @@
+"""The pipelined training step (``tarantella.pipeline.StageStep``) against plain Keras.
+
+Every stage a real process (the ``store`` backend, which has point-to-point), 2 and 3
+partitions, SGD with momentum and Adam, 1 micro-batch, micro-batch counts that divide the
+batch of 16 and one that does not (3), and a last batch of 8: after 6 steps the weights of
+every stage and the loss of every step equal ``train_on_batch`` of the whole model on
+the same batches within float round-off. Single-process: what the step refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import tnt_core
+from tarantella.errors import NotSupportedError
+from tarantella.keras.layers import SplitLayer
+from tarantella.partition import partition
+from tarantella.pipeline import StageStep, micro_batch_sizes
+from tnt_keras_helpers import run_serial, run_workers
+
+pytestmark = pytest.mark.timeout(600)
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline-serial")
+    run_serial("pipeline_worker.py", ["--mode", "serial", "--out", str(out)])
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
+def pipelined(request, tmp_path_factory) -> tuple[int, Path]:
+    out = tmp_path_factory.mktemp(f"pipeline-{request.param}")
+    run_workers("pipeline_worker.py", ["--mode", "pipeline", "--out", str(out)], request.param,
+                "store", timeout=300)
+    return request.param, out
+
+
+def test_every_stage_ends_with_the_serial_weights_and_losses(serial, pipelined):
+    stages, out = pipelined
+    cases = sorted(p.name.split(".")[0] for p in out.glob("*.rank0.json"))
+    assert len(cases) == 4, cases
+    for case in cases:
+        ref = dict(np.load(serial / f"{case}.npz"))
+        got: dict[str, np.ndarray] = {}
+        params = 0
+        for rank in range(stages):
+            local = dict(np.load(out / f"{case}.rank{rank}.npz"))
+            assert not set(local) & set(got), f"{case}: a weight on two stages"
+            got.update(local)
+            params += json.loads((out / f"{case}.rank{rank}.json").read_text())["params"]
+        assert set(got) == set(ref), f"{case}: weights differ in name: {set(got) ^ set(ref)}"
+        assert params == sum(v.size for v in ref.values())
+        for name, value in ref.items():
+            rel = np.linalg.norm(got[name] - value) / np.linalg.norm(value)
+            assert rel <= TOLERANCE, f"{case}: {name} differs from serial by {rel:.2e}"
+        losses = json.loads((out / f"{case}.rank0.json").read_text())["losses"]
+        ref_losses = json.loads((serial / f"{case}.json").read_text())["losses"]
+        np.testing.assert_allclose(losses, ref_losses, rtol=TOLERANCE, err_msg=case)
+        assert not np.allclose(ref_losses[0], ref_losses[-1]), "the model did not train"
+
+
+def test_micro_batches_split_the_batch_larger_first_and_never_empty():
+    assert micro_batch_sizes(16, 3) == [6, 5, 5]
+    assert micro_batch_sizes(8, 4) == [2, 2, 2, 2]
+    assert micro_batch_sizes(2, 4) == [1, 1]
+    assert micro_batch_sizes(0, 4) == []
+
+
+class _NoP2P(tnt_core.CommBackend):
+    name = "collectives-only"
+    rank, size, local_rank, local_size = 0, 2, 0, 2
+
+    def allreduce_async(self, buf, op="sum"):
+        return tnt_core.CompletedHandle(buf)
+
+    def broadcast(self, buf, root=0):
+        return buf
+
+    def allgather(self, buf):
+        return np.stack([buf, buf])
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _cut_model(middle: keras.layers.Layer) -> keras.Model:
+    inp = keras.Input((4,))
+    x = SplitLayer()(keras.layers.Dense(4)(inp))
+    return keras.Model(inp, keras.layers.Dense(2)(middle(x)))
+
+
+def _local() -> tnt_core.CommBackend:
+    return tnt_core.LocalBackend(tnt_core.Config(rank=0, size=1, local_rank=0, local_size=1))
+
+
+def _step(model, backend=None, loss=None):
+    return StageStep(partition(model), 1, backend or _local(),
+                     loss=loss or keras.losses.MeanSquaredError(), optimizer=keras.optimizers.SGD(),
+                     num_micro_batches=2)
+
+
+def test_a_backend_without_point_to_point_is_refused_naming_it():
+    with pytest.raises(NotSupportedError, match="'collectives-only' backend does not provide"):
+        _step(_cut_model(keras.layers.Dense(3)), _NoP2P())
+
+
+def test_micro_batch_statistics_and_activity_regularisers_are_refused_naming_the_layer():
+    with pytest.raises(NotSupportedError, match=r"BatchNormalization layer 'bn' \(partition 1\)"):
+        _step(_cut_model(keras.layers.BatchNormalization(name="bn")))
+    with pytest.raises(NotSupportedError, match=r"layer 'act' \(partition 1\) has an activity_regularizer"):
+        _step(_cut_model(keras.layers.Dense(3, name="act", activity_regularizer="l2")))
+
+
+def test_a_loss_function_instead_of_a_loss_object_is_refused():
+    with pytest.raises(TypeError, match=r"takes a keras\.losses\.Loss"):
+        _step(_cut_model(keras.layers.Dense(3)), loss="mse")
