@@ -246,13 +246,13 @@ def _group(group: Any, where: str) -> Group:
 
 def get_group_master_rank(group: Group | None = None) -> int:
     """The job's rank of the group's master: its group rank 0 (``group.ranks[0]``), as the
-    job's master is rank 0 (:func:`tnt.get_master_rank`)."""
+    job's master is rank 0 (``tnt.get_master_rank()``)."""
     return _group(group, "tnt.get_group_master_rank").ranks[0]
 
 
 def is_group_master_rank(group: Group | None = None) -> bool:
     """True on the group's master rank, its group rank 0; False elsewhere (also on ranks
-    outside the group). ``is_group_master_rank(tnt.Group())`` is :func:`tnt.is_master_rank`."""
+    outside the group). ``is_group_master_rank(tnt.Group())`` is ``tnt.is_master_rank()``."""
     return _runtime().rank == get_group_master_rank(group)
 
 
