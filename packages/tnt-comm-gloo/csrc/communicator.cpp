@@ -12,6 +12,7 @@
 
 #include "errors.h"
 #include "gloo_compat.h"
+#include "p2p.h"
 
 namespace tnt_gloo {
 
@@ -44,6 +45,7 @@ void Work::complete(std::string error) {
       std::chrono::steady_clock::now().time_since_epoch()).count();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;  // the first completion wins (a p2p failure may race with it)
     error_ = std::move(error);
     completed_at_ = now;
     done_ = true;
@@ -179,6 +181,8 @@ struct Communicator::Shared {
   // Set before the worker starts, released by close() after it exited; poison() reads
   // it under `mu`.
   std::shared_ptr<ShmAllreduce> shm;
+  // Sends and receives, beside the worker (see p2p.h); set before the worker starts.
+  std::shared_ptr<PointToPoint> p2p;
 
   std::mutex mu;  // guards the fields below
   std::condition_variable cv;  // queue filled, stopping, worker idle, worker exited
@@ -230,6 +234,12 @@ Communicator::Communicator(const ConnectOptions& options,
     throw GlooError("setting up the shared-memory allreduce failed: " +
                     describe_exception(std::current_exception()));
   }
+  // A failed send or receive fails the communicator, as a failed collective does.
+  std::weak_ptr<Shared> weak = shared_;
+  shared_->p2p = std::make_shared<PointToPoint>(
+      shared_->context, [weak](const std::string& reason) {
+        if (auto shared = weak.lock()) poison(*shared, reason);
+      });
   worker_ = std::thread(&Communicator::run, shared_);
 }
 
@@ -261,6 +271,8 @@ void Communicator::poison(Shared& shared, const std::string& reason) {
   // Peers waiting in a shared-memory allreduce see the flag and fail now (and so does
   // our own worker if it waits there).
   if (shm) shm->abort(ShmAllreduce::kFailed);
+  // Pending sends and receives fail, later ones are refused.
+  if (shared.p2p) shared.p2p->fail(reason);
   {
     std::lock_guard<std::mutex> lock(shared.mu);
     if (shared.connections_closed || !shared.context) return;
@@ -382,6 +394,16 @@ std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t 
   return seconds;
 }
 
+std::shared_ptr<Work> Communicator::send(const void* data, std::size_t nbytes, int dest,
+                                         std::uint64_t tag, std::string name) {
+  return shared_->p2p->send(data, nbytes, dest, tag, std::move(name));
+}
+
+std::shared_ptr<Work> Communicator::recv(void* data, std::size_t nbytes, int src,
+                                         std::uint64_t tag, std::string name) {
+  return shared_->p2p->recv(data, nbytes, src, tag, std::move(name));
+}
+
 void Communicator::abort(const std::string& reason) { poison(*shared_, reason); }
 
 std::string Communicator::failure() const {
@@ -392,6 +414,9 @@ std::string Communicator::failure() const {
 bool Communicator::close(std::chrono::milliseconds grace) {
   if (closed_) return true;
   closed_ = true;
+  // Sends and receives not waited for fail; their threads stop (they never block on
+  // the worker, nor it on them).
+  if (shared_->p2p) shared_->p2p->shutdown("the communicator is closed");
   if (!worker_.joinable()) return true;
   {
     std::lock_guard<std::mutex> lock(shared_->mu);

@@ -6,6 +6,9 @@
 // variable. After one operation fails the communicator is poisoned: its connections are
 // closed (so peers blocked on this rank fail fast instead of waiting for their timeout)
 // and every later operation fails at once with the first error.
+//
+// Sends and receives do not go through the worker: they run beside it on the same
+// context (p2p.h), so neither waits for the other. A failure of either poisons both.
 #pragma once
 
 #include <chrono>
@@ -123,6 +126,15 @@ class Communicator {
   std::vector<double> time_direct_allreduce(void* data, std::size_t count, DType dtype,
                                             Algorithm algorithm, int iters,
                                             bool shm = false);
+
+  // Point-to-point, beside the worker (p2p.h): start sending `nbytes` at `data` to `dest`
+  // / receiving the next message from `src` with `tag`. The buffer must stay alive until
+  // the Work is done; wait on it with wait(). Throw GlooError once the communicator
+  // failed or is closed.
+  std::shared_ptr<Work> send(const void* data, std::size_t nbytes, int dest,
+                             std::uint64_t tag, std::string name);
+  std::shared_ptr<Work> recv(void* data, std::size_t nbytes, int src, std::uint64_t tag,
+                             std::string name);
 
   // Poison the communicator with `reason` and close its connections.
   void abort(const std::string& reason);

@@ -256,6 +256,23 @@ class PyCommunicator {
     });
   }
 
+  // Point-to-point: posted from this thread (GIL released: the post may wait for a pair's
+  // lock while Gloo's I/O thread moves another message), completed beside the worker.
+  std::shared_ptr<Work> send(ReadOnlyHostArray buf, int dest, std::uint64_t tag,
+                             std::string name) {
+    const void* data = buf.data();
+    const std::size_t nbytes = buf.nbytes();
+    nb::gil_scoped_release release;
+    return comm_->send(data, nbytes, dest, tag, std::move(name));
+  }
+
+  std::shared_ptr<Work> recv(HostArray buf, int src, std::uint64_t tag, std::string name) {
+    void* data = buf.data();
+    const std::size_t nbytes = buf.nbytes();
+    nb::gil_scoped_release release;
+    return comm_->recv(data, nbytes, src, tag, std::move(name));
+  }
+
   std::shared_ptr<Work> barrier(std::string name) {
     return comm_->submit(std::move(name), [](const Exec& exec) { run_barrier(exec); });
   }
@@ -358,7 +375,8 @@ bool wait_on(PyCommunicator& comm, std::shared_ptr<Work> work, double timeout_s)
 
 NB_MODULE(_gloo, m) {
   using namespace tnt_gloo;
-  m.doc() = "Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread.";
+  m.doc() = "Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread, "
+            "sends and receives beside it.";
 
   nb::exception<GlooError>(m, "GlooError");
 
@@ -388,6 +406,12 @@ NB_MODULE(_gloo, m) {
       .def("allgather", &PyCommunicator::allgather, "src"_a.noconvert(), "dst"_a.noconvert(),
            "name"_a, "Queue gathering every rank's src into dst (size * src bytes).")
       .def("barrier", &PyCommunicator::barrier, "name"_a, "Queue a barrier.")
+      .def("send", &PyCommunicator::send, "buf"_a.noconvert(), "dest"_a, "tag"_a, "name"_a,
+           "Start sending buf to rank dest (not queued behind collectives); the bytes are "
+           "read until the Work is done.")
+      .def("recv", &PyCommunicator::recv, "buf"_a.noconvert(), "src"_a, "tag"_a, "name"_a,
+           "Start receiving the next message from rank src with tag into buf; a message "
+           "of another byte size fails the Work.")
       .def("wait", &wait_on, "work"_a, "timeout_s"_a,
            "Block (GIL released) up to timeout_s for work; True once done, False if still "
            "running. Raises GlooError if it failed. If work is next in line and the worker "

@@ -1,5 +1,5 @@
 """
-Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread.
+Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread, sends and receives beside it.
 """
 
 from typing import Annotated
@@ -59,6 +59,16 @@ class Communicator:
 
     def barrier(self, name: str) -> Work:
         """Queue a barrier."""
+
+    def send(self, buf: Annotated[NDArray, dict(order='C', device='cpu', writable=False)], dest: int, tag: int, name: str) -> Work:
+        """
+        Start sending buf to rank dest (not queued behind collectives); the bytes are read until the Work is done.
+        """
+
+    def recv(self, buf: Annotated[NDArray, dict(order='C', device='cpu')], src: int, tag: int, name: str) -> Work:
+        """
+        Start receiving the next message from rank src with tag into buf; a message of another byte size fails the Work.
+        """
 
     def wait(self, work: Work, timeout_s: float) -> bool:
         """
