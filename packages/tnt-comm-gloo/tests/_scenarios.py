@@ -409,6 +409,155 @@ def shm_setup(report: Report, variant: str) -> None:
     report.check("collectives", collectives)
 
 
+# ------------------------------------------------------------------ point-to-point
+
+def _until(predicate: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not within {seconds}s"
+        time.sleep(0.01)
+
+
+def p2p(report: Report, backend) -> None:
+    """What the conformance suite does not cover: sends and receives are not queued
+    behind a collective, complete without wait(), reach this rank itself, and refuse
+    tags Gloo cannot carry. Two ranks."""
+    rank, peer = backend.rank, 1 - backend.rank
+
+    def beside_a_collective() -> None:
+        # Rank 0 starts an allreduce that rank 1 joins only after it received rank 0's
+        # message: a send queued behind the allreduce would deadlock.
+        buf = np.full(1000, rank + 1, np.float32)
+        msg = np.arange(4096, dtype=np.float64)
+        if rank == 0:
+            handle = backend.allreduce_async(buf)
+            backend.send_async(msg, 1, tag=3).wait(timeout=20)
+            back = np.empty_like(msg)
+            backend.recv_async(back, 1, tag=4).wait(timeout=20)
+            assert np.array_equal(back, msg * 2)
+        else:
+            got = backend.recv_async(np.empty_like(msg), 0, tag=3).wait(timeout=20)
+            assert np.array_equal(got, msg)
+            backend.send_async(got * 2, 0, tag=4).wait(timeout=20)
+            handle = backend.allreduce_async(buf)
+        handle.wait(timeout=20)
+        assert np.all(buf == 3), buf[:4]
+
+    def done_without_wait() -> None:
+        out = np.arange(1 << 16, dtype=np.int32) + rank
+        into = np.zeros(1 << 16, np.int32)
+        recv = backend.recv_async(into, peer, tag=7)
+        send = backend.send_async(out, peer, tag=7)
+        _until(lambda: recv.done() and send.done(), 20.0, "done()")
+        assert recv.completion_time() is not None
+        assert np.array_equal(recv.wait(timeout=5), np.arange(1 << 16, dtype=np.int32) + peer)
+        send.wait(timeout=5)
+
+    def to_itself() -> None:
+        early = backend.send_async(np.arange(5, dtype=np.int64), rank, tag=1)
+        got = backend.recv_async(np.zeros(5, np.int64), rank, tag=1).wait(timeout=5)
+        assert np.array_equal(got, np.arange(5)) and early.done()
+        recv = backend.recv_async(np.zeros(3, np.float32), rank, tag=2)
+        backend.send_async(np.ones(3, np.float32), rank, tag=2).wait(timeout=5)
+        assert np.array_equal(recv.wait(timeout=5), np.ones(3, np.float32))
+        backend.send_async(np.ones(4, np.float32), rank, tag=2).wait(timeout=5)
+        try:
+            backend.recv_async(np.zeros(3, np.float32), rank, tag=2).wait(timeout=5)
+        except CommError as exc:
+            assert "16 bytes" in str(exc) and "12 bytes" in str(exc), str(exc)
+        else:
+            raise AssertionError("a 16-byte message was received into 12 bytes")
+
+    def largest_tag() -> None:
+        top = 2**31 - 1
+        recv = backend.recv_async(np.zeros(2, np.float32), peer, tag=top)
+        backend.send_async(np.full(2, rank, np.float32), peer, tag=top).wait(timeout=20)
+        assert np.all(recv.wait(timeout=20) == peer)
+        try:
+            backend.send_async(np.zeros(2, np.float32), peer, tag=top + 1)
+        except ValueError as exc:
+            assert "tag" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"tag {top + 1} was accepted")
+
+    report.check("beside-a-collective", beside_a_collective)
+    report.check("done-without-wait", done_without_wait)
+    report.check("to-itself", to_itself)
+    report.check("largest-tag", largest_tag)
+    backend.barrier()
+
+
+def p2p_dead_peer(report: Report, backend) -> None:
+    """The last rank exits while rank 0 waits for its message: CommError naming it, long
+    before TNT_TIMEOUT_S; later operations fail at once."""
+    victim = backend.size - 1
+    backend.barrier()
+    if backend.rank == victim:
+        time.sleep(0.3)  # the receive is posted before the exit, or after: both must fail
+        os._exit(0)
+    if backend.rank != 0:
+        return
+
+    def fails() -> None:
+        t0 = time.monotonic()
+        try:
+            backend.recv_async(np.zeros(1000, np.float32), victim, tag=5).wait()
+        except CommError as exc:
+            report.data["info"].update(error=str(exc), seconds=time.monotonic() - t0)
+            assert exc.peer == victim and f"from {victim}" in str(exc), str(exc)
+        else:
+            raise AssertionError("a receive from a dead peer returned")
+
+    def later_ops_fail_fast() -> None:
+        t0 = time.monotonic()
+        for call in (lambda: backend.send_async(np.ones(4, np.float32), victim),
+                     lambda: backend.allreduce(np.ones(4, np.float32))):
+            try:
+                call()
+            except CommError:
+                pass
+            else:
+                raise AssertionError("an operation after the failure succeeded")
+        assert time.monotonic() - t0 < 1.0, "failing fast took too long"
+
+    report.check("fails", fails)
+    report.check("later-ops-fail-fast", later_ops_fail_fast)
+
+
+def p2p_peer_closes(report: Report, backend) -> None:
+    """Rank 0 sends its last messages and closes. Rank 1 was not waiting for them: it
+    still gets every one (a closed connection is no failure by itself); a receive posted
+    after them fails at once, naming rank 0."""
+    msgs = [np.full(1000 * (k + 1), k, np.float32) for k in range(3)]
+    if backend.rank == 0:
+        backend.recv_async(np.zeros(1, np.int32), 1).wait(timeout=20)
+        for h in [backend.send_async(m, 1, tag=8) for m in msgs]:
+            h.wait(timeout=20)
+        tnt_core.shutdown()
+        os._exit(0)
+    backend.send_async(np.ones(1, np.int32), 0).wait(timeout=20)
+
+    def gets_the_last_messages() -> None:
+        time.sleep(0.5)  # rank 0 is gone by now
+        for k, m in enumerate(msgs):
+            got = backend.recv_async(np.empty_like(m), 0, tag=8).wait(timeout=20)
+            assert np.array_equal(got, m), f"message {k}"
+
+    def later_receive_fails() -> None:
+        t0 = time.monotonic()
+        try:
+            backend.recv_async(np.zeros(4, np.float32), 0, tag=8).wait(timeout=20)
+        except CommError as exc:
+            report.data["info"]["error"] = str(exc)
+            assert exc.peer == 0 and "rank 0" in str(exc), str(exc)
+        else:
+            raise AssertionError("a receive from a closed peer returned")
+        assert time.monotonic() - t0 < 2.0, "failing took too long"
+
+    report.check("gets-the-last-messages", gets_the_last_messages)
+    report.check("later-receive-fails", later_receive_fails)
+
+
 # ------------------------------------------------------------------ timeout
 
 def timeout(report: Report, backend, hang_s: float) -> None:
@@ -451,7 +600,8 @@ def timeout(report: Report, backend, hang_s: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=("file-store", "float16", "dlpack", "timeout",
-                                             "shm-reduce", "shm-kill", "shm-setup"))
+                                             "shm-reduce", "shm-kill", "shm-setup", "p2p",
+                                             "p2p-dead-peer", "p2p-peer-closes"))
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--fake-cudart", default="")
     parser.add_argument("--hang", type=float, default=0.0)
@@ -476,6 +626,12 @@ def main() -> int:
         shm_reduce(report, runtime.backend, args.chunk)
     elif args.scenario == "shm-kill":
         shm_kill(report, runtime.backend, args.after)
+    elif args.scenario == "p2p":
+        p2p(report, runtime.backend)
+    elif args.scenario == "p2p-dead-peer":
+        p2p_dead_peer(report, runtime.backend)
+    elif args.scenario == "p2p-peer-closes":
+        p2p_peer_closes(report, runtime.backend)
     else:
         timeout(report, runtime.backend, args.hang)
     t0 = time.monotonic()

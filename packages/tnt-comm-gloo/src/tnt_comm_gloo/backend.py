@@ -2,9 +2,15 @@
 
 The native module (:mod:`tnt_comm_gloo._gloo`) moves bytes: a C++ worker thread runs
 the collectives in submission order without the GIL, and ``Handle.wait`` blocks on a
-condition variable with the GIL released. This module decides everything else: where
-to listen, how to meet the other ranks, which allreduce algorithm a buffer gets, how
-long to wait, and how a native failure reads as :class:`tnt_core.CommError`.
+condition variable with the GIL released. Sends and receives
+(:meth:`GlooBackend.send_async`, :meth:`GlooBackend.recv_async`) do not go through that
+worker: they are posted to Gloo's unbound buffers from the caller's thread and completed by
+native threads of their own (one per peer and direction), so a message never waits behind
+a collective, nor a collective behind a message (a pipeline stage receives activations
+while its data-parallel group allreduces; a send queued behind an allreduce whose peer
+first waits for that send would deadlock). This module decides everything else: where to
+listen, how to meet the other ranks, which allreduce algorithm a buffer gets, how long to
+wait, and how a native failure reads as :class:`tnt_core.CommError`.
 
 Environment (besides the launcher's ``TNT_*`` contract):
 
@@ -68,6 +74,7 @@ from tnt_core import (
     LocalBackend,
     check_buffer,
     check_op,
+    check_peer,
     check_split_ranks,
     check_timeout,
     connect_store,
@@ -102,6 +109,8 @@ SHM_MODES = tuple(c for c, _ in tnt_settings.TNT_GLOO_SHM.choices)
 DEFAULT_SHM_CHUNK_BYTES: int = tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.default
 
 _KDL_CPU = 1  # DLPack device type of host memory
+#: the largest tag of a send or receive (the native side puts it in a Gloo slot)
+MAX_TAG = 2**31 - 1
 _generation = itertools.count()  # one store prefix per communicator made by this process
 #: in-flight buffers of communicators whose worker could not be stopped: never freed
 _abandoned: list[object] = []
@@ -198,20 +207,22 @@ def _file_store_dir(rendezvous: str) -> str | None:
 
 
 class GlooHandle(Handle):
-    """An allreduce in flight on the worker thread; owns its buffer until done."""
+    """An operation in flight (a collective on the worker thread, or a send or receive);
+    owns its buffer until done."""
 
-    __slots__ = ("_backend", "_keep", "_operation", "_result", "_work")
+    __slots__ = ("_backend", "_keep", "_operation", "_peer", "_result", "_work")
 
     def __init__(self, backend: GlooBackend, work: _gloo.Work, operation: str,
-                 result: Any, keep: tuple[object, ...] = ()) -> None:
+                 result: Any, keep: tuple[object, ...] = (), *, peer: int | None = None) -> None:
         self._backend = backend
         self._work = work
         self._operation = operation
         self._result = result
         self._keep = keep  # e.g. the DLPack capsule a staged copy reads from
+        self._peer = peer  # the other rank of a send or receive
 
     def wait(self, timeout: float | None = None) -> Any:
-        self._backend._wait(self._work, self._operation, timeout)
+        self._backend._wait(self._work, self._operation, timeout, self._peer)
         return self._result
 
     def done(self) -> bool:
@@ -237,8 +248,8 @@ class GlooBackend(CommBackend):
     allreduce over shared memory when every rank runs on one host."""
 
     name = "gloo"
-    #: groups (split) only: point-to-point needs Gloo's unbound buffers in the native module
-    capabilities = frozenset({"groups"})
+    #: point-to-point over Gloo's unbound buffers, groups as new Gloo contexts
+    capabilities = frozenset({"p2p", "groups"})
 
     def __init__(self, config: Config, settings: GlooSettings | None = None, *,
                  _group: str | None = None) -> None:
@@ -263,6 +274,8 @@ class GlooBackend(CommBackend):
         self._timeout = config.timeout_s
         self._seq = 0
         self._inflight: collections.deque[GlooHandle] = collections.deque()
+        # sends and receives complete out of order (a receive may wait for long): kept apart
+        self._p2p_inflight: list[GlooHandle] = []
         self._closed = False
         self._config, self._splits = config, 0
         hostname, iface = self._settings.listen_address(config)
@@ -328,8 +341,9 @@ class GlooBackend(CommBackend):
                 f"allreduce over {self.allreduce_transport}>")
 
     # -- the one place a native failure becomes CommError
-    def _comm_error(self, exc: _gloo.GlooError, operation: str) -> CommError:
-        return CommError(str(exc), rank=self.rank, operation=operation)
+    def _comm_error(self, exc: _gloo.GlooError, operation: str,
+                    peer: int | None = None) -> CommError:
+        return CommError(str(exc), rank=self.rank, operation=operation, peer=peer)
 
     @contextlib.contextmanager
     def _translate(self, operation: str) -> Iterator[None]:
@@ -346,19 +360,23 @@ class GlooBackend(CommBackend):
         if self._closed:
             raise CommError("the backend is closed", rank=self.rank, operation=operation)
 
-    def _wait(self, work: _gloo.Work, operation: str, timeout: float | None) -> None:
+    def _wait(self, work: _gloo.Work, operation: str, timeout: float | None,
+              peer: int | None = None) -> None:
         checked = check_timeout(timeout)
         timeout = self._timeout if checked is None else checked
         try:
             done = self._comm.wait(work, timeout)
         except _gloo.GlooError as exc:  # not _translate: this is the hot path
-            raise self._comm_error(exc, operation) from None
+            raise self._comm_error(exc, operation, peer) from None
         if not done:
+            who = "a peer" if peer is None else f"rank {peer}"
             error = CommError(
-                f"did not complete within {timeout:g}s (TNT_TIMEOUT_S); a peer may be hung "
-                "or dead", rank=self.rank, operation=operation,
+                f"did not complete within {timeout:g}s (TNT_TIMEOUT_S); {who} may be hung "
+                "or dead" + ("" if peer is None else ", or never matched it"),
+                rank=self.rank, operation=operation, peer=peer,
             )
-            # The ranks' collectives can no longer be matched: fail everything after it.
+            # The ranks' collectives can no longer be matched (and a receive given up on
+            # would take a later message): fail everything after it.
             self._comm.abort(str(error))
             raise error
 
@@ -444,6 +462,42 @@ class GlooBackend(CommBackend):
             work = self._comm.barrier(name)
         self._wait(work, name, None)
 
+    # -- point-to-point
+    def _p2p(self, buf: np.ndarray, peer: Any, tag: Any, operation: str) -> Handle:
+        send = operation == "send"
+        check_buffer(buf, operation, writeable=not send)
+        peer, tag = check_peer(peer, self.size, operation, tag)
+        if tag > MAX_TAG:
+            raise ValueError(f"{operation}: tag must be <= {MAX_TAG} on the gloo backend, got {tag}")
+        self._check_open(operation)
+        name = self._name(f"{operation} {'to' if send else 'from'} {peer} tag {tag}")
+        try:
+            if send:
+                work = self._comm.send(buf, peer, tag, name)
+            else:
+                work = self._comm.recv(buf, peer, tag, name)
+        except _gloo.GlooError as exc:
+            raise self._comm_error(exc, name, peer) from None
+        handle = GlooHandle(self, work, name, buf, peer=peer)
+        # Gloo reads or writes the buffer until the operation is done, even if the caller
+        # drops the handle: keep it referenced until then.
+        self._p2p_inflight = [h for h in self._p2p_inflight if not h.done()]
+        self._p2p_inflight.append(handle)
+        return handle
+
+    def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:
+        """Start sending ``buf`` to rank ``dest``; messages to one (peer, tag) arrive in the
+        order sent. Not queued behind collectives. ``buf`` must not change until the
+        handle's ``wait`` returns."""
+        return self._p2p(buf, dest, tag, "send")
+
+    def recv_async(self, buf: np.ndarray, src: int, tag: int = 0) -> Handle:
+        """Start receiving the next message from rank ``src`` with ``tag`` into ``buf``. A
+        message of another byte size fails this receive with CommError (the sender and the
+        communicator are unaffected). A message that arrives before its receive is posted
+        is held in memory of its own and copied into ``buf``."""
+        return self._p2p(buf, src, tag, "recv")
+
     def split(self, ranks: Sequence[int]) -> CommBackend | None:
         """A communicator over ``ranks``: a new Gloo context over them on the same
         rendezvous store under a key prefix of its own (collective over this one). A group
@@ -473,4 +527,6 @@ class GlooBackend(CommBackend):
             log.warning("rank %d: the gloo worker thread did not stop; abandoning it",
                         self.rank)
             _abandoned.extend(self._inflight)
+            _abandoned.extend(self._p2p_inflight)
         self._inflight.clear()
+        self._p2p_inflight.clear()
