@@ -50,7 +50,7 @@ def reports(request, tmp_path_factory) -> list[dict]:
 
 def test_every_case_passes_on_every_rank(reports):
     names = list(reports[0])
-    assert len(names) >= 18
+    assert len(names) >= 19
     failed = [f"rank {r}, {name}:\n{rep[name]['detail']}" for r, rep in enumerate(reports)
               for name in names if not rep.get(name, {"ok": False})["ok"]]
     assert all(list(rep) == names for rep in reports)

@@ -536,7 +536,10 @@ class TensorAllreducer:
             else:
                 buf = np.concatenate([_as_wire(values[i], specs[i]).ravel() for i in members]
                                      ) if members else np.zeros(0, dtype)
-            handle = backend.allreduce_async(buf, wire_op) if size > 1 and buf.size else None
+            # an empty buffer of a structure skips its collective (the ranks agreed on the
+            # structure); a single value goes to the backend even empty, which checks it agrees
+            wanted = size > 1 and (buf.size > 0 or len(specs) == 1)
+            handle = backend.allreduce_async(buf, wire_op) if wanted else None
             buffers.append((members, buf, handle))
 
         def finish() -> Any:
@@ -637,7 +640,7 @@ class TensorBroadcaster:
                 buf = np.zeros(sum(counts), dtype)
             if len(members) == 1:
                 buf = buf.reshape(shapes[0] or (1,))
-            if size > 1 and buf.size:
+            if size > 1 and (buf.size > 0 or len(specs) == 1):  # (as in the allreduce)
                 buf = backend.broadcast(buf, self.root_rank)
             flat, offset = buf.ravel(), 0
             for i, n in zip(members, counts):

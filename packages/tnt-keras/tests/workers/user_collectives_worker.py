@@ -140,6 +140,14 @@ def main() -> None:
                       lambda: tnt.TensorAllreducer(x)(x))
 
     @case
+    def allreduce_and_broadcast_empty_on_one_rank_are_refused_not_hung():
+        x = np.ones(0 if rank == 1 else 3, np.float32)
+        expect_raises(tnt_core.CollectiveMismatchError, "differs between ranks",
+                      lambda: tnt.allreduce(x))
+        expect_raises(tnt_core.CollectiveMismatchError, "differs between ranks",
+                      lambda: tnt.broadcast(x))
+
+    @case
     def allreduce_structure_mismatch_is_refused_on_every_rank():
         x = [np.ones(3, np.float32), np.ones(2 + (rank == 1), np.float32)]
         expect_raises(tnt_core.CollectiveMismatchError, "passed different inputs",
