@@ -194,13 +194,15 @@ def _tf1_optimizer() -> None:
 
 
 MISTAKES = [
-    ("pipeline strategy", lambda: tnt.Model(_model(), parallel_strategy="pipeline"),
+    ("combined strategy", lambda: tnt.Model(_model(), parallel_strategy="all"),
      tnt.NotSupportedError,
-     "tnt.Model(parallel_strategy='pipeline'): pipeline parallelism is not implemented in this "
-     "release; data parallelism is the only strategy available: use tnt.ParallelStrategy.DATA "
-     "(or 'data', the default)"),
+     "tnt.Model(parallel_strategy='all'): data and pipeline parallelism combined is not "
+     "implemented in this release; use tnt.ParallelStrategy.DATA (or 'data', the default) or "
+     "tnt.ParallelStrategy.PIPELINING ('pipelining')"),
+    ("pipelining a Sequential model", lambda: tnt.Model(_model(), parallel_strategy="pipeline"),
+     ValueError, "model 'sequential"),
     ("unknown strategy", lambda: tnt.Model(_model(), parallel_strategy="model"),
-     tnt.NotSupportedError, "tnt.Model(parallel_strategy='model'): not a parallel strategy; data"),
+     tnt.NotSupportedError, "tnt.Model(parallel_strategy='model'): not a parallel strategy; use"),
     ("unknown optimizer", lambda: tnt.Model(_model()).compile(optimizer="sgdd", loss="mse"),
      ValueError, "Could not interpret optimizer identifier: sgdd"),  # Keras' own
     ("TF1 optimizer", _tf1_optimizer, ValueError,

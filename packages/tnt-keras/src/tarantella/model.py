@@ -39,6 +39,7 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
 
 import tnt_core
+from tnt_core import TntError
 
 from . import callbacks as tnt_callbacks
 from . import files, randomness, steps
@@ -56,9 +57,12 @@ _BN_MIN_MICRO_BATCH = 16
 
 
 class ParallelStrategy(enum.Enum):
-    """How a ``tnt.Model`` is parallelized (data parallelism is the one there is)."""
+    """How a ``tnt.Model`` is parallelized: ``DATA`` (every rank a replica, the batch
+    split), ``PIPELINING`` (the model cut at its SplitLayers, one partition per rank, the
+    batch split into micro-batches that flow through them)."""
 
     DATA = "data"
+    PIPELINING = "pipelining"
 
 
 class _DistributedState:
@@ -108,8 +112,8 @@ def _distributed_class(cls: type) -> type:
 
 
 #: strategies of the Tarantella design that this release does not implement
-_NOT_IMPLEMENTED = {"pipeline": "pipeline parallelism", "pipelining": "pipeline parallelism",
-                    "all": "data and pipeline parallelism combined"}
+_NOT_IMPLEMENTED = {"all": "data and pipeline parallelism combined"}
+_ALIASES = {"pipeline": ParallelStrategy.PIPELINING}
 
 
 def _strategy(value: Any) -> ParallelStrategy:
@@ -117,17 +121,23 @@ def _strategy(value: Any) -> ParallelStrategy:
         return value
     if isinstance(value, str) and value.lower() in [s.value for s in ParallelStrategy]:
         return ParallelStrategy(value.lower())
+    if isinstance(value, str) and value.lower() in _ALIASES:
+        return _ALIASES[value.lower()]
     what = _NOT_IMPLEMENTED.get(value.lower()) if isinstance(value, str) else None
     problem = (f"{what} is not implemented in this release" if what is not None
                else "not a parallel strategy")
     raise NotSupportedError(
-        f"tnt.Model(parallel_strategy={value!r}): {problem}; data parallelism is the only "
-        "strategy available: use tnt.ParallelStrategy.DATA (or 'data', the default)"
+        f"tnt.Model(parallel_strategy={value!r}): {problem}; use tnt.ParallelStrategy.DATA "
+        "(or 'data', the default) or tnt.ParallelStrategy.PIPELINING ('pipelining')"
     )
 
 
-def _distribute(model: Any, parallel_strategy: Any) -> Model:
+def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None) -> Model:
     strategy = _strategy(parallel_strategy)
+    if num_micro_batches is not None and strategy is not ParallelStrategy.PIPELINING:
+        raise TypeError(f"tnt.Model(num_micro_batches={num_micro_batches!r}) splits the batch "
+                        "of a pipeline: pass it with parallel_strategy=tnt.ParallelStrategy."
+                        "PIPELINING")
     backend = keras.backend.backend()
     if backend != "tensorflow":
         raise NotSupportedError(
@@ -141,6 +151,10 @@ def _distribute(model: Any, parallel_strategy: Any) -> Model:
             f"tnt.Model wraps a keras.Model (Sequential, functional or sub-classed); got "
             f"{type(model).__name__}"
         )
+    if strategy is ParallelStrategy.PIPELINING:
+        from .pipelined_model import pipelined
+
+        return pipelined(model, 1 if num_micro_batches is None else num_micro_batches)
     object.__setattr__(model, "__class__", _distributed_class(type(model)))
     object.__setattr__(model, "_tnt", _DistributedState(tnt_core.init(), strategy))
     if getattr(model, "compiled", False):
@@ -161,8 +175,11 @@ class Model(keras.Model):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Model:
-            model, strategy = _model_arguments(*args, **kwargs)
-            return _distribute(model, _strategy(strategy))  # a bad strategy: one frame deep
+            model, strategy, micro = _model_arguments(*args, **kwargs)
+            try:
+                return _distribute(model, _strategy(strategy), micro)
+            except (TntError, ValueError, TypeError) as exc:  # a refusal: at the user's call
+                raise exc.with_traceback(None) from None
         base = cls.__dict__.get("_tnt_base")
         if base is None:
             raise TypeError(
@@ -759,7 +776,14 @@ def _single_samples(model: keras.Model, method: str, name: str, data: Any,
 
 
 def _model_arguments(model: Any = None, parallel_strategy: Any = ParallelStrategy.DATA,
-                     **kwargs: Any) -> tuple[Any, Any]:
+                     num_micro_batches: Any = None, **kwargs: Any) -> tuple[Any, Any, Any]:
+    if "num_pipeline_stages" in kwargs:  # the original Tarantella's name for the same number
+        stages = kwargs.pop("num_pipeline_stages")
+        if num_micro_batches is not None and stages != num_micro_batches:
+            raise TypeError(f"tnt.Model(num_micro_batches={num_micro_batches!r}, "
+                            f"num_pipeline_stages={stages!r}): the same number by two names; "
+                            "give one")
+        num_micro_batches = stages
     if kwargs:
         raise TypeError(
             f"tnt.Model(model, parallel_strategy=...) got unexpected arguments {sorted(kwargs)}; "
@@ -768,7 +792,7 @@ def _model_arguments(model: Any = None, parallel_strategy: Any = ParallelStrateg
         )
     if model is None:
         raise TypeError("tnt.Model(model): pass the keras.Model to distribute")
-    return model, parallel_strategy
+    return model, parallel_strategy, num_micro_batches
 
 
 def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:

@@ -68,6 +68,12 @@ def _flat(values: Any) -> list[Any]:
     return list(values) if isinstance(values, (list, tuple)) else [values]
 
 
+def _concat(parts: list[Any]) -> Any:
+    if not parts:
+        return None
+    return keras.tree.map_structure(lambda *ts: tf.concat(ts, axis=0), *parts)
+
+
 def _split(tensor: Any, sizes: Sequence[int]) -> list[Any]:
     return tf.split(tensor, list(sizes), axis=0) if tensor is not None else [None] * len(sizes)
 
@@ -111,6 +117,8 @@ class StageStep:
         self.ranks = list(ranks) if ranks is not None else list(range(parts.num_partitions))
         self.first, self.last = stage == 0, stage == parts.num_partitions - 1
         self.weights = list(self.model.trainable_weights)
+        #: the last stage's outputs of the latest step, micro-batches joined (else None)
+        self.predictions: Any = None
 
     # -- messages to the neighbours --------------------------------------------------------
 
@@ -142,6 +150,7 @@ class StageStep:
         sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
         pending: list[tnt_core.Handle] = []
         flights: list[_InFlight] = []
+        predictions: list[Any] = []
         for k, b in enumerate(sizes):
             if self.first:
                 assert xs is not None
@@ -160,6 +169,8 @@ class StageStep:
                     regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
                     loss = regularisation if loss is None else loss + regularisation
             flat_out = _flat(outputs)
+            if self.last:
+                predictions.append(outputs)
             if not self.last:
                 pending += self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
             flights.append(_InFlight(tape, inputs, flat_out, loss))
@@ -189,7 +200,34 @@ class StageStep:
                 pending += self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD)
         self.optimizer.apply(accumulated, self.weights)
         tnt_core.wait_all(pending)
+        self.predictions = _concat(predictions) if self.last else None
         return total
+
+    def forward(self, x: Any, batch: int) -> float:
+        """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by
+        micro-batch through the stages, not training: they are left in
+        :attr:`predictions` on the last stage. Returns this stage's weight regularisation
+        (the stages' sum is what serial ``model.losses`` adds to the loss)."""
+        sizes = micro_batch_sizes(batch, self.num_micro_batches)
+        xs = [list(part) for part in zip(*[_split(t, sizes) for t in _flat(x)])] if self.first else None
+        pending: list[tnt_core.Handle] = []
+        predictions: list[Any] = []
+        for k, b in enumerate(sizes):
+            if self.first:
+                assert xs is not None
+                inputs = xs[k]
+            else:
+                inputs = self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
+            outputs = self.model(inputs if len(inputs) > 1 else inputs[0], training=False)
+            if self.last:
+                predictions.append(outputs)
+            else:
+                flat_out = _flat(outputs)
+                pending += self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
+        tnt_core.wait_all(pending)
+        self.predictions = _concat(predictions) if self.last else None
+        losses = self.model.losses
+        return float(tf.add_n([tf.cast(r, tf.float32) for r in losses])) if losses else 0.0
 
     def _routes_out(self) -> list[int]:
         """Which of this partition's outputs go to the next stage, in its input order."""

@@ -1,0 +1,406 @@
+"""``tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING)``: the user's model,
+cut at its SplitLayers, trained as a pipeline with the results of serial training.
+
+Why Keras' own loop: ``fit``/``evaluate``/``predict`` stay Keras' (its data adapters,
+callbacks, History, progress bar); only the steps change. Every rank reads the same global
+batches; the steps run eagerly (they exchange tensors with the neighbouring stages between
+micro-batches) and hand the batch to this rank's stage (:class:`~tarantella.pipeline.
+StageStep`). After each step the last stage's outputs are broadcast, so that every rank
+updates the compiled metrics with the same values and every rank's logs and History equal
+serial Keras'. The model stays whole: at the end of every epoch and of ``fit``, each
+weight is broadcast from the stage that trains it, so ``get_weights``, ``save_weights`` and
+callbacks at epoch end see the whole trained model on every rank.
+
+What is not supported yet is refused with a message saying what to do: several outputs,
+``loss_weights``, a custom ``train_step``, callbacks that write the model or its
+optimizer state (each stage's optimizer holds only its own slots), ``model.save``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tnt_core
+
+from .errors import NotSupportedError, user_facing
+from .model import Model, ParallelStrategy, _DistributedState
+from .partition import Partitioning, partition
+from .pipeline import StageStep, check_stage_model
+
+__all__ = ["PipelinedModel", "pipelined"]
+
+#: callbacks that write the model or its optimizer state (refused for now, see module doc)
+_WRITERS = (keras.callbacks.BackupAndRestore, keras.callbacks.ModelCheckpoint)
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A loss function (``"mse"``, ``keras.losses.mean_squared_error``) reduced over the
+    batch as ``compile`` reduces it."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__(name=getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        return self.fn(y_true, y_pred)
+
+
+class _PipelineState(_DistributedState):
+    def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int) -> None:
+        super().__init__(runtime, ParallelStrategy.PIPELINING)
+        self.parts = parts
+        self.stage = runtime.rank
+        self.num_micro_batches = num_micro_batches
+        self.step: StageStep | None = None
+        self.loss: Any = None  # the compiled loss, as a keras.losses.Loss
+        #: which rank trains each of the model's weights (the stage whose partition holds it)
+        self.owners: dict[int, int] = {id(w): p for p in range(parts.num_partitions)
+                                       for w in parts.models[p].weights}
+
+
+class _WeightSync(keras.callbacks.Callback):
+    """Every weight from its stage to every rank, at each epoch's end (before the user's
+    callbacks) and when training ends."""
+
+    def __init__(self, model: PipelinedModel) -> None:
+        super().__init__()
+        self._model = model
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._model._tnt_gather_weights()  # noqa: SLF001 - the class's own helper
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._model._tnt_gather_weights()  # noqa: SLF001
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _pipelined_class(cls: type) -> type:
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        namespace = {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
+            "_tnt_base": cls,
+        }
+        sub = _CLASSES[cls] = type(cls.__name__, (PipelinedModel, cls), namespace)
+    return sub
+
+
+def pipelined(model: keras.Model, num_micro_batches: Any) -> PipelinedModel:
+    """Make ``model`` a pipelined ``tnt.Model`` (``tnt.Model`` calls this)."""
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, (int, np.integer)) \
+            or num_micro_batches < 1:
+        raise ValueError(f"tnt.Model(num_micro_batches={num_micro_batches!r}): the number of "
+                         "micro-batches each global batch is split into, a positive integer")
+    runtime = tnt_core.init()
+    parts = partition(model)
+    if parts.num_partitions == 1:
+        raise NotSupportedError(
+            f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has no "
+            "tnt.keras.layers.SplitLayer, so there is nothing to pipeline; mark the cuts with "
+            "SplitLayer, or use ParallelStrategy.DATA")
+    if runtime.size != parts.num_partitions:
+        raise NotSupportedError(
+            f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has "
+            f"{parts.num_partitions} partitions ({len(parts.cuts)} cuts), which need exactly "
+            f"{parts.num_partitions} ranks; this job has {runtime.size} (tnt run -n "
+            f"{parts.num_partitions} ...)")
+    if len(model.outputs) != 1:
+        raise NotSupportedError(
+            f"model {model.name!r} has {len(model.outputs)} outputs: pipelining trains "
+            "single-output models in this release")
+    if not runtime.backend.supports("p2p"):
+        raise NotSupportedError(
+            f"pipelining needs point-to-point messages, which the {runtime.backend.name!r} "
+            "backend does not provide; use one that does (tnt run --backend mpi)")
+    check_stage_model(parts.models[runtime.rank], runtime.rank)
+    object.__setattr__(model, "__class__", _pipelined_class(type(model)))
+    object.__setattr__(model, "_tnt", _PipelineState(runtime, parts, int(num_micro_batches)))
+    if getattr(model, "compiled", False):
+        raise NotSupportedError(
+            f"model {model.name!r} was compiled before tnt.Model(..., PIPELINING): compile it "
+            "after, so that each stage's optimizer gets its own weights")
+    return model
+
+
+class PipelinedModel(Model):
+    """The pipelined ``tnt.Model`` (see the module doc); made by :func:`pipelined`."""
+
+    _tnt: _PipelineState
+
+    @property
+    def local_param_count(self) -> int:
+        """The number of parameters this rank's stage holds and trains."""
+        return self._tnt.parts.param_count(self._tnt.stage)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self._tnt.num_micro_batches
+
+    def __repr__(self) -> str:
+        runtime = self._tnt.runtime
+        return (f"<tnt.Model {self.name!r} (pipelined, stage {self._tnt.stage} of "
+                f"{self._tnt.parts.num_partitions}) on rank {runtime.rank}/{runtime.size}>")
+
+    # -- configuration ----------------------------------------------------------------------
+
+    @user_facing
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
+                metrics: Any = None, weighted_metrics: Any = None, run_eagerly: bool = False,
+                steps_per_execution: int = 1, jit_compile: Any = "auto",
+                auto_scale_loss: bool = True) -> None:
+        """As ``keras.Model.compile``; the steps run eagerly (they exchange tensors between
+        micro-batches), so ``run_eagerly`` and ``jit_compile`` do not apply."""
+        if loss is None:
+            raise NotSupportedError("compile(loss=None): a pipelined model needs the compiled "
+                                    "loss (its last stage differentiates it); pass loss=...")
+        if loss_weights is not None:
+            raise NotSupportedError("compile(loss_weights=...) is for several outputs, which "
+                                    "pipelining does not train in this release")
+        base: Any = type(self)._tnt_base  # noqa: SLF001 - the class's own attribute
+        if base.train_step is not keras.Model.train_step:
+            raise NotSupportedError(
+                f"{type(self).__name__} overrides train_step: a pipelined model runs its own "
+                "step per stage; use ParallelStrategy.DATA for custom steps")
+        if isinstance(loss, (list, tuple, dict)):
+            loss = _single(loss, "loss")
+        loss_obj = keras.losses.get(loss)
+        if not isinstance(loss_obj, keras.losses.Loss):
+            loss_obj = _FunctionLoss(loss_obj)
+        if steps_per_execution != 1:
+            raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
+                                    "eagerly, one batch at a time; leave it at 1")
+        keras.Model.compile(self, optimizer=optimizer, loss=loss_obj, metrics=metrics,
+                            weighted_metrics=weighted_metrics, run_eagerly=True,
+                            jit_compile=False, auto_scale_loss=auto_scale_loss)
+        self._tnt_check_compiled()
+        self._tnt.step = StageStep(self._tnt.parts, self._tnt.stage, self._tnt.runtime.backend,
+                                   loss=loss_obj, optimizer=self.optimizer,
+                                   num_micro_batches=self._tnt.num_micro_batches)
+        self._tnt.loss = loss_obj
+
+    # -- the steps -------------------------------------------------------------------------------
+
+    def _tnt_outputs(self, batch: int) -> Any:
+        """The last stage's outputs of the latest step, on every rank."""
+        state = self._tnt
+        last = state.parts.num_partitions - 1
+        spec = self.outputs[0]
+        buf = np.empty((batch, *[int(d) for d in spec.shape[1:]]),
+                       dtype=tf.as_dtype(spec.dtype).as_numpy_dtype)
+        if state.stage == last:
+            assert state.step is not None
+            buf[...] = np.asarray(state.step.predictions)
+        return tf.convert_to_tensor(state.runtime.backend.broadcast(buf, root=last))
+
+    def _tnt_sum(self, value: float) -> float:
+        return float(self._tnt.runtime.backend.allreduce(np.array([value], np.float64))[0])
+
+    def _tnt_batch(self, data: Any) -> tuple[Any, Any, Any, int]:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        self._tnt_check_batch(x, y, batch)
+        return x, y, sample_weight, batch
+
+    def _tnt_check_batch(self, x: Any, y: Any, batch: int) -> None:
+        """Every rank must hold the same batch (stage 0 reads x, the last stage y): compare
+        a fingerprint, so that data read differently on two ranks fails loudly."""
+        parts = [np.float64(batch)]
+        for t in tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)):
+            parts.append(np.float64(tf.reduce_sum(tf.cast(t, tf.float64))))
+        words = np.array(parts, np.float64)
+        both = np.concatenate([words, -words])
+        extremes = self._tnt.runtime.backend.allreduce(both, "max")
+        if not np.array_equal(extremes[:words.size], -extremes[words.size:]):
+            raise tnt_core.CommError(
+                "the ranks of a pipelined model read different batches (their batch sizes or "
+                "contents differ): every rank must read the same data in the same order; pass "
+                "the same arrays or dataset on every rank and do not shard it by rank")
+
+    def _tnt_loss_tracker(self) -> Any:
+        return next((m for m in self.metrics if m.name == "loss"), None)
+
+    def train_step(self, data: Any) -> Any:
+        state = self._tnt
+        assert state.step is not None, "compile() makes the stage's step"
+        x, y, sample_weight, batch = self._tnt_batch(data)
+        loss = self._tnt_sum(state.step.train(x, y, sample_weight))
+        return self._tnt_logs(x, y, sample_weight, batch, loss)
+
+    def test_step(self, data: Any) -> Any:
+        state = self._tnt
+        assert state.step is not None, "compile() makes the stage's step"
+        x, y, sample_weight, batch = self._tnt_batch(data)
+        regularisation = self._tnt_sum(state.step.forward(x, batch))
+        y_pred = self._tnt_outputs(batch)
+        loss = float(state.loss(y, y_pred, sample_weight=sample_weight)) + regularisation
+        return self._tnt_logs(x, y, sample_weight, batch, loss, y_pred)
+
+    def predict_step(self, data: Any) -> Any:
+        state = self._tnt
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        if state.step is None:  # predict before compile: a step without loss or optimizer
+            state.step = StageStep(state.parts, state.stage, state.runtime.backend,
+                                   loss=keras.losses.MeanSquaredError(),
+                                   optimizer=keras.optimizers.SGD(),
+                                   num_micro_batches=state.num_micro_batches)
+        state.step.forward(x, batch)
+        return self._tnt_outputs(batch)
+
+    def _tnt_logs(self, x: Any, y: Any, sample_weight: Any, batch: int, loss: float,
+                  y_pred: Any = None) -> Any:
+        """The same metric updates on every rank (the outputs are everyone's now)."""
+        if y_pred is None:
+            y_pred = self._tnt_outputs(batch)
+        tracker = self._tnt_loss_tracker()
+        if tracker is not None:
+            tracker.update_state(loss, sample_weight=batch)
+        return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    # -- the loops ---------------------------------------------------------------------------
+
+    def _tnt_gather_weights(self) -> None:
+        """Each weight from the rank whose stage trains it, to every rank."""
+        state = self._tnt
+        backend = state.runtime.backend
+        for w in self.weights:
+            owner = state.owners.get(id(w))
+            if owner is None:  # e.g. a seed state: not trained by any stage
+                continue
+            value = np.ascontiguousarray(keras.ops.convert_to_numpy(w))
+            if value.dtype not in tnt_core.SUPPORTED_DTYPES:
+                continue
+            w.assign(backend.broadcast(value, root=owner))
+
+    def _tnt_start(self) -> None:
+        """Before a loop: weights set on the master (set_weights, load_weights) go to all."""
+        if self._tnt.needs_broadcast:
+            backend = self._tnt.runtime.backend
+            for w in self.weights:
+                value = np.ascontiguousarray(keras.ops.convert_to_numpy(w))
+                if value.dtype in tnt_core.SUPPORTED_DTYPES:
+                    w.assign(backend.broadcast(value, root=0))
+            self._tnt.needs_broadcast = False
+
+    def _tnt_loop_callbacks(self, callbacks: Any, *, train: bool) -> list[Any]:
+        callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
+                         else callbacks or [])
+        for cb in callbacks:
+            if isinstance(cb, _WRITERS):
+                raise NotSupportedError(
+                    f"{type(cb).__name__} with a pipelined model: each stage's optimizer holds "
+                    "only its own state, which this release does not gather into one file; "
+                    "save the trained weights with model.save_weights(...) after fit")
+        return ([_WeightSync(self)] if train else []) + callbacks
+
+    @user_facing
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
+            validation_data: Any = None, shuffle: bool = True, class_weight: Any = None,
+            sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
+            validation_freq: int = 1, *, tnt_micro_batch_size: int | None = None,
+            tnt_validation_micro_batch_size: int | None = None,
+            tnt_distribute_dataset: bool = True,
+            tnt_distribute_validation_dataset: bool = True) -> keras.callbacks.History:
+        """``keras.Model.fit`` of the pipeline: ``batch_size`` is the global batch, split
+        into ``num_micro_batches`` micro-batches; every rank passes the same data."""
+        _no_data_parallel_arguments("fit", tnt_micro_batch_size=tnt_micro_batch_size,
+                                    tnt_validation_micro_batch_size=tnt_validation_micro_batch_size,
+                                    tnt_distribute_dataset=not tnt_distribute_dataset,
+                                    tnt_distribute_validation_dataset=not tnt_distribute_validation_dataset)
+        self._assert_compile_called("fit")
+        self._tnt_start()
+        master = self._tnt.runtime.is_master
+        return keras.Model.fit(
+            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
+            callbacks=self._tnt_loop_callbacks(callbacks, train=True),
+            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+
+    @user_facing
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+                 verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
+                 callbacks: Any = None, return_dict: bool = False, *,
+                 tnt_micro_batch_size: int | None = None, tnt_distribute_dataset: bool = True,
+                 **kwargs: Any) -> Any:
+        """``keras.Model.evaluate`` of the pipeline; every rank returns the serial result."""
+        if not kwargs.get("_use_cached_eval_dataset"):  # fit's validation: set up by fit
+            _no_data_parallel_arguments("evaluate", tnt_micro_batch_size=tnt_micro_batch_size,
+                                        tnt_distribute_dataset=not tnt_distribute_dataset)
+            self._assert_compile_called("evaluate")
+            self._tnt_start()
+            callbacks = self._tnt_loop_callbacks(callbacks, train=False)
+            verbose = verbose if self._tnt.runtime.is_master else 0
+        return keras.Model.evaluate(self, x, y, batch_size=batch_size, verbose=verbose,
+                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                    return_dict=return_dict, **kwargs)
+
+    @user_facing
+    def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
+                steps: int | None = None, callbacks: Any = None, *,
+                tnt_micro_batch_size: int | None = None,
+                tnt_distribute_dataset: bool = True) -> Any:
+        """``keras.Model.predict`` of the pipeline; every rank returns the whole result."""
+        _no_data_parallel_arguments("predict", tnt_micro_batch_size=tnt_micro_batch_size,
+                                    tnt_distribute_dataset=not tnt_distribute_dataset)
+        self._tnt_start()
+        return keras.Model.predict(self, x, batch_size=batch_size,
+                                   verbose=verbose if self._tnt.runtime.is_master else 0,
+                                   steps=steps, callbacks=self._tnt_loop_callbacks(callbacks, train=False))
+
+    @user_facing
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                       class_weight: Any = None, return_dict: bool = False) -> Any:
+        """``keras.Model.train_on_batch`` of the pipeline, on the global batch."""
+        self._assert_compile_called("train_on_batch")
+        self._tnt_start()
+        return keras.Model.train_on_batch(self, x, y, sample_weight=sample_weight,
+                                          class_weight=class_weight, return_dict=return_dict)
+
+    @user_facing
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                      return_dict: bool = False) -> Any:
+        self._assert_compile_called("test_on_batch")
+        self._tnt_start()
+        return keras.Model.test_on_batch(self, x, y, sample_weight=sample_weight,
+                                         return_dict=return_dict)
+
+    @user_facing
+    def predict_on_batch(self, x: Any) -> Any:
+        self._tnt_start()
+        return keras.Model.predict_on_batch(self, x)
+
+    @user_facing
+    def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None, *,
+             tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
+        raise NotSupportedError(
+            "model.save(...) of a pipelined model: each stage's optimizer holds only its own "
+            "state, which this release does not gather into one file; use "
+            "model.save_weights('....weights.h5') (the whole model's weights, after fit)")
+
+
+def _single(loss: Any, what: str) -> Any:
+    values = list(loss.values()) if isinstance(loss, dict) else list(loss)
+    if len(values) != 1:
+        raise NotSupportedError(f"compile({what}=...) with {len(values)} entries: pipelining "
+                                "trains single-output models in this release")
+    return values[0]
+
+
+def _no_data_parallel_arguments(method: str, **given: Any) -> None:
+    """Refuse the DATA-only ``tnt_*`` arguments (given: those not at their default)."""
+    names = sorted(name for name, value in given.items() if value not in (None, False))
+    if names:
+        raise TypeError(f"{method}({', '.join(names)}=...): these arguments split data across "
+                        "ranks for ParallelStrategy.DATA; a pipelined model reads the whole "
+                        "global batch on every rank")

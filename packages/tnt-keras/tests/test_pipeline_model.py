@@ -1,0 +1,90 @@
+"""``tnt.Model(model, parallel_strategy=PIPELINING, num_micro_batches=3)`` against plain
+Keras running the same script (workers/pipeline_model_worker.py): fit with shuffling and
+validation data, evaluate, predict and get_weights give the serial History, results and
+weights on every rank, for 2 and 3 stages; what is not supported is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import tarantella as tnt
+from tnt_keras_helpers import run_serial, run_workers
+
+pytestmark = pytest.mark.timeout(600)
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
+def runs(request, tmp_path_factory) -> tuple[int, Path]:
+    stages = request.param
+    out = tmp_path_factory.mktemp(f"pipelined-model-{stages}")
+    args = ["--partitions", str(stages), "--out", str(out)]
+    run_serial("pipeline_model_worker.py", ["--mode", "serial", *args])
+    run_workers("pipeline_model_worker.py", ["--mode", "pipeline", *args], stages, "store",
+                timeout=300)
+    return stages, out
+
+
+def test_every_rank_gets_the_serial_history_results_and_weights(runs):
+    stages, out = runs
+    ref = json.loads((out / "serial.rank0.json").read_text())
+    ref_arrays = dict(np.load(out / "serial.rank0.npz"))
+    local = []
+    for rank in range(stages):
+        got = json.loads((out / f"pipeline.rank{rank}.json").read_text())
+        arrays = dict(np.load(out / f"pipeline.rank{rank}.npz"))
+        assert set(got["history"]) == {"loss", "mae", "val_loss", "val_mae"}
+        for key, values in ref["history"].items():
+            np.testing.assert_allclose(got["history"][key], values, rtol=TOLERANCE,
+                                       err_msg=f"rank {rank}: History[{key!r}]")
+        np.testing.assert_allclose(got["evaluate"], ref["evaluate"], rtol=TOLERANCE)
+        assert set(arrays) == set(ref_arrays)
+        for name, value in ref_arrays.items():
+            rel = np.linalg.norm(arrays[name] - value) / np.linalg.norm(value)
+            assert rel <= TOLERANCE, f"rank {rank}: {name} differs from serial by {rel:.2e}"
+        assert got["count"] == ref["count"]
+        assert f"stage {rank} of {stages}" in got["repr"]
+        local.append(got["local_params"])
+        refused = got["refused"]
+        assert refused["save"].startswith("NotSupportedError: model.save(...) of a pipelined model")
+        assert refused["checkpoint"].startswith("NotSupportedError: ModelCheckpoint with a pipelined")
+        assert refused["micro_batch_size"].startswith("TypeError: fit(tnt_micro_batch_size=...)")
+    assert sum(local) == ref["count"] and all(n < ref["count"] for n in local)
+    assert (out / "w.weights.h5").exists()
+    assert ref["history"]["loss"][-1] < ref["history"]["loss"][0], "the model did not train"
+
+
+def _cut_model() -> keras.Model:
+    inp = keras.Input((4,))
+    x = tnt.keras.layers.SplitLayer()(keras.layers.Dense(4)(inp))
+    return keras.Model(inp, keras.layers.Dense(2)(x))
+
+
+def test_the_rank_count_must_match_the_partitions():
+    with pytest.raises(tnt.NotSupportedError, match=r"has 2 partitions \(1 cuts\), which need "
+                       r"exactly 2 ranks; this job has 1"):
+        tnt.Model(_cut_model(), parallel_strategy=tnt.ParallelStrategy.PIPELINING)
+
+
+def test_pipelining_arguments_are_checked():
+    inp = keras.Input((3,))
+    uncut = keras.Model(inp, keras.layers.Dense(1)(inp))
+    with pytest.raises(tnt.NotSupportedError, match=r"has no tnt\.keras\.layers\.SplitLayer"):
+        tnt.Model(uncut, parallel_strategy="pipelining")
+    with pytest.raises(ValueError, match=r"num_micro_batches=0\): .* a positive integer"):
+        tnt.Model(_cut_model(), parallel_strategy="pipeline", num_micro_batches=0)
+    with pytest.raises(TypeError, match="splits the batch of a pipeline"):
+        tnt.Model(_cut_model(), num_micro_batches=4)
+    with pytest.raises(TypeError, match="the same number by two names"):
+        tnt.Model(_cut_model(), parallel_strategy="pipelining", num_micro_batches=2,
+                  num_pipeline_stages=4)
+    with pytest.raises(tnt.NotSupportedError, match="data and pipeline parallelism combined is "
+                       "not implemented"):
+        tnt.Model(_cut_model(), parallel_strategy="all")

@@ -1,0 +1,73 @@
+"""``tnt.Model(..., PIPELINING)`` next to plain Keras: the same script, fit with
+validation, evaluate, predict and get_weights.
+
+``--mode serial``: plain Keras. ``--mode pipeline``: a rank of a launched job. Each writes
+``<mode>.rank<r>.npz`` (weights, predictions) and ``.json`` (History, evaluate, counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+from pipeline_worker import build, data
+
+EPOCHS, BATCH, MICRO = 3, 16, 3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["serial", "pipeline"], required=True)
+    parser.add_argument("--partitions", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    x, y = data()
+    vx, vy = x[:12] * 0.5, y[:12]
+    model = build(args.partitions)
+    rank, extra = 0, {}
+    if args.mode == "pipeline":
+        import tarantella as tnt
+
+        model = tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                          num_micro_batches=MICRO)
+        rank = tnt.get_rank()
+        extra = {"local_params": model.local_param_count, "repr": repr(model)}
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9), loss="mse",
+                  metrics=["mae"])
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, validation_data=(vx, vy),
+                        shuffle=True, verbose=0)
+    evaluation = model.evaluate(vx, vy, batch_size=5, verbose=0)
+    predictions = model.predict(x, batch_size=7, verbose=0)
+    weights = model.get_weights()
+    if args.mode == "pipeline":  # what is refused, on every rank alike
+        refused = {}
+        for name, call in {
+            "save": lambda: model.save(str(args.out / "m.keras")),
+            "checkpoint": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+                keras.callbacks.ModelCheckpoint(str(args.out / "c.keras"))]),
+            "micro_batch_size": lambda: model.fit(x, y, tnt_micro_batch_size=4, verbose=0),
+        }.items():
+            try:
+                call()
+                refused[name] = None
+            except Exception as exc:  # noqa: BLE001 - the message is the result
+                refused[name] = f"{type(exc).__name__}: {exc}"
+        extra["refused"] = refused
+        model.save_weights(str(args.out / "w.weights.h5"))
+    tag = f"{args.mode}.rank{rank}"
+    np.savez(args.out / f"{tag}.npz", predictions=predictions,
+             **{f"w{i}": w for i, w in enumerate(weights)})
+    (args.out / f"{tag}.json").write_text(json.dumps({
+        "history": history.history, "evaluate": evaluation, "count": model.count_params(),
+        **extra}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
