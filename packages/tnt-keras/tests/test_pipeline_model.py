@@ -1,7 +1,8 @@
 """``tnt.Model(model, parallel_strategy=PIPELINING, num_micro_batches=3)`` against plain
-Keras running the same script (workers/pipeline_model_worker.py): fit with shuffling and
-validation data, evaluate, predict and get_weights give the serial History, results and
-weights on every rank, for 2 and 3 stages; what is not supported is refused with one line.
+Keras running the same script (workers/pipeline_model_worker.py, on the gloo backend): fit
+with shuffling and validation data, evaluate, predict and get_weights give the serial
+History, results and weights on every rank, for 2 and 3 stages; what is not supported is
+refused with one line.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import numpy as np
 import pytest
 
 import tarantella as tnt
-from tnt_keras_helpers import run_serial, run_workers
+from tnt_keras_helpers import BACKENDS, run_serial, run_workers
 
 pytestmark = pytest.mark.timeout(600)
 
 TOLERANCE = 1e-5
+#: the backend users run (gloo, which has point-to-point); tnt-core's reference backend else
+BACKEND = "gloo" if "gloo" in BACKENDS else "store"
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
@@ -27,7 +30,7 @@ def runs(request, tmp_path_factory) -> tuple[int, Path]:
     out = tmp_path_factory.mktemp(f"pipelined-model-{stages}")
     args = ["--partitions", str(stages), "--out", str(out)]
     run_serial("pipeline_model_worker.py", ["--mode", "serial", *args])
-    run_workers("pipeline_model_worker.py", ["--mode", "pipeline", *args], stages, "store",
+    run_workers("pipeline_model_worker.py", ["--mode", "pipeline", *args], stages, BACKEND,
                 timeout=300)
     return stages, out
 
