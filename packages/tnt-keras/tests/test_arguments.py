@@ -194,11 +194,6 @@ def _tf1_optimizer() -> None:
 
 
 MISTAKES = [
-    ("combined strategy", lambda: tnt.Model(_model(), parallel_strategy="all"),
-     tnt.NotSupportedError,
-     "tnt.Model(parallel_strategy='all'): data and pipeline parallelism combined is not "
-     "implemented in this release; use tnt.ParallelStrategy.DATA (or 'data', the default) or "
-     "tnt.ParallelStrategy.PIPELINING ('pipelining')"),
     ("pipelining a Sequential model", lambda: tnt.Model(_model(), parallel_strategy="pipeline"),
      ValueError, "model 'sequential"),
     ("unknown strategy", lambda: tnt.Model(_model(), parallel_strategy="model"),

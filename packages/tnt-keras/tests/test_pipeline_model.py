@@ -1,7 +1,8 @@
-"""``tnt.Model(model, parallel_strategy=PIPELINING, num_micro_batches=3)`` against plain
+"""``tnt.Model(model, parallel_strategy=PIPELINING or ALL, num_micro_batches=3)`` against plain
 Keras running the same script (workers/pipeline_model_worker.py, on the gloo backend): fit
 with shuffling and validation data, evaluate, predict and get_weights give the serial
-History, results and weights on every rank, for 2 and 3 stages; what is not supported is
+History, results and weights on every rank, for 2 and 3 stages and for 2 pipelines of 2
+stages (ALL: each pipeline trains on its half of every batch); what is not supported is
 refused with one line.
 """
 
@@ -24,19 +25,22 @@ TOLERANCE = 1e-5
 BACKEND = "gloo" if "gloo" in BACKENDS else "store"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
+@pytest.fixture(scope="module", params=[(2, "pipelining", 2), (3, "pipelining", 3), (2, "all", 4)],
+                ids=["2-stages", "3-stages", "2-stages-x-2-pipelines"])
 def runs(request, tmp_path_factory) -> tuple[int, Path]:
-    stages = request.param
-    out = tmp_path_factory.mktemp(f"pipelined-model-{stages}")
+    stages, strategy, ranks = request.param
+    out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")
     args = ["--partitions", str(stages), "--out", str(out)]
     run_serial("pipeline_model_worker.py", ["--mode", "serial", *args])
-    run_workers("pipeline_model_worker.py", ["--mode", "pipeline", *args], stages, BACKEND,
-                timeout=300)
-    return stages, out
+    run_workers("pipeline_model_worker.py", ["--mode", "pipeline", "--strategy", strategy, *args],
+                ranks, BACKEND, timeout=400)
+    return ranks, out
 
 
 def test_every_rank_gets_the_serial_history_results_and_weights(runs):
-    stages, out = runs
+    ranks, out = runs
+    stages = len(list(out.glob("pipeline.rank*.json")))
+    assert stages == ranks
     ref = json.loads((out / "serial.rank0.json").read_text())
     ref_arrays = dict(np.load(out / "serial.rank0.npz"))
     local = []
@@ -53,13 +57,13 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
             rel = np.linalg.norm(arrays[name] - value) / np.linalg.norm(value)
             assert rel <= TOLERANCE, f"rank {rank}: {name} differs from serial by {rel:.2e}"
         assert got["count"] == ref["count"]
-        assert f"stage {rank} of {stages}" in got["repr"]
         local.append(got["local_params"])
         refused = got["refused"]
         assert refused["save"].startswith("NotSupportedError: model.save(...) of a pipelined model")
         assert refused["checkpoint"].startswith("NotSupportedError: ModelCheckpoint with a pipelined")
         assert refused["micro_batch_size"].startswith("TypeError: fit(tnt_micro_batch_size=...)")
-    assert sum(local) == ref["count"] and all(n < ref["count"] for n in local)
+    pipelines = 2 if "pipeline 0 of 2" in json.loads((out / "pipeline.rank0.json").read_text())["repr"] else 1
+    assert sum(local) == pipelines * ref["count"] and all(n < ref["count"] for n in local)
     assert (out / "w.weights.h5").exists()
     assert ref["history"]["loss"][-1] < ref["history"]["loss"][0], "the model did not train"
 
@@ -88,6 +92,7 @@ def test_pipelining_arguments_are_checked():
     with pytest.raises(TypeError, match="the same number by two names"):
         tnt.Model(_cut_model(), parallel_strategy="pipelining", num_micro_batches=2,
                   num_pipeline_stages=4)
-    with pytest.raises(tnt.NotSupportedError, match="data and pipeline parallelism combined is "
-                       "not implemented"):
+    assert tnt.ParallelStrategy.DATA | tnt.ParallelStrategy.PIPELINING is tnt.ParallelStrategy.ALL
+    with pytest.raises(tnt.NotSupportedError, match=r"ALL\): model .* has 2 partitions, so the "
+                       r"job needs a multiple of 2 ranks \(one pipeline per 2\); it has 1"):
         tnt.Model(_cut_model(), parallel_strategy="all")

@@ -165,8 +165,8 @@ def test_unsupported_uses_raise_with_advice():
         tnt.Model(object())
     with pytest.raises(TypeError, match="unexpected arguments"):
         tnt.Model(_mlp(), num_stages=2)
-    with pytest.raises(tnt.NotSupportedError, match=r"not implemented .*ParallelStrategy\.DATA"):
-        tnt.Model(_mlp(), parallel_strategy="all")
+    with pytest.raises(tnt.NotSupportedError, match=r"not a parallel strategy; use .*ParallelStrategy\.DATA"):
+        tnt.Model(_mlp(), parallel_strategy="tensor")
 
 
 def test_custom_steps_and_single_batches_run():

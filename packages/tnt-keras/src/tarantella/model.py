@@ -63,6 +63,16 @@ class ParallelStrategy(enum.Enum):
 
     DATA = "data"
     PIPELINING = "pipelining"
+    ALL = "all"
+
+    def __or__(self, other: object) -> ParallelStrategy:
+        """``DATA | PIPELINING`` is ``ALL``, as in the original Tarantella."""
+        if not isinstance(other, ParallelStrategy):
+            return NotImplemented
+        both = {self, other}
+        if both == {ParallelStrategy.DATA, ParallelStrategy.PIPELINING} or ParallelStrategy.ALL in both:
+            return ParallelStrategy.ALL
+        return self
 
 
 class _DistributedState:
@@ -112,7 +122,7 @@ def _distributed_class(cls: type) -> type:
 
 
 #: strategies of the Tarantella design that this release does not implement
-_NOT_IMPLEMENTED = {"all": "data and pipeline parallelism combined"}
+_NOT_IMPLEMENTED: dict[str, str] = {}
 _ALIASES = {"pipeline": ParallelStrategy.PIPELINING}
 
 
@@ -128,13 +138,14 @@ def _strategy(value: Any) -> ParallelStrategy:
                else "not a parallel strategy")
     raise NotSupportedError(
         f"tnt.Model(parallel_strategy={value!r}): {problem}; use tnt.ParallelStrategy.DATA "
-        "(or 'data', the default) or tnt.ParallelStrategy.PIPELINING ('pipelining')"
+        "(or 'data', the default), tnt.ParallelStrategy.PIPELINING ('pipelining') or "
+        "tnt.ParallelStrategy.ALL ('all')"
     )
 
 
 def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None) -> Model:
     strategy = _strategy(parallel_strategy)
-    if num_micro_batches is not None and strategy is not ParallelStrategy.PIPELINING:
+    if num_micro_batches is not None and strategy is ParallelStrategy.DATA:
         raise TypeError(f"tnt.Model(num_micro_batches={num_micro_batches!r}) splits the batch "
                         "of a pipeline: pass it with parallel_strategy=tnt.ParallelStrategy."
                         "PIPELINING")
@@ -151,10 +162,10 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
             f"tnt.Model wraps a keras.Model (Sequential, functional or sub-classed); got "
             f"{type(model).__name__}"
         )
-    if strategy is ParallelStrategy.PIPELINING:
+    if strategy is not ParallelStrategy.DATA:
         from .pipelined_model import pipelined
 
-        return pipelined(model, 1 if num_micro_batches is None else num_micro_batches)
+        return pipelined(model, 1 if num_micro_batches is None else num_micro_batches, strategy)
     object.__setattr__(model, "__class__", _distributed_class(type(model)))
     object.__setattr__(model, "_tnt", _DistributedState(tnt_core.init(), strategy))
     if getattr(model, "compiled", False):

@@ -96,11 +96,17 @@ class StageStep:
     :param loss: the ``keras.losses.Loss`` of the model's (single) output, reducing over
         the batch with ``sum_over_batch_size`` as compiled losses do.
     :param optimizer: this stage's optimizer (over its partition's weights only).
+    :param replicas: for data and pipeline parallelism combined, the group of this stage's
+        replicas (one per pipeline): their accumulated gradients are summed over it, in one
+        fused allreduce, before each applies the same update.
+    :param regularise: whether this stage adds its weight regularisation to the loss (one
+        replica of each stage does, so that the sum over replicas counts it once).
     """
 
     def __init__(self, parts: Partitioning, stage: int, backend: tnt_core.CommBackend, *,
                  loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
-                 ranks: Sequence[int] | None = None) -> None:
+                 ranks: Sequence[int] | None = None, replicas: tnt_core.CommBackend | None = None,
+                 regularise: bool = True) -> None:
         if not backend.supports("p2p"):
             raise NotSupportedError(
                 f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
@@ -116,6 +122,7 @@ class StageStep:
         self.num_micro_batches = int(num_micro_batches)
         self.ranks = list(ranks) if ranks is not None else list(range(parts.num_partitions))
         self.first, self.last = stage == 0, stage == parts.num_partitions - 1
+        self.replicas, self.regularise = replicas, regularise
         self.weights = list(self.model.trainable_weights)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
@@ -138,13 +145,18 @@ class StageStep:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def train(self, x: Any, y: Any, sample_weight: Any = None) -> float:
+    def train(self, x: Any, y: Any, sample_weight: Any = None, *,
+              global_batch: int | None = None) -> float:
         """One optimizer step on the global batch ``(x, y)`` (``x`` is read on the first
         stage, ``y`` and ``sample_weight`` on the last; every stage needs the batch's size
         from ``y``). Returns this stage's part of the batch's loss (the compiled loss on the
-        last stage, plus each stage's weight regularisation): their sum is the loss."""
-        batch = int(tf.shape(_flat(y)[0])[0])
-        sizes = micro_batch_sizes(batch, self.num_micro_batches)
+        last stage, plus each stage's weight regularisation): their sum is the loss.
+
+        With replicas, ``(x, y)`` is this pipeline's share of a global batch of
+        ``global_batch`` samples: the loss is the global batch's mean."""
+        local = int(tf.shape(_flat(y)[0])[0])
+        batch = global_batch or local
+        sizes = micro_batch_sizes(local, self.num_micro_batches)
         xs = [list(part) for part in zip(*[_split(t, sizes) for t in _flat(x)])] if self.first else None
         ys = _split(y, sizes) if self.last else None
         sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
@@ -165,7 +177,7 @@ class StageStep:
                 if self.last:
                     assert ys is not None
                     loss = self.loss(ys[k], outputs, sample_weight=sws[k]) * (b / batch)
-                if k == 0 and self.model.losses:  # weight regularisation: once per step
+                if k == 0 and self.regularise and self.model.losses:  # once per step
                     regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
                     loss = regularisation if loss is None else loss + regularisation
             flat_out = _flat(outputs)
@@ -198,10 +210,30 @@ class StageStep:
                 accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
             if not self.first:
                 pending += self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD)
-        self.optimizer.apply(accumulated, self.weights)
+        grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
+        if self.replicas is not None:
+            grads = self._sum_over_replicas(grads)
+        self.optimizer.apply(grads, self.weights)
         tnt_core.wait_all(pending)
         self.predictions = _concat(predictions) if self.last else None
         return total
+
+    def _sum_over_replicas(self, grads: list[Any]) -> list[Any]:
+        """The replicas' gradients summed (each computed its share of the global batch's
+        mean loss), one allreduce per dtype."""
+        assert self.replicas is not None
+        arrays = [np.asarray(g) for g in grads]
+        out: list[Any] = [None] * len(arrays)
+        for dtype in sorted({a.dtype for a in arrays}, key=str):
+            members = [i for i, a in enumerate(arrays) if a.dtype == dtype]
+            flat = np.concatenate([arrays[i].reshape(-1) for i in members])
+            summed = self.replicas.allreduce(flat)
+            offset = 0
+            for i in members:
+                size = arrays[i].size
+                out[i] = tf.convert_to_tensor(summed[offset:offset + size].reshape(arrays[i].shape))
+                offset += size
+        return out
 
     def forward(self, x: Any, batch: int) -> float:
         """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by
@@ -226,7 +258,7 @@ class StageStep:
                 pending += self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
         tnt_core.wait_all(pending)
         self.predictions = _concat(predictions) if self.last else None
-        losses = self.model.losses
+        losses = self.model.losses if self.regularise else []
         return float(tf.add_n([tf.cast(r, tf.float32) for r in losses])) if losses else 0.0
 
     def _routes_out(self) -> list[int]:

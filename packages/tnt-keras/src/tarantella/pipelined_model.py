@@ -50,11 +50,30 @@ class _FunctionLoss(keras.losses.Loss):
 
 
 class _PipelineState(_DistributedState):
-    def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int) -> None:
-        super().__init__(runtime, ParallelStrategy.PIPELINING)
+    """Rank ``r`` is stage ``r % P`` of pipeline (replica) ``r // P``: a pipeline's stages
+    are consecutive ranks, talking point-to-point in the group ``pipe``; with replicas,
+    each stage's replicas sum their gradients in the group ``replicas``."""
+
+    def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,
+                 strategy: ParallelStrategy) -> None:
+        super().__init__(runtime, strategy)
+        stages = parts.num_partitions
         self.parts = parts
-        self.stage = runtime.rank
+        self.stage, self.replica = runtime.rank % stages, runtime.rank // stages
+        self.num_replicas = runtime.size // stages
         self.num_micro_batches = num_micro_batches
+        backend = runtime.backend
+        self.pipe: tnt_core.CommBackend = backend
+        self.replicas: tnt_core.CommBackend | None = None
+        if self.num_replicas > 1:  # every rank takes part in making every group
+            for r in range(self.num_replicas):
+                group = backend.split([r * stages + s for s in range(stages)])
+                if group is not None:
+                    self.pipe = group
+            for stage in range(stages):
+                group = backend.split([r * stages + stage for r in range(self.num_replicas)])
+                if group is not None:
+                    self.replicas = group
         self.step: StageStep | None = None
         self.loss: Any = None  # the compiled loss, as a keras.losses.Loss
         #: which rank trains each of the model's weights (the stage whose partition holds it)
@@ -92,8 +111,10 @@ def _pipelined_class(cls: type) -> type:
     return sub
 
 
-def pipelined(model: keras.Model, num_micro_batches: Any) -> PipelinedModel:
-    """Make ``model`` a pipelined ``tnt.Model`` (``tnt.Model`` calls this)."""
+def pipelined(model: keras.Model, num_micro_batches: Any,
+              strategy: ParallelStrategy = ParallelStrategy.PIPELINING) -> PipelinedModel:
+    """Make ``model`` a pipelined ``tnt.Model`` (``tnt.Model`` calls this); with
+    ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them."""
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, (int, np.integer)) \
             or num_micro_batches < 1:
         raise ValueError(f"tnt.Model(num_micro_batches={num_micro_batches!r}): the number of "
@@ -105,12 +126,18 @@ def pipelined(model: keras.Model, num_micro_batches: Any) -> PipelinedModel:
             f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has no "
             "tnt.keras.layers.SplitLayer, so there is nothing to pipeline; mark the cuts with "
             "SplitLayer, or use ParallelStrategy.DATA")
-    if runtime.size != parts.num_partitions:
+    stages = parts.num_partitions
+    if strategy is ParallelStrategy.PIPELINING and runtime.size != stages:
         raise NotSupportedError(
-            f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has "
-            f"{parts.num_partitions} partitions ({len(parts.cuts)} cuts), which need exactly "
-            f"{parts.num_partitions} ranks; this job has {runtime.size} (tnt run -n "
-            f"{parts.num_partitions} ...)")
+            f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has {stages} "
+            f"partitions ({len(parts.cuts)} cuts), which need exactly {stages} ranks; this job "
+            f"has {runtime.size} (tnt run -n {stages} ...; for several pipelines use "
+            "ParallelStrategy.ALL)")
+    if strategy is ParallelStrategy.ALL and runtime.size % stages:
+        raise NotSupportedError(
+            f"tnt.Model(parallel_strategy=ALL): model {model.name!r} has {stages} partitions, "
+            f"so the job needs a multiple of {stages} ranks (one pipeline per {stages}); it "
+            f"has {runtime.size}")
     if len(model.outputs) != 1:
         raise NotSupportedError(
             f"model {model.name!r} has {len(model.outputs)} outputs: pipelining trains "
@@ -119,13 +146,18 @@ def pipelined(model: keras.Model, num_micro_batches: Any) -> PipelinedModel:
         raise NotSupportedError(
             f"pipelining needs point-to-point messages, which the {runtime.backend.name!r} "
             "backend does not provide; use one that does (tnt run --backend mpi)")
-    check_stage_model(parts.models[runtime.rank], runtime.rank)
-    object.__setattr__(model, "__class__", _pipelined_class(type(model)))
-    object.__setattr__(model, "_tnt", _PipelineState(runtime, parts, int(num_micro_batches)))
     if getattr(model, "compiled", False):
         raise NotSupportedError(
-            f"model {model.name!r} was compiled before tnt.Model(..., PIPELINING): compile it "
-            "after, so that each stage's optimizer gets its own weights")
+            f"model {model.name!r} was compiled before tnt.Model(..., {strategy.name}): compile "
+            "it after, so that each stage's optimizer gets its own weights")
+    if strategy is ParallelStrategy.ALL and not runtime.backend.supports("groups"):
+        raise NotSupportedError(
+            f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
+            "backend does not provide; use one that does (gloo, mpi)")
+    check_stage_model(parts.models[runtime.rank % stages], runtime.rank % stages)
+    state = _PipelineState(runtime, parts, int(num_micro_batches), strategy)
+    object.__setattr__(model, "__class__", _pipelined_class(type(model)))
+    object.__setattr__(model, "_tnt", state)
     return model
 
 
@@ -145,8 +177,10 @@ class PipelinedModel(Model):
 
     def __repr__(self) -> str:
         runtime = self._tnt.runtime
-        return (f"<tnt.Model {self.name!r} (pipelined, stage {self._tnt.stage} of "
-                f"{self._tnt.parts.num_partitions}) on rank {runtime.rank}/{runtime.size}>")
+        state = self._tnt
+        replica = f", pipeline {state.replica} of {state.num_replicas}" if state.num_replicas > 1 else ""
+        return (f"<tnt.Model {self.name!r} (pipelined, stage {state.stage} of "
+                f"{state.parts.num_partitions}{replica}) on rank {runtime.rank}/{runtime.size}>")
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -180,24 +214,43 @@ class PipelinedModel(Model):
                             weighted_metrics=weighted_metrics, run_eagerly=True,
                             jit_compile=False, auto_scale_loss=auto_scale_loss)
         self._tnt_check_compiled()
-        self._tnt.step = StageStep(self._tnt.parts, self._tnt.stage, self._tnt.runtime.backend,
-                                   loss=loss_obj, optimizer=self.optimizer,
-                                   num_micro_batches=self._tnt.num_micro_batches)
+        self._tnt.step = self._tnt_stage_step(loss_obj, self.optimizer)
         self._tnt.loss = loss_obj
+
+    def _tnt_stage_step(self, loss: keras.losses.Loss, optimizer: Any) -> StageStep:
+        state = self._tnt
+        return StageStep(state.parts, state.stage, state.pipe, loss=loss, optimizer=optimizer,
+                         num_micro_batches=state.num_micro_batches, replicas=state.replicas,
+                         regularise=state.replica == 0)
 
     # -- the steps -------------------------------------------------------------------------------
 
+    def _tnt_share(self, batch: int) -> slice:
+        """This pipeline's rows of a global batch of ``batch`` samples."""
+        state = self._tnt
+        return tnt_core.micro_batch_slice(batch, state.replica, state.num_replicas, allow_empty=True)
+
     def _tnt_outputs(self, batch: int) -> Any:
-        """The last stage's outputs of the latest step, on every rank."""
+        """The model's outputs for the whole batch, on every rank: the last stage's, or with
+        several pipelines each last stage's rows (an allreduce of the rows over zeros,
+        which adds nothing to them)."""
         state = self._tnt
         last = state.parts.num_partitions - 1
         spec = self.outputs[0]
-        buf = np.empty((batch, *[int(d) for d in spec.shape[1:]]),
+        buf = np.zeros((batch, *[int(d) for d in spec.shape[1:]]),
                        dtype=tf.as_dtype(spec.dtype).as_numpy_dtype)
-        if state.stage == last:
+        share = self._tnt_share(batch)
+        if state.stage == last and share.stop > share.start:
             assert state.step is not None
-            buf[...] = np.asarray(state.step.predictions)
-        return tf.convert_to_tensor(state.runtime.backend.broadcast(buf, root=last))
+            buf[share] = np.asarray(state.step.predictions)
+        backend = state.runtime.backend
+        if state.num_replicas == 1:
+            return tf.convert_to_tensor(backend.broadcast(buf, root=last))
+        return tf.convert_to_tensor(backend.allreduce(buf))
+
+    def _tnt_rows(self, values: Any, share: slice) -> Any:
+        return tf.nest.map_structure(lambda v: None if v is None else v[share.start:share.stop],
+                                     values)
 
     def _tnt_sum(self, value: float) -> float:
         return float(self._tnt.runtime.backend.allreduce(np.array([value], np.float64))[0])
@@ -230,14 +283,18 @@ class PipelinedModel(Model):
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
         x, y, sample_weight, batch = self._tnt_batch(data)
-        loss = self._tnt_sum(state.step.train(x, y, sample_weight))
-        return self._tnt_logs(x, y, sample_weight, batch, loss)
+        share = self._tnt_share(batch)
+        part = state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
+                                self._tnt_rows(sample_weight, share), global_batch=batch)
+        return self._tnt_logs(x, y, sample_weight, batch, self._tnt_sum(part))
 
     def test_step(self, data: Any) -> Any:
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
         x, y, sample_weight, batch = self._tnt_batch(data)
-        regularisation = self._tnt_sum(state.step.forward(x, batch))
+        share = self._tnt_share(batch)
+        regularisation = self._tnt_sum(state.step.forward(self._tnt_rows(x, share),
+                                                          share.stop - share.start))
         y_pred = self._tnt_outputs(batch)
         loss = float(state.loss(y, y_pred, sample_weight=sample_weight)) + regularisation
         return self._tnt_logs(x, y, sample_weight, batch, loss, y_pred)
@@ -247,11 +304,10 @@ class PipelinedModel(Model):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
         if state.step is None:  # predict before compile: a step without loss or optimizer
-            state.step = StageStep(state.parts, state.stage, state.runtime.backend,
-                                   loss=keras.losses.MeanSquaredError(),
-                                   optimizer=keras.optimizers.SGD(),
-                                   num_micro_batches=state.num_micro_batches)
-        state.step.forward(x, batch)
+            state.step = self._tnt_stage_step(keras.losses.MeanSquaredError(),
+                                              keras.optimizers.SGD())
+        share = self._tnt_share(batch)
+        state.step.forward(self._tnt_rows(x, share), share.stop - share.start)
         return self._tnt_outputs(batch)
 
     def _tnt_logs(self, x: Any, y: Any, sample_weight: Any, batch: int, loss: float,

@@ -24,6 +24,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["serial", "pipeline"], required=True)
     parser.add_argument("--partitions", type=int, required=True)
+    parser.add_argument("--strategy", choices=["pipelining", "all"], default="pipelining")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -34,8 +35,9 @@ def main() -> int:
     if args.mode == "pipeline":
         import tarantella as tnt
 
-        model = tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                          num_micro_batches=MICRO)
+        strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
+                    else tnt.ParallelStrategy.DATA | tnt.ParallelStrategy.PIPELINING)
+        model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
         rank = tnt.get_rank()
         extra = {"local_params": model.local_param_count, "repr": repr(model)}
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9), loss="mse",
