@@ -14,6 +14,8 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from pipeline_model_worker import EPOCHS
+from pipeline_worker import build
 
 import tarantella as tnt
 from tnt_keras_helpers import BACKENDS, run_serial, run_workers
@@ -34,17 +36,16 @@ def runs(request, tmp_path_factory) -> tuple[int, Path]:
     run_serial("pipeline_model_worker.py", ["--mode", "serial", *args])
     run_workers("pipeline_model_worker.py", ["--mode", "pipeline", "--strategy", strategy, *args],
                 ranks, BACKEND, timeout=400)
-    return ranks, out
+    return ranks, stages, out
 
 
 def test_every_rank_gets_the_serial_history_results_and_weights(runs):
-    ranks, out = runs
-    stages = len(list(out.glob("pipeline.rank*.json")))
-    assert stages == ranks
+    ranks, partitions, out = runs
+    assert len(list(out.glob("pipeline.rank*.json"))) == ranks
     ref = json.loads((out / "serial.rank0.json").read_text())
     ref_arrays = dict(np.load(out / "serial.rank0.npz"))
     local = []
-    for rank in range(stages):
+    for rank in range(ranks):
         got = json.loads((out / f"pipeline.rank{rank}.json").read_text())
         arrays = dict(np.load(out / f"pipeline.rank{rank}.npz"))
         assert set(got["history"]) == {"loss", "mae", "val_loss", "val_mae"}
@@ -61,10 +62,18 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
         refused = got["refused"]
         assert refused["save"].startswith("NotSupportedError: model.save(...) of a pipelined model")
         assert refused["checkpoint"].startswith("NotSupportedError: ModelCheckpoint with a pipelined")
+        assert refused["checkpoint_batches"].startswith(
+            "NotSupportedError: ModelCheckpoint(save_freq=2) with a pipelined model")
         assert refused["micro_batch_size"].startswith("TypeError: fit(tnt_micro_batch_size=...)")
     pipelines = 2 if "pipeline 0 of 2" in json.loads((out / "pipeline.rank0.json").read_text())["repr"] else 1
     assert sum(local) == pipelines * ref["count"] and all(n < ref["count"] for n in local)
     assert (out / "w.weights.h5").exists()
+    # the master-only CSVLogger wrote once, the epoch checkpoint the serial weights
+    assert (out / "log.csv").read_text().count("\n") == 1 + EPOCHS
+    restored = build(partitions)
+    restored.load_weights(out / "epoch.weights.h5")
+    for i, w in enumerate(restored.get_weights()):
+        np.testing.assert_allclose(w, ref_arrays[f"w{i}"], rtol=1e-4, atol=1e-6)
     assert ref["history"]["loss"][-1] < ref["history"]["loss"][0], "the model did not train"
 
 

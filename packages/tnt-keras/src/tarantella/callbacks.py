@@ -207,9 +207,10 @@ class _Coordinator(keras.callbacks.Callback):
     """
 
     def __init__(self, runtime: tnt_core.Runtime, sync_stop: bool, local_logs: bool = False,
-                 adapters: Sequence[Any] = ()) -> None:
+                 adapters: Sequence[Any] = (), broadcast_weights: bool = True) -> None:
         super().__init__()
         self.runtime = runtime
+        self.broadcast_weights = broadcast_weights
         self.sync_stop = sync_stop and runtime.size > 1
         self.local_logs = local_logs
         self.adapters = list(adapters)
@@ -219,7 +220,7 @@ class _Coordinator(keras.callbacks.Callback):
         return None if state is None else state.local_increments(kind)
 
     def _adapter(self, index: int, hook: str) -> None:
-        if index < len(self.adapters) and self.adapters[index] is not None:
+        if 0 <= index < len(self.adapters) and self.adapters[index] is not None:
             getattr(self.adapters[index], hook)()
 
     def set_model(self, model: Any) -> None:
@@ -231,7 +232,8 @@ class _Coordinator(keras.callbacks.Callback):
                 local.reset()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        broadcast_model_state(self.model, self.runtime)
+        if self.broadcast_weights:
+            broadcast_model_state(self.model, self.runtime)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         local = self._local("train")  # Keras reset the metrics before this hook
@@ -288,10 +290,13 @@ class _Position(keras.callbacks.Callback):
 
 
 def distribute_callbacks(callbacks: Sequence[Any], model: Any, runtime: tnt_core.Runtime,
-                         adapters: Sequence[Any] = ()) -> list[keras.callbacks.Callback]:
+                         adapters: Sequence[Any] = (), *,
+                         broadcast_weights: bool = True) -> list[keras.callbacks.Callback]:
     """The user's callbacks as they run on this rank, plus tarantella's coordinator.
 
     ``adapters``: Keras' data adapters of the loop (training first, then validation).
+    ``broadcast_weights``: the master's model and optimizer state to every rank when
+    training begins (a pipelined model's ranks hold different optimizer state: no).
     """
     hook = runtime.plugin_manager.hook.tnt_wrap_callback
     context = {"rank": runtime.rank, "size": runtime.size, "framework": "keras", "model": model}
@@ -305,5 +310,5 @@ def distribute_callbacks(callbacks: Sequence[Any], model: Any, runtime: tnt_core
                                                            keras.callbacks.BackupAndRestore))
                     for cb in out)
     local_logs = any(isinstance(cb, Callback) and not cb.aggregate_logs for cb in out)
-    out.append(_Coordinator(runtime, sync_stop, local_logs, adapters))
+    out.append(_Coordinator(runtime, sync_stop, local_logs, adapters, broadcast_weights))
     return out

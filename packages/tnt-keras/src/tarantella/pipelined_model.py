@@ -12,8 +12,9 @@ weight is broadcast from the stage that trains it, so ``get_weights``, ``save_we
 callbacks at epoch end see the whole trained model on every rank.
 
 What is not supported yet is refused with a message saying what to do: several outputs,
-``loss_weights``, a custom ``train_step``, callbacks that write the model or its
+``loss_weights``, a custom ``train_step``, callbacks that write the model with its
 optimizer state (each stage's optimizer holds only its own slots), ``model.save``.
+Callbacks otherwise run as for DATA: writers on the master only.
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ import tensorflow as tf
 
 import tnt_core
 
+from .callbacks import distribute_callbacks
 from .errors import NotSupportedError, user_facing
 from .model import Model, ParallelStrategy, _DistributedState
 from .partition import Partitioning, partition
 from .pipeline import StageStep, check_stage_model
 
 __all__ = ["PipelinedModel", "pipelined"]
-
-#: callbacks that write the model or its optimizer state (refused for now, see module doc)
-_WRITERS = (keras.callbacks.BackupAndRestore, keras.callbacks.ModelCheckpoint)
 
 
 class _FunctionLoss(keras.losses.Loss):
@@ -346,15 +345,29 @@ class PipelinedModel(Model):
             self._tnt.needs_broadcast = False
 
     def _tnt_loop_callbacks(self, callbacks: Any, *, train: bool) -> list[Any]:
+        """The user's callbacks as DATA runs them (writers on the master only, tnt
+        Callback wrappers honoured, a master's stop request stops every rank), after the
+        weight gathering; what would write stale or partial state is refused."""
         callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                          else callbacks or [])
         for cb in callbacks:
-            if isinstance(cb, _WRITERS):
+            inner = getattr(cb, "keras_callback", cb)
+            if isinstance(inner, keras.callbacks.BackupAndRestore) or (
+                    isinstance(inner, keras.callbacks.ModelCheckpoint)
+                    and not inner.save_weights_only):
                 raise NotSupportedError(
-                    f"{type(cb).__name__} with a pipelined model: each stage's optimizer holds "
-                    "only its own state, which this release does not gather into one file; "
-                    "save the trained weights with model.save_weights(...) after fit")
-        return ([_WeightSync(self)] if train else []) + callbacks
+                    f"{type(inner).__name__} with a pipelined model: each stage's optimizer "
+                    "holds only its own state, which this release does not gather into one "
+                    "file; use ModelCheckpoint(..., save_weights_only=True) (the whole model's "
+                    "weights, gathered at each epoch's end)")
+            if isinstance(inner, keras.callbacks.ModelCheckpoint) and inner.save_freq != "epoch":
+                raise NotSupportedError(
+                    f"ModelCheckpoint(save_freq={inner.save_freq!r}) with a pipelined model: the "
+                    "whole model's weights are gathered at each epoch's end; use "
+                    "save_freq='epoch'")
+        runtime = self._tnt.runtime
+        wrapped = distribute_callbacks(callbacks, self, runtime, broadcast_weights=False)
+        return ([_WeightSync(self)] if train else []) + wrapped
 
     @user_facing
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,

@@ -42,8 +42,11 @@ def main() -> int:
         extra = {"local_params": model.local_param_count, "repr": repr(model)}
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9), loss="mse",
                   metrics=["mae"])
+    callbacks = [] if args.mode == "serial" else [  # run on the master only: written once
+        keras.callbacks.CSVLogger(str(args.out / "log.csv")),
+        keras.callbacks.ModelCheckpoint(str(args.out / "epoch.weights.h5"), save_weights_only=True)]
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, validation_data=(vx, vy),
-                        shuffle=True, verbose=0)
+                        shuffle=True, verbose=0, callbacks=callbacks)
     evaluation = model.evaluate(vx, vy, batch_size=5, verbose=0)
     predictions = model.predict(x, batch_size=7, verbose=0)
     weights = model.get_weights()
@@ -53,6 +56,9 @@ def main() -> int:
             "save": lambda: model.save(str(args.out / "m.keras")),
             "checkpoint": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
                 keras.callbacks.ModelCheckpoint(str(args.out / "c.keras"))]),
+            "checkpoint_batches": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+                keras.callbacks.ModelCheckpoint(str(args.out / "c.weights.h5"),
+                                                save_weights_only=True, save_freq=2)]),
             "micro_batch_size": lambda: model.fit(x, y, tnt_micro_batch_size=4, verbose=0),
         }.items():
             try:
