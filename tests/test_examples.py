@@ -27,7 +27,8 @@ TESTED_ELSEWHERE = {
     "quickstart/lenet5.py": ROOT / "packages" / "tnt-keras" / "tests" / "test_examples.py",
 }
 #: examples run by this file
-TESTED_HERE = ("resnet/resnet.py", "transformer/transformer.py", "callbacks/callbacks.py")
+TESTED_HERE = ("resnet/resnet.py", "transformer/transformer.py", "callbacks/callbacks.py",
+               "pipelining/pipelined_mlp.py")
 
 
 def tnt_command() -> str:
@@ -102,3 +103,13 @@ def test_callbacks_master_only_and_rank_local(tmp_path):
     assert [r["steps"] for r in local[0]] == [r["steps"] for r in local[1]]
     job_loss = [round(float(r["loss"]), 4) for r in rows]
     assert [float(r["loss"]) for r in local[0]] != job_loss != [float(r["loss"]) for r in local[1]]
+
+
+def test_pipelined_mlp_trains_as_serial_keras(tmp_path):
+    out = run_example("pipelining/pipelined_mlp.py", "--epochs", "2", "--compare-serial",
+                      "--save-weights", str(tmp_path / "mlp.weights.h5"))
+    assert "pipelined (2 stages x 1 pipeline(s), 4 micro-batches): test accuracy 0." in out, out[-3000:]
+    assert "rank 0: stage 0 holds 82432 of 182410 parameters" in out, out[-3000:]
+    diff = re.search(r"largest relative weight difference, pipelined vs serial: (\S+)", out)
+    assert diff and float(diff.group(1)) < 1e-10, out[-3000:]  # float64: round-off only
+    assert (tmp_path / "mlp.weights.h5").stat().st_size > 0

@@ -105,3 +105,31 @@ def test_pipelining_arguments_are_checked():
     with pytest.raises(tnt.NotSupportedError, match=r"ALL\): model .* has 2 partitions, so the "
                        r"job needs a multiple of 2 ranks \(one pipeline per 2\); it has 1"):
         tnt.Model(_cut_model(), parallel_strategy="all")
+
+
+def test_a_stage_killed_mid_pipeline_ends_the_job_naming_it(tmp_path):
+    """Rank 1 (the last stage) is SIGKILLed in epoch 2 while stage 0 waits for its
+    gradients: tnt run ends the job within seconds, not at the 60 s collective timeout."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from tnt_keras_helpers import WORKERS
+
+    tnt = shutil.which("tnt", path=str(Path(sys.executable).parent))
+    assert tnt, "the tnt command (tnt-cli) is not installed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([tnt, "run", "-n", "2", "--timeout", "60", "--output-on-all-devices",
+                           "--", str(WORKERS / "pipeline_kill_worker.py")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    ended = time.time()
+    output = proc.stdout + proc.stderr
+    killed = re.search(r"killing rank 1 at (\d+\.\d+)", output)
+    assert killed, output[-4000:]
+    assert proc.returncode == 137, output[-4000:]
+    assert "tnt run: rank 1 on localhost failed: exited with code 137 (signal SIGKILL?)" in output
+    assert ended - float(killed.group(1)) < 15, f"the job took {ended - float(killed.group(1)):.1f} s to end"
