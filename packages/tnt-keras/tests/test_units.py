@@ -385,7 +385,7 @@ def test_checkpoints_of_master_only_callbacks_are_written_atomically(tmp_path):
     def spy(self, filepath, *args, **kwargs):
         from tarantella import files
 
-        seen.append(files._writes_locally())
+        seen.append(files.writes_locally())
         return original(self, filepath, *args, **kwargs)
 
     tnt.Model.save = spy

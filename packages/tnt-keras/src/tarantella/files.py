@@ -24,7 +24,7 @@ import numpy as np
 
 import tnt_core
 
-__all__ = ["local_writes", "write_collectively"]
+__all__ = ["local_writes", "write_collectively", "writes_locally"]
 
 _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
 _local = threading.local()
@@ -41,7 +41,8 @@ def local_writes() -> Iterator[None]:
         _local.depth = depth
 
 
-def _writes_locally() -> bool:
+def writes_locally() -> bool:
+    """True inside :func:`local_writes` (a master-only callback): no collective may run."""
     return getattr(_local, "depth", 0) > 0
 
 
@@ -90,7 +91,7 @@ def write_collectively(write: Callable[[str], None], filepath: Any, *, overwrite
     """
     runtime = runtime or tnt_core.init()
     path = os.fspath(filepath)
-    local = _writes_locally()
+    local = writes_locally()
     error: BaseException | None = None
     if local or all_devices or runtime.is_master:
         if not overwrite and os.path.exists(path):

@@ -11,10 +11,12 @@ serial Keras'. The model stays whole: at the end of every epoch and of ``fit``, 
 weight is broadcast from the stage that trains it, so ``get_weights``, ``save_weights`` and
 callbacks at epoch end see the whole trained model on every rank.
 
-What is not supported yet is refused with a message saying what to do: several outputs,
-``loss_weights``, a custom ``train_step``, callbacks that write the model with its
-optimizer state (each stage's optimizer holds only its own slots), ``model.save``.
-Callbacks otherwise run as for DATA: writers on the master only.
+``save``/``save_weights`` (and ``ModelCheckpoint`` at epoch ends) write what serial Keras
+writes: the whole model with one optimizer holding every stage's state, gathered from the
+stages. What is not supported yet is refused with a message saying what to do: several
+outputs, ``loss_weights``, a custom ``train_step``, ``BackupAndRestore`` (restoring the
+stages' optimizer state), checkpoints in the middle of an epoch. Callbacks otherwise run
+as for DATA: writers on the master only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tnt_core
 
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError, user_facing
+from .files import writes_locally
 from .model import Model, ParallelStrategy, _DistributedState
 from .partition import Partitioning, partition
 from .pipeline import StageStep, check_stage_model
@@ -75,24 +78,30 @@ class _PipelineState(_DistributedState):
                     self.replicas = group
         self.step: StageStep | None = None
         self.loss: Any = None  # the compiled loss, as a keras.losses.Loss
+        #: the optimizer over the whole model holding every stage's state, as gathered last
+        #: (what save/save_weights write), and whether nothing was trained since
+        self.whole_optimizer: keras.optimizers.Optimizer | None = None
+        self.gathered = False
         #: which rank trains each of the model's weights (the stage whose partition holds it)
         self.owners: dict[int, int] = {id(w): p for p in range(parts.num_partitions)
                                        for w in parts.models[p].weights}
 
 
 class _WeightSync(keras.callbacks.Callback):
-    """Every weight from its stage to every rank, at each epoch's end (before the user's
-    callbacks) and when training ends."""
+    """The whole model on every rank: every weight (and, before a checkpoint callback and
+    when training ends, every stage's optimizer state) from its stage, at each epoch's end
+    before the user's callbacks see it."""
 
-    def __init__(self, model: PipelinedModel) -> None:
+    def __init__(self, model: PipelinedModel, checkpoints: bool) -> None:
         super().__init__()
         self._model = model
+        self._checkpoints = checkpoints
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._model._tnt_gather_weights()  # noqa: SLF001 - the class's own helper
+        self._model._tnt_gather(optimizer=self._checkpoints)  # noqa: SLF001 - its own helper
 
     def on_train_end(self, logs: Any = None) -> None:
-        self._model._tnt_gather_weights()  # noqa: SLF001
+        self._model._tnt_gather(optimizer=True)  # noqa: SLF001
 
 
 _CLASSES: dict[type, type] = {}
@@ -201,6 +210,7 @@ class PipelinedModel(Model):
             raise NotSupportedError(
                 f"{type(self).__name__} overrides train_step: a pipelined model runs its own "
                 "step per stage; use ParallelStrategy.DATA for custom steps")
+        user_loss = loss  # what Keras compiles (and saves in the model's compile config)
         if isinstance(loss, (list, tuple, dict)):
             loss = _single(loss, "loss")
         loss_obj = keras.losses.get(loss)
@@ -209,7 +219,7 @@ class PipelinedModel(Model):
         if steps_per_execution != 1:
             raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
                                     "eagerly, one batch at a time; leave it at 1")
-        keras.Model.compile(self, optimizer=optimizer, loss=loss_obj, metrics=metrics,
+        keras.Model.compile(self, optimizer=optimizer, loss=user_loss, metrics=metrics,
                             weighted_metrics=weighted_metrics, run_eagerly=True,
                             jit_compile=False, auto_scale_loss=auto_scale_loss)
         self._tnt_check_compiled()
@@ -283,6 +293,7 @@ class PipelinedModel(Model):
         assert state.step is not None, "compile() makes the stage's step"
         x, y, sample_weight, batch = self._tnt_batch(data)
         share = self._tnt_share(batch)
+        state.gathered = False
         part = state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
                                 self._tnt_rows(sample_weight, share), global_batch=batch)
         return self._tnt_logs(x, y, sample_weight, batch, self._tnt_sum(part))
@@ -321,6 +332,57 @@ class PipelinedModel(Model):
 
     # -- the loops ---------------------------------------------------------------------------
 
+    def _tnt_gather(self, optimizer: bool) -> None:
+        """The whole model on every rank: the weights, and with ``optimizer`` the
+        optimizer state (:meth:`_tnt_whole_optimizer`). A collective of all ranks."""
+        self._tnt_gather_weights()
+        if optimizer:
+            self._tnt.whole_optimizer = self._tnt_whole_optimizer()
+            self._tnt.gathered = True
+
+    def _tnt_whole_optimizer(self) -> keras.optimizers.Optimizer | None:
+        """The optimizer a serial run would hold: built over all trainable weights, each
+        variable (a slot, the iteration count) the value of the stage that holds it. Its
+        variables are named after the weights (``adam/dense_kernel_momentum``), so a
+        stage's variable is the whole optimizer's of the same path."""
+        stage_optimizer = getattr(self, "optimizer", None)
+        if stage_optimizer is None or not stage_optimizer.built:
+            return None
+        state = self._tnt
+        backend = state.runtime.backend
+        whole = type(stage_optimizer).from_config(stage_optimizer.get_config())
+        whole.build(self.trainable_variables)
+        mine = {v.path: v for v in stage_optimizer.variables}
+        holds = np.array([state.stage + 1 if v.path in mine and state.replica == 0 else 0
+                          for v in whole.variables], np.int64)
+        owners = backend.allreduce(holds, "max") - 1  # the owning stage is rank `stage`
+        for v, owner in zip(whole.variables, owners):
+            if owner < 0:
+                raise tnt_core.CommError(f"no stage holds optimizer variable {v.path!r}")
+            v.assign(_broadcast(backend, mine.get(v.path, v), int(owner)))
+        return whole
+
+    def _tnt_as_whole(self, write: Any) -> None:
+        """Run ``write`` (Keras' save or save_weights) with the whole model's optimizer in
+        place of this stage's, gathering it first if training ran since the last gather."""
+        state = self._tnt
+        if not state.gathered:
+            if writes_locally():
+                raise NotSupportedError(
+                    "saving a pipelined model from a master-only callback in the middle of an "
+                    "epoch: the stages' state is gathered at each epoch's end; save there "
+                    "(save_freq='epoch')")
+            self._tnt_gather(optimizer=True)
+        stage_optimizer = getattr(self, "optimizer", None)
+        whole = state.whole_optimizer
+        if whole is not None:
+            self.optimizer = whole
+        try:
+            write()
+        finally:
+            if whole is not None:
+                self.optimizer = stage_optimizer
+
     def _tnt_gather_weights(self) -> None:
         """Each weight from the rank whose stage trains it, to every rank."""
         state = self._tnt
@@ -329,19 +391,16 @@ class PipelinedModel(Model):
             owner = state.owners.get(id(w))
             if owner is None:  # e.g. a seed state: not trained by any stage
                 continue
-            value = np.ascontiguousarray(keras.ops.convert_to_numpy(w))
-            if value.dtype not in tnt_core.SUPPORTED_DTYPES:
-                continue
-            w.assign(backend.broadcast(value, root=owner))
+            if np.dtype(w.dtype) in tnt_core.SUPPORTED_DTYPES:
+                w.assign(_broadcast(backend, w, owner))
 
     def _tnt_start(self) -> None:
         """Before a loop: weights set on the master (set_weights, load_weights) go to all."""
         if self._tnt.needs_broadcast:
             backend = self._tnt.runtime.backend
             for w in self.weights:
-                value = np.ascontiguousarray(keras.ops.convert_to_numpy(w))
-                if value.dtype in tnt_core.SUPPORTED_DTYPES:
-                    w.assign(backend.broadcast(value, root=0))
+                if np.dtype(w.dtype) in tnt_core.SUPPORTED_DTYPES:
+                    w.assign(_broadcast(backend, w, 0))
             self._tnt.needs_broadcast = False
 
     def _tnt_loop_callbacks(self, callbacks: Any, *, train: bool) -> list[Any]:
@@ -350,24 +409,25 @@ class PipelinedModel(Model):
         weight gathering; what would write stale or partial state is refused."""
         callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                          else callbacks or [])
+        checkpoints = False
         for cb in callbacks:
             inner = getattr(cb, "keras_callback", cb)
-            if isinstance(inner, keras.callbacks.BackupAndRestore) or (
-                    isinstance(inner, keras.callbacks.ModelCheckpoint)
-                    and not inner.save_weights_only):
+            if isinstance(inner, keras.callbacks.BackupAndRestore):
                 raise NotSupportedError(
-                    f"{type(inner).__name__} with a pipelined model: each stage's optimizer "
-                    "holds only its own state, which this release does not gather into one "
-                    "file; use ModelCheckpoint(..., save_weights_only=True) (the whole model's "
-                    "weights, gathered at each epoch's end)")
-            if isinstance(inner, keras.callbacks.ModelCheckpoint) and inner.save_freq != "epoch":
-                raise NotSupportedError(
-                    f"ModelCheckpoint(save_freq={inner.save_freq!r}) with a pipelined model: the "
-                    "whole model's weights are gathered at each epoch's end; use "
-                    "save_freq='epoch'")
+                    "BackupAndRestore with a pipelined model: restoring each stage's optimizer "
+                    "state from the backup is not implemented yet; use "
+                    "ModelCheckpoint(...) and keras.models.load_model to inspect, or "
+                    "ParallelStrategy.DATA")
+            if isinstance(inner, keras.callbacks.ModelCheckpoint):
+                if inner.save_freq != "epoch":
+                    raise NotSupportedError(
+                        f"ModelCheckpoint(save_freq={inner.save_freq!r}) with a pipelined model: "
+                        "the whole model is gathered from the stages at each epoch's end; use "
+                        "save_freq='epoch'")
+                checkpoints = True
         runtime = self._tnt.runtime
         wrapped = distribute_callbacks(callbacks, self, runtime, broadcast_weights=False)
-        return ([_WeightSync(self)] if train else []) + wrapped
+        return ([_WeightSync(self, checkpoints)] if train else []) + wrapped
 
     @user_facing
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
@@ -452,10 +512,27 @@ class PipelinedModel(Model):
     @user_facing
     def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None, *,
              tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
-        raise NotSupportedError(
-            "model.save(...) of a pipelined model: each stage's optimizer holds only its own "
-            "state, which this release does not gather into one file; use "
-            "model.save_weights('....weights.h5') (the whole model's weights, after fit)")
+        """Save the whole model as plain Keras would (one ``.keras`` file with every
+        weight and the optimizer state of every stage, which plain Keras loads). Call on
+        every rank, as for DATA: the stages' state is gathered, the master writes."""
+        parent = super().save
+        self._tnt_as_whole(lambda: parent(filepath, overwrite=overwrite, zipped=zipped,
+                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs))
+
+    @user_facing
+    def save_weights(self, filepath: Any, overwrite: bool = True, *,
+                     tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
+        """The whole model's weights and optimizer state (``.weights.h5``), as serial Keras
+        writes them; call on every rank."""
+        parent = super().save_weights
+        self._tnt_as_whole(lambda: parent(filepath, overwrite=overwrite,
+                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs))
+
+
+def _broadcast(backend: tnt_core.CommBackend, variable: Any, root: int) -> np.ndarray:
+    """``variable``'s value on ``root``, in its shape (scalars travel as one element)."""
+    value = np.array(keras.ops.convert_to_numpy(variable), order="C").reshape(-1)
+    return backend.broadcast(value, root=root).reshape(tuple(variable.shape))
 
 
 def _single(loss: Any, what: str) -> Any:

@@ -44,18 +44,19 @@ def main() -> int:
                   metrics=["mae"])
     callbacks = [] if args.mode == "serial" else [  # run on the master only: written once
         keras.callbacks.CSVLogger(str(args.out / "log.csv")),
-        keras.callbacks.ModelCheckpoint(str(args.out / "epoch.weights.h5"), save_weights_only=True)]
+        keras.callbacks.ModelCheckpoint(str(args.out / "epoch.weights.h5"), save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(str(args.out / "epoch{epoch}.keras"))]
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, validation_data=(vx, vy),
                         shuffle=True, verbose=0, callbacks=callbacks)
     evaluation = model.evaluate(vx, vy, batch_size=5, verbose=0)
     predictions = model.predict(x, batch_size=7, verbose=0)
     weights = model.get_weights()
+    model.save(str(args.out / f"{args.mode}.keras"))  # every rank calls it; the master writes
     if args.mode == "pipeline":  # what is refused, on every rank alike
         refused = {}
         for name, call in {
-            "save": lambda: model.save(str(args.out / "m.keras")),
-            "checkpoint": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
-                keras.callbacks.ModelCheckpoint(str(args.out / "c.keras"))]),
+            "backup": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+                keras.callbacks.BackupAndRestore(str(args.out / "backup"))]),
             "checkpoint_batches": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
                 keras.callbacks.ModelCheckpoint(str(args.out / "c.weights.h5"),
                                                 save_weights_only=True, save_freq=2)]),
