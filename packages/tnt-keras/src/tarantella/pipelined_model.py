@@ -14,8 +14,9 @@ callbacks at epoch end see the whole trained model on every rank.
 ``save``/``save_weights`` (and ``ModelCheckpoint`` at epoch ends) write what serial Keras
 writes: the whole model with one optimizer holding every stage's state, gathered from the
 stages. What is not supported yet is refused with a message saying what to do: several
-outputs, ``loss_weights``, a custom ``train_step``, ``BackupAndRestore`` (restoring the
-stages' optimizer state), checkpoints in the middle of an epoch. Callbacks otherwise run
+outputs, ``loss_weights``, a custom ``train_step``, checkpoints and backups in the middle
+of an epoch. ``load_weights`` (and so ``BackupAndRestore``) gives each stage its own part
+of a saved optimizer state. Callbacks otherwise run
 as for DATA: writers on the master only.
 """
 
@@ -413,11 +414,12 @@ class PipelinedModel(Model):
         for cb in callbacks:
             inner = getattr(cb, "keras_callback", cb)
             if isinstance(inner, keras.callbacks.BackupAndRestore):
-                raise NotSupportedError(
-                    "BackupAndRestore with a pipelined model: restoring each stage's optimizer "
-                    "state from the backup is not implemented yet; use "
-                    "ModelCheckpoint(...) and keras.models.load_model to inspect, or "
-                    "ParallelStrategy.DATA")
+                if inner.save_freq != "epoch":
+                    raise NotSupportedError(
+                        f"BackupAndRestore(save_freq={inner.save_freq!r}) with a pipelined model: "
+                        "the whole model is gathered from the stages at each epoch's end; use "
+                        "save_freq='epoch'")
+                checkpoints = True
             if isinstance(inner, keras.callbacks.ModelCheckpoint):
                 if inner.save_freq != "epoch":
                     raise NotSupportedError(
@@ -518,6 +520,32 @@ class PipelinedModel(Model):
         parent = super().save
         self._tnt_as_whole(lambda: parent(filepath, overwrite=overwrite, zipped=zipped,
                                           tnt_save_all_devices=tnt_save_all_devices, **kwargs))
+
+    @user_facing
+    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """As Keras (every rank reads the file): the whole model's weights, and from a
+        ``.weights.h5`` with optimizer state (what :meth:`save_weights` and
+        ``BackupAndRestore`` write) each stage's own slots, so training resumes as serial
+        training would."""
+        stage_optimizer = getattr(self, "optimizer", None)
+        if stage_optimizer is None or str(filepath).endswith(".keras"):
+            super().load_weights(filepath, *args, **kwargs)
+            return
+        state = self._tnt
+        if not stage_optimizer.built and state.step is not None:
+            stage_optimizer.build(state.step.weights)
+        whole = type(stage_optimizer).from_config(stage_optimizer.get_config())
+        whole.build(self.trainable_variables)
+        self.optimizer = whole
+        try:
+            super().load_weights(filepath, *args, **kwargs)
+        finally:
+            self.optimizer = stage_optimizer
+        loaded = {v.path: v for v in whole.variables}
+        for v in stage_optimizer.variables:
+            if v.path in loaded:
+                v.assign(loaded[v.path])
+        state.whole_optimizer, state.gathered = whole, True
 
     @user_facing
     def save_weights(self, filepath: Any, overwrite: bool = True, *,

@@ -20,6 +20,46 @@ from pipeline_worker import build, data
 EPOCHS, BATCH, MICRO = 3, 16, 3
 
 
+class Interrupt(keras.callbacks.Callback):
+    """Ends fit after epoch 2 (on every rank), as a preempted job would end."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("preempted")
+
+
+def resume(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """Serial: 3 epochs straight. Pipelined: interrupted after epoch 2 with a
+    BackupAndRestore, then a new model resumes from the backup to epoch 3."""
+    def fresh():
+        model = build(args.partitions)
+        if args.mode == "pipeline":
+            import tarantella as tnt
+
+            strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
+                        else tnt.ParallelStrategy.ALL)
+            model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    model = fresh()
+    if args.mode == "serial":
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        return model.get_weights()
+    backup = keras.callbacks.BackupAndRestore(str(args.out / "backup"))
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                  callbacks=[backup, Interrupt()])
+        raise AssertionError("not interrupted")
+    except RuntimeError as exc:
+        assert "preempted" in str(exc), exc
+    model = fresh()
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(str(args.out / "backup"))])
+    assert len(history.history["loss"]) == 1, f"resumed at the wrong epoch: {history.history}"
+    return model.get_weights()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["serial", "pipeline"], required=True)
@@ -55,8 +95,8 @@ def main() -> int:
     if args.mode == "pipeline":  # what is refused, on every rank alike
         refused = {}
         for name, call in {
-            "backup": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
-                keras.callbacks.BackupAndRestore(str(args.out / "backup"))]),
+            "backup_batches": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+                keras.callbacks.BackupAndRestore(str(args.out / "b"), save_freq=3)]),
             "checkpoint_batches": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
                 keras.callbacks.ModelCheckpoint(str(args.out / "c.weights.h5"),
                                                 save_weights_only=True, save_freq=2)]),
@@ -69,9 +109,11 @@ def main() -> int:
                 refused[name] = f"{type(exc).__name__}: {exc}"
         extra["refused"] = refused
         model.save_weights(str(args.out / "w.weights.h5"))
+    resumed = resume(args, x, y)
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
-             **{f"w{i}": w for i, w in enumerate(weights)})
+             **{f"w{i}": w for i, w in enumerate(weights)},
+             **{f"resumed{i}": w for i, w in enumerate(resumed)})
     (args.out / f"{tag}.json").write_text(json.dumps({
         "history": history.history, "evaluate": evaluation, "count": model.count_params(),
         **extra}))
