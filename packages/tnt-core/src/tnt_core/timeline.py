@@ -58,6 +58,10 @@ class Timeline:
         self._t0 = time.perf_counter()
         self._events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+            # the clock reading of ts 0: ranks on one host share the clock, so their traces
+            # can be put on one time axis (ts + origin)
+            {"name": "clock_origin", "ph": "M", "pid": rank,
+             "args": {"perf_counter_s": self._t0}},
         ]
         self._lanes: dict[str, int] = {}
         self._lock = threading.Lock()

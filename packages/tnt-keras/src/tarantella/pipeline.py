@@ -20,7 +20,9 @@ refused by :func:`check_stage_model`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,12 +103,14 @@ class StageStep:
         fused allreduce, before each applies the same update.
     :param regularise: whether this stage adds its weight regularisation to the loss (one
         replica of each stage does, so that the sum over replicas counts it once).
+    :param timeline: where to record each micro-batch's forward and backward pass and each
+        wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
     """
 
     def __init__(self, parts: Partitioning, stage: int, backend: tnt_core.CommBackend, *,
                  loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
                  ranks: Sequence[int] | None = None, replicas: tnt_core.CommBackend | None = None,
-                 regularise: bool = True) -> None:
+                 regularise: bool = True, timeline: tnt_core.Timeline | None = None) -> None:
         if not backend.supports("p2p"):
             raise NotSupportedError(
                 f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
@@ -123,9 +127,16 @@ class StageStep:
         self.ranks = list(ranks) if ranks is not None else list(range(parts.num_partitions))
         self.first, self.last = stage == 0, stage == parts.num_partitions - 1
         self.replicas, self.regularise = replicas, regularise
+        self.timeline = timeline
+        self._lane = f"stage {stage}"
         self.weights = list(self.model.trainable_weights)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
+
+    def _span(self, name: str, waits: bool = False) -> AbstractContextManager[None]:
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(name, f"{self._lane}: waits" if waits else self._lane)
 
     # -- messages to the neighbours --------------------------------------------------------
 
@@ -141,7 +152,9 @@ class StageStep:
                 for s in specs]
         handles = [self.backend.recv_async(buf, self.ranks[frm], 2 * j + direction)
                    for j, buf in enumerate(bufs)]
-        return [tf.convert_to_tensor(h.wait()) for h in handles]
+        what = "activations" if direction == _FORWARD else "gradients"
+        with self._span(f"receive {what}", waits=True):
+            return [tf.convert_to_tensor(h.wait()) for h in handles]
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -169,7 +182,7 @@ class StageStep:
                 inputs = xs[k]
             else:
                 inputs = self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
-            with tf.GradientTape() as tape:
+            with self._span(f"forward {k}"), tf.GradientTape() as tape:
                 if not self.first:
                     tape.watch(inputs)
                 outputs = self.model(inputs if len(inputs) > 1 else inputs[0], training=True)
@@ -203,8 +216,9 @@ class StageStep:
                 seeds.append(tf.ones_like(flight.loss))
                 total += float(flight.loss)
             sources = self.weights + ([] if self.first else list(flight.inputs))
-            grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
-                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            with self._span(f"backward {k}"):
+                grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
+                                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
             flights[k] = None  # type: ignore[call-overload]  # the tape's activations go now
             for i, g in enumerate(grads[:len(self.weights)]):
                 accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
@@ -212,9 +226,12 @@ class StageStep:
                 pending += self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD)
         grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
         if self.replicas is not None:
-            grads = self._sum_over_replicas(grads)
-        self.optimizer.apply(grads, self.weights)
-        tnt_core.wait_all(pending)
+            with self._span("allreduce over replicas", waits=True):
+                grads = self._sum_over_replicas(grads)
+        with self._span("optimizer"):
+            self.optimizer.apply(grads, self.weights)
+        with self._span("sends complete", waits=True):
+            tnt_core.wait_all(pending)
         self.predictions = _concat(predictions) if self.last else None
         return total
 

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 import tnt_core
 
+from . import timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError, user_facing
 from .files import writes_locally
@@ -231,7 +232,7 @@ class PipelinedModel(Model):
         state = self._tnt
         return StageStep(state.parts, state.stage, state.pipe, loss=loss, optimizer=optimizer,
                          num_micro_batches=state.num_micro_batches, replicas=state.replicas,
-                         regularise=state.replica == 0)
+                         regularise=state.replica == 0, timeline=timeline.get(state.runtime))
 
     # -- the steps -------------------------------------------------------------------------------
 
