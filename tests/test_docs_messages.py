@@ -292,6 +292,19 @@ def test_keras_messages(scripts):
         attempt(lambda: summed_with_regularizer().fit(x, y, batch_size=8, verbose=0))
         attempt(lambda: model(bn=True).fit(x, y, batch_size=16, verbose=0))
         attempt(lambda: tnt.Model(object()))
+
+        def cut(bypass=False, cuts=1):
+            inp = keras.Input((4,))
+            h = keras.layers.Dense(4, name="h")(inp)
+            x = h
+            for i in range(cuts):
+                x = tnt.keras.layers.SplitLayer(name=f"cut{i}")(x)
+                x = keras.layers.Dense(4, name=f"g{i}" if i else "g")(x)
+            out = keras.layers.Add(name="residual")([x, h]) if bypass else x
+            return keras.Model(inp, out, name="net")
+
+        attempt(lambda: tnt.Model(cut(bypass=True), parallel_strategy="pipelining"))
+        attempt(lambda: tnt.Model(cut(cuts=2), parallel_strategy="pipelining"))
     """))
     proc = run([_bin("tnt"), "run", "-n", "2", "--", "keras_errors.py"], scripts, timeout=240)
     out = proc.stdout
@@ -299,5 +312,6 @@ def test_keras_messages(scripts):
     for pattern in (r"yields single samples", r"was given with a tf.data.Dataset",
                     r"tnt_micro_batch_size=4 x 2 ranks", r"cannot be normalised like serial",
                     r"computes its batch statistics on each rank's micro-batch",
-                    r"tnt.Model wraps a keras.Model"):
+                    r"tnt.Model wraps a keras.Model", r"the cut does not separate the model",
+                    r"which need exactly 3 ranks"):
         assert_quoted(out, pattern)

@@ -144,3 +144,12 @@ def test_sequential_and_subclassed_models_are_refused_with_what_to_do():
 
     with pytest.raises(PartitionError, match="not a functional Keras model"):
         partition(Sub())
+
+
+def test_two_cuts_with_nothing_between_are_refused_naming_them():
+    inp = keras.Input((4,))
+    x = SplitLayer(name="cut_a")(keras.layers.Dense(4)(inp))
+    x = SplitLayer(name="cut_b")(x)
+    with pytest.raises(PartitionError, match=r"partition 1 of model .* holds no layer: nothing is "
+                       r"computed between SplitLayers 'cut_a', 'cut_b'"):
+        partition(keras.Model(inp, keras.layers.Dense(2)(x)))

@@ -22,7 +22,7 @@ _environment.configure_process(_tnt_core.init())
 from tnt_core import get_master_rank, get_rank, get_size, is_master_rank  # noqa: E402
 
 from . import keras, models  # noqa: E402
-from .errors import DatasetError, NotSupportedError, TntKerasError  # noqa: E402
+from .errors import DatasetError, NotSupportedError, PartitionError, TntKerasError  # noqa: E402
 from .model import Model, ParallelStrategy  # noqa: E402
 from .user_collectives import (  # noqa: E402
     Barrier,
@@ -48,6 +48,7 @@ __all__ = [
     "Model",
     "NotSupportedError",
     "ParallelStrategy",
+    "PartitionError",
     "TntKerasError",
     "get_master_rank",
     "get_rank",

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 
 from tnt_core import TntError
 
-__all__ = ["TntKerasError", "NotSupportedError", "DatasetError"]
+__all__ = ["TntKerasError", "NotSupportedError", "DatasetError", "PartitionError"]
 
 
 class TntKerasError(TntError):
@@ -34,6 +34,10 @@ class NotSupportedError(TntKerasError):
 
 class DatasetError(TntKerasError, ValueError):
     """Data that cannot be split into micro-batches (e.g. an unbatched dataset)."""
+
+
+class PartitionError(TntKerasError, ValueError):
+    """A model that cannot be cut where its SplitLayers say (the message names the layer)."""
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -26,14 +26,10 @@ from typing import Any
 
 import keras
 
-from .errors import TntKerasError
+from .errors import PartitionError
 from .keras.layers import SplitLayer
 
 __all__ = ["PartitionError", "Partitioning", "partition"]
-
-
-class PartitionError(TntKerasError, ValueError):
-    """A model that cannot be cut where its SplitLayers say (the message names the layer)."""
 
 
 @dataclass
@@ -181,6 +177,12 @@ def partition(model: Any) -> Partitioning:
     for p in range(count):
         inputs = model.input if p == 0 else entering[p]
         outputs = model.output if p == count - 1 else leaving[p]
+        if p > 0 and all(any(t is i for i in entering[p]) for t in keras.tree.flatten(outputs)):
+            names = ", ".join(repr(n) for n in cuts[p - 1] + (cuts[p] if p < count - 1 else []))
+            raise PartitionError(
+                f"partition {p} of model {model.name!r} holds no layer: nothing is computed "
+                f"between SplitLayers {names}; remove one of them (each partition runs on a "
+                "rank of its own)")
         try:
             models.append(keras.Model(inputs=inputs, outputs=outputs,
                                       name=f"{model.name}_partition{p}"))
