@@ -156,6 +156,14 @@ class StageStep:
         with self._span(f"receive {what}", waits=True):
             return [tf.convert_to_tensor(h.wait()) for h in handles]
 
+    def _inputs(self, xs: list[list[Any]] | None, k: int, b: int) -> list[Any]:
+        """Micro-batch ``k``'s inputs (``b`` samples): the first stage's share of ``x``,
+        or what the previous stage sends."""
+        if self.first:
+            assert xs is not None
+            return xs[k]
+        return self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
+
     # -- the step ------------------------------------------------------------------------------
 
     def train(self, x: Any, y: Any, sample_weight: Any = None, *,
@@ -177,11 +185,7 @@ class StageStep:
         flights: list[_InFlight] = []
         predictions: list[Any] = []
         for k, b in enumerate(sizes):
-            if self.first:
-                assert xs is not None
-                inputs = xs[k]
-            else:
-                inputs = self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
+            inputs = self._inputs(xs, k, b)
             with self._span(f"forward {k}"), tf.GradientTape() as tape:
                 if not self.first:
                     tape.watch(inputs)
@@ -262,11 +266,7 @@ class StageStep:
         pending: list[tnt_core.Handle] = []
         predictions: list[Any] = []
         for k, b in enumerate(sizes):
-            if self.first:
-                assert xs is not None
-                inputs = xs[k]
-            else:
-                inputs = self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
+            inputs = self._inputs(xs, k, b)
             outputs = self.model(inputs if len(inputs) > 1 else inputs[0], training=False)
             if self.last:
                 predictions.append(outputs)

@@ -465,7 +465,32 @@ def _by_wire(specs: Sequence[_Leaf]) -> dict[np.dtype, list[int]]:
 
 # -- the collectives ---------------------------------------------------------------------------
 
-class TensorAllreducer:
+class _StartAndWait:
+    """The original Tarantella's split form of a collective: ``start(inputs)``, other work,
+    then ``wait_for_completion()`` for the result."""
+
+    _pending: _Pending | None = None
+    _start_call = "start(inputs)"
+
+    def _start(self, inputs: Any) -> _Pending:
+        raise NotImplementedError
+
+    @user_facing
+    def start(self, inputs: Any = None) -> None:
+        """Start the collective on ``inputs``; :meth:`wait_for_completion` returns the result."""
+        self._pending = self._start(inputs)
+
+    @user_facing
+    def wait_for_completion(self, inputs: Any = None) -> Any:
+        """The result of the collective :meth:`start` started (``inputs`` is not used)."""
+        if self._pending is None:
+            raise RuntimeError(f"{type(self).__name__}.wait_for_completion(): call "
+                               f"{self._start_call} first")
+        pending, self._pending = self._pending, None
+        return pending.finish()
+
+
+class TensorAllreducer(_StartAndWait):
     """Reduce values over the ranks of a group, element by element: every rank gets the sum
     (or another :class:`ReductionOp`).
 
@@ -505,19 +530,6 @@ class TensorAllreducer:
         return self._start(inputs).finish()
 
     __call__ = allreduce
-
-    @user_facing
-    def start(self, inputs: Any) -> None:
-        """Start reducing ``inputs``; :meth:`wait_for_completion` returns the result."""
-        self._pending = self._start(inputs)
-
-    @user_facing
-    def wait_for_completion(self, inputs: Any = None) -> Any:
-        """The result of the reduction :meth:`start` started (``inputs`` is not used)."""
-        if self._pending is None:
-            raise RuntimeError("TensorAllreducer.wait_for_completion(): call start(inputs) first")
-        pending, self._pending = self._pending, None
-        return pending.finish()
 
     def _start(self, inputs: Any) -> _Pending:
         where = "TensorAllreducer.allreduce(inputs=...)"
@@ -559,7 +571,7 @@ class TensorAllreducer:
         return _Pending(finish)
 
 
-class TensorBroadcaster:
+class TensorBroadcaster(_StartAndWait):
     """Send the values of one rank, the root, to every rank of a group.
 
     ``broadcaster = tnt.TensorBroadcaster(inputs, root_rank=0)`` is built on every rank for
@@ -573,6 +585,8 @@ class TensorBroadcaster:
         same as its rank in the job).
     :param group: a :class:`Group` (the default, None: all ranks); only members call it.
     """
+
+    _start_call = "start()"
 
     @user_facing
     def __init__(self, inputs: Any, root_rank: int = 0, group: Group | None = None) -> None:
@@ -601,19 +615,6 @@ class TensorBroadcaster:
         return self._start(inputs).finish()
 
     __call__ = broadcast
-
-    @user_facing
-    def start(self, inputs: Any = None) -> None:
-        """Start the broadcast; :meth:`wait_for_completion` returns the result."""
-        self._pending = self._start(inputs)
-
-    @user_facing
-    def wait_for_completion(self, inputs: Any = None) -> Any:
-        """The result of the broadcast :meth:`start` started (``inputs`` is not used)."""
-        if self._pending is None:
-            raise RuntimeError("TensorBroadcaster.wait_for_completion(): call start() first")
-        pending, self._pending = self._pending, None
-        return pending.finish()
 
     def _start(self, inputs: Any) -> _Pending:
         where = "TensorBroadcaster.broadcast(inputs=...)"
@@ -650,7 +651,7 @@ class TensorBroadcaster:
         return _Pending(lambda: result)
 
 
-class TensorAllgatherer:
+class TensorAllgatherer(_StartAndWait):
     """Gather values from every rank of a group: every rank gets them concatenated along
     the first axis, in group-rank order.
 
@@ -680,19 +681,6 @@ class TensorAllgatherer:
         return self._start(inputs).finish()
 
     __call__ = allgather
-
-    @user_facing
-    def start(self, inputs: Any) -> None:
-        """Start gathering ``inputs``; :meth:`wait_for_completion` returns the result."""
-        self._pending = self._start(inputs)
-
-    @user_facing
-    def wait_for_completion(self, inputs: Any = None) -> Any:
-        """The result of the gather :meth:`start` started (``inputs`` is not used)."""
-        if self._pending is None:
-            raise RuntimeError("TensorAllgatherer.wait_for_completion(): call start(inputs) first")
-        pending, self._pending = self._pending, None
-        return pending.finish()
 
     def _start(self, inputs: Any) -> _Pending:
         where = "TensorAllgatherer.allgather(inputs=...)"
