@@ -2,7 +2,8 @@
 
 Every stage a real process (the ``store`` backend, which has point-to-point), 2 and 3
 partitions, SGD with momentum and Adam, 1 micro-batch, micro-batch counts that divide the
-batch of 16 and one that does not (3), and a last batch of 8: after 6 steps the weights of
+batch of 16 and one that does not (3, with the 1F1B and the GPipe schedule), and a last
+batch of 8: after 6 steps the weights of
 every stage and the loss of every step equal ``train_on_batch`` of the whole model on
 the same batches within float round-off. Single-process: what the step refuses.
 """
@@ -46,7 +47,7 @@ def pipelined(request, tmp_path_factory) -> tuple[int, Path]:
 def test_every_stage_ends_with_the_serial_weights_and_losses(serial, pipelined):
     stages, out = pipelined
     cases = sorted(p.name.split(".")[0] for p in out.glob("*.rank0.json"))
-    assert len(cases) == 4, cases
+    assert len(cases) == 6, cases
     for case in cases:
         ref = dict(np.load(serial / f"{case}.npz"))
         got: dict[str, np.ndarray] = {}
@@ -65,6 +66,33 @@ def test_every_stage_ends_with_the_serial_weights_and_losses(serial, pipelined):
         ref_losses = json.loads((serial / f"{case}.json").read_text())["losses"]
         np.testing.assert_allclose(losses, ref_losses, rtol=TOLERANCE, err_msg=case)
         assert not np.allclose(ref_losses[0], ref_losses[-1]), "the model did not train"
+
+
+def test_schedules_make_every_pass_once_in_an_order_the_neighbours_share():
+    from tarantella.pipeline import SCHEDULES
+
+    class Stage(StageStep):
+        def __init__(self, stage, stages, schedule):  # the order only
+            self.stage, self.schedule = stage, schedule
+            self.parts = type("Parts", (), {"num_partitions": stages})()
+
+    for schedule in SCHEDULES:
+        for stages, count in ((2, 4), (3, 3), (4, 2), (3, 1)):
+            orders = [Stage(p, stages, schedule).order(count) for p in range(stages)]
+            for order in orders:
+                assert sorted(order) == sorted([(kind, k) for kind in ("forward", "backward")
+                                                for k in range(count)])
+                assert all(order.index(("forward", k)) < order.index(("backward", k))
+                           for k in range(count))
+            # what a stage sends, its neighbour receives in the same order
+            for p in range(stages - 1):
+                sent = [k for kind, k in orders[p] if kind == "forward"]
+                assert sent == [k for kind, k in orders[p + 1] if kind == "forward"]
+                back = [k for kind, k in orders[p + 1] if kind == "backward"]
+                assert back == [k for kind, k in orders[p] if kind == "backward"]
+    one_f_one_b = Stage(0, 2, "1f1b").order(3)
+    assert one_f_one_b == [("forward", 0), ("forward", 1), ("backward", 0), ("forward", 2),
+                           ("backward", 1), ("backward", 2)]
 
 
 def test_micro_batches_split_the_batch_larger_first_and_never_empty():

@@ -18,9 +18,10 @@ import keras
 import numpy as np
 
 SAMPLES, BATCH, EPOCHS = 40, 16, 2  # batches of 16, 16 and a last one of 8
-#: (name, partitions, optimizer, micro-batches)
-CASES = [(f"p{p}-{opt}-m{m}", p, opt, m) for p in (2, 3) for opt in ("sgd", "adam")
-         for m in ((1, 4, 3) if opt == "sgd" else (3,))]
+#: (name, partitions, optimizer, micro-batches, schedule)
+CASES = [(f"p{p}-{opt}-m{m}-{schedule}", p, opt, m, schedule) for p in (2, 3)
+         for opt in ("sgd", "adam") for m in ((1, 4, 3) if opt == "sgd" else (3,))
+         for schedule in (("1f1b", "gpipe") if m == 3 else ("1f1b",))]
 
 
 def build(partitions: int) -> keras.Model:
@@ -65,7 +66,7 @@ def batches():
 
 
 def serial(out: Path) -> None:
-    for name, partitions, opt, _ in CASES:
+    for name, partitions, opt, _, _ in CASES:
         model = build(partitions)
         model.compile(optimizer=optimizer(opt), loss="mse")
         losses = [float(model.train_on_batch(bx, by)) for bx, by in batches()]
@@ -81,12 +82,12 @@ def pipeline(out: Path) -> None:
 
     runtime = tnt_core.init()
     backend, rank = runtime.backend, runtime.rank
-    for name, partitions, opt, micro in CASES:
+    for name, partitions, opt, micro, schedule in CASES:
         if partitions != runtime.size:
             continue
         model = build(partitions)
         step = StageStep(partition(model), rank, backend, loss=keras.losses.MeanSquaredError(),
-                         optimizer=optimizer(opt), num_micro_batches=micro)
+                         optimizer=optimizer(opt), num_micro_batches=micro, schedule=schedule)
         losses = []
         for bx, by in batches():
             part = np.array([step.train(bx, by)], dtype=np.float64)
