@@ -72,6 +72,9 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
         assert refused["checkpoint_batches"].startswith(
             "NotSupportedError: ModelCheckpoint(save_freq=2) with a pipelined model")
         assert refused["micro_batch_size"].startswith("TypeError: fit(tnt_micro_batch_size=...)")
+        assert refused["global_clipnorm"].startswith("NotSupportedError: SGD(global_clipnorm=...) "
+                                                     "with a pipelined model")
+        assert refused["loss_scaling"].startswith("NotSupportedError: loss scaling")
     pipelines = 2 if "pipeline 0 of 2" in json.loads((out / "pipeline.rank0.json").read_text())["repr"] else 1
     assert sum(local) == pipelines * ref["count"] and all(n < ref["count"] for n in local)
     assert (out / "w.weights.h5").exists()

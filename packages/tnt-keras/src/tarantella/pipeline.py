@@ -122,7 +122,7 @@ class StageStep:
         if not backend.supports("p2p"):
             raise NotSupportedError(
                 f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
-                "does not provide; use a backend that does (tnt run --backend mpi)")
+                "does not provide; use a backend that does (tnt run --backend gloo or mpi)")
         self.parts, self.stage, self.backend = parts, stage, backend
         self.model = parts.models[stage]
         check_stage_model(self.model, stage)

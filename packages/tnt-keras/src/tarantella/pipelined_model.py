@@ -155,7 +155,7 @@ def pipelined(model: keras.Model, num_micro_batches: Any,
     if not runtime.backend.supports("p2p"):
         raise NotSupportedError(
             f"pipelining needs point-to-point messages, which the {runtime.backend.name!r} "
-            "backend does not provide; use one that does (tnt run --backend mpi)")
+            "backend does not provide; use one that does (tnt run --backend gloo or mpi)")
     if getattr(model, "compiled", False):
         raise NotSupportedError(
             f"model {model.name!r} was compiled before tnt.Model(..., {strategy.name}): compile "
@@ -221,6 +221,9 @@ class PipelinedModel(Model):
         if steps_per_execution != 1:
             raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
                                     "eagerly, one batch at a time; leave it at 1")
+        optimizer = keras.optimizers.get(optimizer)
+        _check_optimizer(optimizer, scaled=auto_scale_loss and
+                         keras.config.dtype_policy().name == "mixed_float16")
         keras.Model.compile(self, optimizer=optimizer, loss=user_loss, metrics=metrics,
                             weighted_metrics=weighted_metrics, run_eagerly=True,
                             jit_compile=False, auto_scale_loss=auto_scale_loss)
@@ -562,6 +565,21 @@ def _broadcast(backend: tnt_core.CommBackend, variable: Any, root: int) -> np.nd
     """``variable``'s value on ``root``, in its shape (scalars travel as one element)."""
     value = np.array(keras.ops.convert_to_numpy(variable), order="C").reshape(-1)
     return backend.broadcast(value, root=root).reshape(tuple(variable.shape))
+
+
+def _check_optimizer(optimizer: Any, scaled: bool) -> None:
+    """Refuse what a stage's optimizer, seeing only its own gradients, cannot do as the
+    serial one does (``scaled``: compile would wrap it for loss scaling)."""
+    if scaled or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise NotSupportedError(
+            "loss scaling (a 'mixed_float16' dtype policy, or a LossScaleOptimizer) with a "
+            "pipelined model: the stages would have to agree on every skipped step; use "
+            "float32 or 'mixed_bfloat16', which needs no loss scaling")
+    if getattr(optimizer, "global_clipnorm", None) is not None:
+        raise NotSupportedError(
+            f"{type(optimizer).__name__}(global_clipnorm=...) with a pipelined model: each "
+            "stage sees only its own gradients, not the global norm; use clipnorm= (per "
+            "variable) or clipvalue=, which clip as in serial training")
 
 
 def _single(loss: Any, what: str) -> Any:
