@@ -30,7 +30,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import timeline
+from . import randomness, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError, user_facing
 from .files import writes_locally
@@ -166,6 +166,9 @@ def pipelined(model: keras.Model, num_micro_batches: Any,
             "backend does not provide; use one that does (gloo, mpi)")
     check_stage_model(parts.models[runtime.rank % stages], runtime.rank % stages)
     state = _PipelineState(runtime, parts, int(num_micro_batches), strategy)
+    # the replicas of a stage draw their own Dropout masks, for their own samples, as the
+    # ranks of DATA do (pipeline 0 keeps the serial stream)
+    randomness.fold_rank_into_seeds(model, state.replica)
     object.__setattr__(model, "__class__", _pipelined_class(type(model)))
     object.__setattr__(model, "_tnt", state)
     return model
