@@ -174,11 +174,16 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
 
 
 class Model(keras.Model):
-    """Data-parallel training of a ``keras.Model``: ``tnt.Model(model)`` returns ``model``,
+    """Distributed training of a ``keras.Model``: ``tnt.Model(model)`` returns ``model``,
     distributed; use it as the Keras model itself.
 
     :param model: the Keras model (its weights are broadcast from the master rank).
-    :param parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the default; the only one).
+    :param parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the default),
+        ``PIPELINING`` (a functional model cut at its ``tnt.keras.layers.SplitLayer`` s, one
+        partition per rank) or ``ALL`` (several pipelines, data-parallel); see the
+        "Pipelining" guide.
+    :param num_micro_batches: for ``PIPELINING``/``ALL``, the micro-batches each global
+        batch is split into (default 1; ``num_pipeline_stages`` is the same).
     """
 
     _tnt: _DistributedState
