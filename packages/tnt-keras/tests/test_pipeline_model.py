@@ -60,6 +60,11 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
         assert got["count"] == ref["count"]
         # interrupted after 2 of 3 epochs, resumed by a new model from BackupAndRestore:
         # the weights of 3 uninterrupted serial epochs (Adam's state restored per stage)
+        named = [n for n in ref_arrays if n.startswith("named")]
+        assert named, "the dict-input model's weights are missing"
+        for name in named:  # a model of two named inputs, fed a dict
+            rel = np.linalg.norm(arrays[name] - ref_arrays[name]) / np.linalg.norm(ref_arrays[name])
+            assert rel <= TOLERANCE, f"rank {rank}: dict inputs: {name} differs by {rel:.2e}"
         resumed = [n for n in ref_arrays if n.startswith("resumed")]
         assert resumed and len(resumed) == len([n for n in ref_arrays if n.startswith("w")])
         for name in resumed:

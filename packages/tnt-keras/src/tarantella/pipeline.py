@@ -76,6 +76,21 @@ def _flat(values: Any) -> list[Any]:
     return list(values) if isinstance(values, (list, tuple)) else [values]
 
 
+def _micro_batches(x: Any, sizes: Sequence[int]) -> list[Any]:
+    """``x`` (a tensor or a list/tuple/dict of them) cut into micro-batches of ``sizes``
+    samples, each in ``x``'s structure."""
+    leaves = [tf.split(tf.convert_to_tensor(t), list(sizes), axis=0) for t in keras.tree.flatten(x)]
+    return [keras.tree.pack_sequence_as(x, [parts[k] for parts in leaves]) for k in range(len(sizes))]
+
+
+def _call_form(inputs: Any, first: bool) -> Any:
+    """What the partition is called with: the user's structure on the first stage, the
+    received list (or its one tensor) on the others."""
+    if first:
+        return inputs
+    return inputs if len(inputs) > 1 else inputs[0]
+
+
 def _concat(parts: list[Any]) -> Any:
     if not parts:
         return None
@@ -167,9 +182,10 @@ class StageStep:
         with self._span(f"receive {what}", waits=True):
             return [tf.convert_to_tensor(h.wait()) for h in handles]
 
-    def _inputs(self, xs: list[list[Any]] | None, k: int, b: int) -> list[Any]:
-        """Micro-batch ``k``'s inputs (``b`` samples): the first stage's share of ``x``,
-        or what the previous stage sends."""
+    def _inputs(self, xs: list[Any] | None, k: int, b: int) -> Any:
+        """Micro-batch ``k``'s inputs (``b`` samples): the first stage's share of ``x`` (in
+        ``x``'s structure: a tensor, list or dict), or the list of what the previous stage
+        sends."""
         if self.first:
             assert xs is not None
             return xs[k]
@@ -189,7 +205,7 @@ class StageStep:
         local = int(tf.shape(_flat(y)[0])[0])
         batch = global_batch or local
         sizes = micro_batch_sizes(local, self.num_micro_batches)
-        xs = [list(part) for part in zip(*[_split(t, sizes) for t in _flat(x)])] if self.first else None
+        xs = _micro_batches(x, sizes) if self.first else None
         ys = _split(y, sizes) if self.last else None
         sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
         pending: list[tnt_core.Handle] = []
@@ -204,7 +220,7 @@ class StageStep:
             with self._span(f"forward {k}"), tf.GradientTape() as tape:
                 if not self.first:
                     tape.watch(inputs)
-                outputs = self.model(inputs if len(inputs) > 1 else inputs[0], training=True)
+                outputs = self.model(_call_form(inputs, self.first), training=True)
                 loss = None
                 if self.last:
                     assert ys is not None
@@ -298,12 +314,12 @@ class StageStep:
         :attr:`predictions` on the last stage. Returns this stage's weight regularisation
         (the stages' sum is what serial ``model.losses`` adds to the loss)."""
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
-        xs = [list(part) for part in zip(*[_split(t, sizes) for t in _flat(x)])] if self.first else None
+        xs = _micro_batches(x, sizes) if self.first else None
         pending: list[tnt_core.Handle] = []
         predictions: list[Any] = []
         for k, b in enumerate(sizes):
             inputs = self._inputs(xs, k, b)
-            outputs = self.model(inputs if len(inputs) > 1 else inputs[0], training=False)
+            outputs = self.model(_call_form(inputs, self.first), training=False)
             if self.last:
                 predictions.append(outputs)
             else:

@@ -60,6 +60,28 @@ def resume(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.nd
     return model.get_weights()
 
 
+def dict_inputs(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """A model of two named inputs, fed a dict: 2 epochs, its weights."""
+    keras.utils.set_random_seed(3)
+    a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(6, activation="tanh")(a), b])
+    for _ in range(args.partitions - 1):
+        import tarantella as tnt
+
+        h = keras.layers.Dense(5, activation="tanh")(tnt.keras.layers.SplitLayer()(h))
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h))
+    if args.mode == "pipeline":
+        import tarantella as tnt
+
+        strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
+                    else tnt.ParallelStrategy.ALL)
+        model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    model.fit({"a": x[:, :4], "b": x[:, 4:]}, y, batch_size=BATCH, epochs=2, shuffle=False,
+              verbose=0)
+    return model.get_weights()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["serial", "pipeline"], required=True)
@@ -114,10 +136,12 @@ def main() -> int:
         extra["refused"] = refused
         model.save_weights(str(args.out / "w.weights.h5"))
     resumed = resume(args, x, y)
+    named = dict_inputs(args, x, y)
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
              **{f"w{i}": w for i, w in enumerate(weights)},
-             **{f"resumed{i}": w for i, w in enumerate(resumed)})
+             **{f"resumed{i}": w for i, w in enumerate(resumed)},
+             **{f"named{i}": w for i, w in enumerate(named)})
     (args.out / f"{tag}.json").write_text(json.dumps({
         "history": history.history, "evaluate": evaluation, "count": model.count_params(),
         **extra}))
