@@ -1,0 +1,556 @@
+"""Pipelining (``tnt.ParallelStrategy.PIPELINING``) against serial Keras, side by side in one run:
+throughput and the bubble, then memory, then a memory cap.
+
+    python benchmarks/pipeline.py [--backend gloo|mpi] [--batch 256] [--rounds 5] [--no-cap]
+                                  [--only throughput|memory]
+
+Two ranks (one per partition, ``tnt run -n 2``) against one plain Keras process, on the
+same model and the same global batch; about 5 minutes on 2 cores. Machines are noisy:
+compare the ratios of one run, read absolute numbers only as context.
+
+**1. Throughput** (``mlp``: ``--layers`` Dense layers of ``--width`` units, one SplitLayer
+in the middle, so both partitions hold the same compute; Adam, MSE). Every configuration
+trains ``--warmup`` untimed steps, then ``--rounds`` rounds of ``--steps`` steps (the
+configurations of one process take turns in every round); a step is timed from Keras'
+``on_train_batch_begin`` to its ``on_train_batch_end``, and the median step gives
+samples/s. Rows:
+
+- ``keras fit``: one plain Keras process, ``compile`` defaults (``jit_compile="auto"``,
+  XLA here), TensorFlow free to use both cores: the reference (``vs serial`` 1.00);
+- ``keras fit, no XLA`` and ``keras fit, eager`` (``run_eagerly=True``): the same process
+  and model; a pipelined stage runs eagerly (it exchanges tensors between micro-batches),
+  so eager Keras is what one process does under the same rule;
+- the same three held to 1 CPU with 1 intra-op thread (``, 1 CPU``; ratio ``vs 1 CPU``):
+  the share of the machine each of the 2 ranks has;
+- ``pipeline M=m``: 2 ranks, 1 intra-op thread each (``tnt run``'s default on 2 cores),
+  ``m`` micro-batches, the default schedule of ``tnt.Model`` (printed). ``ideal`` is the
+  speed-up over one stage's processor that GPipe's bubble allows, ``P * M / (M + P - 1)``,
+  with the efficiency ``M / (M + P - 1)`` in brackets (1F1B has the same bubble): compare
+  it with ``vs 1 CPU``.
+
+The columns after ``step`` say where a pipelined step goes, per rank (median ms per step;
+``StageStep.train`` and ``StageStep._receive`` are wrapped with timers, the training is
+unchanged): ``stage`` is the time in the stage's own step (all micro-batches' forward and
+backward passes, the optimizer), ``wait`` the part of it blocked on a receive (the bubble
+and the neighbour's transfer), ``work`` = stage - wait (this rank's own compute, its sends,
+the eager per-op Python), ``loop`` = step - stage (Keras' loop, the check that all ranks
+read the same batch, the broadcast of the outputs for the metrics, the loss allreduce).
+``bound`` is the throughput if a step cost only the slower rank's ``work`` (no bubble, no
+wait, no loop) as a ratio to serial: the compute-only bound. ``of bound`` = measured /
+bound: compare it with the efficiency ``M / (M + P - 1)``. The row after the table compares
+a rank's work at the smallest M with half the serial step on 1 CPU. The serial processes run
+before and again after the pipelined job; each serial row is the faster of the two (a
+machine shared with other work only slows a run down), and their ratio is printed.
+
+**2. Memory** (``big``: ``--mem-layers`` Dense layers of ``--mem-width`` units, hundreds of MB
+of float32 weights, Adam): the RSS of a plain Keras process (``jit_compile=False`` and 1
+intra-op thread, as a stage runs) and of each rank, after import, after building the model,
+after compile, its peak (``VmHWM``) at the last batch's end and after ``fit`` returned, and
+its peak virtual size (``VmPeak``). ``trains``: the parameters the process trains;
+``4W+12L``: 4 bytes for each of the whole model's W parameters (every rank builds the whole
+model: the user's script does) and 12 (2 Adam slots and a gradient) for each of the L
+parameters it trains.
+
+**3. Memory cap** (``--no-cap`` skips it): the big model again under an address-space
+limit per process (``RLIMIT_AS``, what ``ulimit -v`` sets; on each rank for the pipelined
+job), bisected on a ``--cap-step`` MB grid for serial and for the pipeline, every run
+printed: is there a cap under which serial training fails and pipelined training
+succeeds? ``MALLOC_ARENA_MAX=2`` in parts 2 and 3: glibc's per-thread 64 MB arenas would
+otherwise decide where threads fail under the cap, more than the model does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+P = 2  # pipeline stages = ranks
+
+
+# -- the worker side: one process (serial) or one rank (pipeline) ------------------------------
+
+def proc_status() -> dict[str, int]:
+    """VmRSS, VmHWM, VmSize, VmPeak of this process, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "VmSize", "VmPeak"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def build(keras: Any, width: int, layers: int, d_in: int, d_out: int, split: bool) -> Any:
+    """``layers`` Dense layers, ``d_in -> width -> ... -> d_out``, cut in the middle."""
+    keras.utils.set_random_seed(7)
+    sizes = [width] * (layers - 1) + [d_out]
+    inp = keras.Input((d_in,), name="x")
+    h = inp
+    for i, units in enumerate(sizes):
+        if split and i == layers // 2:
+            import tarantella as tnt
+
+            h = tnt.keras.layers.SplitLayer(name="cut")(h)
+        last = i == layers - 1
+        h = keras.layers.Dense(units, activation=None if last else "relu", name=f"d{i}")(h)
+    return keras.Model(inp, h, name="mlp")
+
+
+def data(n: int, d_in: int, d_out: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    return (rng.standard_normal((n, d_in)).astype(np.float32),
+            rng.standard_normal((n, d_out)).astype(np.float32))
+
+
+class Timers:
+    """Per-step wall times: the step (Keras' batch callbacks) and, on a pipeline rank, the
+    time in ``StageStep.train`` and in its blocking receives."""
+
+    def __init__(self) -> None:
+        self.step: list[float] = []
+        self.stage: list[float] = []
+        self.wait: list[float] = []
+        self._t0 = 0.0
+        self.stage_now = 0.0
+        self.wait_now = 0.0
+
+    def callback(self, keras: Any) -> Any:
+        timers = self
+
+        class _Cb(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+                timers.stage_now = timers.wait_now = 0.0
+                timers._t0 = time.perf_counter()
+
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                timers.step.append(time.perf_counter() - timers._t0)
+                timers.stage.append(timers.stage_now)
+                timers.wait.append(timers.wait_now)
+
+        return _Cb()
+
+    def reset(self) -> None:
+        self.step, self.stage, self.wait = [], [], []
+
+
+ACTIVE: list[Timers] = []  # the timers of the model training now (a pipeline rank)
+
+
+def instrument_stage_step() -> None:
+    """Wrap ``StageStep.train`` and ``StageStep._receive`` with timers (behaviour unchanged)."""
+    from tarantella.pipeline import StageStep
+
+    train, receive = StageStep.train, StageStep._receive
+
+    def timed_train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            if ACTIVE:
+                ACTIVE[0].stage_now += time.perf_counter() - t0
+
+    def timed_receive(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return receive(self, *args, **kwargs)
+        finally:
+            if ACTIVE:
+                ACTIVE[0].wait_now += time.perf_counter() - t0
+
+    StageStep.train = timed_train  # type: ignore[method-assign]
+    StageStep._receive = timed_receive  # type: ignore[method-assign]
+
+
+def worker_throughput(args: argparse.Namespace) -> None:
+    """Serial: three compiles of the model. Pipeline rank: one model per M. Rounds take turns."""
+    if args.role == "serial-1cpu":  # before TensorFlow starts its thread pools
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
+    import keras
+    import tensorflow as tf
+
+    if args.role == "serial-1cpu":
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+
+    pipeline = args.role == "pipe"
+    rank = 0
+    if pipeline:
+        import tarantella as tnt
+
+        rank = tnt.get_rank()
+        instrument_stage_step()
+    b, steps = args.batch, args.steps
+    x, y = data(b * steps, args.width, args.width)
+    configs: dict[str, Any] = {}
+    if pipeline:
+        for m in args.micro_batches:
+            model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                              parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_micro_batches=m)
+            model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+            configs[f"M={m}"] = model
+    else:
+        for name, kwargs in (("keras fit", {}), ("keras fit, no XLA", {"jit_compile": False}),
+                             ("keras fit, eager", {"run_eagerly": True})):
+            model = build(keras, args.width, args.layers, args.width, args.width, False)
+            model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", **kwargs)
+            configs[name] = model
+    timers = {name: Timers() for name in configs}
+    for name, model in configs.items():  # warm-up: tracing, XLA, the optimizer's slots
+        ACTIVE[:] = [timers[name]]
+        model.fit(x[:b * args.warmup], y[:b * args.warmup], batch_size=b, epochs=1, shuffle=False,
+                  verbose=0)
+    result: dict[str, Any] = {"rank": rank, "threads": tf.config.threading.get_intra_op_parallelism_threads(),
+                              "params": int(next(iter(configs.values())).count_params()), "configs": {}}
+    for t in timers.values():
+        t.reset()
+    for _ in range(args.rounds):
+        for name, model in configs.items():
+            ACTIVE[:] = [timers[name]]
+            model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[timers[name].callback(keras)])
+    for name, model in configs.items():
+        t = timers[name]
+        entry: dict[str, Any] = {"step": statistics.median(t.step), "steps": len(t.step)}
+        if pipeline:
+            work = [s - w for s, w in zip(t.stage, t.wait)]
+            loop = [st - s for st, s in zip(t.step, t.stage)]
+            entry.update(stage=statistics.median(t.stage), wait=statistics.median(t.wait),
+                         work=statistics.median(work), loop=statistics.median(loop),
+                         local_params=int(model.local_param_count),
+                         schedule=str(getattr(getattr(getattr(model, "_tnt", None), "step", None),
+                                              "schedule", "gpipe")))
+        else:
+            entry["jit_compile"] = bool(model.jit_compile)
+        result["configs"][name] = entry
+    Path(args.out, f"{args.role}.rank{rank}.json").write_text(json.dumps(result))
+
+
+def worker_memory(args: argparse.Namespace) -> None:
+    """Train the ``big`` model a few steps; report RSS along the way and the peaks at the end."""
+    marks = {"start": proc_status()}
+    import keras
+    import tensorflow as tf
+
+    pipeline = args.role == "mem-pipe"
+    rank = 0
+    if pipeline:
+        import tarantella as tnt
+
+        rank = tnt.get_rank()
+    else:  # the threads of a rank (tnt run gives each of 2 ranks on 2 cores 1 intra-op thread)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    marks["imported"] = proc_status()
+    w, d = args.mem_width, args.mem_io
+    model = build(keras, w, args.mem_layers, d, d, pipeline)
+    params = int(model.count_params())
+    local = params
+    if pipeline:
+        model = tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                          num_micro_batches=args.mem_micro_batches)
+        local = int(model.local_param_count)
+    marks["built"] = proc_status()
+    if pipeline:
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    else:
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=False)
+    marks["compiled"] = proc_status()
+    x, y = data(args.mem_batch * args.mem_steps, d, d)
+
+    class _LastBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            marks["last batch"] = proc_status()  # before fit's end-of-epoch and end-of-training work
+
+    history = model.fit(x, y, batch_size=args.mem_batch, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[_LastBatch()])
+    marks["trained"] = proc_status()
+    result = {"rank": rank, "params": params, "local_params": local, "marks": marks,
+              "loss": float(history.history["loss"][-1]),
+              "threads": tf.config.threading.get_intra_op_parallelism_threads()}
+    Path(args.out, f"{args.role}.rank{rank}.json").write_text(json.dumps(result))
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
+    return [str(HERE), "--role", role, "--out", str(out), "--batch", str(args.batch),
+            "--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+            "--micro-batches", ",".join(map(str, args.micro_batches)),
+            "--mem-width", str(args.mem_width), "--mem-layers", str(args.mem_layers),
+            "--mem-io", str(args.mem_io), "--mem-batch", str(args.mem_batch),
+            "--mem-steps", str(args.mem_steps), "--mem-micro-batches", str(args.mem_micro_batches)]
+
+
+def launch(args: argparse.Namespace, role: str, out: Path, ranks: int,
+           as_limit: int | None = None) -> tuple[int, str]:
+    """One serial process (``ranks`` 0) or a ``tnt run`` job; returns (exit code, output)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if role.startswith("mem"):
+        # glibc reserves 64 MB of address space per thread arena (8 x cores of them): under an
+        # address-space cap, those reservations and not the model decide when threads fail
+        env["MALLOC_ARENA_MAX"] = "2"
+    if ranks:
+        tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
+        cmd = [tnt, "run", "-n", str(ranks), "--backend", args.backend, "--timeout", "120",
+               "--output-on-all-devices", "--", *worker_args(args, role, out)]
+    else:
+        cmd = [sys.executable, *worker_args(args, role, out)]
+
+    def limit() -> None:
+        if as_limit is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
+
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout,
+                           preexec_fn=limit)
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, output + f"\n(timed out after {args.timeout} s)"
+    return p.returncode, p.stdout + p.stderr
+
+
+def results(out: Path, role: str, n: int) -> list[dict]:
+    files = [out / f"{role}.rank{r}.json" for r in range(n)]
+    return [json.loads(f.read_text()) for f in files if f.exists()]
+
+
+def run(args: argparse.Namespace, role: str, out: Path, ranks: int) -> list[dict]:
+    rc, output = launch(args, role, out, ranks)
+    got = results(out, role, max(ranks, 1))
+    if rc != 0 or len(got) != max(ranks, 1):
+        raise SystemExit(f"{role} failed (exit {rc}):\n{output[-4000:]}")
+    return got
+
+
+def mb(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, ranks: list[dict]) -> None:
+    b = args.batch
+    base = b / serial["configs"]["keras fit"]["step"]
+    base1 = b / serial1["configs"]["keras fit"]["step"]
+    print(f"\n1. Throughput: mlp, {args.layers} Dense layers of {args.width} units "
+          f"({serial['params'] / 1e6:.1f} M params, cut after layer {args.layers // 2}), global batch {b}, "
+          f"Adam, {args.backend}; {args.rounds} rounds x {args.steps} steps, median step")
+    schedule = ranks[0]["configs"][f"M={args.micro_batches[0]}"]["schedule"]
+    print(f"   serial: 1 process, TensorFlow's default threads (both cores), and held to 1 CPU with 1 "
+          f"intra-op thread; pipeline: {P} ranks, {ranks[0]['threads']} intra-op thread each, "
+          f"schedule {schedule}")
+    print("   ms per step; stage, wait, work, loop per rank: r0 / r1")
+    print(f"{'':26s} {'samples/s':>9s} {'vs serial':>9s} {'vs 1 CPU':>8s} {'ideal (eff.)':>12s} "
+          f"{'step':>6s} {'stage':>13s} {'wait':>11s} {'work':>13s} {'loop':>11s} {'bound':>5s} "
+          f"{'of bound':>8s}")
+    for tag, ser in (("", serial), (", 1 CPU", serial1)):
+        for name, c in ser["configs"].items():
+            rate = b / c["step"]
+            print(f"{name + tag:26s} {rate:9.0f} {rate / base:9.2f} {rate / base1:8.2f} {'':12s} "
+                  f"{c['step'] * 1e3:6.1f}")
+    for m in args.micro_batches:
+        cs = [r["configs"][f"M={m}"] for r in ranks]
+        step = statistics.median([c["step"] for c in cs])
+        rate = b / step
+        eff = m / (m + P - 1)
+        bound = b / max(c["work"] for c in cs)
+
+        def pair(key: str, cs: list[dict] = cs) -> str:
+            return " / ".join(f"{c[key] * 1e3:.1f}" for c in cs)
+
+        print(f"{'pipeline M=' + str(m):26s} {rate:9.0f} {rate / base:9.2f} {rate / base1:8.2f} "
+              f"{P * eff:5.2f} ({eff:.2f}) {step * 1e3:6.1f} {pair('stage'):>13s} {pair('wait'):>11s} "
+              f"{pair('work'):>13s} {pair('loop'):>11s} {bound / base:5.2f} {rate / bound:8.2f}")
+    half = {name: c["step"] * 1e3 / P for name, c in serial1["configs"].items()}
+    m1 = [r["configs"][f"M={args.micro_batches[0]}"] for r in ranks]
+    print(f"   half the serial step on 1 CPU: fit {half['keras fit']:.1f} ms, eager "
+          f"{half['keras fit, eager']:.1f} ms; a rank's work at M={args.micro_batches[0]}: "
+          + " / ".join(f"{c['work'] * 1e3:.1f} ms" for c in m1))
+
+
+def print_memory(args: argparse.Namespace, serial: dict, ranks: list[dict]) -> None:
+    params = serial["params"]
+    print(f"\n2. Memory: big, {args.mem_layers} Dense layers of {args.mem_width} units "
+          f"({params / 1e6:.1f} M params = {mb(4 * params)} MB of float32 weights), Adam, batch "
+          f"{args.mem_batch}, M={args.mem_micro_batches}, {args.mem_steps} steps; MB (2^20 bytes)")
+    print("   RSS after import / after building the model / after compile; peak RSS (VmHWM) at the last "
+          "batch's end and after fit returned (fit's end-of-training work included)")
+    rows = [("serial", serial)] + [(f"pipeline rank {r['rank']}", r) for r in ranks]
+    print(f"{'':16s} {'trains':>8s} {'4W+12L':>7s} {'imported':>8s} {'built':>6s} {'compiled':>8s} "
+          f"{'peak in fit':>11s} {'vs serial':>9s} {'peak after':>10s} {'vs serial':>9s} {'VmPeak':>7s}")
+    s_in = serial["marks"]["last batch"]["VmHWM"]
+    s_after = serial["marks"]["trained"]["VmHWM"]
+    for name, r in rows:
+        k = r["marks"]
+        peak_in, peak_after = k["last batch"]["VmHWM"], k["trained"]["VmHWM"]
+        # weights of the whole model (W params), Adam's 2 slots and a gradient for the L it trains
+        expected = 4 * r["params"] + 3 * 4 * r["local_params"]
+        print(f"{name:16s} {r['local_params'] / 1e6:6.1f} M {mb(expected):>7s} "
+              f"{mb(k['imported']['VmRSS']):>8s} {mb(k['built']['VmRSS']):>6s} "
+              f"{mb(k['compiled']['VmRSS']):>8s} {mb(peak_in):>11s} {peak_in / s_in:9.2f} "
+              f"{mb(peak_after):>10s} {peak_after / s_after:9.2f} {mb(k['trained']['VmPeak']):>7s}")
+    saved = s_in - max(r["marks"]["last batch"]["VmHWM"] for r in ranks)
+    other = 3 * 4 * (params - min(r["local_params"] for r in ranks))
+    print(f"   peak RSS in fit, serial minus the larger rank: {mb(saved)} MB; the other partition's Adam "
+          f"slots and gradient (3 x 4 B x its params): {mb(other)} MB; the whole model's weights, "
+          f"held by every rank: {mb(4 * params)} MB")
+
+
+def cap_experiment(args: argparse.Namespace, out: Path, serial: dict, ranks: list[dict]) -> None:
+    """Bisect, for serial and for the pipelined job, the lowest RLIMIT_AS (per process) under
+    which the big model trains, on a grid of ``--cap-step`` MB; print every run."""
+    step = args.cap_step * 2**20
+    lo = max(r["marks"]["last batch"]["VmHWM"] for r in ranks) // step * step  # below any RSS peak
+    top = max(r["marks"]["trained"]["VmPeak"] for r in [serial, *ranks])
+    hi = -(-top // step) * step + step  # above every peak virtual size measured in part 2
+    tried: dict[tuple[str, int], str] = {}
+
+    def attempt(role: str, cap: int) -> bool:
+        n = P if role == "mem-pipe" else 0
+        cap_out = out / f"cap-{role}-{cap}"
+        cap_out.mkdir()
+        rc, output = launch(args, role, cap_out, n, as_limit=cap)
+        got = results(cap_out, role, max(n, 1))
+        ok = rc == 0 and len(got) == max(n, 1)
+        if ok:
+            tried[role, cap] = "trained (peak RSS " + " / ".join(
+                mb(r["marks"]["trained"]["VmHWM"]) for r in got) + ")"
+        else:
+            kinds = [k for k in ("ResourceExhaustedError", "MemoryError", "bad_alloc", "SIGABRT",
+                                 "Resource temporarily unavailable") if k in output]
+            if rc in (-6, 134) and "SIGABRT" not in kinds:
+                kinds.append("SIGABRT")
+            tried[role, cap] = f"failed, exit {rc}" + (f": {', '.join(kinds)}" if kinds else "")
+        return ok
+
+    lowest = {}
+    for role in ("mem-serial", "mem-pipe"):
+        a, b = lo, hi  # a fails (below the peak RSS), b: trains or the search ends there
+        while b - a > step:
+            mid = (a + b) // 2 // step * step
+            if attempt(role, mid):
+                b = mid
+            else:
+                a = mid
+        lowest[role] = b
+    # the demonstration: both at the pipelined job's lowest cap
+    for role in ("mem-serial", "mem-pipe"):
+        if (role, lowest["mem-pipe"]) not in tried:
+            attempt(role, lowest["mem-pipe"])
+    print(f"\n3. Memory cap: the big model under RLIMIT_AS (ulimit -v), per process, bisected on a "
+          f"{args.cap_step} MB grid; MB")
+    print(f"{'cap':>7s}  {'serial (1 process)':34s}  {'pipeline (limit on each rank)':34s}")
+    for cap in sorted({c for _, c in tried}):
+        cells = [tried.get((role, cap), "") for role in ("mem-serial", "mem-pipe")]
+        print(f"{mb(cap):>7s}  {cells[0]:34s}  {cells[1]:34s}".rstrip())
+    ls, lp = lowest["mem-serial"], lowest["mem-pipe"]
+
+    def lowest_text(role: str) -> str:
+        return mb(lowest[role]) if tried.get((role, lowest[role]), "").startswith("trained") \
+            else f"none up to {mb(hi)}"
+
+    print(f"   lowest cap that trained in the bisection: serial {lowest_text('mem-serial')}, "
+          f"pipeline {lowest_text('mem-pipe')} MB")
+    at_lp = (tried.get(("mem-serial", lp), ""), tried.get(("mem-pipe", lp), ""))
+    if at_lp[0].startswith("failed") and at_lp[1].startswith("trained"):
+        print(f"   at {mb(lp)} MB serial training failed and pipelined training succeeded")
+    else:
+        print(f"   at {mb(lp)} MB: serial {at_lp[0]}, pipeline {at_lp[1]}: no demonstration")
+    if any(tried.get(("mem-serial", c), "").startswith("trained") for c in range(lo, ls, step)):
+        print("   (not monotonic: serial trained under a cap below its bisected lowest)")
+
+
+def source_version() -> str:
+    """Where ``tarantella`` is imported from: its commit, and whether its sources differ."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tarantella")
+    where = Path(spec.origin).parent if spec and spec.origin else None
+    if where is None:
+        return "(not found)"
+    try:
+        commit = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"from {where}"
+    return f"at {commit}" + (" (its sources modified)" if dirty else "")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--micro-batches", default="1,2,4,8")
+    p.add_argument("--mem-width", type=int, default=4096)
+    p.add_argument("--mem-layers", type=int, default=6)
+    p.add_argument("--mem-io", type=int, default=1024, help="input and output width of the big model")
+    p.add_argument("--mem-batch", type=int, default=32)
+    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--mem-micro-batches", type=int, default=2)
+    p.add_argument("--no-cap", action="store_true", help="skip the memory-cap experiment")
+    p.add_argument("--cap-step", type=int, default=128, help="MB: the grid of the cap bisection")
+    p.add_argument("--only", choices=["throughput", "memory"], help="run one part only")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per launched process or job")
+    p.add_argument("--role", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.micro_batches = [int(m) for m in str(args.micro_batches).split(",") if m]
+    if args.role in ("serial", "serial-1cpu", "pipe"):
+        worker_throughput(args)
+        return 0
+    if args.role in ("mem-serial", "mem-pipe"):
+        worker_memory(args)
+        return 0
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    print(f"pipeline benchmark, {os.cpu_count()} CPUs, backend {args.backend}, {P} stages, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, tarantella {source_version()}",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        out = Path(tmp_name)
+        if args.only != "memory":
+            serial = run(args, "serial", out, 0)[0]
+            serial1 = run(args, "serial-1cpu", out, 0)[0]
+            ranks = run(args, "pipe", out, P)
+            (out / "again").mkdir()  # the serial processes again: the machine may have changed
+            again = run(args, "serial", out / "again", 0)[0]
+            again1 = run(args, "serial-1cpu", out / "again", 0)[0]
+            drifts = [f"{name}{tag} {a['configs'][name]['step'] / b['configs'][name]['step']:.2f}"
+                      for tag, a, b in (("", serial, again), (", 1 CPU", serial1, again1))
+                      for name in a["configs"]]
+            for first, second in ((serial, again), (serial1, again1)):  # the less disturbed run
+                for name, c in first["configs"].items():
+                    c["step"] = min(c["step"], second["configs"][name]["step"])
+            print_throughput(args, serial, serial1, ranks)
+            print("   serial rows: the faster of a run before and one after the pipelined runs; "
+                  "after / before step time: " + ", ".join(drifts))
+        if args.only != "throughput":
+            mserial = run(args, "mem-serial", out, 0)[0]
+            mranks = run(args, "mem-pipe", out, P)
+            print_memory(args, mserial, mranks)
+            if not args.no_cap:
+                cap_experiment(args, out, mserial, mranks)
+    left = sorted(set(os.listdir("/dev/shm")) - shm_before) if shm_before or os.path.isdir("/dev/shm") else []
+    if left:
+        print(f"\nnote: new entries in /dev/shm during the run (this run's or other jobs'): {left}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
