@@ -22,6 +22,7 @@ as for DATA: writers on the master only.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import keras
@@ -80,13 +81,17 @@ class _PipelineState(_DistributedState):
                     self.replicas = group
         self.step: StageStep | None = None
         self.loss: Any = None  # the compiled loss, as a keras.losses.Loss
-        #: the optimizer over the whole model holding every stage's state, as gathered last
-        #: (what save/save_weights write), and whether nothing was trained since
+        #: on the writing rank(s): the optimizer over the whole model holding every stage's
+        #: state (what save/save_weights write), gathered since the last step, else None
         self.whole_optimizer: keras.optimizers.Optimizer | None = None
         self.gathered = False
         #: which rank trains each of the model's weights (the stage whose partition holds it)
         self.owners: dict[int, int] = {id(w): p for p in range(parts.num_partitions)
                                        for w in parts.models[p].weights}
+
+    def forget_whole_optimizer(self) -> None:
+        """Free the gathered optimizer (the size of the serial one): a step makes it stale."""
+        self.whole_optimizer, self.gathered = None, False
 
 
 class _WeightSync(keras.callbacks.Callback):
@@ -103,7 +108,8 @@ class _WeightSync(keras.callbacks.Callback):
         self._model._tnt_gather(optimizer=self._checkpoints)  # noqa: SLF001 - its own helper
 
     def on_train_end(self, logs: Any = None) -> None:
-        self._model._tnt_gather(optimizer=True)  # noqa: SLF001
+        self._model._tnt_gather(optimizer=False)  # noqa: SLF001
+        self._model._tnt.forget_whole_optimizer()  # noqa: SLF001
 
 
 _CLASSES: dict[type, type] = {}
@@ -301,7 +307,7 @@ class PipelinedModel(Model):
         assert state.step is not None, "compile() makes the stage's step"
         x, y, sample_weight, batch = self._tnt_batch(data)
         share = self._tnt_share(batch)
-        state.gathered = False
+        state.forget_whole_optimizer()
         part = state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
                                 self._tnt_rows(sample_weight, share), global_batch=batch)
         return self._tnt_logs(x, y, sample_weight, batch, self._tnt_sum(part))
@@ -340,47 +346,69 @@ class PipelinedModel(Model):
 
     # -- the loops ---------------------------------------------------------------------------
 
-    def _tnt_gather(self, optimizer: bool) -> None:
-        """The whole model on every rank: the weights, and with ``optimizer`` the
-        optimizer state (:meth:`_tnt_whole_optimizer`). A collective of all ranks."""
+    def _tnt_gather(self, optimizer: bool, everywhere: bool = False) -> None:
+        """The whole model: every weight on every rank, and with ``optimizer`` the
+        optimizer state on the master (on every rank with ``everywhere``). A collective of
+        all ranks."""
         self._tnt_gather_weights()
         if optimizer:
-            self._tnt.whole_optimizer = self._tnt_whole_optimizer()
+            self._tnt.whole_optimizer = self._tnt_whole_optimizer(everywhere)
             self._tnt.gathered = True
 
-    def _tnt_whole_optimizer(self) -> keras.optimizers.Optimizer | None:
-        """The optimizer a serial run would hold: built over all trainable weights, each
-        variable (a slot, the iteration count) the value of the stage that holds it. Its
-        variables are named after the weights (``adam/dense_kernel_momentum``), so a
-        stage's variable is the whole optimizer's of the same path."""
+    def _tnt_whole_optimizer(self, everywhere: bool) -> keras.optimizers.Optimizer | None:
+        """The optimizer a serial run would hold, on the master (with ``everywhere`` on
+        every rank; None elsewhere): built over all trainable weights, each variable (a
+        slot, the iteration count) the value of the stage that holds it. Keras names a
+        slot after its weight (``adam/dense_kernel_momentum``), so a stage's variable is
+        the whole optimizer's of the same path.
+
+        Only the rank that writes builds it: it is as large as the serial optimizer, which
+        is what a pipelined rank saves memory on. The stages send it their variables
+        point-to-point; with ``everywhere`` they are broadcast instead."""
         stage_optimizer = getattr(self, "optimizer", None)
         if stage_optimizer is None or not stage_optimizer.built:
             return None
         state = self._tnt
         backend = state.runtime.backend
-        whole = type(stage_optimizer).from_config(stage_optimizer.get_config())
-        whole.build(self.trainable_variables)
         mine = {v.path: v for v in stage_optimizer.variables}
-        holds = np.array([state.stage + 1 if v.path in mine and state.replica == 0 else 0
-                          for v in whole.variables], np.int64)
-        owners = backend.allreduce(holds, "max") - 1  # the owning stage is rank `stage`
-        for v, owner in zip(whole.variables, owners):
-            if owner < 0:
-                raise tnt_core.CommError(f"no stage holds optimizer variable {v.path!r}")
-            v.assign(_broadcast(backend, mine.get(v.path, v), int(owner)))
+        if everywhere:
+            whole = _whole_like(stage_optimizer, self.trainable_variables)
+            holds = np.array([state.stage + 1 if v.path in mine and state.replica == 0 else 0
+                              for v in whole.variables], np.int64)
+            owners = backend.allreduce(holds, "max") - 1  # the owning stage is rank `stage`
+            for v, owner in zip(whole.variables, owners):
+                if owner < 0:
+                    raise tnt_core.CommError(f"no stage holds optimizer variable {v.path!r}")
+                v.assign(_broadcast(backend, mine.get(v.path, v), int(owner)))
+            return whole
+        rank, stages = state.runtime.rank, state.parts.num_partitions
+        if rank != 0:
+            if state.replica == 0:  # a stage of the first pipeline: its state to the master
+                _send_variables(backend, list(stage_optimizer.variables), 0)
+            return None
+        whole = _whole_like(stage_optimizer, self.trainable_variables)
+        by_path = {v.path: v for v in whole.variables}
+        received = dict(mine)
+        for stage in range(1, stages):
+            received.update(_receive_variables(backend, stage))
+        missing = [path for path in by_path if path not in received]
+        if missing:
+            raise tnt_core.CommError(f"no stage holds optimizer variables {missing[:3]}")
+        for path, v in by_path.items():
+            v.assign(np.asarray(keras.ops.convert_to_numpy(received[path])).reshape(tuple(v.shape)))
         return whole
 
-    def _tnt_as_whole(self, write: Any) -> None:
+    def _tnt_as_whole(self, write: Any, everywhere: bool = False) -> None:
         """Run ``write`` (Keras' save or save_weights) with the whole model's optimizer in
         place of this stage's, gathering it first if training ran since the last gather."""
         state = self._tnt
-        if not state.gathered:
+        if not state.gathered or everywhere:
             if writes_locally():
                 raise NotSupportedError(
                     "saving a pipelined model from a master-only callback in the middle of an "
                     "epoch: the stages' state is gathered at each epoch's end; save there "
                     "(save_freq='epoch')")
-            self._tnt_gather(optimizer=True)
+            self._tnt_gather(optimizer=True, everywhere=everywhere)
         stage_optimizer = getattr(self, "optimizer", None)
         whole = state.whole_optimizer
         if whole is not None:
@@ -390,6 +418,8 @@ class PipelinedModel(Model):
         finally:
             if whole is not None:
                 self.optimizer = stage_optimizer
+            if not writes_locally():  # kept for the other checkpoints of this epoch's end
+                state.forget_whole_optimizer()
 
     def _tnt_gather_weights(self) -> None:
         """Each weight from the rank whose stage trains it, to every rank."""
@@ -526,7 +556,8 @@ class PipelinedModel(Model):
         every rank, as for DATA: the stages' state is gathered, the master writes."""
         parent = super().save
         self._tnt_as_whole(lambda: parent(filepath, overwrite=overwrite, zipped=zipped,
-                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs))
+                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs),
+                           everywhere=tnt_save_all_devices)
 
     @user_facing
     def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
@@ -541,8 +572,7 @@ class PipelinedModel(Model):
         state = self._tnt
         if not stage_optimizer.built and state.step is not None:
             stage_optimizer.build(state.step.weights)
-        whole = type(stage_optimizer).from_config(stage_optimizer.get_config())
-        whole.build(self.trainable_variables)
+        whole = _whole_like(stage_optimizer, self.trainable_variables)  # freed on return
         self.optimizer = whole
         try:
             super().load_weights(filepath, *args, **kwargs)
@@ -552,7 +582,7 @@ class PipelinedModel(Model):
         for v in stage_optimizer.variables:
             if v.path in loaded:
                 v.assign(loaded[v.path])
-        state.whole_optimizer, state.gathered = whole, True
+        state.forget_whole_optimizer()
 
     @user_facing
     def save_weights(self, filepath: Any, overwrite: bool = True, *,
@@ -561,7 +591,45 @@ class PipelinedModel(Model):
         writes them; call on every rank."""
         parent = super().save_weights
         self._tnt_as_whole(lambda: parent(filepath, overwrite=overwrite,
-                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs))
+                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs),
+                           everywhere=tnt_save_all_devices)
+
+
+#: tags of the optimizer-state messages to the master (apart from the pipeline's 0, 1, ...)
+_META_TAG, _VALUE_TAG = 30001, 30002
+
+
+def _whole_like(optimizer: keras.optimizers.Optimizer, variables: list[Any]) -> Any:
+    """A new optimizer configured as ``optimizer``, built over ``variables``."""
+    whole = type(optimizer).from_config(optimizer.get_config())
+    whole.build(variables)
+    return whole
+
+
+def _send_variables(backend: tnt_core.CommBackend, variables: list[Any], dest: int) -> None:
+    """``variables`` to ``dest``: their paths, shapes and dtypes (JSON, as int32 words),
+    then each value (see :func:`_receive_variables`)."""
+    values = [np.array(keras.ops.convert_to_numpy(v), order="C").reshape(-1) for v in variables]
+    meta = json.dumps([[v.path, str(a.dtype), a.size] for v, a in zip(variables, values)]).encode()
+    words = np.frombuffer(meta + b" " * (-len(meta) % 4), dtype=np.int32).copy()
+    handles = [backend.send_async(np.array([words.size], np.int64), dest, _META_TAG),
+               backend.send_async(words, dest, _META_TAG)]
+    handles += [backend.send_async(a, dest, _VALUE_TAG) for a in values]
+    tnt_core.wait_all(handles)
+
+
+def _receive_variables(backend: tnt_core.CommBackend, src: int) -> dict[str, np.ndarray]:
+    """What :func:`_send_variables` sent from ``src``: path -> value (flat)."""
+    count = np.zeros(1, np.int64)
+    backend.recv_async(count, src, _META_TAG).wait()
+    words = np.zeros(int(count[0]), np.int32)
+    backend.recv_async(words, src, _META_TAG).wait()
+    meta = json.loads(words.tobytes().decode().rstrip())
+    out = {}
+    for path, dtype, size in meta:
+        buf = np.zeros(int(size), np.dtype(dtype))
+        out[path] = backend.recv_async(buf, src, _VALUE_TAG).wait()
+    return out
 
 
 def _broadcast(backend: tnt_core.CommBackend, variable: Any, root: int) -> np.ndarray:
