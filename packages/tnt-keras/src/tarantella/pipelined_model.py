@@ -450,20 +450,15 @@ class PipelinedModel(Model):
         checkpoints = False
         for cb in callbacks:
             inner = getattr(cb, "keras_callback", cb)
-            if isinstance(inner, keras.callbacks.BackupAndRestore):
-                if inner.save_freq != "epoch":
-                    raise NotSupportedError(
-                        f"BackupAndRestore(save_freq={inner.save_freq!r}) with a pipelined model: "
-                        "the whole model is gathered from the stages at each epoch's end; use "
-                        "save_freq='epoch'")
-                checkpoints = True
-            if isinstance(inner, keras.callbacks.ModelCheckpoint):
-                if inner.save_freq != "epoch":
-                    raise NotSupportedError(
-                        f"ModelCheckpoint(save_freq={inner.save_freq!r}) with a pipelined model: "
-                        "the whole model is gathered from the stages at each epoch's end; use "
-                        "save_freq='epoch'")
-                checkpoints = True
+            if not isinstance(inner, (keras.callbacks.BackupAndRestore,
+                                      keras.callbacks.ModelCheckpoint)):
+                continue
+            if inner.save_freq != "epoch":
+                raise NotSupportedError(
+                    f"{type(inner).__name__}(save_freq={inner.save_freq!r}) with a pipelined "
+                    "model: the whole model is gathered from the stages at each epoch's end; "
+                    "use save_freq='epoch'")
+            checkpoints = True
         runtime = self._tnt.runtime
         wrapped = distribute_callbacks(callbacks, self, runtime, broadcast_weights=False)
         return ([_WeightSync(self, checkpoints)] if train else []) + wrapped
