@@ -177,6 +177,7 @@ def pipelined(model: keras.Model, num_micro_batches: Any,
     randomness.fold_rank_into_seeds(model, state.replica)
     object.__setattr__(model, "__class__", _pipelined_class(type(model)))
     object.__setattr__(model, "_tnt", state)
+    model.run_eagerly = True  # predict before compile too: the steps talk to the neighbours
     return model
 
 
@@ -524,11 +525,16 @@ class PipelinedModel(Model):
     @user_facing
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:
-        """``keras.Model.train_on_batch`` of the pipeline, on the global batch."""
+        """``keras.Model.train_on_batch`` of the pipeline, on the global batch. The whole
+        model is gathered after it (every weight from its stage, as at the end of ``fit``),
+        so ``get_weights`` between calls sees it: a loop of these costs one broadcast of the
+        weights per step, which ``fit`` spares."""
         self._assert_compile_called("train_on_batch")
         self._tnt_start()
-        return keras.Model.train_on_batch(self, x, y, sample_weight=sample_weight,
+        logs = keras.Model.train_on_batch(self, x, y, sample_weight=sample_weight,
                                           class_weight=class_weight, return_dict=return_dict)
+        self._tnt_gather(optimizer=False)
+        return logs
 
     @user_facing
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,

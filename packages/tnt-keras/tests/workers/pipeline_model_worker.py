@@ -82,6 +82,42 @@ def dict_inputs(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[
     return model.get_weights()
 
 
+def keras_workflow(args: argparse.Namespace, x: np.ndarray) -> dict[str, np.ndarray]:
+    """What users do besides fit: predict before compile, a tf.data dataset with sample
+    weights, validation_split with class weights, extra and weighted metrics, the
+    single-batch calls, then get_weights; every result, flattened into arrays."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(5)
+    classes = (np.abs(x[:, 0] * 3).astype(np.int64) % 3)
+    weights = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+    model = build(args.partitions)
+    if args.mode == "pipeline":
+        import tarantella as tnt
+
+        strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
+                    else tnt.ParallelStrategy.ALL)
+        model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
+    out = {"predict_uncompiled": model.predict(x[:9], verbose=0)}
+    model.compile(optimizer=keras.optimizers.RMSprop(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+                  weighted_metrics=["accuracy"])
+    dataset = tf.data.Dataset.from_tensor_slices((x, classes, weights)).batch(12)
+    history = model.fit(dataset, epochs=2, verbose=0).history
+    history.update({f"split_{k}": v for k, v in model.fit(
+        x, classes, batch_size=10, epochs=2, validation_split=0.25, shuffle=False, verbose=0,
+        class_weight={0: 1.0, 1: 2.0, 2: 0.5}).history.items()})
+    out.update({f"history_{k}": np.array(v) for k, v in history.items()})
+    out["train_on_batch"] = np.array(model.train_on_batch(x[:13], classes[:13],
+                                                          sample_weight=weights[:13]))
+    out["test_on_batch"] = np.array(model.test_on_batch(x[:13], classes[:13]))
+    out["predict_on_batch"] = np.asarray(model.predict_on_batch(x[:5]))
+    out["evaluate"] = np.array(list(model.evaluate(dataset, verbose=0, return_dict=True).values()))
+    out.update({f"weight{i}": w for i, w in enumerate(model.get_weights())})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["serial", "pipeline"], required=True)
@@ -137,11 +173,13 @@ def main() -> int:
         model.save_weights(str(args.out / "w.weights.h5"))
     resumed = resume(args, x, y)
     named = dict_inputs(args, x, y)
+    workflow = keras_workflow(args, x)
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
              **{f"w{i}": w for i, w in enumerate(weights)},
              **{f"resumed{i}": w for i, w in enumerate(resumed)},
-             **{f"named{i}": w for i, w in enumerate(named)})
+             **{f"named{i}": w for i, w in enumerate(named)},
+             **{f"workflow_{k}": v for k, v in workflow.items()})
     (args.out / f"{tag}.json").write_text(json.dumps({
         "history": history.history, "evaluate": evaluation, "count": model.count_params(),
         **extra}))
