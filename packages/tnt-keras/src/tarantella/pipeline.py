@@ -124,6 +124,7 @@ class StageStep:
         fused allreduce, before each applies the same update.
     :param regularise: whether this stage adds its weight regularisation to the loss (one
         replica of each stage does, so that the sum over replicas counts it once).
+    :param fusion_threshold_bytes: the bucket size of the replicas' gradient allreduce.
     :param schedule: the order of the passes (:meth:`order`), ``"1f1b"`` or ``"gpipe"``.
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
@@ -133,7 +134,8 @@ class StageStep:
                  loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
                  ranks: Sequence[int] | None = None, replicas: tnt_core.CommBackend | None = None,
                  regularise: bool = True, timeline: tnt_core.Timeline | None = None,
-                 schedule: str = "1f1b") -> None:
+                 schedule: str = "1f1b",
+                 fusion_threshold_bytes: int = int(tnt_core.DEFAULT_FUSION_THRESHOLD_KB * 1024)) -> None:
         if not backend.supports("p2p"):
             raise NotSupportedError(
                 f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
@@ -150,6 +152,8 @@ class StageStep:
         self.ranks = list(ranks) if ranks is not None else list(range(parts.num_partitions))
         self.first, self.last = stage == 0, stage == parts.num_partitions - 1
         self.replicas, self.regularise = replicas, regularise
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self._reducer: tnt_core.FusedAllreducer | None = None  # made at the first step
         self.timeline = timeline
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
@@ -293,20 +297,16 @@ class StageStep:
 
     def _sum_over_replicas(self, grads: list[Any]) -> list[Any]:
         """The replicas' gradients summed (each computed its share of the global batch's
-        mean loss), one allreduce per dtype."""
+        mean loss), through tnt-core's fused allreducer: buckets allocated and agreed on
+        once, as DATA's gradients are."""
         assert self.replicas is not None
-        arrays = [np.asarray(g) for g in grads]
-        out: list[Any] = [None] * len(arrays)
-        for dtype in sorted({a.dtype for a in arrays}, key=str):
-            members = [i for i, a in enumerate(arrays) if a.dtype == dtype]
-            flat = np.concatenate([arrays[i].reshape(-1) for i in members])
-            summed = self.replicas.allreduce(flat)
-            offset = 0
-            for i in members:
-                size = arrays[i].size
-                out[i] = tf.convert_to_tensor(summed[offset:offset + size].reshape(arrays[i].shape))
-                offset += size
-        return out
+        if self._reducer is None:
+            plan = tnt_core.plan_buckets([np.asarray(g) for g in grads],
+                                         self.fusion_threshold_bytes)
+            self._reducer = tnt_core.FusedAllreducer(self.replicas, plan)
+        for i, g in enumerate(grads):
+            self._reducer.push(i, np.asarray(g))
+        return [tf.convert_to_tensor(a) for a in self._reducer.finish()]
 
     def forward(self, x: Any, batch: int) -> float:
         """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by

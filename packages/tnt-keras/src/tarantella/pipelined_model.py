@@ -245,7 +245,8 @@ class PipelinedModel(Model):
         state = self._tnt
         return StageStep(state.parts, state.stage, state.pipe, loss=loss, optimizer=optimizer,
                          num_micro_batches=state.num_micro_batches, replicas=state.replicas,
-                         regularise=state.replica == 0, timeline=timeline.get(state.runtime))
+                         regularise=state.replica == 0, timeline=timeline.get(state.runtime),
+                         fusion_threshold_bytes=state.runtime.config.fusion_threshold_bytes)
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -380,7 +381,9 @@ class PipelinedModel(Model):
             for v, owner in zip(whole.variables, owners):
                 if owner < 0:
                     raise tnt_core.CommError(f"no stage holds optimizer variable {v.path!r}")
-                v.assign(_broadcast(backend, mine.get(v.path, v), int(owner)))
+                if v.path in mine:
+                    v.assign(mine[v.path])
+            _broadcast_variables(backend, list(whole.variables), [int(o) for o in owners])
             return whole
         rank, stages = state.runtime.rank, state.parts.num_partitions
         if rank != 0:
@@ -423,23 +426,18 @@ class PipelinedModel(Model):
                 state.forget_whole_optimizer()
 
     def _tnt_gather_weights(self) -> None:
-        """Each weight from the rank whose stage trains it, to every rank."""
+        """Each weight from the rank whose stage trains it, to every rank (seed states
+        stay each rank's own: ``tarantella.randomness``)."""
         state = self._tnt
-        backend = state.runtime.backend
-        for w in self.weights:
-            owner = state.owners.get(id(w))
-            if owner is None:  # e.g. a seed state: not trained by any stage
-                continue
-            if np.dtype(w.dtype) in tnt_core.SUPPORTED_DTYPES:
-                w.assign(_broadcast(backend, w, owner))
+        owned = [(w, state.owners[id(w)]) for w in self.weights
+                 if id(w) in state.owners and not randomness.is_seed_state(w)]
+        _broadcast_variables(state.runtime.backend, [w for w, _ in owned], [o for _, o in owned])
 
     def _tnt_start(self) -> None:
         """Before a loop: weights set on the master (set_weights, load_weights) go to all."""
         if self._tnt.needs_broadcast:
-            backend = self._tnt.runtime.backend
-            for w in self.weights:
-                if np.dtype(w.dtype) in tnt_core.SUPPORTED_DTYPES:
-                    w.assign(_broadcast(backend, w, 0))
+            weights = [w for w in self.weights if not randomness.is_seed_state(w)]
+            _broadcast_variables(self._tnt.runtime.backend, weights, [0] * len(weights))
             self._tnt.needs_broadcast = False
 
     def _tnt_loop_callbacks(self, callbacks: Any, *, train: bool) -> list[Any]:
@@ -633,10 +631,23 @@ def _receive_variables(backend: tnt_core.CommBackend, src: int) -> dict[str, np.
     return out
 
 
-def _broadcast(backend: tnt_core.CommBackend, variable: Any, root: int) -> np.ndarray:
-    """``variable``'s value on ``root``, in its shape (scalars travel as one element)."""
-    value = np.array(keras.ops.convert_to_numpy(variable), order="C").reshape(-1)
-    return backend.broadcast(value, root=root).reshape(tuple(variable.shape))
+def _broadcast_variables(backend: tnt_core.CommBackend, variables: list[Any],
+                         roots: list[int]) -> None:
+    """Every variable set to its value on its root rank: one broadcast per (root, dtype),
+    in an order every rank derives alike; types the backend does not carry stay as they
+    are."""
+    groups: dict[tuple[int, str], list[Any]] = {}
+    for v, root in zip(variables, roots):
+        if np.dtype(v.dtype) in tnt_core.SUPPORTED_DTYPES:
+            groups.setdefault((root, np.dtype(v.dtype).str), []).append(v)
+    for key in sorted(groups):
+        members = groups[key]
+        values = [np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1) for v in members]
+        flat = backend.broadcast(np.concatenate(values), root=key[0])
+        offset = 0
+        for v, value in zip(members, values):
+            v.assign(flat[offset:offset + value.size].reshape(tuple(v.shape)))
+            offset += value.size
 
 
 def _check_optimizer(optimizer: Any, scaled: bool) -> None:
