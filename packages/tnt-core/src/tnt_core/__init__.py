@@ -49,6 +49,7 @@ from .fusion import (
 )
 from .launch_env import MpiLaunch, detect_mpi_launch, expand_tasks_per_node
 from .local_backend import LocalBackend
+from .native import NativeComm, native_comm
 from .peer_failure import PEER_FAILURE_EXIT_CODE
 from .plugins import get_plugin_manager, reset_plugin_manager
 from .rendezvous import (
@@ -88,6 +89,8 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "NativeComm",
+    "native_comm",
     "BUFFER_ALIGNMENT",
     "DEFAULT_FUSION_THRESHOLD_KB",
     "DEFAULT_TIMEOUT_S",

@@ -243,6 +243,14 @@ class CommBackend(abc.ABC):
     def close(self) -> None:
         """Release the communicator. Idempotent."""
 
+    def native_comm(self) -> Any:
+        """The native hand-off (optional): a PyCapsule named ``tnt_native_comm`` holding the
+        C function table of ``tnt_core/include/tnt_native_comm.h``, through which compiled
+        framework ops start allreduces with no Python in the step; None (the default) when
+        the backend has none, and frameworks keep the Python path.
+        :func:`tnt_core.native.native_comm` checks what a backend returns."""
+        return None
+
     # -- optional: point-to-point and groups -----------------------------------------------
 
     def supports(self, capability: str) -> bool:

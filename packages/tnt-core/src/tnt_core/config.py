@@ -43,6 +43,7 @@ _FIELD_VARIABLES: dict[str, S.Variable] = {
     "stall_warn_s": S.TNT_STALL_WARN_S,
     "timeline": S.TNT_TIMELINE,
     "overlap": S.TNT_OVERLAP,
+    "native_ops": S.TNT_NATIVE_OPS,
     "tensorboard_on_all_devices": S.TNT_TENSORBOARD_ON_ALL_DEVICES,
 }
 _VARIABLE_FIELDS = {var.name: name for name, var in _FIELD_VARIABLES.items()}
@@ -72,6 +73,8 @@ class Config:
     timeline: str | None = None
     #: TNT_OVERLAP=false: start allreduces only after backprop (to measure what overlap buys)
     overlap: bool = True
+    #: TNT_NATIVE_OPS=false: gradients through the Python path even with a native backend
+    native_ops: bool = True
     #: TNT_TENSORBOARD_ON_ALL_DEVICES: Keras' TensorBoard callback on every rank
     tensorboard_on_all_devices: bool = False
     #: True when TNT_SIZE was set, i.e. a launcher started this process.

@@ -374,6 +374,10 @@ TNT_TIMEOUT_S = _declare(
 TNT_OVERLAP = _declare("TNT_OVERLAP", "bool", True,
                        "`false` starts every allreduce only after backprop ends (to measure "
                        "what overlap buys)", "settings")
+TNT_NATIVE_OPS = _declare("TNT_NATIVE_OPS", "bool", True,
+                          "`false` reduces gradients through the Python path (one "
+                          "`tf.numpy_function` per bucket) even where the backend offers the "
+                          "native hand-off (to measure what the native path buys)", "settings")
 #: Horovod's stall inspector warns after the same 60 s: longer than any healthy step of a
 #: synchronous job, short enough that a hung rank is named long before TNT_TIMEOUT_S.
 TNT_STALL_WARN_S = _declare(

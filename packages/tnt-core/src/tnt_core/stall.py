@@ -387,6 +387,13 @@ class WatchedBackend(CommBackend):
     def supports(self, capability: str) -> bool:
         return self.inner.supports(capability)
 
+    def native_comm(self) -> Any:
+        """The inner backend's table. Its allreduces skip the ledger and the header: the
+        consumer agrees once on its plan (:meth:`agree_on_plan`, which also drains the
+        launcher) and issues them only while no Python-path collective is being launched
+        (the step's collectives complete before its gradients go out)."""
+        return self.inner.native_comm()
+
     def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:
         """Not a collective: no header, not counted in the ledger."""
         return self.inner.send_async(buf, dest, tag)

@@ -1,0 +1,131 @@
+"""The native hand-off: the optional C function table through which compiled framework ops
+give buffers to a backend with no Python and no GIL in the step.
+
+The table is declared in ``include/tnt_native_comm.h`` (shipped with this package; builders
+of backends and of framework ops compile against it, :func:`include_dir`). A backend that
+offers it returns it from :meth:`CommBackend.native_comm` as a PyCapsule named
+:data:`CAPSULE_NAME`; one that does not returns None, and frameworks keep the Python path.
+This module checks a capsule (:func:`native_comm`) and calls the table from Python, which
+the conformance suite uses; a framework's op library calls it from C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .backend import REDUCE_OPS, SUPPORTED_DTYPES, check_op
+from .errors import TntError
+
+__all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "OP_CODES", "NativeComm", "include_dir",
+           "native_comm"]
+
+CAPSULE_NAME = "tnt_native_comm"
+ABI_VERSION = 1
+#: ``tnt_native_dtype``: tnt_core.SUPPORTED_DTYPES numbered from 1
+DTYPE_CODES: dict[np.dtype, int] = {d: i + 1 for i, d in enumerate(SUPPORTED_DTYPES)}
+#: ``tnt_native_op``: tnt_core.REDUCE_OPS numbered from 0
+OP_CODES: dict[str, int] = {op: i for i, op in enumerate(REDUCE_OPS)}
+
+DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
+_ALLREDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_int32, ctypes.c_int32, DONE_FN, ctypes.c_void_p,
+                                 ctypes.c_char_p, ctypes.c_int64)
+
+
+class _Table(ctypes.Structure):
+    _fields_ = [("abi_version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
+                ("self", ctypes.c_void_p), ("rank", ctypes.c_int32), ("size", ctypes.c_int32),
+                ("allreduce_async", _ALLREDUCE_FN)]
+
+
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_is_valid.restype = ctypes.c_int
+_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def include_dir() -> str:
+    """The directory holding ``tnt_native_comm.h``."""
+    return str(Path(__file__).parent / "include")
+
+
+class NativeComm:
+    """A backend's checked function table. Keeps the capsule (and so the communicator)
+    alive; :attr:`address` is what a framework's op library is given."""
+
+    def __init__(self, capsule: Any, backend_name: str) -> None:
+        self.capsule = capsule
+        self.address: int = _get_pointer(capsule, CAPSULE_NAME.encode())
+        self._table = _Table.from_address(self.address)
+        self.rank, self.size = int(self._table.rank), int(self._table.size)
+        self._pending: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+        self.backend_name = backend_name
+
+    def allreduce_async(self, buf: np.ndarray, op: str,
+                        done: Callable[[str | None], None]) -> None:
+        """Call the table's ``allreduce_async`` on ``buf`` (kept alive until ``done``);
+        ``done(error)`` runs on whatever thread the backend completes it on. For tests and
+        tools: the step's path is in C."""
+        check_op(op)
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise TypeError("the native allreduce takes a writable C-contiguous numpy array")
+        code = DTYPE_CODES.get(buf.dtype)
+        if code is None:
+            raise TypeError(f"the native allreduce takes {', '.join(map(str, SUPPORTED_DTYPES))}, "
+                            f"not {buf.dtype}")
+        with self._lock:
+            key, self._next = self._next, self._next + 1
+
+        def finished(_arg: Any, error: bytes | None) -> None:
+            with self._lock:
+                self._pending.pop(key, None)
+            done(None if error is None else error.decode(errors="replace"))
+
+        callback = DONE_FN(finished)
+        with self._lock:
+            self._pending[key] = (buf, callback)  # alive until the backend is done with them
+        err = ctypes.create_string_buffer(512)
+        rc = self._table.allreduce_async(self._table.self, buf.ctypes.data, buf.size, code,
+                                         OP_CODES[op], callback, None, err, len(err))
+        if rc != 0:
+            with self._lock:
+                self._pending.pop(key, None)
+            raise TntError(f"the {self.backend_name!r} backend refused a native allreduce: "
+                           f"{err.value.decode(errors='replace') or f'code {rc}'}")
+
+
+def native_comm(backend: Any) -> NativeComm | None:
+    """The backend's native table, checked against this ABI, or None when it offers none.
+
+    Raises :class:`~tnt_core.TntError` for a capsule this ABI cannot use (another name or
+    major version, ranks that are not the backend's): that is the backend's bug, and the
+    Python path would hide it.
+    """
+    method = getattr(backend, "native_comm", None)
+    capsule = method() if callable(method) else None
+    if capsule is None:
+        return None
+    name = getattr(backend, "name", type(backend).__name__)
+    if not _is_valid(capsule, CAPSULE_NAME.encode()):
+        raise TntError(f"the {name!r} backend's native_comm() returned {type(capsule).__name__}, "
+                       f"not a PyCapsule named {CAPSULE_NAME!r}")
+    table = NativeComm(capsule, name)
+    raw = table._table  # noqa: SLF001 - read once here, the checks of this function
+    if raw.abi_version != ABI_VERSION or raw.struct_size < ctypes.sizeof(_Table):
+        raise TntError(f"the {name!r} backend's native table is ABI {raw.abi_version} "
+                       f"({raw.struct_size} bytes); this tnt-core takes ABI {ABI_VERSION} "
+                       f"(at least {ctypes.sizeof(_Table)} bytes): upgrade one to match the other")
+    if (table.rank, table.size) != (backend.rank, backend.size):
+        raise TntError(f"the {name!r} backend's native table says rank {table.rank} of "
+                       f"{table.size}, the backend rank {backend.rank} of {backend.size}")
+    return table
