@@ -43,14 +43,19 @@ void Work::complete(std::string error) {
   // so timelines can put this next to Python-side timestamps
   const double now = std::chrono::duration<double>(
       std::chrono::steady_clock::now().time_since_epoch()).count();
+  OnDone on_done;
+  std::string message;  // a copy for on_done, which runs outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;  // the first completion wins (a p2p failure may race with it)
+    on_done = std::move(on_done_);
+    if (on_done) message = error;
     error_ = std::move(error);
     completed_at_ = now;
     done_ = true;
   }
   cv_.notify_all();
+  if (on_done) on_done(message);
 }
 
 double Work::completion_time() const {
@@ -175,6 +180,8 @@ void run_barrier(const Exec& exec) {
 
 // ---------------------------------------------------------------- Communicator
 
+// State the worker thread shares; outlives the Communicator if the worker is abandoned,
+// or while a native hand-off holds it (shared_state()).
 struct Communicator::Shared {
   std::shared_ptr<gloo::Context> context;
   std::chrono::milliseconds timeout{0};
@@ -245,19 +252,25 @@ Communicator::Communicator(const ConnectOptions& options,
 
 Communicator::~Communicator() { close(std::chrono::milliseconds(5000)); }
 
-std::shared_ptr<Work> Communicator::submit(std::string name, Body body, bool inline_ok) {
-  auto work = std::make_shared<Work>(std::move(name));
+std::shared_ptr<Work> Communicator::submit(std::string name, Body body, bool inline_ok,
+                                           Work::OnDone on_done) {
+  return submit_to(*shared_, std::move(name), std::move(body), inline_ok, std::move(on_done));
+}
+
+std::shared_ptr<Work> Communicator::submit_to(Shared& shared, std::string name, Body body,
+                                              bool inline_ok, Work::OnDone on_done) {
+  auto work = std::make_shared<Work>(std::move(name), std::move(on_done));
   {
-    std::lock_guard<std::mutex> lock(shared_->mu);
-    if (shared_->stopping) {
+    std::lock_guard<std::mutex> lock(shared.mu);
+    if (shared.stopping) {
       throw GlooError("the communicator is closed");
     }
-    if (!shared_->failure.empty()) {
-      throw GlooError("an earlier collective failed: " + shared_->failure);
+    if (!shared.failure.empty()) {
+      throw GlooError("an earlier collective failed: " + shared.failure);
     }
-    shared_->queue.push_back(Task{work, std::move(body), inline_ok});
+    shared.queue.push_back(Task{work, std::move(body), inline_ok});
   }
-  shared_->cv.notify_all();
+  shared.cv.notify_all();
   return work;
 }
 

@@ -35,7 +35,13 @@ namespace tnt_gloo {
 // handle (which waits on it).
 class Work {
  public:
-  explicit Work(std::string name) : name_(std::move(name)) {}
+  // Called once by the thread completing the operation, with its error ("" on success),
+  // after waiters were woken and holding none of the Work's or the communicator's locks.
+  // For the native hand-off (native_comm.h); the Python path passes none.
+  using OnDone = std::function<void(const std::string& error)>;
+
+  explicit Work(std::string name, OnDone on_done = nullptr)
+      : name_(std::move(name)), on_done_(std::move(on_done)) {}
 
   const std::string& name() const { return name_; }
   bool done() const;
@@ -44,6 +50,8 @@ class Work {
   // The failure message, empty on success. Only meaningful once done().
   std::string error() const;
 
+  // Record the outcome and wake the waiters; then run the OnDone, if any. Only the first
+  // call counts.
   void complete(std::string error);
   // CLOCK_MONOTONIC seconds (Python's time.perf_counter) at completion, or -1 if not done.
   double completion_time() const;
@@ -55,6 +63,7 @@ class Work {
   bool done_ = false;
   double completed_at_ = -1.0;
   std::string error_;
+  OnDone on_done_;  // taken (under mu_) by the completing call
 };
 
 struct ConnectOptions {
@@ -111,8 +120,23 @@ class Communicator {
   // Queue a collective; `body` runs on the worker, after every earlier submission.
   // Buffers it touches must stay alive until the Work is done (Python keeps them).
   // `inline_ok`: a thread waiting for it may run it itself (see wait); false for bodies
-  // with thread-local side effects (cudaSetDevice).
-  std::shared_ptr<Work> submit(std::string name, Body body, bool inline_ok = true);
+  // with thread-local side effects (cudaSetDevice). `on_done`: see Work::OnDone.
+  // Throws GlooError once the communicator is closed or failed; never blocks on the
+  // network (it takes the queue's lock only).
+  std::shared_ptr<Work> submit(std::string name, Body body, bool inline_ok = true,
+                               Work::OnDone on_done = nullptr);
+
+  // The state the worker shares, opaque outside communicator.cpp. A holder that may
+  // outlive this object (the native hand-off's capsule, native_comm.h) keeps it and
+  // queues through submit_to(), which is submit() on it: same queue, same order, and
+  // refused once this communicator is closed. Only the Communicator runs and joins
+  // threads (its close(), before it lets go of the state): a holder dropping the last
+  // reference later never joins one.
+  struct Shared;
+  std::shared_ptr<Shared> shared_state() const { return shared_; }
+  static std::shared_ptr<Work> submit_to(Shared& shared, std::string name, Body body,
+                                         bool inline_ok = true,
+                                         Work::OnDone on_done = nullptr);
 
   // Block until `work` is done or `timeout` passed; true if done. Call without the GIL.
   // May run `work` on the calling thread if it is next and the worker is idle.
@@ -152,8 +176,6 @@ class Communicator {
     Body body;
     bool inline_ok = true;
   };
-  struct Shared;  // state the worker thread shares; outlives this object if abandoned
-
   static void run(std::shared_ptr<Shared> shared);
   static void execute(Shared& shared, Task& task, const std::string& failure);
   static void poison(Shared& shared, const std::string& reason);
