@@ -2,6 +2,7 @@
 // choice, addresses, timeouts, error wording) lives in tnt_comm_gloo/backend.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/shared_ptr.h>
@@ -23,6 +24,7 @@
 #include "cuda_staging.h"
 #include "errors.h"
 #include "gloo_compat.h"
+#include "native_comm.h"
 #include "types.h"
 
 namespace nb = nanobind;
@@ -356,6 +358,25 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
   return std::make_unique<PyCommunicator>(std::move(comm));
 }
 
+// The native hand-off's table in a capsule named TNT_NATIVE_COMM_CAPSULE that owns it
+// (and through it the communicator's shared state); `plan`: GlooSettings.algorithm_plan.
+nb::capsule native_comm(PyCommunicator& comm,
+                        const std::vector<std::pair<std::uint64_t, std::string>>& plan) {
+  std::vector<AlgorithmStep> steps;
+  steps.reserve(plan.size());
+  for (const auto& [max_bytes, algorithm] : plan) {
+    steps.push_back(AlgorithmStep{max_bytes, parse_algorithm(algorithm)});
+  }
+  tnt_native_comm* table = make_native_comm(comm.comm(), std::move(steps));
+  try {
+    return nb::capsule(table, TNT_NATIVE_COMM_CAPSULE,
+                       [](void* p) noexcept { free_native_comm(p); });
+  } catch (...) {
+    free_native_comm(table);
+    throw;
+  }
+}
+
 bool wait_on(PyCommunicator& comm, std::shared_ptr<Work> work, double timeout_s) {
   bool done;
   {
@@ -421,6 +442,11 @@ NB_MODULE(_gloo, m) {
            "Benchmark baseline: the allreduce algorithm (sum; ring, bcube, doubling over "
            "TCP, or shm) called directly iters times on this thread, bypassing the queue; "
            "seconds per call.")
+      .def("native_comm", &native_comm, "plan"_a,
+           "The native hand-off: a capsule named 'tnt_native_comm' holding the C table of "
+           "tnt_native_comm.h, whose allreduce_async queues behind this communicator's "
+           "collectives; plan is [(max_bytes, algorithm), ...] (the first step a buffer "
+           "fits in, else the last). The table refuses once the communicator is closed.")
       .def("abort", [](PyCommunicator& c, const std::string& reason) { c.comm().abort(reason); },
            "reason"_a, "Fail this and every later operation; close the connections.")
       .def("close",

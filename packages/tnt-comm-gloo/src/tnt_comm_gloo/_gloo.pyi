@@ -2,9 +2,11 @@
 Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread, sends and receives beside it.
 """
 
+from collections.abc import Sequence
 from typing import Annotated
 
 from numpy.typing import NDArray
+from typing_extensions import CapsuleType
 
 
 class GlooError(Exception):
@@ -78,6 +80,11 @@ class Communicator:
     def time_direct_allreduce(self, buf: Annotated[NDArray, dict(order='C', device='cpu')], algorithm: str, iters: int) -> list[float]:
         """
         Benchmark baseline: the allreduce algorithm (sum; ring, bcube, doubling over TCP, or shm) called directly iters times on this thread, bypassing the queue; seconds per call.
+        """
+
+    def native_comm(self, plan: Sequence[tuple[int, str]]) -> CapsuleType:
+        """
+        The native hand-off: a capsule named 'tnt_native_comm' holding the C table of tnt_native_comm.h, whose allreduce_async queues behind this communicator's collectives; plan is [(max_bytes, algorithm), ...] (the first step a buffer fits in, else the last). The table refuses once the communicator is closed.
         """
 
     def abort(self, reason: str) -> None:

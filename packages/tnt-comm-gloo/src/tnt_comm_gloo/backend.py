@@ -109,6 +109,7 @@ SHM_MODES = tuple(c for c, _ in tnt_settings.TNT_GLOO_SHM.choices)
 DEFAULT_SHM_CHUNK_BYTES: int = tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.default
 
 _KDL_CPU = 1  # DLPack device type of host memory
+_UNBOUNDED = 2**63 - 1  # the last step of an algorithm plan: every buffer fits
 #: the largest tag of a send or receive (the native side puts it in a Gloo slot)
 MAX_TAG = 2**31 - 1
 _generation = itertools.count()  # one store prefix per communicator made by this process
@@ -191,6 +192,20 @@ class GlooSettings:
         if _is_power_of_two(size) and (size == 2 or nbytes <= self.doubling_max_bytes):
             return "doubling"
         return "bcube"
+
+    def algorithm_plan(self, size: int) -> list[tuple[int, str]]:
+        """:meth:`algorithm_for` on ``size`` ranks as steps ``(max_bytes, algorithm)``: a
+        buffer takes the first step it fits in (the last step fits every buffer). The
+        native hand-off's table is given this, so its allreduces choose as the Python
+        path does."""
+        if self.algorithm != "auto":
+            return [(_UNBOUNDED, self.algorithm)]
+        steps = []
+        if _is_power_of_two(size):
+            limit = self.bcube_max_bytes if size == 2 else min(self.doubling_max_bytes,
+                                                               self.bcube_max_bytes)
+            steps.append((limit, "doubling"))
+        return [*steps, (self.bcube_max_bytes, "bcube"), (_UNBOUNDED, "ring")]
 
 
 def _file_store_dir(rendezvous: str) -> str | None:
@@ -277,6 +292,7 @@ class GlooBackend(CommBackend):
         # sends and receives complete out of order (a receive may wait for long): kept apart
         self._p2p_inflight: list[GlooHandle] = []
         self._closed = False
+        self._native: Any = None  # the native hand-off's capsule, made on first request
         self._config, self._splits = config, 0
         hostname, iface = self._settings.listen_address(config)
         # a group's name (from split) is the same on its members, whatever else they made
@@ -462,6 +478,21 @@ class GlooBackend(CommBackend):
             work = self._comm.barrier(name)
         self._wait(work, name, None)
 
+    # -- the native hand-off
+    def native_comm(self) -> Any:
+        """The C function table of ``tnt_native_comm.h`` in a PyCapsule (one per backend).
+        Its ``allreduce_async`` goes into the same worker queue as :meth:`allreduce_async`
+        (shared memory or the TCP algorithm :meth:`GlooSettings.algorithm_for` picks), so
+        both paths' collectives run in the order they were issued; it calls no Python and
+        takes no GIL. The capsule keeps what the table needs alive; once the backend is
+        closed the table refuses. Failures read ``[rank R: native allreduce #N] ...``."""
+        self._check_open("native_comm")
+        if self._native is None:
+            with self._translate("native_comm"):
+                self._native = self._comm.native_comm(
+                    self._settings.algorithm_plan(self.size))
+        return self._native
+
     # -- point-to-point
     def _p2p(self, buf: np.ndarray, peer: Any, tag: Any, operation: str) -> Handle:
         send = operation == "send"
@@ -530,3 +561,4 @@ class GlooBackend(CommBackend):
             _abandoned.extend(self._p2p_inflight)
         self._inflight.clear()
         self._p2p_inflight.clear()
+        self._native = None  # holders of the capsule keep it: its table refuses from now on

@@ -1,0 +1,161 @@
+#include "native_comm.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "errors.h"
+
+namespace tnt_gloo {
+namespace {
+
+struct NativeComm {
+  // First member: the capsule's pointer is &table (its `self` leads back here).
+  tnt_native_comm table{};
+  std::shared_ptr<Communicator::Shared> shared;
+  std::vector<AlgorithmStep> plan;
+  int rank = 0;
+  // numbers the accepted allreduces, as the Python layer numbers its operations
+  std::atomic<std::uint64_t> issued{0};
+};
+
+// Write `message` into the caller's `err` (truncated, NUL-terminated) and return the
+// refusal code.
+std::int32_t refuse(char* err, std::int64_t errlen, const std::string& message) noexcept {
+  if (err != nullptr && errlen > 0) {
+    const std::size_t n =
+        std::min<std::size_t>(message.size(), static_cast<std::size_t>(errlen - 1));
+    std::memcpy(err, message.data(), n);
+    err[n] = '\0';
+  }
+  return 1;
+}
+
+// tnt_native_dtype (tnt_core.SUPPORTED_DTYPES numbered from 1) to ours; false if unknown.
+bool dtype_of(std::int32_t code, DType* out) {
+  switch (code) {
+    case TNT_NATIVE_FLOAT16: *out = DType::kFloat16; return true;
+    case TNT_NATIVE_FLOAT32: *out = DType::kFloat32; return true;
+    case TNT_NATIVE_FLOAT64: *out = DType::kFloat64; return true;
+    case TNT_NATIVE_INT32: *out = DType::kInt32; return true;
+    case TNT_NATIVE_INT64: *out = DType::kInt64; return true;
+    default: return false;
+  }
+}
+
+// tnt_native_op (tnt_core.REDUCE_OPS numbered from 0) to ours; false if unknown.
+bool op_of(std::int32_t code, ReduceOp* out) {
+  switch (code) {
+    case TNT_NATIVE_SUM: *out = ReduceOp::kSum; return true;
+    case TNT_NATIVE_MIN: *out = ReduceOp::kMin; return true;
+    case TNT_NATIVE_MAX: *out = ReduceOp::kMax; return true;
+    case TNT_NATIVE_PRODUCT: *out = ReduceOp::kProduct; return true;
+    default: return false;
+  }
+}
+
+Algorithm algorithm_for(const std::vector<AlgorithmStep>& plan, std::uint64_t nbytes) {
+  for (const AlgorithmStep& step : plan) {
+    if (nbytes <= step.max_bytes) return step.algorithm;
+  }
+  return plan.back().algorithm;
+}
+
+// The operation's name in errors, as the Python layer names its own ("allreduce #7"),
+// with a numbering of its own: "[rank 0: native allreduce #3] ".
+std::string prefix(int rank, const std::string& operation) {
+  return "[rank " + std::to_string(rank) + ": " + operation + "] ";
+}
+
+std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::int32_t dtype,
+                             std::int32_t op, tnt_native_done_fn done, void* arg, char* err,
+                             std::int64_t errlen) noexcept {
+  auto* nc = static_cast<NativeComm*>(self);
+  if (nc == nullptr) return refuse(err, errlen, "native allreduce: self is NULL");
+  std::string operation = "native allreduce";
+  try {
+    DType dt{};
+    ReduceOp rop{};
+    if (done == nullptr) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "no done callback was given");
+    }
+    if (!dtype_of(dtype, &dt)) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "unknown element type " +
+                                     std::to_string(dtype) + " (tnt_native_dtype: 1 to 5)");
+    }
+    if (!op_of(op, &rop)) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "unknown reduction " +
+                                     std::to_string(op) + " (tnt_native_op: 0 to 3)");
+    }
+    const std::size_t elsize = element_size(dt);
+    const auto most = static_cast<std::int64_t>(
+        std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(elsize));
+    if (count < 0 || count > most) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "element count " +
+                                     std::to_string(count) + " is out of range");
+    }
+    if (data == nullptr && count > 0) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "data is NULL");
+    }
+    const auto n = static_cast<std::size_t>(count);
+    const Algorithm algorithm =
+        algorithm_for(nc->plan, static_cast<std::uint64_t>(n * elsize));
+    operation += " #" + std::to_string(nc->issued.fetch_add(1) + 1);
+    // on_done runs on the worker, once: the message it passes lives during the call only
+    Work::OnDone on_done = [done, arg, head = prefix(nc->rank, operation)](
+                               const std::string& error) {
+      if (error.empty()) {
+        done(arg, nullptr);
+        return;
+      }
+      std::string message;
+      try {
+        message = head + error;
+      } catch (...) {  // out of memory: a failure without its details, but a failure
+        done(arg, "native allreduce failed (and describing why ran out of memory)");
+        return;
+      }
+      done(arg, message.c_str());
+    };
+    Communicator::submit_to(
+        *nc->shared, operation,
+        [data, n, dt, rop, algorithm](const Exec& exec) {
+          run_allreduce(exec, data, n, dt, rop, algorithm);
+        },
+        /*inline_ok=*/true, std::move(on_done));
+    return 0;
+  } catch (...) {  // refused by the queue (closed, failed) or out of memory
+    return refuse(err, errlen,
+                  prefix(nc->rank, operation) + describe_exception(std::current_exception()));
+  }
+}
+
+}  // namespace
+
+tnt_native_comm* make_native_comm(const Communicator& comm, std::vector<AlgorithmStep> plan) {
+  if (plan.empty()) throw std::invalid_argument("the native table needs an algorithm plan");
+  auto nc = std::make_unique<NativeComm>();
+  nc->shared = comm.shared_state();
+  nc->plan = std::move(plan);
+  nc->rank = comm.rank();
+  nc->table.abi_version = TNT_NATIVE_COMM_ABI_VERSION;
+  nc->table.struct_size = sizeof(tnt_native_comm);
+  nc->table.rank = comm.rank();
+  nc->table.size = comm.size();
+  nc->table.allreduce_async = &allreduce_async;
+  NativeComm* raw = nc.release();
+  raw->table.self = raw;
+  return &raw->table;
+}
+
+void free_native_comm(void* table) noexcept {
+  if (table == nullptr) return;
+  delete static_cast<NativeComm*>(static_cast<tnt_native_comm*>(table)->self);
+}
+
+}  // namespace tnt_gloo
