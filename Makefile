@@ -13,11 +13,15 @@ NP      ?= 2
 PACKAGES := tnt-core tnt-comm-gloo tnt-comm-mpi tnt-keras tnt-cli
 # what pip installs for each: the MPI backend brings the mpich wheel so no system MPI is needed
 INSTALL := -e packages/tnt-core -e packages/tnt-comm-gloo -e "packages/tnt-comm-mpi[mpich]" \
-           -e packages/tnt-keras -e packages/tnt-cli
+           -e packages/tnt-cli
+# tnt-keras' op library compiles against the TensorFlow installed by the line before it
+INSTALL_NO_ISOLATION := -e packages/tnt-keras
 STAMP   := $(VENV)/.stamp-installed
 INPUTS  := Makefile VERSION ci/install-system-deps.sh ci/requirements-test.txt ci/requirements-lint.txt \
-           $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
-           $(wildcard packages/tnt-comm-gloo/CMakeLists.txt packages/tnt-comm-gloo/csrc/*)
+           ci/requirements-build.txt $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
+           $(wildcard packages/tnt-comm-gloo/CMakeLists.txt packages/tnt-comm-gloo/csrc/*) \
+           $(wildcard packages/tnt-keras/CMakeLists.txt packages/tnt-keras/csrc/*) \
+           packages/tnt-core/src/tnt_core/include/tnt_native_comm.h
 
 .PHONY: help setup run test tox docs bench wheels clean
 
@@ -33,7 +37,8 @@ $(STAMP): $(INPUTS)
 	bash ci/install-system-deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r ci/requirements-test.txt $(INSTALL)
+	$(BIN)/python -m pip install -q -r ci/requirements-test.txt -r ci/requirements-build.txt $(INSTALL)
+	$(BIN)/python -m pip install -q --no-build-isolation $(INSTALL_NO_ISOLATION)
 	touch $@
 
 setup: $(STAMP)

@@ -29,7 +29,9 @@ import tensorflow as tf
 
 import tnt_core
 
+from . import native_ops
 from . import timeline as _timeline
+from .native_ops import NativeReducer
 
 __all__ = ["GradientReducer", "dense_gradient"]
 
@@ -50,6 +52,13 @@ def dense_gradient(grad: tf.Tensor | tf.IndexedSlices, like: tf.Variable | None)
     if like is not None:
         dense = tf.ensure_shape(dense, like.shape)
     return dense
+
+
+def _scaled(g: tf.Tensor, factor64: tf.Tensor) -> tf.Tensor:
+    """``factor * g`` as the buckets compute it (in ``g``'s dtype; zeros for a factor of 0,
+    never 0 * NaN; ``g`` itself for 1)."""
+    factor = tf.cast(factor64, g.dtype)
+    return tf.where(tf.equal(factor64, 0.0), tf.zeros_like(g), g * factor)
 
 
 def _spec(t: tf.Tensor) -> tnt_core.TensorSpec:
@@ -81,16 +90,22 @@ class GradientReducer:
         self._backprop_start: float | None = None
         self._push_times: list[float] = []
         self._finished_at = 0.0
-        self._plans: dict[tuple, tnt_core.FusedAllreducer] = {}
+        self._plans: dict[tuple, tnt_core.FusedAllreducer | NativeReducer] = {}
+        self._native: NativeReducer | None = None  # the plan of the last trace, when native
         self._zeros: dict[tuple[int, int], np.ndarray] = {}
 
-    def _reducer_for(self, tensors: Sequence[tf.Tensor]) -> tnt_core.FusedAllreducer:
+    def _reducer_for(self, tensors: Sequence[tf.Tensor]) -> tnt_core.FusedAllreducer | NativeReducer:
         specs = tuple(_spec(t) for t in tensors)
         reducer = self._plans.get(specs)
         if reducer is None:
             plan = tnt_core.plan_buckets(specs, self.threshold_bytes, align_bytes=_ALIGN)
-            reducer = tnt_core.FusedAllreducer(self.runtime.backend, plan, overlap=self.overlap,
-                                               timeline=self.timeline)
+            why = native_ops.unavailable_reason(self.runtime)
+            native_ops.tell_once(why)
+            if why is None:
+                reducer = NativeReducer(self.runtime, plan, overlap=self.overlap, name=self.name)
+            else:
+                reducer = tnt_core.FusedAllreducer(self.runtime.backend, plan, overlap=self.overlap,
+                                                   timeline=self.timeline)
             self._plans[specs] = reducer
         return reducer
 
@@ -103,10 +118,16 @@ class GradientReducer:
         ``after``: tensors of the collective issued before this one in the step; the pushes
         wait for them, so every rank issues its collectives in the same order.
         """
-        reducer = self._reducer_for(grads)
         factor64 = tf.cast(factor, tf.float64)
         with tf.control_dependencies(list(after)):
             factor64 = tf.identity(factor64)
+        if self.runtime.size == 1:
+            # one rank: the sum over ranks is this rank's scaled gradient, no collective
+            return [_scaled(g, factor64) for g in grads]
+        reducer = self._reducer_for(grads)
+        if isinstance(reducer, NativeReducer):
+            self._native = reducer
+            return reducer.reduce(grads, factor64)
         tokens = [self._push_bucket(reducer, bucket.tensor_ids,
                                     [grads[i] for i in bucket.tensor_ids], factor64)
                   for bucket in reducer.plan.buckets]
@@ -190,6 +211,9 @@ class GradientReducer:
         timeline = self.timeline
 
         def run(*_after: np.ndarray) -> np.int64:
+            if timeline is not None and self._native is not None:
+                start, self._backprop_start = self._backprop_start, None
+                self._finished_at = self._native.record_timeline(timeline, start)
             if timeline is not None:
                 timeline.complete("optimizer apply", "optimizer", self._finished_at,
                                   time.perf_counter())

@@ -1,0 +1,116 @@
+// The gradient buckets of one bucket plan, reduced through a backend's native table.
+//
+// TensorFlow-free: the op kernels (tf_ops.cc) copy gradients in with `push`, and take the
+// reduced buckets out with `finish`. The plan (which tensor goes where) is made in Python
+// by tnt_core.plan_buckets, as for the Python path, so both paths reduce the same buffers
+// in the same order.
+//
+// Per step: every bucket is pushed once (its tensors copied in, scaled by the rank's
+// factor), its allreduce starts once it and every bucket numbered before it are complete
+// (the same order on every rank), and finish waits for all of them. The buffers finish
+// hands out are shared: TensorFlow tensors wrap them without a copy and hold a reference;
+// a push that finds its bucket still referenced (a tensor of the last step still alive)
+// writes into a fresh buffer instead of under it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tnt_native_comm.h"
+
+namespace tnt_keras {
+
+// A 64-byte aligned allocation (TensorFlow wraps aligned memory without copying).
+class Buffer {
+ public:
+  explicit Buffer(std::size_t bytes);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  char* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  char* data_;
+  std::size_t bytes_;
+};
+
+struct BucketSpec {
+  std::int32_t dtype;  // tnt_native_dtype
+  std::int64_t size;   // elements, padding included
+};
+
+// What Python is asked, through two C callbacks, at the rare moments that need it.
+struct PythonHooks {
+  // Once, before the first allreduce: the ranks agree on the plan. 0, or non-zero with a
+  // message in err.
+  std::int32_t (*agree)(void* arg, char* err, std::int64_t errlen) = nullptr;
+  // A failure (from the backend, or a timeout): the message the user sees back in out
+  // (Python records it as the process's CommError).
+  void (*failed)(void* arg, const char* message, char* out, std::int64_t outlen) = nullptr;
+  void* arg = nullptr;
+};
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  Reducer(const tnt_native_comm* comm, std::vector<BucketSpec> buckets, std::int32_t op,
+          bool overlap, double timeout_s, PythonHooks hooks);
+
+  std::size_t num_buckets() const { return buckets_.size(); }
+  const BucketSpec& bucket(std::size_t b) const { return buckets_[b]; }
+
+  // Copy `srcs[i]` (`counts[i]` elements of the bucket's dtype) to element `offsets[i]` of
+  // bucket `b`, times `factor`; then start every allreduce that is next in line. Returns
+  // "" or the error.
+  std::string push(std::size_t b, const std::vector<const void*>& srcs,
+                   const std::vector<std::int64_t>& counts,
+                   const std::vector<std::int64_t>& offsets, double factor);
+
+  // Wait for every bucket of the step; their buffers in `out`. Returns "" or the error.
+  std::string finish(std::vector<std::shared_ptr<Buffer>>* out);
+
+  // Seconds (CLOCK_MONOTONIC, Python's time.perf_counter) of the last finished step: for
+  // each bucket, when it was pushed, when its allreduce started and when it completed.
+  std::vector<double> last_times() const;
+
+ private:
+  struct Completion {
+    std::shared_ptr<Reducer> reducer;
+    std::size_t bucket;
+  };
+  static void on_done(void* arg, const char* error);
+  void issue_ready();
+  std::string agree_once();
+  std::string failed(const std::string& message);
+
+  const tnt_native_comm* comm_;
+  const std::vector<BucketSpec> buckets_;
+  const std::int32_t op_;
+  const bool overlap_;
+  const std::chrono::duration<double> timeout_;
+  const PythonHooks hooks_;
+
+  std::mutex agree_mu_;  // held while Python agrees on the plan (first step only)
+  bool agreed_ = false;
+  std::string agree_error_;
+  std::mutex issue_mu_;  // one thread issues at a time, so the order is the bucket order
+
+  mutable std::mutex mu_;  // everything below
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<Buffer>> buffers_;
+  std::vector<char> pushed_, complete_, done_;
+  std::vector<double> pushed_at_, issued_at_, done_at_, last_times_;
+  std::size_t next_to_issue_ = 0;
+  std::size_t in_flight_ = 0;
+  std::string error_;    // of this step (the backend's), reported by finish
+  std::string poisoned_; // set after a failure: every later call fails with it
+};
+
+double monotonic_seconds();
+
+}  // namespace tnt_keras

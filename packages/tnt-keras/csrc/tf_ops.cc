@@ -1,0 +1,339 @@
+// tarantella's TensorFlow ops, on TensorFlow's stable C API only (tensorflow/c/kernels.h,
+// tensorflow/c/ops.h): one binary loads into every TensorFlow 2 release that has that API,
+// with no C++ ABI shared with TensorFlow (Horovod's TF ops compile against each release's
+// C++ headers and break with them).
+//
+//   TntPushBucket    copies one bucket's gradients into the bucket, scaled by the rank's
+//                    factor, and starts its allreduce when it is next in line; returns at
+//                    once (a token for the finish to wait on).
+//   TntFinishReduce  waits for every bucket of the step and outputs the reduced gradients
+//                    as tensors that wrap the buckets (no copy back).
+//
+// The finish blocks the TensorFlow thread it runs on while it waits. The C API's
+// asynchronous kernels cannot avoid that: TensorFlow passes the kernel a pointer to its
+// `done` callback's copy on the ComputeAsync stack frame (CAsyncOpKernel::ComputeAsync in
+// tensorflow/c/kernels.cc), so calling it after the kernel returned is a use after free
+// (measured: a segfault inside tf.function). The numpy_function path blocks a thread the
+// same way; what the ops remove is Python, the GIL and the copies around the collective.
+//
+// The reducers (reducer.h) are made and freed from Python through the C functions at the
+// end of this file (ctypes); a kernel names its reducer by the id in its attrs.
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tensorflow/c/kernels.h"
+#include "tensorflow/c/ops.h"
+#include "tensorflow/c/tf_datatype.h"
+#include "tensorflow/c/tf_status.h"
+#include "tensorflow/c/tf_tensor.h"
+
+#include "reducer.h"
+
+namespace tnt_keras {
+namespace {
+
+std::mutex registry_mu;
+std::unordered_map<std::int64_t, std::shared_ptr<Reducer>> registry;
+std::int64_t next_id = 1;
+
+std::shared_ptr<Reducer> find_reducer(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = registry.find(id);
+  return it == registry.end() ? nullptr : it->second;
+}
+
+std::int32_t native_dtype(TF_DataType t) {
+  switch (t) {
+    case TF_HALF: return TNT_NATIVE_FLOAT16;
+    case TF_FLOAT: return TNT_NATIVE_FLOAT32;
+    case TF_DOUBLE: return TNT_NATIVE_FLOAT64;
+    case TF_INT32: return TNT_NATIVE_INT32;
+    case TF_INT64: return TNT_NATIVE_INT64;
+    default: return 0;
+  }
+}
+
+TF_DataType tf_dtype(std::int32_t d) {
+  switch (d) {
+    case TNT_NATIVE_FLOAT16: return TF_HALF;
+    case TNT_NATIVE_FLOAT32: return TF_FLOAT;
+    case TNT_NATIVE_FLOAT64: return TF_DOUBLE;
+    case TNT_NATIVE_INT32: return TF_INT32;
+    default: return TF_INT64;
+  }
+}
+
+void fail(TF_OpKernelContext* ctx, TF_Code code, const std::string& message) {
+  TF_Status* status = TF_NewStatus();
+  TF_SetStatus(status, code, message.c_str());
+  TF_OpKernelContext_Failure(ctx, status);
+  TF_DeleteStatus(status);
+}
+
+std::vector<std::int64_t> int_list_attr(TF_OpKernelConstruction* ctx, const char* name,
+                                        TF_Status* status) {
+  std::int32_t list_size = 0, total_size = 0;
+  TF_OpKernelConstruction_GetAttrSize(ctx, name, &list_size, &total_size, status);
+  std::vector<std::int64_t> values(list_size > 0 ? list_size : 0);
+  if (TF_GetCode(status) == TF_OK && list_size > 0) {
+    TF_OpKernelConstruction_GetAttrInt64List(ctx, name, values.data(), list_size, status);
+  }
+  return values;
+}
+
+// -- TntPushBucket ------------------------------------------------------------------------
+
+struct PushKernel {
+  std::int64_t reducer = 0;
+  std::int64_t bucket = 0;
+  std::vector<std::int64_t> offsets;
+};
+
+void* push_create(TF_OpKernelConstruction* ctx) {
+  auto* k = new PushKernel;
+  TF_Status* status = TF_NewStatus();
+  TF_OpKernelConstruction_GetAttrInt64(ctx, "reducer", &k->reducer, status);
+  if (TF_GetCode(status) == TF_OK) TF_OpKernelConstruction_GetAttrInt64(ctx, "bucket", &k->bucket, status);
+  if (TF_GetCode(status) == TF_OK) k->offsets = int_list_attr(ctx, "offsets", status);
+  if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
+  TF_DeleteStatus(status);
+  return k;
+}
+
+void push_delete(void* kernel) { delete static_cast<PushKernel*>(kernel); }
+
+void push_compute(void* kernel, TF_OpKernelContext* ctx) {
+  auto* k = static_cast<PushKernel*>(kernel);
+  auto reducer = find_reducer(k->reducer);
+  if (!reducer) {
+    fail(ctx, TF_FAILED_PRECONDITION,
+         "tarantella's gradient reducer " + std::to_string(k->reducer) +
+             " is gone (its model or the job's backend was closed); compile the model again");
+    return;
+  }
+  const int n = TF_NumInputs(ctx) - 1;  // the tensors, then the factor
+  if (n != static_cast<int>(k->offsets.size())) {
+    fail(ctx, TF_INVALID_ARGUMENT, "TntPushBucket: offsets and tensors differ in number");
+    return;
+  }
+  TF_Status* status = TF_NewStatus();
+  std::vector<TF_Tensor*> inputs(n + 1, nullptr);
+  std::vector<const void*> srcs(n);
+  std::vector<std::int64_t> counts(n);
+  std::string error;
+  for (int i = 0; i <= n && error.empty(); ++i) {
+    TF_GetInput(ctx, i, &inputs[i], status);
+    if (TF_GetCode(status) != TF_OK) error = TF_Message(status);
+  }
+  double factor = 1.0;
+  if (error.empty()) {
+    std::memcpy(&factor, TF_TensorData(inputs[n]), sizeof(double));
+    const std::int32_t want = reducer->bucket(static_cast<std::size_t>(k->bucket)).dtype;
+    for (int i = 0; i < n && error.empty(); ++i) {
+      if (native_dtype(TF_TensorType(inputs[i])) != want) error = "TntPushBucket: dtype differs from the bucket's";
+      srcs[i] = TF_TensorData(inputs[i]);
+      counts[i] = TF_TensorElementCount(inputs[i]);
+    }
+  }
+  if (error.empty()) {
+    error = reducer->push(static_cast<std::size_t>(k->bucket), srcs, counts, k->offsets, factor);
+  }
+  for (TF_Tensor* t : inputs) if (t != nullptr) TF_DeleteTensor(t);
+  if (!error.empty()) {
+    TF_DeleteStatus(status);
+    fail(ctx, TF_ABORTED, error);
+    return;
+  }
+  TF_Tensor* token = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, sizeof(std::int64_t), status);
+  if (TF_GetCode(status) == TF_OK) {
+    *static_cast<std::int64_t*>(TF_TensorData(token)) = k->bucket;
+  } else {
+    TF_OpKernelContext_Failure(ctx, status);
+  }
+  if (token != nullptr) TF_DeleteTensor(token);
+  TF_DeleteStatus(status);
+}
+
+// -- TntFinishReduce ----------------------------------------------------------------------
+
+struct FinishKernel {
+  std::int64_t reducer = 0;
+  std::vector<std::int64_t> buckets, offsets, ranks, dims;
+};
+
+void* finish_create(TF_OpKernelConstruction* ctx) {
+  auto* k = new FinishKernel;
+  TF_Status* status = TF_NewStatus();
+  TF_OpKernelConstruction_GetAttrInt64(ctx, "reducer", &k->reducer, status);
+  if (TF_GetCode(status) == TF_OK) k->buckets = int_list_attr(ctx, "buckets", status);
+  if (TF_GetCode(status) == TF_OK) k->offsets = int_list_attr(ctx, "offsets", status);
+  if (TF_GetCode(status) == TF_OK) k->ranks = int_list_attr(ctx, "ranks", status);
+  if (TF_GetCode(status) == TF_OK) k->dims = int_list_attr(ctx, "dims", status);
+  if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
+  TF_DeleteStatus(status);
+  return k;
+}
+
+void finish_delete(void* kernel) { delete static_cast<FinishKernel*>(kernel); }
+
+void release_buffer(void* /*data*/, size_t /*len*/, void* arg) {
+  delete static_cast<std::shared_ptr<Buffer>*>(arg);
+}
+
+void finish_compute(void* kernel, TF_OpKernelContext* ctx) {
+  auto* k = static_cast<FinishKernel*>(kernel);
+  auto reducer = find_reducer(k->reducer);
+  if (!reducer) {
+    fail(ctx, TF_FAILED_PRECONDITION,
+         "tarantella's gradient reducer " + std::to_string(k->reducer) +
+             " is gone (its model or the job's backend was closed); compile the model again");
+    return;
+  }
+  std::vector<std::shared_ptr<Buffer>> buffers;
+  const std::string error = reducer->finish(&buffers);
+  if (!error.empty()) {
+    fail(ctx, TF_ABORTED, error);
+    return;
+  }
+  TF_Status* status = TF_NewStatus();
+  std::size_t dim = 0;
+  for (std::size_t i = 0; i < k->buckets.size(); ++i) {
+    const auto b = static_cast<std::size_t>(k->buckets[i]);
+    const BucketSpec& spec = reducer->bucket(b);
+    const TF_DataType dtype = tf_dtype(spec.dtype);
+    std::int64_t count = 1;
+    std::vector<std::int64_t> shape(k->dims.begin() + static_cast<std::ptrdiff_t>(dim),
+                                    k->dims.begin() + static_cast<std::ptrdiff_t>(dim + k->ranks[i]));
+    dim += static_cast<std::size_t>(k->ranks[i]);
+    for (auto d : shape) count *= d;
+    const std::size_t bytes = static_cast<std::size_t>(count) * TF_DataTypeSize(dtype);
+    char* data = buffers[b]->data() + static_cast<std::size_t>(k->offsets[i]) * TF_DataTypeSize(dtype);
+    // the tensor keeps the bucket alive; the next push writes elsewhere while it lives
+    TF_Tensor* t = TF_NewTensor(dtype, shape.data(), static_cast<int>(shape.size()), data, bytes,
+                                &release_buffer, new std::shared_ptr<Buffer>(buffers[b]));
+    TF_SetOutput(ctx, static_cast<int>(i), t, status);
+    TF_DeleteTensor(t);
+    if (TF_GetCode(status) != TF_OK) {
+      TF_OpKernelContext_Failure(ctx, status);
+      break;
+    }
+  }
+  TF_DeleteStatus(status);
+}
+
+// -- registration ---------------------------------------------------------------------------
+
+void scalar_shape(TF_ShapeInferenceContext* ctx, TF_Status* status) {
+  TF_ShapeHandle* scalar = TF_ShapeInferenceContextScalar(ctx);
+  TF_ShapeInferenceContextSetOutput(ctx, 0, scalar, status);
+  TF_DeleteShapeHandle(scalar);
+}
+
+void check(TF_Status* status, const char* what) {
+  if (TF_GetCode(status) != TF_OK) {
+    std::fprintf(stderr, "tarantella: registering %s failed: %s\n", what, TF_Message(status));
+  }
+}
+
+__attribute__((constructor)) void register_ops() {
+  TF_Status* status = TF_NewStatus();
+  const char* types = "{half, float, double, int32, int64}";
+
+  TF_OpDefinitionBuilder* push = TF_NewOpDefinitionBuilder("TntPushBucket");
+  TF_OpDefinitionBuilderAddInput(push, "tensors: N * T");
+  TF_OpDefinitionBuilderAddInput(push, "factor: double");
+  TF_OpDefinitionBuilderAddOutput(push, "token: int64");
+  TF_OpDefinitionBuilderAddAttr(push, "N: int >= 1");
+  TF_OpDefinitionBuilderAddAttr(push, (std::string("T: ") + types).c_str());
+  TF_OpDefinitionBuilderAddAttr(push, "reducer: int");
+  TF_OpDefinitionBuilderAddAttr(push, "bucket: int");
+  TF_OpDefinitionBuilderAddAttr(push, "offsets: list(int)");
+  TF_OpDefinitionBuilderSetIsStateful(push, true);
+  TF_OpDefinitionBuilderSetShapeInferenceFunction(push, &scalar_shape);
+  TF_RegisterOpDefinition(push, status);
+  check(status, "TntPushBucket");
+
+  TF_OpDefinitionBuilder* finish = TF_NewOpDefinitionBuilder("TntFinishReduce");
+  TF_OpDefinitionBuilderAddInput(finish, "tokens: M * int64");
+  TF_OpDefinitionBuilderAddOutput(finish, "reduced: out_types");
+  TF_OpDefinitionBuilderAddAttr(finish, "M: int >= 1");
+  TF_OpDefinitionBuilderAddAttr(finish, (std::string("out_types: list(") + types + ")").c_str());
+  TF_OpDefinitionBuilderAddAttr(finish, "reducer: int");
+  TF_OpDefinitionBuilderAddAttr(finish, "buckets: list(int)");
+  TF_OpDefinitionBuilderAddAttr(finish, "offsets: list(int)");
+  TF_OpDefinitionBuilderAddAttr(finish, "ranks: list(int)");
+  TF_OpDefinitionBuilderAddAttr(finish, "dims: list(int)");
+  TF_OpDefinitionBuilderSetIsStateful(finish, true);
+  TF_RegisterOpDefinition(finish, status);
+  check(status, "TntFinishReduce");
+
+  TF_KernelBuilder* push_kernel =
+      TF_NewKernelBuilder("TntPushBucket", "CPU", &push_create, &push_compute, &push_delete);
+  TF_RegisterKernelBuilder("TntPushBucket", push_kernel, status);
+  check(status, "the TntPushBucket kernel");
+  TF_KernelBuilder* finish_kernel =
+      TF_NewKernelBuilder("TntFinishReduce", "CPU", &finish_create, &finish_compute, &finish_delete);
+  TF_RegisterKernelBuilder("TntFinishReduce", finish_kernel, status);
+  check(status, "the TntFinishReduce kernel");
+  TF_DeleteStatus(status);
+}
+
+}  // namespace
+}  // namespace tnt_keras
+
+// -- the reducers, from Python (ctypes) -------------------------------------------------------
+
+extern "C" {
+
+// A reducer over `comm` (a backend's checked native table) for `n` buckets; its id (> 0),
+// or 0 with the reason in err.
+__attribute__((visibility("default"))) std::int64_t tnt_reducer_create(
+    const tnt_native_comm* comm, std::int32_t n, const std::int32_t* dtypes,
+    const std::int64_t* sizes, std::int32_t op, std::int32_t overlap, double timeout_s,
+    std::int32_t (*agree)(void*, char*, std::int64_t),
+    void (*failed)(void*, const char*, char*, std::int64_t), void* hook_arg, char* err,
+    std::int64_t errlen) {
+  using namespace tnt_keras;
+  try {
+    std::vector<BucketSpec> buckets;
+    for (std::int32_t i = 0; i < n; ++i) buckets.push_back(BucketSpec{dtypes[i], sizes[i]});
+    PythonHooks hooks;
+    hooks.agree = agree;
+    hooks.failed = failed;
+    hooks.arg = hook_arg;
+    auto reducer = std::make_shared<Reducer>(comm, std::move(buckets), op, overlap != 0, timeout_s, hooks);
+    std::lock_guard<std::mutex> lock(registry_mu);
+    const std::int64_t id = next_id++;
+    registry.emplace(id, std::move(reducer));
+    return id;
+  } catch (const std::exception& e) {
+    std::snprintf(err, static_cast<std::size_t>(errlen), "%s", e.what());
+    return 0;
+  }
+}
+
+// Forget a reducer; kernels that still name it fail with a message. In-flight allreduces
+// keep it alive until they complete.
+__attribute__((visibility("default"))) void tnt_reducer_destroy(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(tnt_keras::registry_mu);
+  tnt_keras::registry.erase(id);
+}
+
+// The last finished step's times (3 per bucket: pushed, issued, done) into out; their number.
+__attribute__((visibility("default"))) std::int32_t tnt_reducer_times(std::int64_t id, double* out,
+                                                                      std::int32_t capacity) {
+  auto reducer = tnt_keras::find_reducer(id);
+  if (!reducer) return 0;
+  const auto times = reducer->last_times();
+  const auto n = std::min<std::size_t>(times.size(), static_cast<std::size_t>(capacity));
+  std::copy(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(n), out);
+  return static_cast<std::int32_t>(n);
+}
+
+}  // extern "C"

@@ -1,0 +1,225 @@
+"""The native gradient path: tarantella's TensorFlow ops hand the buckets to the backend's
+native table (``tnt_core.native``), with no Python and no GIL in the step.
+
+The op library (``_tnt_tf_ops.so``, built from ``csrc/`` against TensorFlow's stable C API
+only) has two ops: ``TntPushBucket`` copies a bucket's gradients in, scaled by the rank's
+factor, and starts its allreduce when it is next in line; ``TntFinishReduce`` waits for
+every bucket and outputs the reduced gradients as tensors wrapping the buckets (no copy
+back). The bucket plan is tnt-core's, as on the Python path, so both reduce the same
+buffers in the same order and give the same bits.
+
+Python is called at two rare moments only, through C callbacks: before the first allreduce
+(the ranks agree on the plan, as the Python path's ``FusedAllreducer`` does) and when a
+collective fails (the error becomes the process's ``CommError``, which names the failing
+rank at exit).
+
+Where the backend offers no table (a third-party backend, the loopback example, MPI), or
+``TNT_NATIVE_OPS=false``, or the library cannot load, :mod:`tarantella.gradients` keeps the
+``numpy_function`` path and logs once why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+import tnt_core
+
+from .log import logger
+
+__all__ = ["NativeReducer", "native_table", "unavailable_reason"]
+
+_LIBRARY_NAME = "_tnt_tf_ops"
+_AGREE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+_FAILED_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
+                              ctypes.c_int64)
+
+_lock = threading.Lock()
+_loaded: tuple[Any, ctypes.CDLL] | None = None
+_load_error: str | None = None
+_told: set[str] = set()
+
+
+def _library_path() -> Path | None:
+    here = Path(__file__).with_name(_LIBRARY_NAME + ".so")
+    if here.exists():
+        return here
+    # an editable install maps the built library from its build directory
+    spec = importlib.util.find_spec(f"{__package__}.{_LIBRARY_NAME}")
+    origin = getattr(spec, "origin", None)
+    return Path(origin) if origin and Path(origin).exists() else None
+
+
+def _load() -> tuple[Any, ctypes.CDLL] | None:
+    """The ops module and the C functions of the op library; None (reason in
+    :data:`_load_error`) when it is missing or TensorFlow refuses it."""
+    global _loaded, _load_error
+    with _lock:
+        if _loaded is not None or _load_error is not None:
+            return _loaded
+        path = _library_path()
+        if path is None:
+            _load_error = (f"tarantella's op library {_LIBRARY_NAME}.so is not installed (a "
+                           "source checkout without the build?): reinstall tnt-keras")
+            return None
+        try:
+            ops = tf.load_op_library(str(path))
+            lib = ctypes.CDLL(str(path))
+        except (tf.errors.OpError, OSError) as exc:
+            _load_error = f"TensorFlow {tf.__version__} could not load {path.name}: {exc}"
+            return None
+        lib.tnt_reducer_create.restype = ctypes.c_int64
+        lib.tnt_reducer_create.argtypes = [
+            ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+            ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32, ctypes.c_double,
+            _AGREE_FN, _FAILED_FN, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
+        lib.tnt_reducer_destroy.restype = None
+        lib.tnt_reducer_destroy.argtypes = [ctypes.c_int64]
+        lib.tnt_reducer_times.restype = ctypes.c_int32
+        lib.tnt_reducer_times.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_double),
+                                          ctypes.c_int32]
+        _loaded = (ops, lib)
+        return _loaded
+
+
+def unavailable_reason(runtime: tnt_core.Runtime) -> str | None:
+    """Why this job's gradients cannot take the native path, or None when they can."""
+    if not runtime.config.native_ops:
+        return "TNT_NATIVE_OPS=false"
+    if native_table(runtime) is None:
+        return (f"the {runtime.backend.name!r} backend offers no native hand-off "
+                "(CommBackend.native_comm)")
+    if _load() is None:
+        return _load_error
+    return None
+
+
+_tables: dict[int, tnt_core.NativeComm | None] = {}
+
+
+def native_table(runtime: tnt_core.Runtime) -> tnt_core.NativeComm | None:
+    """The job backend's checked native table (made once per backend), or None."""
+    backend = runtime.backend
+    key = id(backend)
+    if key not in _tables:
+        _tables[key] = tnt_core.native_comm(backend)
+    return _tables[key]
+
+
+def tell_once(why: str | None) -> None:
+    """One log line per process saying which path the gradients take, and why."""
+    line = ("gradients take the native path (tarantella's TensorFlow ops, no Python in the step)"
+            if why is None else
+            f"gradients take the Python path (one tf.numpy_function per bucket): {why}")
+    if line not in _told:
+        _told.add(line)
+        # the backend's or the install's shortfall costs speed: said where users see it;
+        # the path they chose (or got) is said at INFO
+        quiet = why is None or why.startswith("TNT_NATIVE_OPS")
+        (logger.info if quiet else logger.warning)(line)
+
+
+def _write(out: int, size: int, text: str) -> None:
+    data = text.encode(errors="replace")[: max(0, size - 1)] + b"\0"
+    ctypes.memmove(out, data, len(data))
+
+
+class NativeReducer:
+    """One bucket plan on the native path: the C reducer and the graph ops that feed it."""
+
+    def __init__(self, runtime: tnt_core.Runtime, plan: tnt_core.BucketPlan, *, op: str = "sum",
+                 overlap: bool = True, name: str = "") -> None:
+        loaded = _load()
+        table = native_table(runtime)
+        if loaded is None or table is None:
+            raise tnt_core.TntError(unavailable_reason(runtime) or "the native path is unavailable")
+        self._ops, self._lib = loaded
+        self.plan = plan
+        self.name = name
+        self._table = table  # keeps the backend's capsule, and so its communicator, alive
+        backend = runtime.backend
+        self.errors: list[BaseException] = []
+
+        def agree(_arg: Any, err: int, errlen: int) -> int:
+            views = [np.lib.stride_tricks.as_strided(np.zeros(1, b.dtype), (b.size,), (0,))
+                     for b in plan.buckets]
+            try:
+                agree_on_plan = getattr(backend, "agree_on_plan", None)
+                if agree_on_plan is not None:
+                    agree_on_plan(views, op)
+                return 0
+            except BaseException as exc:  # noqa: BLE001 - handed to C, raised by the step
+                self.errors.append(exc)
+                _write(err, errlen, str(exc))
+                return 1
+
+        def failed(_arg: Any, message: bytes, out: int, outlen: int) -> None:
+            text = message.decode(errors="replace")
+            exc = tnt_core.CommError(text)  # the process's first CommError names the culprit
+            self.errors.append(exc)
+            _write(out, outlen, str(exc))
+
+        self._hooks = (_AGREE_FN(agree), _FAILED_FN(failed))  # alive as long as the reducer
+        buckets = plan.buckets
+        dtypes = (ctypes.c_int32 * len(buckets))(*[tnt_core.native.DTYPE_CODES[b.dtype] for b in buckets])
+        sizes = (ctypes.c_int64 * len(buckets))(*[b.size for b in buckets])
+        err = ctypes.create_string_buffer(1024)
+        self.id = int(self._lib.tnt_reducer_create(
+            table.address, len(buckets), dtypes, sizes, tnt_core.native.OP_CODES[op],
+            int(overlap), float(runtime.config.timeout_s or 0.0), self._hooks[0], self._hooks[1],
+            None, err, len(err)))
+        if self.id == 0:
+            raise tnt_core.TntError(f"could not make the native gradient reducer: {err.value.decode()}")
+        self._destroy = self._lib.tnt_reducer_destroy
+
+    def __del__(self) -> None:
+        destroy = getattr(self, "_destroy", None)
+        if destroy is not None:
+            destroy(self.id)
+
+    def reduce(self, grads: Sequence[tf.Tensor], factor64: tf.Tensor) -> list[tf.Tensor]:
+        """Graph ops: push every bucket as soon as its tensors exist, then finish."""
+        tokens = []
+        for bucket in self.plan.buckets:
+            tokens.append(self._ops.tnt_push_bucket(
+                [grads[i] for i in bucket.tensor_ids], factor64, reducer=self.id,
+                bucket=bucket.index, offsets=list(bucket.offsets),
+                name=f"tnt_push_{self.name}_bucket_{bucket.tensor_ids[0]}"))
+        where = [self.plan.location(t) for t in range(self.plan.num_tensors)]
+        specs = [self.plan.buckets[b].specs[p] for b, p in where]
+        outs = self._ops.tnt_finish_reduce(
+            tokens, out_types=[tf.as_dtype(s.dtype) for s in specs], reducer=self.id,
+            buckets=[b for b, _ in where],
+            offsets=[self.plan.buckets[b].offsets[p] for b, p in where],
+            ranks=[len(s.shape) for s in specs], dims=[d for s in specs for d in s.shape],
+            name=f"tnt_finish_{self.name}")
+        outs = list(outs)
+        for out, spec in zip(outs, specs):
+            out.set_shape(spec.shape)
+        return outs
+
+    def record_timeline(self, timeline: tnt_core.Timeline, backprop_start: float | None) -> float:
+        """The last step's buckets (pushed, issued, done) and backprop, on the timeline;
+        returns when the last bucket was back."""
+        n = 3 * len(self.plan.buckets)
+        times = (ctypes.c_double * n)()
+        got = self._lib.tnt_reducer_times(self.id, times, n)
+        if got != n:
+            return time.perf_counter()
+        pushed = [times[3 * i] for i in range(len(self.plan.buckets))]
+        if backprop_start is not None and pushed:
+            timeline.complete("backprop", "backprop", backprop_start, max(pushed))
+        for bucket in self.plan.buckets:
+            i = bucket.index
+            timeline.complete(f"allreduce bucket {i}", f"bucket {i}", times[3 * i + 1],
+                              times[3 * i + 2] or time.perf_counter(), bytes=bucket.nbytes,
+                              dtype=str(bucket.dtype), tensors=len(bucket.tensor_ids))
+        return max(times[3 * i + 2] for i in range(len(self.plan.buckets)))
