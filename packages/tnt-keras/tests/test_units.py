@@ -261,48 +261,28 @@ def test_multi_output_model_matches_keras_in_one_process():
     assert e_dist == pytest.approx(e_serial, rel=1e-5)
 
 
-def test_gradients_are_pushed_while_backprop_goes_on(monkeypatch):
-    """Overlap, shown without timing: a probe in the middle of the network blocks the
-    backward pass (of the layers before it) until the reducer has received a gradient
-    (of a layer after it). Without overlap the pushes would only start once backprop is
-    over, and the probe would time out. Pushes are per bucket, so the gradients must fall
-    into more than one bucket: fusion threshold 0, a bucket per tensor."""
-    import threading
+def test_one_rank_reduces_gradients_in_the_graph_bitwise_as_keras():
+    """One rank: the sum over ranks is the rank's own gradient, so the step holds no
+    gradient collective (no push, no numpy_function for it) and trains bitwise as plain
+    Keras. (Overlap of the pushes with backprop is shown with 2 ranks in test_timeline.)"""
+    def build():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(4)])
 
-    pushed = threading.Event()
-    original = tnt_core.FusedAllreducer.push
-
-    def push(self, tensor_id, array, scale=None):
-        pushed.set()
-        return original(self, tensor_id, array, scale)
-
-    monkeypatch.setattr(tnt_core.FusedAllreducer, "push", push)
-    waited = []
-
-    def wait_for_a_push(dy):
-        waited.append(pushed.wait(timeout=10))
-        return dy
-
-    @tf.custom_gradient
-    def probe(x):
-        def grad(dy):
-            out = tf.numpy_function(wait_for_a_push, [dy], dy.dtype, stateful=False)
-            out.set_shape(dy.shape)
-            return out
-        return tf.identity(x), grad
-
-    class Probe(keras.layers.Layer):
-        def call(self, x):
-            return probe(x)
-
-    model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), Probe(),
-                                        keras.layers.Dense(4)]))
-    model.compile(optimizer=keras.optimizers.SGD(name="sgd"), loss="mse")
-    model._tnt.gradient_reducer("train_sgd_0").threshold_bytes = 0
-    for _ in range(2):
-        pushed.clear()
-        model.fit(np.ones((4, 8)), np.ones((4, 4)), batch_size=4, epochs=1, verbose=0)
-    assert waited and all(waited), "backprop of the first layer waited for a push that never came"
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 8)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
+    plain = build()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model = tnt.Model(build())
+    model.compile(optimizer=keras.optimizers.SGD(0.1, name="sgd"), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert set(model._tnt._reducers) == {"train_sgd_0"}  # the step asked for one reduction
+    reducer = model._tnt._reducers["train_sgd_0"]
+    assert not reducer._plans, "one rank made a bucket plan: the gradients went through a collective"
 
 
 @pytest.mark.parametrize("steps_per_execution,policy", [(3, "float32"), (1, "mixed_float16")])

@@ -1,0 +1,70 @@
+"""The native gradient path against the Python path, and a peer's death under it.
+
+Run on every rank of a launched job: ``python native_worker.py OUT_DIR CASE``.
+
+* ``train``: trains small models with micro-batches of unequal size (global batch 7 on 2
+  ranks: factors 4/7 and 3/7, so the scaled copy into the buckets is exercised), in
+  float32 and float16, and saves the weights and which path each step took
+  (``OUT_DIR/<path>-rank<r>.npz``, path from ``TNT_NATIVE_OPS``).
+* ``kill``: rank 1 SIGKILLs itself at the start of a step of the second epoch; rank 0 must
+  end with the peer's failure (a CommError, exit code 75), not hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+
+import tarantella as tnt
+from tarantella.native_ops import NativeReducer
+
+
+def _model(dtype: str) -> keras.Model:
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(24, activation="tanh", dtype=dtype),
+                             keras.layers.Dense(10, dtype=dtype), keras.layers.Dense(3, dtype=dtype)])
+
+
+def _data(dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(61, 12)).astype(dtype), rng.normal(size=(61, 3)).astype(dtype)
+
+
+def train(out: Path) -> None:
+    path = "python" if os.environ.get("TNT_NATIVE_OPS", "true") == "false" else "native"
+    saved = {}
+    for dtype in ("float32", "float16"):
+        model = tnt.Model(_model(dtype))
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, name="sgd"), loss="mse")
+        x, y = _data(dtype)
+        model.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+        for i, w in enumerate(model.get_weights()):
+            saved[f"{dtype}_{i}"] = w
+        plans = list(model._tnt._reducers["train_sgd_0"]._plans.values())
+        saved[f"{dtype}_native"] = np.array([isinstance(p, NativeReducer) for p in plans])
+    np.savez(out / f"{path}-rank{tnt.get_rank()}.npz", **saved)
+
+
+def kill(out: Path) -> None:
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if tnt.get_rank() == 1 and self.epoch == 1 and batch == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+    model = tnt.Model(_model("float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.05, name="sgd"), loss="mse")
+    x, y = _data("float32")
+    model.fit(x, y, batch_size=7, epochs=3, shuffle=False, verbose=0, callbacks=[Die()])
+    (out / f"finished-rank{tnt.get_rank()}").write_text("the job went on without rank 1\n")
+
+
+if __name__ == "__main__":
+    {"train": train, "kill": kill}[sys.argv[2]](Path(sys.argv[1]))
