@@ -11,11 +11,14 @@ a collective locally, and all checks are exact (small integers are exact in floa
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ import numpy as np
 
 from ..backend import REDUCE_OPS, CommBackend
 from ..config import Config
-from ..errors import CommError
+from ..errors import CommError, TntError
+from ..native import DONE_FN, DTYPE_CODES, NativeComm, native_comm
 
 __all__ = ["CASES", "CASE_NAMES", "DTYPES", "main"]
 
@@ -325,6 +329,184 @@ def case_p2p_recv_timeout(ctx: Context) -> None:
     assert took < 6.0, f"the timed-out receive took {took:.1f}s for a 1 s timeout"
 
 
+# -- the native hand-off (optional: CommBackend.native_comm) ---------------------------------
+#
+# A backend that offers the C table (tnt_core/include/tnt_native_comm.h) must reduce
+# through it as through allreduce_async, keep one order with the Python path, call done
+# exactly once per accepted call, refuse (never call done) bad arguments and a closed
+# communicator. A backend without a table returns None from native_comm(): these cases
+# check that and pass.
+
+NATIVE_WAIT_S = 60.0
+
+
+class _NativeDone:
+    """The done() calls of native allreduces, by key; every wait has a timeout."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, list[str | None]] = {}
+        self._cv = threading.Condition()
+
+    def callback(self, key: int) -> Callable[[str | None], None]:
+        with self._cv:
+            self.calls[key] = []
+
+        def done(error: str | None) -> None:
+            with self._cv:
+                self.calls[key].append(error)
+                self._cv.notify_all()
+        return done
+
+    def wait(self, keys: Sequence[int], timeout: float = NATIVE_WAIT_S) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: all(self.calls[k] for k in keys), timeout):
+                late = [k for k in keys if not self.calls[k]]
+                raise AssertionError(f"native allreduces {late[:5]} got no done() within {timeout:g}s")
+
+    def assert_once_ok(self, keys: Sequence[int]) -> None:
+        with self._cv:
+            for k in keys:
+                calls = self.calls[k]
+                assert len(calls) == 1, f"done() of native allreduce {k} was called {len(calls)} times"
+                assert calls[0] is None, f"native allreduce {k} failed: {calls[0]}"
+
+
+def _native_table(backend: CommBackend) -> NativeComm | None:
+    """The checked table, or None after checking that the backend says it has none."""
+    table = native_comm(backend)
+    if table is None:
+        assert backend.native_comm() is None, "native_comm() returned a table, then None"
+    return table
+
+
+#: callbacks of raw calls: a backend that wrongly accepted one may still call it
+_RAW_CALLBACKS: list[Any] = []
+
+
+def _raw_native_call(table: NativeComm, buf: np.ndarray, count: int, dtype: int, op: int,
+                     done: Callable[[str | None], None]) -> tuple[int, str]:
+    """The table's allreduce_async called with raw codes, which NativeComm would not pass."""
+    callback = DONE_FN(lambda _arg, error: done(None if error is None else error.decode()))
+    _RAW_CALLBACKS.append(callback)
+    err = ctypes.create_string_buffer(256)
+    raw = table._table  # noqa: SLF001 - the raw function is what this checks
+    rc = raw.allreduce_async(raw.self, buf.ctypes.data, count, dtype, op, callback, None, err,
+                             len(err))
+    return int(rc), err.value.decode(errors="replace")
+
+
+def case_native_allreduce(ctx: Context) -> None:
+    """Every reduction and dtype through the table, all in flight at once, gives what
+    allreduce_async gives; done() comes once each; bad codes are refused locally."""
+    table = _native_table(ctx.backend)
+    if table is None:
+        return
+    assert (table.rank, table.size) == (ctx.rank, ctx.size), "the table's rank and size"
+    dones = _NativeDone()
+    started: list[tuple[np.ndarray, str, int | tuple[int, ...], str]] = []
+    for op in REDUCE_OPS:
+        for dtype in DTYPES:
+            for shape in SIZES:
+                buf = _input(op, ctx.rank, shape, dtype)
+                table.allreduce_async(buf, op, dones.callback(len(started)))
+                started.append((buf, op, shape, dtype))
+    keys = range(len(started))
+    dones.wait(keys)
+    for buf, op, dims, dtype in started:
+        want = _expected(op, ctx.size, dims, dtype)
+        assert np.array_equal(buf, want), \
+            f"native {op} {dtype} {dims}: got {buf.ravel()[:8]}, want {want.ravel()[:8]}"
+    buf = np.ones(4, np.float32)
+    refused = dones.callback(-1)
+    for count, dtype_code, op_code, what in ((4, 0, 0, "dtype 0"), (4, 99, 0, "dtype 99"),
+                                              (4, DTYPE_CODES[np.dtype("float32")], 17, "op 17"),
+                                              (-1, DTYPE_CODES[np.dtype("float32")], 0, "count -1")):
+        rc, message = _raw_native_call(table, buf, count, dtype_code, op_code, refused)
+        assert rc != 0, f"a native allreduce with {what} was accepted"
+        assert message, f"the refusal of {what} has no message"
+    ctx.backend.barrier()  # every rank is past its refusals: a late done() would show now
+    assert not dones.calls[-1], f"done() was called for a refused call: {dones.calls[-1]}"
+    dones.assert_once_ok(keys)
+    assert np.array_equal(buf, np.ones(4, np.float32)), "a refused call touched the buffer"
+
+
+def case_native_order(ctx: Context) -> None:
+    """Native and Python-path allreduces interleaved: one order on every rank (buffers of
+    one shape, different reductions: a rank that swapped two would mix their values). As a
+    framework's op library would, the Python path's buffers are agreed on as a plan first
+    when the backend exchanges headers (WatchedBackend.agree_on_plan)."""
+    table = _native_table(ctx.backend)
+    if table is None:
+        return
+    pattern = "PNPNNPPNPN"
+    ops = [REDUCE_OPS[k % len(REDUCE_OPS)] for k in range(len(pattern))]
+    bufs = [_input(op, ctx.rank, 1001, "float64") + k for k, op in enumerate(ops)]
+    agree = getattr(ctx.backend, "agree_on_plan", None)
+    if agree is not None:
+        for path, buf, op in zip(pattern, bufs, ops):
+            if path == "P":
+                agree([buf], op)
+    dones = _NativeDone()
+    handles = {}
+    for k, (path, buf, op) in enumerate(zip(pattern, bufs, ops)):
+        if path == "P":
+            handles[k] = ctx.backend.allreduce_async(buf, op)
+        else:
+            table.allreduce_async(buf, op, dones.callback(k))
+    for handle in handles.values():
+        handle.wait(NATIVE_WAIT_S)
+    native = [k for k, path in enumerate(pattern) if path == "N"]
+    dones.wait(native)
+    dones.assert_once_ok(native)
+    for k, (buf, op) in enumerate(zip(bufs, ops)):
+        acc = _input(op, 0, 1001, "float64") + k
+        for r in range(1, ctx.size):
+            acc = _REDUCE[op](acc, _input(op, r, 1001, "float64") + k)
+        assert np.array_equal(buf, acc), \
+            f"{'native' if pattern[k] == 'N' else 'Python-path'} allreduce {k} ({op}) got " \
+            f"{buf[:4]}, want {acc[:4]}: not issued in one order on every rank"
+
+
+def _assert_native_refused(table: NativeComm, done: Callable[[str | None], None]) -> None:
+    try:
+        table.allreduce_async(np.ones(3, np.float32), "sum", done)
+    except TntError as exc:
+        assert str(exc), "the refusal has no message"
+    else:
+        raise AssertionError("a closed communicator's native table accepted an allreduce")
+
+
+def case_native_after_close(ctx: Context) -> None:
+    """A group's table works, then refuses (TntError, done() never called) once the group
+    is closed, and still once the group's backend is dropped: the capsule keeps what the
+    table needs."""
+    table = _native_table(ctx.backend)
+    if table is None:
+        return
+    if not ctx.backend.supports("groups"):
+        raise _Skip("the backend has a native table but no 'groups' to close one mid-suite")
+    group = ctx.backend.split(list(range(ctx.size)))
+    assert group is not None, "split over every rank returned None"
+    group_table = native_comm(group)
+    assert group_table is not None, "the group of a backend with a native table has none"
+    dones = _NativeDone()
+    buf = np.full(7, ctx.rank + 1, np.int64)
+    group_table.allreduce_async(buf, "sum", dones.callback(0))
+    dones.wait([0])
+    dones.assert_once_ok([0])
+    assert np.all(buf == ctx.size * (ctx.size + 1) // 2), f"group native allreduce gave {buf}"
+    group.close()
+    _assert_native_refused(group_table, dones.callback(1))
+    del group  # now only the capsule holds what the table needs
+    gc.collect()
+    _assert_native_refused(group_table, dones.callback(2))
+    time.sleep(0.1)
+    assert not dones.calls[1] and not dones.calls[2], "done() was called for a refused call"
+    buf = np.ones(3, np.float32)
+    ctx.backend.allreduce(buf)
+    assert np.array_equal(buf, np.full(3, ctx.size, np.float32)), "parent broken after group close"
+
+
 CASES: dict[str, Callable[[Context], None]] = {
     **{f"allreduce-{op}-{dt}": _make_allreduce_case(op, dt) for op in REDUCE_OPS for dt in DTYPES},
     "allreduce-64MiB": case_allreduce_64mib,
@@ -333,6 +515,9 @@ CASES: dict[str, Callable[[Context], None]] = {
     "barrier": case_barrier,
     "async-in-flight": case_async_in_flight,
     "bad-input": case_bad_input,
+    "native-allreduce": case_native_allreduce,
+    "native-order": case_native_order,
+    "native-after-close": case_native_after_close,
     "p2p-ring": case_p2p_ring,
     "p2p-order": case_p2p_order,
     "groups": case_groups,
