@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import gc
 import json
 import os
 import threading
@@ -597,11 +599,234 @@ def timeout(report: Report, backend, hang_s: float) -> None:
     report.check("later-ops-fail-fast", later_ops_fail_fast)
 
 
+# ------------------------------------------------------------------ native hand-off
+
+class NativeDone:
+    """done() calls of native allreduces by key, with what the callback saw; every wait
+    has a timeout."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, list[str | None]] = {}
+        self.seen: dict[int, object] = {}
+        self.cv = threading.Condition()
+
+    def callback(self, key: int, look: Callable[[], object] | None = None):
+        with self.cv:
+            self.calls[key] = []
+
+        def done(error: str | None) -> None:
+            seen = look() if look is not None else None  # on the completing thread
+            with self.cv:
+                self.calls[key].append(error)
+                self.seen[key] = seen
+                self.cv.notify_all()
+        return done
+
+    def wait(self, keys, timeout: float = 30.0) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: all(self.calls[k] for k in keys), timeout), \
+                f"no done() within {timeout}s for {[k for k in keys if not self.calls[k]]}"
+
+    def once(self, key: int) -> str | None:
+        with self.cv:
+            calls = list(self.calls[key])
+        assert len(calls) == 1, f"done() of {key} called {len(calls)} times: {calls}"
+        return calls[0]
+
+
+_RAW_CALLBACKS: list[object] = []  # ctypes callbacks the native side may still call
+
+
+def _raw_native(table, data: int | None, count: int, dtype: int, op: int, done) -> tuple[int, str]:
+    """The table's function called with raw arguments (NativeComm checks them first)."""
+    from tnt_core.native import DONE_FN
+
+    if done is None:
+        callback = DONE_FN()  # a NULL function pointer
+    else:
+        callback = DONE_FN(lambda _arg, error: done(None if error is None else error.decode()))
+    _RAW_CALLBACKS.append(callback)
+    err = ctypes.create_string_buffer(256)
+    raw = table._table
+    rc = raw.allreduce_async(raw.self, data, count, dtype, op, callback, None, err, len(err))
+    return int(rc), err.value.decode()
+
+
+def _seen(handles: dict) -> tuple[bool, bool]:
+    """(first done, last done) of the Python-path allreduces around a native one; the last
+    may not even be issued yet."""
+    return handles["first"].done(), "last" in handles and handles["last"].done()
+
+
+def native(report: Report, runtime) -> None:
+    """The table of tnt_core.native_comm(backend): results bitwise those of the Python
+    path, program order with it, done() once, refusals, and after close."""
+    backend = runtime.backend.inner  # the raw backend: no header exchange in between
+    table = tnt_core.native_comm(runtime.backend)  # WatchedBackend hands out the inner's
+    rank, size = backend.rank, backend.size
+    report.data["info"].update(transport=backend.allreduce_transport, rank=rank)
+    report.write()
+
+    def results() -> None:
+        assert table is not None and (table.rank, table.size) == (rank, size)
+        dones = NativeDone()
+        started = []
+        for dtype in _SHM_DTYPES:
+            for op in _UFUNCS:
+                for n in (0, 1, 1001, 3000):  # 3000 > TNT_GLOO_BCUBE_MAX_BYTES: the ring
+                    python_buf = _shm_input(rank, n, dtype, op)
+                    native_buf = python_buf.copy()
+                    backend.allreduce_async(python_buf, op).wait(timeout=30)
+                    key = len(started)
+                    table.allreduce_async(native_buf, op, dones.callback(key))
+                    started.append((key, dtype, op, n, python_buf, native_buf))
+        dones.wait([s[0] for s in started])
+        for key, dtype, op, n, python_buf, native_buf in started:
+            assert dones.once(key) is None, f"{dtype} {op} {n}: {dones.once(key)}"
+            bits = f"u{np.dtype(dtype).itemsize}"
+            diff = np.flatnonzero(python_buf.view(bits) != native_buf.view(bits))
+            assert diff.size == 0, (f"{dtype} {op} n={n}: {diff.size} elements differ from the "
+                                    f"Python path, e.g. index {diff[0]}")
+
+    def order() -> None:
+        for k in range(20):
+            a = np.full(513, rank + 1 + k, np.float64)
+            n = np.full(513, 10 * rank + k, np.float64)
+            c = np.full(513, -rank - k, np.float64)
+            dones = NativeDone()
+            handles = {"first": backend.allreduce_async(a, "sum")}
+            table.allreduce_async(n, "max", dones.callback(0, functools.partial(_seen, handles)))
+            handles["last"] = backend.allreduce_async(c, "min")
+            handles["last"].wait(timeout=30)
+            dones.wait([0])
+            assert dones.once(0) is None
+            assert dones.seen[0] == (True, False), \
+                f"round {k}: at the native done(), (first done, last done) = {dones.seen[0]}"
+            assert np.all(a == sum(r + 1 + k for r in range(size))), (k, a[:2])
+            assert np.all(n == 10 * (size - 1) + k), (k, n[:2])
+            assert np.all(c == -(size - 1) - k), (k, c[:2])
+
+    def refusals() -> None:
+        buf = np.ones(4, np.float32)
+        dones = NativeDone()
+        f32 = 2
+        for what, data, count, dtype, op in (("dtype 0", buf.ctypes.data, 4, 0, 0),
+                                             ("dtype 6", buf.ctypes.data, 4, 6, 0),
+                                             ("op 4", buf.ctypes.data, 4, f32, 4),
+                                             ("op -1", buf.ctypes.data, 4, f32, -1),
+                                             ("count -1", buf.ctypes.data, -1, f32, 0),
+                                             ("NULL data", None, 4, f32, 0)):
+            rc, message = _raw_native(table, data, count, dtype, op, dones.callback(len(dones.calls)))
+            assert rc != 0, f"{what} was accepted"
+            assert f"[rank {rank}: native allreduce]" in message, f"{what}: {message!r}"
+        rc, message = _raw_native(table, buf.ctypes.data, 4, f32, 0, None)
+        assert rc != 0 and "done" in message, f"no done callback: {rc} {message!r}"
+        # an empty buffer needs no data pointer
+        rc, message = _raw_native(table, None, 0, f32, 0, dones.callback(99))
+        assert rc == 0, message
+        dones.wait([99])
+        assert dones.once(99) is None
+        backend.barrier()
+        assert all(not dones.calls[k] for k in dones.calls if k != 99), dones.calls
+        assert np.all(buf == 1)
+
+    report.check("results-match-the-python-path", results)
+    report.check("program-order", order)
+    report.check("refusals", refusals)
+
+    def after_close() -> None:
+        dones = NativeDone()
+        assert backend.native_comm() is table.capsule, "one capsule per backend"
+        backend.close()
+        for attempt in range(2):
+            try:
+                table.allreduce_async(np.ones(3, np.float32), "sum", dones.callback(attempt))
+            except tnt_core.TntError as exc:
+                assert "closed" in str(exc) and f"rank {rank}" in str(exc), str(exc)
+            else:
+                raise AssertionError("a closed backend's table accepted an allreduce")
+            backend._comm = None  # drop the communicator: only the capsule holds its state
+            gc.collect()
+        try:
+            backend.native_comm()
+        except CommError as exc:
+            assert "closed" in str(exc), str(exc)
+        else:
+            raise AssertionError("native_comm() of a closed backend returned")
+        time.sleep(0.1)
+        assert not dones.calls[0] and not dones.calls[1], dones.calls
+
+    report.check("refused-after-close", after_close)
+
+
+def native_failure(report: Report, runtime, variant: str) -> None:
+    """A native allreduce fails (its peer exited, or this rank aborts the communicator):
+    done() comes once, with an error naming rank and operation; later calls are refused."""
+    backend = runtime.backend.inner
+    table = tnt_core.native_comm(backend)
+    rank, victim = backend.rank, backend.size - 1
+    dones = NativeDone()
+    backend.barrier()
+    if variant == "kill" and rank == victim:
+        report.data["info"]["exited"] = True
+        report.write()
+        os._exit(0)
+    if variant == "abort" and rank != 0:
+        # Rank 0 aborts an allreduce this rank never joins. (Joining late could even
+        # succeed: over shared memory, rank 0's half is published before it aborts.)
+        time.sleep(1.0)
+        tnt_core.shutdown()
+        return
+    time.sleep(0.5 if variant == "kill" else 0.0)
+    buf = np.ones(1 << 18, np.float32)
+    t0 = time.monotonic()
+    table.allreduce_async(buf, "sum", dones.callback(0))
+    if variant == "abort" and rank == 0:
+        time.sleep(0.3)
+        backend._comm.abort("aborted by the test")
+
+    def fails_once() -> None:
+        dones.wait([0], timeout=30.0)
+        report.data["info"]["seconds"] = time.monotonic() - t0
+        error = dones.once(0)
+        report.data["info"]["error"] = error
+        assert error, "the failed allreduce's done() got no error"
+        assert f"[rank {rank}: native allreduce #1]" in error, error
+
+    def later_refused() -> None:
+        try:
+            table.allreduce_async(np.ones(4, np.float32), "sum", dones.callback(1))
+        except tnt_core.TntError as exc:
+            assert "earlier collective failed" in str(exc), str(exc)
+        else:
+            raise AssertionError("a failed communicator's table accepted an allreduce")
+        # the Python path names the first failure: the native allreduce, or the abort
+        first = "aborted by the test" if variant == "abort" and rank == 0 else "native allreduce #1"
+        try:
+            backend.allreduce(np.ones(4, np.float32))
+        except CommError as exc:
+            assert first in str(exc), str(exc)
+        else:
+            raise AssertionError("the Python path went on after the native allreduce failed")
+
+    report.check("fails-once", fails_once)
+    report.check("later-refused", later_refused)
+    t1 = time.monotonic()
+    tnt_core.shutdown()
+    report.data["info"]["close_s"] = time.monotonic() - t1
+
+    def still_once() -> None:
+        assert len(dones.calls[0]) == 1 and not dones.calls[1], dones.calls
+
+    report.check("done-still-once-after-close", still_once)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=("file-store", "float16", "dlpack", "timeout",
                                              "shm-reduce", "shm-kill", "shm-setup", "p2p",
-                                             "p2p-dead-peer", "p2p-peer-closes"))
+                                             "p2p-dead-peer", "p2p-peer-closes", "native",
+                                             "native-failure"))
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--fake-cudart", default="")
     parser.add_argument("--hang", type=float, default=0.0)
@@ -632,6 +857,11 @@ def main() -> int:
         p2p_dead_peer(report, runtime.backend)
     elif args.scenario == "p2p-peer-closes":
         p2p_peer_closes(report, runtime.backend)
+    elif args.scenario == "native":
+        native(report, runtime)
+    elif args.scenario == "native-failure":
+        native_failure(report, runtime, args.variant)
+        return 0  # shut down already, timed
     else:
         timeout(report, runtime.backend, args.hang)
     t0 = time.monotonic()
