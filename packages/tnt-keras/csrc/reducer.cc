@@ -137,7 +137,12 @@ std::string Reducer::push(std::size_t b, const std::vector<const void*>& srcs,
     complete_[b] = 1;
   }
   if (overlap_) issue_ready();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!refused_.empty()) {
+    std::string message = refused_;
+    lock.unlock();
+    return failed(message);
+  }
   return poisoned_;
 }
 
@@ -183,11 +188,12 @@ void Reducer::issue_ready() {
     const std::int32_t rc = comm_->allreduce_async(comm_->self, buffer->data(), buckets_[b].size,
                                                    buckets_[b].dtype, op_, &Reducer::on_done,
                                                    completion, err, sizeof(err));
-    if (rc != 0) {
+    if (rc != 0) {  // a closed or failed communicator: a communication failure
       delete completion;
       std::lock_guard<std::mutex> lock(mu_);
       --in_flight_;
-      poisoned_ = err[0] ? err : "the backend refused the allreduce";
+      if (refused_.empty()) refused_ = err[0] ? err : "the backend refused the allreduce";
+      if (poisoned_.empty()) poisoned_ = refused_;
       cv_.notify_all();
       return;
     }
@@ -205,6 +211,9 @@ void Reducer::on_done(void* arg, const char* error) {
   r.cv_.notify_all();
 }
 
+// A communication failure (the backend's error, a refusal, a timeout): Python records it
+// as the process's CommError (which names the failing rank at exit) and words it; every
+// later call fails with that wording.
 std::string Reducer::failed(const std::string& message) {
   std::string final_message = message;
   if (hooks_.failed != nullptr) {
@@ -213,18 +222,20 @@ std::string Reducer::failed(const std::string& message) {
     if (out[0]) final_message = out;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  if (poisoned_.empty()) poisoned_ = final_message;
+  poisoned_ = final_message;
+  refused_.clear();
   return final_message;
 }
 
 std::string Reducer::finish(std::vector<std::shared_ptr<Buffer>>* out) {
   if (!overlap_) issue_ready();
   std::unique_lock<std::mutex> lock(mu_);
-  if (!poisoned_.empty()) {
-    std::string message = poisoned_;
+  if (!refused_.empty()) {
+    std::string message = refused_;
     lock.unlock();
     return failed(message);
   }
+  if (!poisoned_.empty()) return poisoned_;  // reported when it happened (or not a comm error)
   if (next_to_issue_ != buckets_.size()) {
     std::ostringstream msg;
     msg << "the gradient reduction finished before every bucket was pushed (bucket "

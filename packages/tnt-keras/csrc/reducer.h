@@ -107,8 +107,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<double> pushed_at_, issued_at_, done_at_, last_times_;
   std::size_t next_to_issue_ = 0;
   std::size_t in_flight_ = 0;
-  std::string error_;    // of this step (the backend's), reported by finish
-  std::string poisoned_; // set after a failure: every later call fails with it
+  std::string error_;     // of this step (the backend's), reported by finish
+  std::string refused_;   // the backend refused an allreduce: reported by finish
+  std::string poisoned_;  // set after a failure: every later call fails with it, as it is
 };
 
 double monotonic_seconds();

@@ -56,3 +56,13 @@ def test_a_peer_killed_mid_training_ends_the_job_with_its_failure(tmp_path):
     assert rank0.returncode == 75, result.describe()  # tnt_core.PEER_FAILURE_EXIT_CODE
     assert "CommError" in rank0.stderr, result.describe()
     assert not (tmp_path / "finished-rank0").exists()
+
+
+def test_ranks_with_different_bucket_plans_both_raise_the_mismatch(tmp_path):
+    """Different fusion thresholds per rank: the plans differ, the agreement before the
+    first allreduce says so on every rank, as the Python path's does."""
+    run_workers("native_worker.py", [str(tmp_path), "mismatch"], 2, NATIVE[0], timeout=300)
+    for rank in (0, 1):
+        text = (tmp_path / f"mismatch-rank{rank}.txt").read_text()
+        assert text.startswith("CollectiveMismatchError: "), text
+        assert "fused allreduce plan" in text, text

@@ -14,6 +14,8 @@ import tensorflow as tf
 
 import tnt_core
 
+from . import native_ops
+
 __all__ = ["allreduce_sum", "gather_rows", "gather_slices"]
 
 
@@ -21,9 +23,22 @@ def allreduce_sum(vector: tf.Tensor, runtime: tnt_core.Runtime, *, after: Sequen
                   name: str = "tnt_allreduce",
                   local: Callable[[np.ndarray], None] | None = None) -> tf.Tensor:
     """Graph op: the sum over ranks of a float64 vector. ``local`` sees this rank's own
-    vector first (rank-local logs)."""
+    vector first (rank-local logs).
+
+    Where nothing needs Python it needs no ``numpy_function``: one rank returns the vector
+    itself; with the native path (``tarantella.native_ops``) the vector goes to the backend
+    as a one-bucket plan agreed on once, like the gradients, with no header per step.
+    """
     backend = runtime.backend
     single = runtime.size == 1
+    if local is None and (single or (vector.shape.is_fully_defined()
+                                     and native_ops.unavailable_reason(runtime) is None)):
+        with tf.control_dependencies(list(after)):
+            vector = tf.identity(vector)
+        if single:
+            return vector
+        reducer = native_ops.vector_reducer(runtime, name, int(vector.shape[0]))
+        return reducer.reduce([vector], tf.constant(1.0, tf.float64))[0]
 
     def run(v: np.ndarray) -> np.ndarray:
         if local is not None:

@@ -84,6 +84,12 @@ def user_facing(fn: F) -> F:
         except Exception as exc:
             import keras
 
+            if type(exc).__module__.startswith("tensorflow"):
+                from . import native_ops
+
+                recorded = native_ops.original(exc)
+                if recorded is not None:  # the native path's error, as the Python path raises it
+                    raise recorded.with_traceback(None) from None
             if not keras.config.is_traceback_filtering_enabled():
                 raise
             raise exc.with_traceback(_filtered(exc.__traceback__)) from None

@@ -20,6 +20,7 @@ Where the backend offers no table (a third-party backend, the loopback example, 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib.util
 import threading
@@ -43,6 +44,10 @@ _FAILED_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_v
                               ctypes.c_int64)
 
 _lock = threading.Lock()
+#: the exceptions the native path recorded (plan disagreements, communication failures),
+#: most recent last: TensorFlow re-raises them as its own OpError, which :func:`original`
+#: maps back
+_recorded: collections.deque[BaseException] = collections.deque(maxlen=16)
 _loaded: tuple[Any, ctypes.CDLL] | None = None
 _load_error: str | None = None
 _told: set[str] = set()
@@ -102,7 +107,9 @@ def unavailable_reason(runtime: tnt_core.Runtime) -> str | None:
     return None
 
 
-_tables: dict[int, tnt_core.NativeComm | None] = {}
+#: id(backend) -> (the backend, its table): the entry holds the backend, so its id cannot
+#: be reused by another while the entry exists
+_tables: dict[int, tuple[Any, tnt_core.NativeComm | None]] = {}
 
 
 def native_table(runtime: tnt_core.Runtime) -> tnt_core.NativeComm | None:
@@ -110,8 +117,8 @@ def native_table(runtime: tnt_core.Runtime) -> tnt_core.NativeComm | None:
     backend = runtime.backend
     key = id(backend)
     if key not in _tables:
-        _tables[key] = tnt_core.native_comm(backend)
-    return _tables[key]
+        _tables[key] = (backend, tnt_core.native_comm(backend))
+    return _tables[key][1]
 
 
 def tell_once(why: str | None) -> None:
@@ -125,6 +132,32 @@ def tell_once(why: str | None) -> None:
         # the path they chose (or got) is said at INFO
         quiet = why is None or why.startswith("TNT_NATIVE_OPS")
         (logger.info if quiet else logger.warning)(line)
+
+
+_vector_reducers: dict[tuple[int, str, int], NativeReducer] = {}
+
+
+def vector_reducer(runtime: tnt_core.Runtime, name: str, length: int) -> NativeReducer:
+    """The reducer of a float64 vector summed every step (metric states, logs): one
+    bucket, made once per (backend, name, length) and reused by every trace (the reducer
+    holds the backend: its id stays its own)."""
+    key = (id(runtime.backend), name, length)
+    reducer = _vector_reducers.get(key)
+    if reducer is None:
+        plan = tnt_core.plan_buckets([((length,), np.float64)], 0, align_bytes=tnt_core.BUFFER_ALIGNMENT)
+        reducer = _vector_reducers[key] = NativeReducer(runtime, plan, name=name)
+    return reducer
+
+
+def original(error: BaseException) -> BaseException | None:
+    """The exception the native path recorded that TensorFlow re-raised as ``error`` (an
+    OpError carrying its message), or None: the user gets the ``CommError`` or
+    ``CollectiveMismatchError`` the Python path would raise."""
+    message = getattr(error, "message", None) or str(error)
+    for recorded in reversed(_recorded):
+        if str(recorded) and str(recorded) in message:
+            return recorded
+    return None
 
 
 def _write(out: int, size: int, text: str) -> None:
@@ -146,7 +179,6 @@ class NativeReducer:
         self.name = name
         self._table = table  # keeps the backend's capsule, and so its communicator, alive
         backend = runtime.backend
-        self.errors: list[BaseException] = []
 
         def agree(_arg: Any, err: int, errlen: int) -> int:
             views = [np.lib.stride_tricks.as_strided(np.zeros(1, b.dtype), (b.size,), (0,))
@@ -157,14 +189,14 @@ class NativeReducer:
                     agree_on_plan(views, op)
                 return 0
             except BaseException as exc:  # noqa: BLE001 - handed to C, raised by the step
-                self.errors.append(exc)
+                _recorded.append(exc)
                 _write(err, errlen, str(exc))
                 return 1
 
         def failed(_arg: Any, message: bytes, out: int, outlen: int) -> None:
             text = message.decode(errors="replace")
             exc = tnt_core.CommError(text)  # the process's first CommError names the culprit
-            self.errors.append(exc)
+            _recorded.append(exc)
             _write(out, outlen, str(exc))
 
         self._hooks = (_AGREE_FN(agree), _FAILED_FN(failed))  # alive as long as the reducer

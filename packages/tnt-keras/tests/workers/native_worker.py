@@ -8,6 +8,9 @@ Run on every rank of a launched job: ``python native_worker.py OUT_DIR CASE``.
   (``OUT_DIR/<path>-rank<r>.npz``, path from ``TNT_NATIVE_OPS``).
 * ``kill``: rank 1 SIGKILLs itself at the start of a step of the second epoch; rank 0 must
   end with the peer's failure (a CommError, exit code 75), not hang.
+* ``mismatch``: the ranks are given different fusion thresholds (an operator's mistake), so
+  their bucket plans differ: every rank must raise CollectiveMismatchError before any
+  gradient moves, and write what it raised to ``OUT_DIR/mismatch-rank<r>.txt``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+
+if sys.argv[2:3] == ["mismatch"] and os.environ.get("TNT_RANK") == "1":
+    os.environ["TNT_FUSION_THRESHOLD_KB"] = "0"  # rank 0 keeps the default: other buckets
 
 import keras
 import numpy as np
@@ -66,5 +72,19 @@ def kill(out: Path) -> None:
     (out / f"finished-rank{tnt.get_rank()}").write_text("the job went on without rank 1\n")
 
 
+def mismatch(out: Path) -> None:
+    import tnt_core
+
+    model = tnt.Model(_model("float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.05, name="sgd"), loss="mse")
+    x, y = _data("float32")
+    try:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    except tnt_core.CollectiveMismatchError as exc:
+        (out / f"mismatch-rank{tnt.get_rank()}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        return
+    raise SystemExit("fit ran with different bucket plans on the ranks")
+
+
 if __name__ == "__main__":
-    {"train": train, "kill": kill}[sys.argv[2]](Path(sys.argv[1]))
+    {"train": train, "kill": kill, "mismatch": mismatch}[sys.argv[2]](Path(sys.argv[1]))
