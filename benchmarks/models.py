@@ -68,7 +68,8 @@ def build(name: str, keras):
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def compile_for_benchmark(model, keras):
+def compile_for_benchmark(model, keras, jit_compile=False):
+    kwargs = {"jit_compile": True} if jit_compile else {}
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **kwargs)
     return model

@@ -13,9 +13,14 @@ thread per process:
 * with --vs-mwms, tf.distribute.MultiWorkerMirroredStrategy with N workers (legacy
   tf-keras, installed here on first use) and the ratio ours / theirs;
 * with --overlap, Tarantella-NT again with overlap off (every allreduce after backprop);
-* with --comm-free, a diagnostic: Tarantella-NT with every gradient allreduce replaced by a
-  no-op (the training itself is then wrong), the throughput faster communication could
-  reach at best.
+* with --comm-free, the bound without communication: N independent single-rank
+  Tarantella-NT processes at once, each held to its own CPU (the same step, no collective);
+* with --python-path, Tarantella-NT again with TNT_NATIVE_OPS=false (gradients through one
+  ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
+* with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
+* with --frames, Python frames entered per step on each path (profiled runs, slower);
+* with --xla, Keras held to one CPU with ``jit_compile=True``: what XLA gives the serial
+  step, i.e. what the distributed step forgoes (its collective ops have no XLA kernel).
 
 Results: a table on stdout, JSON and a PNG plot in --out-dir. Machines are noisy: compare
 the ratios of one run, read absolute numbers only as context.
@@ -77,19 +82,24 @@ def _read(out: Path, what: str, procs_output: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_keras(args, model: str, tmp: Path, cpus: int = 0) -> dict:
-    out = tmp / f"keras-{model}-{cpus}.json"
+def run_keras(args, model: str, tmp: Path, cpus: int = 0, jit: bool = False) -> dict:
+    out = tmp / f"keras-{model}-{cpus}-{jit}.json"
     p = subprocess.run([sys.executable, str(WORKER), "--mode", "keras", *_common(args, model),
-                        "--cpus", str(cpus), "--out", str(out)],
+                        "--cpus", str(cpus), "--out", str(out)] + (["--jit"] if jit else []),
                        capture_output=True, text=True, timeout=args.timeout)
     return _read(out, "plain keras", p.stdout + p.stderr)
 
 
 def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
-            comm_free: bool = False) -> dict:
-    out = tmp / f"tnt-{backend}-{model}-{overlap}-{comm_free}.json"
+            comm_free: bool = False, native: bool = True, ranks: int = 0, cpus: int = 0,
+            frames: bool = False) -> dict:
+    ranks = ranks or args.ranks
+    out = tmp / f"tnt-{backend}-{model}-{overlap}-{comm_free}-{native}-{ranks}-{cpus}-{frames}.json"
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
-    cmd = [tnt, "run", "-n", str(args.ranks), "--backend", backend, "-x", "TNT_NUM_THREADS=1"]
+    cmd = [tnt, "run", "-n", str(ranks), "-x", "TNT_NUM_THREADS=1",
+           "-x", f"TNT_NATIVE_OPS={str(native).lower()}"]
+    if ranks > 1:  # one rank runs on the built-in local backend
+        cmd[4:4] = ["--backend", backend]
     if args.timeline:
         timeline = args.out_dir / f"timeline-{backend}-{model}-overlap{int(overlap)}.json"
         cmd += ["-x", f"TNT_TIMELINE={timeline}"]
@@ -98,8 +108,45 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
         cmd.append("--no-overlap")
     if comm_free:
         cmd.append("--comm-free")
+    if cpus:
+        cmd += ["--cpus", str(cpus)]
+    if frames:
+        cmd += ["--count-frames"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     return _read(out, f"tnt run ({backend})", p.stdout + p.stderr)
+
+
+def run_independent(args, model: str, tmp: Path) -> dict:
+    """The comm-free bound: ``--ranks`` single-rank tnt processes at once, each held to its
+    own CPU. The same step as a rank's, with no collective and no waiting for a peer (one
+    rank reduces its gradients in the graph); their summed throughput is what N ranks
+    could reach with free communication."""
+    procs, outs = [], []
+    for i in range(args.ranks):
+        out = tmp / f"independent-{model}-{i}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), "--mode", "tnt", *_common(args, model), "--pin", str(i),
+             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("TNT_")}))
+    output = "".join(p.communicate(timeout=args.timeout)[0] for p in procs)
+    results = [_read(o, "an independent rank", output) for o in outs]
+    return {**results[0], "samples_per_s": sum(r["samples_per_s"] for r in results),
+            "workers": args.ranks, "independent": [r["samples_per_s"] for r in results]}
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    """This machine's memcpy bandwidth now, for a buffer of the gradients' size (GB/s)."""
+    import numpy as np
+
+    src = np.ones(max(nbytes, 1 << 20) // 8, np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(30):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return src.nbytes / best / 1e9
 
 
 def run_mwms(args, model: str, tmp: Path) -> dict:
@@ -166,6 +213,14 @@ def main() -> int:
     p.add_argument("--overlap", action="store_true", help="also run with overlap off")
     p.add_argument("--comm-free", action="store_true",
                    help="also run with every allreduce a no-op (diagnostic: the bound without communication)")
+    p.add_argument("--python-path", action="store_true",
+                   help="also run with TNT_NATIVE_OPS=false (the numpy_function path): before/after")
+    p.add_argument("--one-rank", action="store_true",
+                   help="also run tnt on 1 rank held to one CPU, against Keras held to one CPU")
+    p.add_argument("--xla", action="store_true",
+                   help="also run Keras on 1 CPU with jit_compile=True: what XLA gives the serial step")
+    p.add_argument("--frames", action="store_true",
+                   help="also count Python frames per step, native and Python paths (slow runs)")
     p.add_argument("--timeline", action="store_true", help="write TNT_TIMELINE traces to --out-dir")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
@@ -189,12 +244,26 @@ def main() -> int:
                 r["efficiency_1cpu"] = r["samples_per_s"] / (args.ranks * base_1cpu)
                 return r
 
+            if args.xla:
+                row["keras_1cpu_xla"] = run_keras(args, model, tmp, cpus=1, jit=True)
+            if args.one_rank:
+                one = run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1)
+                row["tnt-1-rank-1cpu"] = {**one, "efficiency": one["samples_per_s"] / base_1cpu,
+                                          "efficiency_1cpu": one["samples_per_s"] / base_1cpu}
+            if args.comm_free:
+                row["comm-free"] = rate(run_independent(args, model, tmp))
+            row["memcpy_gbps"] = memcpy_gbps(4 * row["keras"]["params"])
             for backend in backends:
                 row[f"tnt-{backend}"] = rate(run_tnt(args, model, backend, tmp))
+                if args.python_path:
+                    row[f"tnt-{backend}-python-path"] = rate(run_tnt(args, model, backend, tmp, native=False))
                 if args.overlap:
                     row[f"tnt-{backend}-no-overlap"] = rate(run_tnt(args, model, backend, tmp, overlap=False))
-                if args.comm_free:
-                    row[f"tnt-{backend}-comm-free"] = rate(run_tnt(args, model, backend, tmp, comm_free=True))
+                if args.frames:
+                    for native in (True, False):
+                        r = run_tnt(args, model, backend, tmp, native=native, frames=True)
+                        path = "native" if native else "python"
+                        row.setdefault("frames_per_step", {})[f"{backend}-{path}"] = r["frames_per_step"]
             if args.vs_mwms:
                 row["mwms"] = rate(run_mwms(args, model, tmp))
                 for backend in backends:
@@ -215,7 +284,7 @@ def print_row(row: dict, backends: list[str], args) -> None:
     print(f"  {'keras, 1 process':<28} {base:>10.0f} samples/s")
     print(f"  {'keras, 1 process on 1 CPU':<28} {row['keras_1cpu']['samples_per_s']:>10.0f} samples/s")
     for key, r in row.items():
-        if not isinstance(r, dict) or key.startswith("keras"):
+        if not isinstance(r, dict) or key.startswith("keras") or "efficiency" not in r:
             continue
         extra = f"  efficiency {r['efficiency']:.2f} (1-CPU baseline: {r['efficiency_1cpu']:.2f})"
         if "vs_mwms" in r:
@@ -226,6 +295,32 @@ def print_row(row: dict, backends: list[str], args) -> None:
         if off:
             ratio = row[f"tnt-{backend}"]["samples_per_s"] / off["samples_per_s"]
             print(f"  overlap on/off ({backend}): {ratio:.2f}x")
+    base_1cpu = row["keras_1cpu"]["samples_per_s"]
+    print("  targets:")
+    if "tnt-1-rank-1cpu" in row:
+        one = row["tnt-1-rank-1cpu"]["samples_per_s"]
+        print(f"    tnt 1 rank / Keras, both on 1 CPU: {one / base_1cpu:.2f}")
+    free = row.get("comm-free")
+    if free:
+        print(f"    {args.ranks} ranks comm-free / {args.ranks}x Keras on 1 CPU: "
+              f"{free['samples_per_s'] / (args.ranks * base_1cpu):.2f}")
+    for backend in backends:
+        ours = row[f"tnt-{backend}"]["samples_per_s"]
+        if free:
+            print(f"    {backend}: with communication / comm-free: {ours / free['samples_per_s']:.2f}")
+        py = row.get(f"tnt-{backend}-python-path")
+        if py:
+            print(f"    {backend}: native path / Python path: {ours / py['samples_per_s']:.2f}")
+        if "mwms" in row:
+            print(f"    {backend}: ours / MWMS: {ours / row['mwms']['samples_per_s']:.2f}")
+    if "keras_1cpu_xla" in row:
+        print(f"    Keras with XLA / without, both on 1 CPU: "
+              f"{row['keras_1cpu_xla']['samples_per_s'] / base_1cpu:.2f}")
+    grad_bytes = 4 * row["keras"]["params"]
+    print(f"  context: {grad_bytes / 1e6:.2f} MB of float32 gradients; memcpy {row['memcpy_gbps']:.1f} GB/s "
+          f"here, so one copy of them takes {grad_bytes / row['memcpy_gbps'] / 1e6:.3f} ms")
+    for key, value in row.get("frames_per_step", {}).items():
+        print(f"  Python frames per step ({key}): {value:.0f}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ def parse() -> argparse.Namespace:
                         "communication: the bound that faster collectives could approach")
     p.add_argument("--cpus", type=int, default=0,
                    help="run on this many CPUs only (the first ones this process may use); 0: all")
+    p.add_argument("--pin", type=int, default=-1,
+                   help="hold the process to this one CPU (independent comm-free ranks)")
+    p.add_argument("--jit", action="store_true", help="keras: compile with jit_compile=True (XLA)")
+    p.add_argument("--count-frames", action="store_true",
+                   help="count Python frames entered per timed step, on every thread (slow)")
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args()
 
@@ -60,11 +65,74 @@ class StepTimer:
         return _Cb()
 
 
+class FrameCounter:
+    """Python frames entered per step, on every thread (sys.setprofile, threading.setprofile)
+    from the end of the warm-up to the end of training; Keras' own loop included, so compare
+    paths, not absolute counts."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.calls, self.steps, self.on = warmup, 0, 0, False
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            self.calls += 1
+
+    def callback(self, keras):
+        import sys
+        import threading
+
+        counter = self
+
+        class _Cb(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch + 1 == counter.warmup:
+                    counter.on = True
+                    threading.setprofile(counter._profile)
+                    sys.setprofile(counter._profile)
+                    counter.trace_numpy_functions()
+                elif counter.on:
+                    counter.steps += 1
+
+            def on_train_end(self, logs=None):
+                sys.setprofile(None)
+                threading.setprofile(None)
+
+        return _Cb()
+
+    def trace_numpy_functions(self) -> None:
+        """tf.numpy_function bodies run on TensorFlow's own threads, which neither profile
+        hook reaches (Python 3.11 has no setprofile for every thread): profile each call
+        on the thread that runs it (TensorFlow's registry of py_funcs: a diagnostic-only
+        use of a private name)."""
+        import sys
+
+        from tensorflow.python.ops import script_ops
+
+        original = script_ops.FuncRegistry.__call__
+        counter = self
+
+        def traced(registry, *args, **kwargs):
+            if not counter.on:
+                return original(registry, *args, **kwargs)
+            sys.setprofile(counter._profile)
+            try:
+                return original(registry, *args, **kwargs)
+            finally:
+                sys.setprofile(None)
+
+        script_ops.FuncRegistry.__call__ = traced
+
+    def per_step(self) -> float:
+        return self.calls / max(self.steps, 1)
+
+
 def main() -> int:
     args = parse()
     if args.cpus:  # before TensorFlow starts its thread pools
         allowed = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, allowed[:args.cpus])
+    if args.pin >= 0:
+        os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[args.pin]])
     if args.mode == "mwms":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
     import tensorflow as tf
@@ -101,26 +169,29 @@ def main() -> int:
 
                 backend = tnt_core.init().backend  # the runtime tnt.Model started
                 backend.allreduce_async = lambda buf, op="sum": tnt_core.CompletedHandle(buf)
-        models.compile_for_benchmark(model, keras)
+        models.compile_for_benchmark(model, keras, jit_compile=args.jit and args.mode == "keras")
 
     global_batch = args.micro_batch * workers
     x, y = models.synthetic_data(args.model, global_batch * steps)
     timer = StepTimer()
+    frames = FrameCounter(args.warmup) if args.count_frames else None
     if args.mode == "mwms":
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
         model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer.callback(keras)])
     else:
         model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[timer.callback(keras)])
+                  callbacks=[timer.callback(keras)] + ([frames.callback(keras)] if frames else []))
     timed = timer.times[args.warmup - 1:]
     seconds = timed[-1] - timed[0]
     result = {
         "mode": args.mode, "model": args.model, "workers": workers, "micro_batch": args.micro_batch,
         "global_batch": global_batch, "steps": len(timed) - 1, "seconds": seconds,
         "samples_per_s": global_batch * (len(timed) - 1) / seconds,
-        "overlap": not args.no_overlap, "comm_free": args.comm_free,
+        "overlap": not args.no_overlap, "comm_free": args.comm_free, "jit": args.jit,
         "params": int(model.count_params()), "cpus": len(os.sched_getaffinity(0)),
     }
+    if frames is not None:
+        result["frames_per_step"] = frames.per_step()
     if is_chief:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result))

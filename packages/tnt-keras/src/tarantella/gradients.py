@@ -122,8 +122,11 @@ class GradientReducer:
         with tf.control_dependencies(list(after)):
             factor64 = tf.identity(factor64)
         if self.runtime.size == 1:
-            # one rank: the sum over ranks is this rank's scaled gradient, no collective
-            return [_scaled(g, factor64) for g in grads]
+            # one rank: the sum over ranks is this rank's scaled gradient, no collective;
+            # its factor is 1 for a mean loss (n = B), and then nothing is computed
+            grads = list(grads)
+            return tf.cond(tf.equal(factor64, 1.0), lambda: [tf.identity(g) for g in grads],
+                           lambda: [_scaled(g, factor64) for g in grads])
         reducer = self._reducer_for(grads)
         if isinstance(reducer, NativeReducer):
             self._native = reducer
