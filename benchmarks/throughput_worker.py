@@ -42,6 +42,8 @@ def parse() -> argparse.Namespace:
                    help="run on this many CPUs only (the first ones this process may use); 0: all")
     p.add_argument("--pin", type=int, default=-1,
                    help="hold the process to this one CPU (independent comm-free ranks)")
+    p.add_argument("--pin-local-rank", action="store_true",
+                   help="tnt: hold each rank to the CPU of its local rank (TNT_LOCAL_RANK)")
     p.add_argument("--jit", action="store_true", help="keras: compile with jit_compile=True (XLA)")
     p.add_argument("--count-frames", action="store_true",
                    help="count Python frames entered per timed step, on every thread (slow)")
@@ -131,6 +133,8 @@ def main() -> int:
     if args.cpus:  # before TensorFlow starts its thread pools
         allowed = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, allowed[:args.cpus])
+    if args.pin_local_rank:
+        args.pin = int(os.environ.get("TNT_LOCAL_RANK", "0")) % len(os.sched_getaffinity(0))
     if args.pin >= 0:
         os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[args.pin]])
     if args.mode == "mwms":
