@@ -195,7 +195,7 @@ if ! from_cache "$pkg" "$key"; then
   # tools venv
   { "$TOOLS/bin/python" -m build --no-isolation --skip-dependency-check --sdist --outdir "$out" "packages/$pkg" \
     && "$TOOLS/bin/python" -m build --no-isolation --skip-dependency-check --wheel --outdir "$out/raw" \
-         "packages/$pkg" -Cbuild-dir="$out/cmake-build" -Ccmake.define.TNT_TENSORFLOW_DIR="$tf_dir"; } >"$out/build.log" 2>&1 \
+         "packages/$pkg" -Cbuild-dir="$out/cmake-build" -Ccmake.define.tensorflow_PACKAGE_DIR="$tf_dir"; } >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; die "$pkg: build failed (log: $out/build.log)"; }
   "$TOOLS/bin/auditwheel" repair --exclude libtensorflow_framework.so.2 --wheel-dir "$out" \
       "$out/raw"/*.whl >>"$out/build.log" 2>&1 \
