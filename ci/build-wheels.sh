@@ -81,6 +81,22 @@ from_cache() {
   log "$1: $(cd "$dir" && ls -- *.whl) (${3:-cached})"
 }
 
+# The manylinux tag of a platform wheel built into $3/raw (auditwheel repair, extra
+# arguments passed on), refusing any shared library grafted into it; then into the cache.
+repair_and_cache() {
+  local pkg=$1 key=$2 out=$3
+  shift 3
+  "$TOOLS/bin/auditwheel" repair "$@" --wheel-dir "$out" "$out/raw"/*.whl >>"$out/build.log" 2>&1 \
+    || { tail -30 "$out/build.log" >&2; die "$pkg: auditwheel repair failed (log: $out/build.log)"; }
+  if unzip -l "$out"/*.whl | grep -q '\.libs/'; then
+    die "$pkg: auditwheel bundled shared libraries into the wheel: $(unzip -l "$out"/*.whl | grep '\.libs/')"
+  fi
+  "$TOOLS/bin/auditwheel" show "$out"/*.whl >"$out/auditwheel-show.txt" 2>&1
+  rm -rf "$out/raw" "$out/cmake-build"
+  touch "$out/.ok"
+  from_cache "$pkg" "$key" built
+}
+
 # --- the pure packages ---------------------------------------------------------------------
 for pkg in "${PURE[@]}"; do
   key=$(package_hash "$pkg")
@@ -162,16 +178,8 @@ if ! from_cache "$pkg" "$key"; then
     && "$TOOLS/bin/python" -m build --no-isolation --wheel --outdir "$out/raw" "packages/$pkg" \
          -Cbuild-dir="$out/cmake-build" -Ccmake.define.BUNDLE_GLOO_PREFIX="$GLOO/prefix"; } >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; die "$pkg: build failed (log: $out/build.log)"; }
-  "$TOOLS/bin/auditwheel" repair --wheel-dir "$out" "$out/raw"/*.whl >>"$out/build.log" 2>&1 \
-    || { tail -30 "$out/build.log" >&2; die "$pkg: auditwheel repair failed (log: $out/build.log)"; }
-  # nothing may have been grafted: the module links Gloo statically, the rest is glibc/libstdc++
-  if unzip -l "$out"/*.whl | grep -q '\.libs/'; then
-    die "$pkg: auditwheel bundled shared libraries into the wheel: $(unzip -l "$out"/*.whl | grep '\.libs/')"
-  fi
-  "$TOOLS/bin/auditwheel" show "$out"/*.whl >"$out/auditwheel-show.txt" 2>&1
-  rm -rf "$out/raw" "$out/cmake-build"
-  touch "$out/.ok"
-  from_cache "$pkg" "$key" built
+  # nothing may be grafted: the module links Gloo statically, the rest is glibc/libstdc++
+  repair_and_cache "$pkg" "$key" "$out"
 fi
 cp "$CACHE/$pkg-$key/auditwheel-show.txt" "$DIST/auditwheel-show-$pkg.txt"
 
@@ -197,16 +205,8 @@ if ! from_cache "$pkg" "$key"; then
     && "$TOOLS/bin/python" -m build --no-isolation --skip-dependency-check --wheel --outdir "$out/raw" \
          "packages/$pkg" -Cbuild-dir="$out/cmake-build" -Ccmake.define.tensorflow_PACKAGE_DIR="$tf_dir"; } >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; die "$pkg: build failed (log: $out/build.log)"; }
-  "$TOOLS/bin/auditwheel" repair --exclude libtensorflow_framework.so.2 --wheel-dir "$out" \
-      "$out/raw"/*.whl >>"$out/build.log" 2>&1 \
-    || { tail -30 "$out/build.log" >&2; die "$pkg: auditwheel repair failed (log: $out/build.log)"; }
-  if unzip -l "$out"/*.whl | grep -q '\.libs/'; then
-    die "$pkg: auditwheel bundled shared libraries into the wheel: $(unzip -l "$out"/*.whl | grep '\.libs/')"
-  fi
-  "$TOOLS/bin/auditwheel" show "$out"/*.whl >"$out/auditwheel-show.txt" 2>&1
-  rm -rf "$out/raw" "$out/cmake-build"
-  touch "$out/.ok"
-  from_cache "$pkg" "$key" built
+  # TensorFlow itself provides libtensorflow_framework.so.2 at run time
+  repair_and_cache "$pkg" "$key" "$out" --exclude libtensorflow_framework.so.2
 fi
 
 log "dist/:"

@@ -48,6 +48,19 @@ std::shared_ptr<Reducer> find_reducer(std::int64_t id) {
   return it == registry.end() ? nullptr : it->second;
 }
 
+void fail(TF_OpKernelContext* ctx, TF_Code code, const std::string& message);
+
+// The kernel's reducer, or null after failing the kernel with why it is gone.
+std::shared_ptr<Reducer> reducer_or_fail(TF_OpKernelContext* ctx, std::int64_t id) {
+  auto reducer = find_reducer(id);
+  if (!reducer) {
+    fail(ctx, TF_FAILED_PRECONDITION,
+         "tarantella's gradient reducer " + std::to_string(id) +
+             " is gone (its model or the job's backend was closed); compile the model again");
+  }
+  return reducer;
+}
+
 std::int32_t native_dtype(TF_DataType t) {
   switch (t) {
     case TF_HALF: return TNT_NATIVE_FLOAT16;
@@ -110,13 +123,8 @@ void push_delete(void* kernel) { delete static_cast<PushKernel*>(kernel); }
 
 void push_compute(void* kernel, TF_OpKernelContext* ctx) {
   auto* k = static_cast<PushKernel*>(kernel);
-  auto reducer = find_reducer(k->reducer);
-  if (!reducer) {
-    fail(ctx, TF_FAILED_PRECONDITION,
-         "tarantella's gradient reducer " + std::to_string(k->reducer) +
-             " is gone (its model or the job's backend was closed); compile the model again");
-    return;
-  }
+  auto reducer = reducer_or_fail(ctx, k->reducer);
+  if (!reducer) return;
   const int n = TF_NumInputs(ctx) - 1;  // the tensors, then the factor
   if (n != static_cast<int>(k->offsets.size())) {
     fail(ctx, TF_INVALID_ARGUMENT, "TntPushBucket: offsets and tensors differ in number");
@@ -188,13 +196,8 @@ void release_buffer(void* /*data*/, size_t /*len*/, void* arg) {
 
 void finish_compute(void* kernel, TF_OpKernelContext* ctx) {
   auto* k = static_cast<FinishKernel*>(kernel);
-  auto reducer = find_reducer(k->reducer);
-  if (!reducer) {
-    fail(ctx, TF_FAILED_PRECONDITION,
-         "tarantella's gradient reducer " + std::to_string(k->reducer) +
-             " is gone (its model or the job's backend was closed); compile the model again");
-    return;
-  }
+  auto reducer = reducer_or_fail(ctx, k->reducer);
+  if (!reducer) return;
   std::vector<std::shared_ptr<Buffer>> buffers;
   const std::string error = reducer->finish(&buffers);
   if (!error.empty()) {
