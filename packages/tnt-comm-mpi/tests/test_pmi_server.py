@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tnt_comm_mpi.pmi_server import PmiServer, auth_digest, connect_authenticated, process_mapping
+from tnt_comm_mpi.pmi_server import PMI_HANDSHAKE, PmiServer, connect_authenticated, process_mapping
+from tnt_core.handshake import NOT_ADMITTED, WRONG_KEY
 
 KEY = "0123456789abcdef"
 
@@ -90,17 +91,28 @@ def test_rejects_bad_names_and_keys() -> None:
         PmiServer(1, ["a"], key="")
 
 
-def _answer(port: int, line_for_nonce) -> str:
-    """Connect as an attacker would, answer the challenge with ``line_for_nonce(nonce)``
-    and return what the server says next ("" when it hangs up)."""
+HELLO = 4 + 1 + 32  # the handshake's tag, version and nonce
+
+
+def _rest(sock: socket.socket) -> bytes:
+    """What the server sends until it hangs up."""
+    data = b""
+    try:
+        while chunk := sock.recv(64):
+            data += chunk
+    except ConnectionResetError:  # hung up with our bytes unread: refused all the same
+        pass
+    return data
+
+
+def _answer(port: int, answer_for_nonce) -> bytes:
+    """Connect as an attacker would, answer the challenge with ``answer_for_nonce(nonce)``
+    and return what the server says until it hangs up."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        lines = sock.makefile("r", encoding="ascii")
-        challenge = dict(w.split("=", 1) for w in lines.readline().split())
-        sock.sendall((line_for_nonce(challenge["nonce"]) + "\n").encode())
-        try:
-            return lines.readline()
-        except ConnectionResetError:  # hung up with our bytes unread: refused all the same
-            return ""
+        hello = sock.recv(HELLO, socket.MSG_WAITALL)
+        assert hello[:4] == PMI_HANDSHAKE.tag
+        sock.sendall(answer_for_nonce(hello[5:]))
+        return _rest(sock)
 
 
 def test_refuses_every_client_that_does_not_know_the_job_key() -> None:
@@ -111,17 +123,19 @@ def test_refuses_every_client_that_does_not_know_the_job_key() -> None:
     try:
         # PMI spoken straight away, as MPICH's own client (PMI_PORT) or a script would
         outsider = Client(server.port)
-        assert outsider.read()["cmd"] == "tnt_auth"
+        assert outsider.sock.recv(HELLO, socket.MSG_WAITALL)[:4] == PMI_HANDSHAKE.tag
         outsider.send("cmd=finalize")
-        assert outsider.lines.readline() == "", "a PMI word before the handshake must end the connection"
+        assert _rest(outsider.sock) == bytes([WRONG_KEY]), \
+            "a PMI word before the handshake must end the connection"
         # the wrong key; a right digest for another nonce (replay); a rank outside the job
-        key = KEY.encode()
-        for rank, digest in [(0, lambda n: auth_digest(b"guess", n, 0)),
-                             (0, lambda n: auth_digest(key, "x", 0)),
-                             (7, lambda n: auth_digest(key, n, 7))]:
-            line = lambda n, r=rank, d=digest: f"cmd=tnt_auth rank={r} digest={d(n)}"  # noqa: E731
-            assert _answer(server.port, line) == ""
-        assert _answer(server.port, lambda n: "x" * 400) == ""
+        tag = PMI_HANDSHAKE.tag
+        for rank, digest, refusal in [
+                (0, lambda n: PMI_HANDSHAKE.digest(b"guess", n, 0), WRONG_KEY),
+                (0, lambda n: PMI_HANDSHAKE.digest(KEY, b"x" * 32, 0), WRONG_KEY),
+                (7, lambda n: PMI_HANDSHAKE.digest(KEY, n, 7), NOT_ADMITTED)]:
+            answer = lambda n, r=rank, d=digest: tag + r.to_bytes(8, "big") + d(n)  # noqa: E731
+            assert _answer(server.port, answer) == bytes([refusal])
+        assert _answer(server.port, lambda n: b"x" * 400) == bytes([WRONG_KEY])
         with pytest.raises(ConnectionError, match="refused"):
             connect_authenticated("127.0.0.1", server.port, "wrong-key", 0, timeout=10)
         # a client that connects and says nothing does not hold up the ranks
@@ -148,10 +162,9 @@ def test_a_silent_client_is_dropped_after_the_handshake_timeout(monkeypatch) -> 
     server = PmiServer(1, ["n0"], key=KEY)
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            lines = sock.makefile("r", encoding="ascii")
-            assert lines.readline().startswith("cmd=tnt_auth ")
+            assert sock.recv(HELLO, socket.MSG_WAITALL)[:4] == PMI_HANDSHAKE.tag
             start = time.monotonic()
-            assert lines.readline() == ""
+            assert _rest(sock) == b""
             assert time.monotonic() - start < 5
         assert server.refused == 1
     finally:

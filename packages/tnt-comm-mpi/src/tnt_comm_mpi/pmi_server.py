@@ -20,13 +20,13 @@ leaves no helper behind once its ranks are gone, however its ranks and ``tnt run
 Only the job's ranks may talk to it: the server listens on TCP, where any process of the
 host (or, across hosts, of the network) can connect, and a client that could ``put``,
 ``barrier_in`` or ``finalize`` for a rank corrupts or ends the job. So every connection
-first proves it knows the job key (``TNT_RENDEZVOUS_KEY``, which the rendezvous store
-checks the same way) before a single PMI word is served: the server sends
-``cmd=tnt_auth nonce=N``, the client answers ``cmd=tnt_auth rank=R digest=D`` with
-``D = HMAC-SHA256(key, "N:R")``, and the server answers ``cmd=tnt_auth_ok`` or closes the
-connection; each rank may connect once. MPICH's own PMI client cannot do this, so the rank
-does it in Python (:func:`connect_authenticated`) and hands the connected socket to MPI
-through ``PMI_FD``, the way Hydra's proxies hand over theirs.
+first passes tnt-core's handshake (:class:`tnt_core.Handshake`, the one the rendezvous
+store uses, here with the tag ``b"TNTP"``): it proves it knows the job key
+(``TNT_RENDEZVOUS_KEY``) and which rank it is, before a single PMI word is served; each
+rank may connect once. MPICH's own PMI client cannot do this, so the rank does it in
+Python (:func:`connect_authenticated`) and hands the connected socket to MPI through
+``PMI_FD``, the way Hydra's proxies hand over theirs. The handshake reads exactly its own
+bytes, so nothing of the PMI conversation that follows is consumed.
 
 The wire protocol is PMI version 1 (MPICH's "simple PMI"): newline-terminated lines of
 ``key=value`` words, the first word ``cmd=NAME``. Implemented: ``init``, ``get_maxes``,
@@ -42,8 +42,6 @@ needs its own launcher.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -55,57 +53,31 @@ import threading
 from collections.abc import Sequence
 from typing import IO, cast
 
+from tnt_core import HANDSHAKE_TIMEOUT_S, Handshake, HandshakeError
+
 __all__ = ["PmiServer", "process_mapping", "start_helper", "connect_authenticated",
-           "AUTH_TIMEOUT_S"]
+           "AUTH_TIMEOUT_S", "PMI_HANDSHAKE"]
 
 log = logging.getLogger("tnt.mpi.pmi")
 
 MAX_KEY, MAX_VALUE = 64, 1024
 #: how long a new connection has to prove it knows the job key
-AUTH_TIMEOUT_S = 10.0
-_MAX_AUTH_LINE = 256
-
-
-def auth_digest(key: bytes, nonce: str, rank: int) -> str:
-    """The answer to the server's challenge: binds the key, this connection and the rank."""
-    return hmac.new(key, f"{nonce}:{rank}".encode("ascii"), hashlib.sha256).hexdigest()
-
-
-def _read_line(sock: socket.socket) -> str:
-    """One line, read byte by byte: nothing past it may be consumed, since the socket goes
-    on to MPICH's PMI client, which reads its own lines from the same descriptor."""
-    data = bytearray()
-    while not data.endswith(b"\n"):
-        if len(data) >= _MAX_AUTH_LINE:
-            raise ConnectionError("overlong handshake line")
-        chunk = sock.recv(1)
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        data += chunk
-    return data.decode("ascii", "replace")
+AUTH_TIMEOUT_S = HANDSHAKE_TIMEOUT_S
+#: the handshake every connection passes before PMI is spoken; identity: the rank
+PMI_HANDSHAKE = Handshake(b"TNTP", "PMI server")
 
 
 def connect_authenticated(host: str, port: int, key: str, rank: int, timeout: float) -> socket.socket:
-    """Connect to the job's PMI server and pass its challenge; the socket is ready for PMI.
+    """Connect to the job's PMI server and pass its handshake as ``rank``; the socket is
+    then ready for PMI (blocking, no timeout).
 
-    :raises ConnectionError: the server refused the key, or went away.
+    :raises HandshakeError: (a ``ConnectionError``) the server refused the key or the
+        rank, or went away.
     :raises OSError: the server cannot be reached within ``timeout``.
     """
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        challenge = _parse(_read_line(sock))
-        nonce = challenge.get("nonce", "")
-        if challenge.get("cmd") != "tnt_auth" or not nonce:
-            raise ConnectionError(f"{host}:{port} is not tnt's PMI server")
-        digest = auth_digest(key.encode(), nonce, rank)
-        sock.sendall(f"cmd=tnt_auth rank={rank} digest={digest}\n".encode("ascii"))
-        try:
-            accepted = _parse(_read_line(sock)).get("cmd") == "tnt_auth_ok"
-        except ConnectionError:  # the server hangs up on a client it refuses
-            accepted = False
-        if not accepted:
-            raise ConnectionError(f"the PMI server refused rank {rank}: wrong job key "
-                                  "(TNT_RENDEZVOUS_KEY), or this rank already joined")
+        PMI_HANDSHAKE.client(sock, key, identity=rank, timeout=timeout)
     except BaseException:
         sock.close()
         raise
@@ -212,36 +184,29 @@ class PmiServer:
             threading.Thread(target=self._serve, args=(conn,), name="tnt-pmi-conn",
                              daemon=True).start()
 
+    def _admit(self, rank: int) -> bool:
+        """A rank of the job that has not joined yet (a second connection claiming a rank
+        is a replay, or a rank that connects twice: either is wrong)."""
+        with self._lock:
+            if not 0 <= rank < self.size or rank in self._connected:
+                return False
+            self._connected.add(rank)
+            return True
+
     def _authenticate(self, conn: socket.socket) -> int:
         """The rank this connection proved to be, or -1 (then it is closed unanswered)."""
-        nonce = secrets.token_hex(16)
         try:
-            conn.settimeout(AUTH_TIMEOUT_S)
-            self._send(conn, f"cmd=tnt_auth nonce={nonce}")
-            answer = _parse(_read_line(conn))
-            rank = int(answer.get("rank", "-1"))
-            good = (answer.get("cmd") == "tnt_auth" and 0 <= rank < self.size
-                    and hmac.compare_digest(answer.get("digest", ""),
-                                            auth_digest(self._key, nonce, rank)))
-        except (OSError, ValueError, ConnectionError):
-            good, rank = False, -1
-        with self._lock:
-            if good and rank in self._connected:
-                good = False  # a replay, or a rank that connects twice: either is wrong
-            if good:
-                self._connected.add(rank)
-            else:
+            rank = PMI_HANDSHAKE.server(conn, self._key, timeout=AUTH_TIMEOUT_S, admit=self._admit)
+        except HandshakeError as exc:
+            with self._lock:
                 self.refused += 1
-        if not good:
             try:
                 peer = conn.getpeername()
             except OSError:
                 peer = "?"
-            log.warning("refused a PMI client from %s: it did not prove it knows the job key",
-                        peer)
+            log.warning("refused a PMI client from %s: %s", peer, exc)
             return -1
         conn.settimeout(None)
-        self._send(conn, "cmd=tnt_auth_ok")
         return rank
 
     def _serve(self, conn: socket.socket) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._markers import ENTRY_POINT_GROUP, PROJECT_NAME, hookimpl, hookspec
+from .addresses import can_bind, is_loopback
 from .backend import (
     REDUCE_OPS,
     SUPPORTED_DTYPES,
@@ -34,6 +35,7 @@ from .errors import (
     CollectiveMismatchError,
     CommError,
     ConfigError,
+    HandshakeError,
     PluginError,
     ShardingError,
     TntError,
@@ -47,6 +49,7 @@ from .fusion import (
     TensorSpec,
     plan_buckets,
 )
+from .handshake import HANDSHAKE_TIMEOUT_S, Handshake
 from .launch_env import MpiLaunch, detect_mpi_launch, expand_tasks_per_node
 from .local_backend import LocalBackend
 from .native import NativeComm, native_comm
@@ -57,7 +60,6 @@ from .rendezvous import (
     StoreServer,
     address_towards,
     connect_store,
-    is_loopback,
     reachable_address,
 )
 from .runtime import (
@@ -94,6 +96,7 @@ __all__ = [
     "BUFFER_ALIGNMENT",
     "DEFAULT_FUSION_THRESHOLD_KB",
     "DEFAULT_TIMEOUT_S",
+    "HANDSHAKE_TIMEOUT_S",
     "PEER_FAILURE_EXIT_CODE",
     "ENTRY_POINT_GROUP",
     "PROJECT_NAME",
@@ -112,6 +115,8 @@ __all__ = [
     "FusedAllreducer",
     "FutureHandle",
     "Handle",
+    "Handshake",
+    "HandshakeError",
     "LocalBackend",
     "MpiLaunch",
     "PluginError",
@@ -128,6 +133,7 @@ __all__ = [
     "Variable",
     "WatchedBackend",
     "address_towards",
+    "can_bind",
     "check_buffer",
     "check_op",
     "check_peer",

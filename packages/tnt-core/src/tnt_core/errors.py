@@ -6,8 +6,8 @@ that users and tnt-keras handle a single exception type for "the collective fail
 
 from __future__ import annotations
 
-__all__ = ["TntError", "CommError", "CollectiveMismatchError", "ConfigError", "PluginError",
-           "ShardingError", "UnsupportedOperationError"]
+__all__ = ["TntError", "CommError", "CollectiveMismatchError", "ConfigError", "HandshakeError",
+           "PluginError", "ShardingError", "UnsupportedOperationError"]
 
 
 class TntError(Exception):
@@ -56,6 +56,14 @@ class CollectiveMismatchError(TntError, ValueError):
 
 class ConfigError(TntError, ValueError):
     """The launcher environment or an argument is invalid; the message says what to change."""
+
+
+class HandshakeError(TntError, ConnectionError):
+    """A peer of a job's TCP service did not prove it knows the job key, or the service
+    refused this process (:mod:`tnt_core.handshake`); the message says which and why.
+
+    A ``ConnectionError`` too: the connection it happened on is of no further use.
+    """
 
 
 class PluginError(TntError):

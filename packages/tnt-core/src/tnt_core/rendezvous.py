@@ -5,9 +5,8 @@ exchange addresses before the real transport exists. Standard library only.
 
 Wire protocol (big-endian; simple enough for a C++ client):
 
-* handshake: server sends ``b"TNTR"``, version byte ``1`` and a 32-byte random nonce;
-  the client answers ``HMAC-SHA256(job key, nonce)``; the server replies one status byte
-  (0 accepted, 1 refused, then closes). No request is read on a connection before it has
+* handshake: :mod:`tnt_core.handshake` with the tag ``b"TNTR"`` (the client's identity
+  is its rank, -1 for the launcher). No request is read on a connection before it has
   proven it knows ``TNT_RENDEZVOUS_KEY``, and the key never crosses the wire.
 * request: one op byte, then ``str`` = u32 length + UTF-8, ``bytes`` = u64 length + data:
   ``SET str bytes`` · ``GET str i64-timeout-ms`` · ``WAIT u32-n str*n i64-timeout-ms`` ·
@@ -18,8 +17,6 @@ Wire protocol (big-endian; simple enough for a C++ client):
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import secrets
 import socket
@@ -29,32 +26,28 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+from .addresses import is_loopback
 from .config import Config
-from .errors import CommError, ConfigError
+from .errors import CommError, ConfigError, HandshakeError
+from .handshake import HANDSHAKE_TIMEOUT_S, NO_IDENTITY, Handshake
 
 __all__ = [
     "StoreServer",
     "StoreClient",
     "connect_store",
     "address_towards",
-    "is_loopback",
     "reachable_address",
+    "RENDEZVOUS_HANDSHAKE",
 ]
 
 log = logging.getLogger("tnt.rendezvous")
 
-MAGIC = b"TNTR"
-VERSION = 1
-NONCE_LEN = 32
+#: the handshake every connection passes before its first request
+RENDEZVOUS_HANDSHAKE = Handshake(b"TNTR", "rendezvous store")
 OP_SET, OP_GET, OP_WAIT, OP_CHECK, OP_ADD, OP_DELETE = 1, 2, 3, 4, 5, 6
 ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
 MAX_KEY = 1 << 16
 MAX_VALUE = 1 << 32
-HANDSHAKE_TIMEOUT_S = 10.0
-
-
-def _digest(key: bytes, nonce: bytes) -> bytes:
-    return hmac.new(key, nonce, hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -117,17 +110,12 @@ class _Handler(socketserver.BaseRequestHandler):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = f"{self.client_address[0]}:{self.client_address[1]}"
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            nonce = secrets.token_bytes(NONCE_LEN)
-            sock.sendall(MAGIC + bytes([VERSION]) + nonce)
-            answer = _recv_exact(sock, 32)
-            if not hmac.compare_digest(answer, _digest(self.server.key, nonce)):
-                log.warning("refused rendezvous peer %s: it does not know the job key "
-                            "(TNT_RENDEZVOUS_KEY)", peer)
-                sock.sendall(bytes([1]))
-                return
-            sock.sendall(bytes([ST_OK]))
-            sock.settimeout(None)
+            RENDEZVOUS_HANDSHAKE.server(sock, self.server.key, timeout=HANDSHAKE_TIMEOUT_S)
+        except HandshakeError as exc:
+            if not self.server.closing:
+                log.warning("refused rendezvous peer %s: %s", peer, exc)
+            return
+        try:
             while not self.server.closing:
                 try:
                     op = _recv_exact(sock, 1)[0]
@@ -260,12 +248,12 @@ class StoreClient:
         self.timeout = timeout
         self.rank = rank
         self._lock = threading.Lock()
-        self._sock = self._connect(key.encode(), connect_timeout)
+        self._sock = self._connect(key, connect_timeout)
 
     def _error(self, message: str, operation: str) -> CommError:
         return CommError(message, rank=self.rank, operation=operation)
 
-    def _connect(self, key: bytes, connect_timeout: float) -> socket.socket:
+    def _connect(self, key: str, connect_timeout: float) -> socket.socket:
         deadline = time.monotonic() + connect_timeout
         delay = 0.02
         host, port = self.address
@@ -283,22 +271,11 @@ class StoreClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
         try:
-            hello = _recv_exact(sock, len(MAGIC) + 1 + NONCE_LEN)
-            if hello[:4] != MAGIC or hello[4] != VERSION:
-                raise self._error(f"{host}:{port} is not a tnt rendezvous store", "rendezvous connect")
-            sock.sendall(_digest(key, hello[5:]))
-            if _recv_exact(sock, 1)[0] != ST_OK:
-                raise self._error(
-                    f"the rendezvous store at {host}:{port} refused this process: wrong job key "
-                    "(TNT_RENDEZVOUS_KEY); ranks must be started by the same `tnt run`",
-                    "rendezvous connect",
-                )
-        except (OSError, ConnectionError) as exc:
+            RENDEZVOUS_HANDSHAKE.client(sock, key, timeout=HANDSHAKE_TIMEOUT_S,
+                                        identity=NO_IDENTITY if self.rank is None else self.rank)
+        except HandshakeError as exc:
             sock.close()
-            raise self._error(f"handshake with {host}:{port} failed: {exc}", "rendezvous connect") from exc
-        except CommError:
-            sock.close()
-            raise
+            raise self._error(str(exc), "rendezvous connect") from None
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
@@ -423,11 +400,6 @@ def address_towards(host: str) -> str | None:
             except OSError:
                 continue
     return None
-
-
-def is_loopback(address: str) -> bool:
-    """True for an address only this machine reaches (``127.0.0.0/8``, ``::1``, localhost)."""
-    return address.startswith("127.") or address in ("::1", "localhost")
 
 
 def reachable_address(rendezvous_host: str | None, *, hint: str = "") -> str:

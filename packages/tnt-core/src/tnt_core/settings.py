@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .addresses import can_bind
 from .errors import ConfigError
 
 __all__ = [
@@ -147,13 +148,8 @@ def local_address_problem(host: str) -> str | None:
         reason = getattr(exc, "strerror", None) or str(exc)
         return (f"does not resolve on {socket.gethostname()} ({reason}); set it to an address "
                 "or a name of this host, or unset it")
-    for family, kind, proto, _, sockaddr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.bind(sockaddr)
-            return None
-        except OSError:
-            continue
+    if any(can_bind(str(info[4][0])) for info in infos):
+        return None
     addresses = ", ".join(sorted({str(info[4][0]) for info in infos}))
     return (f"resolves to {addresses}, not an address of {socket.gethostname()}; set it to an "
             "address or a name of this host, or unset it")
