@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import UnsupportedOperationError
+
 if TYPE_CHECKING:
     from .config import Config
-    from .errors import UnsupportedOperationError
 
 __all__ = [
     "REDUCE_OPS",
@@ -260,8 +261,6 @@ class CommBackend(abc.ABC):
         return capability in self.capabilities
 
     def _unsupported(self, capability: str, operation: str) -> UnsupportedOperationError:
-        from .errors import UnsupportedOperationError
-
         what = {"p2p": "point-to-point messages", "groups": "groups (split)"}[capability]
         return UnsupportedOperationError(
             f"{operation}: the {self.name!r} backend does not support {what}; pipelining needs "

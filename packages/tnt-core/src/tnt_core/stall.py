@@ -47,6 +47,7 @@ from .agreement import DeferredHandle, Launcher, exchange_words, header, mismatc
 from .backend import CommBackend, Handle, check_buffer, check_op, check_timeout, wait_all
 from .config import Config
 from .errors import CollectiveMismatchError, CommError, TntError
+from .rendezvous import connect_store
 
 __all__ = ["Ledger", "WatchedBackend", "StallInspector", "report_position", "ledger",
            "ANY_RANK", "NOT_ARRIVED_KEY"]
@@ -631,8 +632,6 @@ def start_inspector(backend: WatchedBackend, config: Config, warn_s: float) -> S
         return None
     factory = None
     if config.rendezvous and config.rendezvous_key and not config.rendezvous.startswith("file:"):
-        from .rendezvous import connect_store
-
         def factory() -> Any:
             return connect_store(config.with_overrides(rank=backend.rank), connect_timeout=10.0)
     return StallInspector(backend, config, warn_s, factory).start()

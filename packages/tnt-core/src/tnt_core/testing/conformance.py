@@ -28,6 +28,7 @@ from ..backend import REDUCE_OPS, CommBackend
 from ..config import Config
 from ..errors import CommError, TntError
 from ..native import DONE_FN, DTYPE_CODES, NativeComm, native_comm
+from ..rendezvous import connect_store
 
 __all__ = ["CASES", "CASE_NAMES", "DTYPES", "main"]
 
@@ -109,8 +110,6 @@ def case_barrier(ctx: Context) -> None:
     written to the rendezvous store, a channel independent of the backend."""
     if not ctx.config.rendezvous:
         raise _Skip("needs TNT_RENDEZVOUS to observe arrivals independently")
-    from ..rendezvous import connect_store
-
     with connect_store(ctx.config) as store:
         for round_ in range(3):
             time.sleep(0.15 * ((ctx.rank + round_) % ctx.size))

@@ -35,6 +35,7 @@ from ..backend import (
 from ..comm_thread import CommThread
 from ..config import Config
 from ..errors import CommError
+from ..plugins import reset_plugin_manager
 from ..rendezvous import StoreClient, connect_store
 
 __all__ = ["STORE_PLUGIN", "StoreBackend", "enable_store_backend"]
@@ -55,8 +56,6 @@ def enable_store_backend(env: MutableMapping[str, str] | None = None) -> None:
     if STORE_PLUGIN not in names:
         target["TNT_PLUGINS"] = ",".join([*names, STORE_PLUGIN])
     if env is None:
-        from ..plugins import reset_plugin_manager
-
         reset_plugin_manager()
 
 
