@@ -27,6 +27,10 @@ def _interrupted(signum: int, _frame: FrameType | None) -> None:
 
 signal.signal(signal.SIGINT, _interrupted)
 
+# only now the slow part (tnt-core, numpy): a Ctrl+C while it loads already ends quietly
+from .main import main as tnt_main  # noqa: E402
+from .main import tarantella_main as main_of_tarantella  # noqa: E402
+
 
 def _done(code: int) -> int:
     """Ignore Ctrl+C from here on: the job is over, and Python's finalisation would put the
@@ -36,12 +40,8 @@ def _done(code: int) -> int:
 
 
 def main() -> int:
-    from .main import main as tnt_main
-
     return _done(tnt_main())
 
 
 def tarantella_main() -> int:
-    from .main import tarantella_main as main_of_tarantella
-
     return _done(main_of_tarantella())

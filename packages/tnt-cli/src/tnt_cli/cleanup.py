@@ -4,22 +4,24 @@ A leftover rank is a process of the current user that ``tnt run`` started (it ha
 ``TNT_RENDEZVOUS_KEY`` in its environment) and whose command line names the script
 (same path or same file name). Ranks lead their own process group, so the whole group
 (helpers the rank started included) is signalled. ``python -m tnt_cli.cleanup`` does the
-work on one host; ``tnt run --cleanup`` runs it here and over ssh on remote hosts.
+work on one host; ``tnt run --cleanup`` runs it here and over ssh on remote hosts
+(:mod:`tnt_cli.run`). Standard library only: it runs on every host, and the agent uses
+its sweep of leftover files.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterable
 
-__all__ = ["find_ranks", "end_ranks", "main", "MARKER_VARIABLE", "shm_segments", "held_by_a_process",
-           "remove_orphan_segments"]
+__all__ = ["find_ranks", "end_ranks", "cleanup_host", "main", "MARKER_VARIABLE", "WAIT_S",
+           "shm_segments", "held_by_a_process", "remove_orphan_segments"]
 
 MARKER_VARIABLE = b"TNT_RENDEZVOUS_KEY"
 WAIT_S = 5.0
@@ -106,8 +108,6 @@ LEFTOVER_PATTERNS = ("/dev/shm/mpich_shm_*", "/tmp/hydra_hwloc_xmlfile_*")
 
 def shm_segments(patterns: tuple[str, ...] = LEFTOVER_PATTERNS) -> set[str]:
     """This user's files matching ``patterns`` (paths)."""
-    import glob
-
     uid, found = os.getuid(), set()
     for pattern in patterns:
         for path in glob.glob(pattern):
@@ -169,22 +169,6 @@ def cleanup_host(script: str, force: bool, host: str | None = None) -> tuple[str
     if alive:
         msg += f"; {len(alive)} still running (pids {' '.join(map(str, alive))}), retry with --force"
     return msg, not alive
-
-
-def cleanup_remote(host: str, script: str, force: bool, python: str, ssh_args: list[str]) -> tuple[str, bool]:
-    from .launchers.ssh import ssh_command
-
-    remote = [python, "-m", "tnt_cli.cleanup", "--host", host, *(["--force"] if force else []),
-              "--", script]
-    try:
-        out = subprocess.run(ssh_command(host, remote, ssh_args), capture_output=True, text=True,
-                             stdin=subprocess.DEVNULL, timeout=60 + WAIT_S)
-    except subprocess.TimeoutExpired:
-        return f"{host}: no answer within {60 + WAIT_S:g}s", False
-    except OSError as exc:
-        return f"{host}: cannot run ssh: {exc.strerror or exc}", False
-    text = (out.stdout.strip() or out.stderr.strip() or f"ssh exited with {out.returncode}")
-    return f"{host}: {text}" if out.returncode == 255 else text, out.returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
+from tnt_core import TntError, list_backends
+
 from . import __version__
 from .errors import USAGE_EXIT_CODE
+from .run import run_command
 
 __all__ = ["main", "tarantella_main"]
 
 
 def _run(argv: Sequence[str]) -> int:
-    from .run import run_command
-
     return run_command(argv, prog="tnt run")
 
 
@@ -26,8 +27,6 @@ def _backends(argv: Sequence[str]) -> int:
         print(f"tnt backends: error: unexpected argument {argv[0]!r} (see 'tnt backends --help')",
               file=sys.stderr)
         return USAGE_EXIT_CODE
-    from tnt_core import TntError, list_backends
-
     try:
         specs = list_backends()
     except TntError as exc:
@@ -79,6 +78,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def tarantella_main(argv: Sequence[str] | None = None) -> int:
     """``tarantella``: Tarantella's original name for ``tnt run``."""
-    from .run import run_command
-
     return run_command(list(sys.argv[1:] if argv is None else argv), prog="tarantella")

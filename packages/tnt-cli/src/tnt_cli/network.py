@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import socket
 
+from tnt_core import address_towards, can_bind, is_loopback
+
 from .errors import UsageError
 
 __all__ = ["is_local_host", "route_source_address", "store_bind_address", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
-_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
 
 
 def _strip_user(host: str) -> str:
@@ -27,29 +28,16 @@ def _resolve(host: str) -> list[str]:
 
 @functools.lru_cache(maxsize=256)
 def is_local_host(host: str) -> bool:
-    """True when ``host`` names this machine (its name, or an address assigned to it).
-
-    An address is ours when a socket can bind to it, which needs no privileges and no
-    interface listing.
-    """
+    """True when ``host`` names this machine: loopback, its name, or a name of an address
+    assigned to it (:func:`tnt_core.can_bind`)."""
     name = _strip_user(host)
-    if name in _LOCAL_NAMES or name in {socket.gethostname(), socket.getfqdn()}:
+    if is_loopback(name) or name in {socket.gethostname(), socket.getfqdn()}:
         return True
-    for addr in _resolve(name):
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.bind((addr, 0))
-            return True
-        except OSError:
-            continue
-    return False
+    return any(can_bind(addr) for addr in _resolve(name))
 
 
 def route_source_address(host: str) -> str:
     """The local address packets to ``host`` leave from (no packet is sent)."""
-    from tnt_core import address_towards  # tnt-core imports numpy: not for `tnt --help`
-
     found = address_towards(_strip_user(host))
     if found is not None:
         return found

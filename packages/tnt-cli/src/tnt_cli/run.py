@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
+from tnt_core import Config, ConfigError, StoreClient, StoreServer, TntError, list_backends
+from tnt_core.stall import NOT_ARRIVED_KEY
+
+from .agent import read_failures
+from .cleanup import WAIT_S, cleanup_host, remove_orphan_segments, shm_segments
 from .devices import cpu_count, visible_gpus
 from .dryrun import dry_run_rendezvous, render_dry_run
 from .errors import USAGE_EXIT_CODE, UsageError
 from .hostfile import Host, read_hostfile
 from .job import Job, Rendezvous
 from .launchers import Launcher, choose_launcher
+from .launchers.ssh import ssh_command
 from .network import is_local_host, store_bind_address
 from .options import RunOptions, parse_run_args
 from .placement import LOCALHOST, Placement, place_ranks
-
-if TYPE_CHECKING:
-    from tnt_core import StoreServer
-
-    from .supervisor import Supervisor
+from .supervisor import Supervisor
 
 __all__ = ["run_command", "resolve_job"]
 
@@ -46,8 +50,6 @@ def _command(options: RunOptions) -> list[str]:
 
 def _check_backend(name: str, size: int, local_size: int) -> None:
     """``--backend`` must name an installed backend that can serve a job of ``size`` ranks."""
-    from tnt_core import Config, TntError, list_backends
-
     try:
         specs = list_backends()
     except TntError as exc:
@@ -127,9 +129,24 @@ def _check_oversubscription(placement: Placement, cpus: int, warnings: list[str]
                     "ranks (raise --timeout if peers time out waiting)")
 
 
-def _cleanup(options: RunOptions, launcher: Launcher) -> int:
-    from .cleanup import cleanup_host, cleanup_remote
+def _cleanup_remote(host: str, script: str, force: bool, python: str,
+                    ssh_args: list[str]) -> tuple[str, bool]:
+    """``python -m tnt_cli.cleanup`` on ``host`` over ssh: its one-line report, and whether
+    every rank there is gone."""
+    remote = [python, "-m", "tnt_cli.cleanup", "--host", host, *(["--force"] if force else []),
+              "--", script]
+    try:
+        out = subprocess.run(ssh_command(host, remote, ssh_args), capture_output=True, text=True,
+                             stdin=subprocess.DEVNULL, timeout=60 + WAIT_S)
+    except subprocess.TimeoutExpired:
+        return f"{host}: no answer within {60 + WAIT_S:g}s", False
+    except OSError as exc:
+        return f"{host}: cannot run ssh: {exc.strerror or exc}", False
+    text = (out.stdout.strip() or out.stderr.strip() or f"ssh exited with {out.returncode}")
+    return f"{host}: {text}" if out.returncode == 255 else text, out.returncode == 0
 
+
+def _cleanup(options: RunOptions, launcher: Launcher) -> int:
     if options.hostfile:
         hosts = [h.name for h in read_hostfile(options.hostfile)]
     else:
@@ -139,15 +156,13 @@ def _cleanup(options: RunOptions, launcher: Launcher) -> int:
         if is_local_host(host):
             line, ok = cleanup_host(script, options.force, host)
         else:
-            line, ok = cleanup_remote(host, script, options.force, sys.executable, options.ssh_args)
+            line, ok = _cleanup_remote(host, script, options.force, sys.executable, options.ssh_args)
         print(line, flush=True)
         all_ok &= ok
     return 0 if all_ok else 1
 
 
 def _run(options: RunOptions, prog: str) -> int:
-    from .supervisor import Supervisor
-
     launcher = choose_launcher(options)
     if options.cleanup:
         return _cleanup(options, launcher)
@@ -160,14 +175,10 @@ def _run(options: RunOptions, prog: str) -> int:
         rendezvous = dry_run_rendezvous(bind, options.rendezvous_port)
         sys.stdout.write(render_dry_run(job, launcher, launcher.processes(job, rendezvous), rendezvous))
         return 0
-    from tnt_core import ConfigError, StoreServer
-
     try:
         store = StoreServer(bind, options.rendezvous_port)
     except ConfigError as exc:
         raise UsageError(f"{exc} (--rendezvous-host / --rendezvous-port)") from None
-    from .cleanup import shm_segments
-
     leftovers_before = shm_segments()
     with store:
         procs = launcher.processes(job, Rendezvous(store.url, store.key))
@@ -186,10 +197,6 @@ def _sweep(before: set[str]) -> None:
     """Remove what the job's killed processes left on this machine (mpiexec's proxies may
     kill an agent before it can sweep) once nothing holds it; ranks ended by SIGKILL may
     take a moment to let go, so a few tries within a second. Nothing new: no wait."""
-    import time
-
-    from .cleanup import remove_orphan_segments, shm_segments
-
     for _ in range(5):
         if not shm_segments() - before:
             return
@@ -200,12 +207,6 @@ def _sweep(before: set[str]) -> None:
 def _watch_rank_failures(store: StoreServer, supervisor: Supervisor) -> None:
     """Under mpirun/srun, agents report every failed rank through the store
     (agent.FAILURE_KEY): the first report may be a consequence, the cause a later one."""
-    import threading
-
-    from tnt_core import StoreClient, TntError
-
-    from .agent import read_failures
-
     host, port = store.address
 
     def watch() -> None:
@@ -224,9 +225,6 @@ def _not_arrived_reader(store: StoreServer) -> Callable[[], str | None]:
     arrive at the collective, as the launcher's verdict names them (None: nothing left)."""
 
     def read() -> str | None:
-        from tnt_core import StoreClient, TntError
-        from tnt_core.stall import NOT_ARRIVED_KEY
-
         host, port = store.address
         try:
             client = StoreClient(host, port, store.key, connect_timeout=2.0, timeout=2.0)
@@ -244,8 +242,6 @@ def _not_arrived_reader(store: StoreServer) -> Callable[[], str | None]:
 
 def run_command(argv: Sequence[str], prog: str = "tnt run") -> int:
     """The ``tnt run`` command; returns the exit code."""
-    from tnt_core import ConfigError
-
     options = parse_run_args(argv, prog)
     try:
         return _run(options, prog)

@@ -1,0 +1,252 @@
+"""No import circle inside a package, and no import inside a function that hides one.
+
+An import circle works until someone imports its modules in another order; the usual
+"fix" is an import moved into a function, which hides the circle from everyone else.
+So each package's own imports are read statically (``ast``): the module-level graph
+must be acyclic (a cycle is named), no function imports one of the package's own
+modules, and every module imports alone in a fresh interpreter.
+
+A package joins the check by one line in ``PACKAGES``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: (distribution folder under packages/, top-level import package under its src/)
+PACKAGES = [
+    ("tnt-core", "tnt_core"),
+    ("tnt-cli", "tnt_cli"),
+    ("tnt-comm-gloo", "tnt_comm_gloo"),
+    ("tnt-comm-mpi", "tnt_comm_mpi"),
+]
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target inside the package, as written in ``module``."""
+
+    module: str  # the importing module (dotted)
+    target: str  # the imported module of the package (dotted)
+    line: int
+    in_function: bool
+
+
+def _modules(top: str, src: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of package ``top`` (``__init__`` is the package)."""
+    found = {}
+    for path in sorted((src / top).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk(node: ast.AST, in_function: bool = False):
+    """Every import statement under ``node`` with whether a function body holds it.
+    ``if TYPE_CHECKING:`` blocks are skipped: they never run."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child, in_function
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _walk(ast.Module(body=[other], type_ignores=[]), in_function)
+        else:
+            inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            yield from _walk(child, inner)
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+    """What ``module`` imports of its own package, resolved to module names.
+
+    ``from X import name`` imports ``X.name`` when that is a module, else ``X``. Importing
+    ``a.b.c`` runs ``a.b`` first: the parent packages count as imported too, except the
+    importing module's own ancestors, which are already running; but a name other than a
+    module taken from an ancestor (``from .. import name``) needs the ancestor's
+    ``__init__`` to have defined it, so that counts."""
+    top = module.split(".")[0]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+    found: list[Import] = []
+    for node, in_function in _walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
+                       for alias in node.names]
+        for target in targets:
+            if target.split(".")[0] != top:
+                continue
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                name = ".".join(parts[:i])
+                if name in modules and name not in ancestors and name != module:
+                    found.append(Import(module, name, node.lineno, in_function))
+            if isinstance(node, ast.ImportFrom) and target in ancestors:
+                found.append(Import(module, target, node.lineno, in_function))
+    return found
+
+
+def _package_imports(folder: str, top: str) -> tuple[dict[str, Path], list[Import]]:
+    modules = _modules(top, ROOT / "packages" / folder / "src")
+    return modules, [imp for name, path in modules.items() for imp in _imports(name, path, modules)]
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` as its modules in import order (first repeated last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for succ in sorted(graph.get(node, ())):
+            if state.get(succ) == 1:
+                return path[path.index(succ):] + [succ]
+            if succ not in state and (cycle := visit(succ)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)) is not None:
+            return cycle
+    return None
+
+
+def test_find_cycle_names_the_circle():
+    """The checker itself: a circle is found and named in import order; a DAG passes."""
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_resolution_of_relative_and_parent_imports(tmp_path):
+    """The checker itself: relative levels, ``from . import submodule``, the parent
+    package a submodule import runs, function-level and TYPE_CHECKING imports."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import x\n")
+    (pkg / "a.py").write_text("from . import b\nfrom .sub.c import y\n"
+                              "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\n")
+    (pkg / "b.py").write_text("def f():\n    from .sub import c\n")
+    (pkg / "d.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import b\nfrom ..a import x\nfrom .. import thing\n"
+                                      "import pkg.d\n")
+    modules = _modules("pkg", tmp_path)
+    got = {(i.module, i.target, i.in_function) for name, path in modules.items()
+           for i in _imports(name, path, modules)}
+    assert got == {("pkg", "pkg.a", False), ("pkg.a", "pkg.b", False), ("pkg.a", "pkg.sub", False),
+                   ("pkg.a", "pkg.sub.c", False), ("pkg.b", "pkg.sub", True),
+                   ("pkg.b", "pkg.sub.c", True), ("pkg.sub.c", "pkg.b", False),
+                   ("pkg.sub.c", "pkg.a", False), ("pkg.sub.c", "pkg", False),
+                   ("pkg.sub.c", "pkg.d", False)}
+
+
+@pytest.mark.parametrize(("folder", "top"), PACKAGES)
+def test_module_level_imports_form_no_circle(folder, top):
+    modules, imports = _package_imports(folder, top)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for imp in imports:
+        if not imp.in_function:
+            graph[imp.module].add(imp.target)
+    cycle = _find_cycle(graph)
+    assert cycle is None, f"{top} has an import circle: {' -> '.join(cycle or [])}"
+
+
+#: imports left inside a function on purpose: (importer, imported) -> why. Each keeps a
+#: module out of processes that never need it; checked in a fresh interpreter below (the
+#: importer alone does not load it). A circle is never a reason.
+DEFERRED = {
+    ("tnt_comm_gloo", "tnt_comm_gloo.backend"):
+        "loads the native module: a broken build must not stop the package from importing",
+    ("tnt_comm_gloo.plugin", "tnt_comm_gloo.backend"):
+        "loads the native module: a broken build must not stop tnt-core listing the other backends",
+    ("tnt_comm_mpi.plugin", "tnt_comm_mpi.backend"):
+        "every process loads the plugin, also those on Gloo: the MPI backend loads when chosen",
+}
+
+
+@pytest.mark.parametrize(("folder", "top"), PACKAGES)
+def test_no_function_imports_its_own_package(folder, top):
+    """An import of the package's own module inside a function hides a circle (or an
+    order the module graph does not show); import at the top instead."""
+    modules, imports = _package_imports(folder, top)
+    inside = sorted({f"{modules[i.module].relative_to(ROOT)}:{i.line} imports {i.target}"
+                     for i in imports if i.in_function and (i.module, i.target) not in DEFERRED})
+    assert not inside, "imports inside functions:\n  " + "\n  ".join(inside)
+
+
+def _import_alone(name: str) -> tuple[str, str | None, set[str]]:
+    """Import ``name`` in a fresh interpreter: ``(name, what went wrong or None, the
+    modules it loaded)``."""
+    code = f"import json, sys, {name}\nprint(json.dumps(sorted(sys.modules)))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return name, "import did not finish within 120 s", set()
+    if out.returncode:
+        return name, (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1], set()
+    return name, None, set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    """The order a user (or an entry point, or ``python -m``) imports a module in must not
+    matter: each imports alone, in a fresh interpreter, and the deferrals of ``DEFERRED``
+    hold. Importing ``a.b`` runs ``a`` first; when that already loads ``a.b``, importing
+    ``a.b`` alone is importing ``a``, so the packages go first and only the modules they
+    do not load get an interpreter of their own (half as many start-ups)."""
+    modules: dict[str, Path] = {}
+    for folder, top in PACKAGES:
+        found = _modules(top, ROOT / "packages" / folder / "src")
+        modules.update((name, path) for name, path in found.items() if not name.endswith("__main__"))
+    assert {importer for importer, _ in DEFERRED} <= set(modules), "DEFERRED names a module that is gone"
+    packages = [name for name, path in modules.items() if path.name == "__init__.py"]
+    problems: dict[str, str] = {}
+    loaded: dict[str, set[str]] = {}
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for round_ in (packages, None):
+            if round_ is None:  # the modules their package does not load
+                round_ = [name for name in modules if name not in loaded and not any(
+                    name in loaded.get(parent, ()) for parent in _parents(name))]
+            for name, problem, seen in pool.map(_import_alone, round_):
+                if problem:
+                    problems[name] = problem
+                loaded[name] = seen
+    for name in modules:  # what importing a module loads: its own run's, else its package's
+        if name not in loaded:
+            loaded[name] = next(loaded[p] for p in _parents(name) if name in loaded.get(p, ()))
+    for (importer, target) in DEFERRED:
+        if target in loaded[importer]:
+            problems[importer] = f"loads {target}, which DEFERRED says it keeps out"
+    assert not problems, "modules that fail to import alone:\n  " + "\n  ".join(
+        f"{name}: {problem}" for name, problem in sorted(problems.items()))
+
+
+def _parents(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b", "a"]``: the packages importing ``name`` runs first, nearest first."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
