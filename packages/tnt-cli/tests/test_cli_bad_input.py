@@ -15,7 +15,7 @@ def _hostfile(tmp_path, text):
 
 CASES = {
     "unknown option": (lambda t, s: ["--bogus", "--", s], "unrecognized arguments: --bogus"),
-    "-n 0": (lambda t, s: ["-n", "0", "--", s], "argument -n/--np: must be at least 1, got 0"),
+    "-n 0": (lambda t, s: ["-n", "0", "--", s], "argument -n/-np/--np: must be at least 1, got 0"),
     "-n not a number": (lambda t, s: ["-n", "four", "--", s], "'four' is not a whole number"),
     "missing script": (lambda t, s: ["-n", "2"], "missing script"),
     "missing script after --": (lambda t, s: ["-n", "2", "--"], "missing script"),
@@ -77,7 +77,7 @@ def test_bad_input_gives_one_line_and_exit_2(run_tnt, h, tmp_path, case):
 def test_tarantella_reports_under_its_own_name(run_tnt):
     res = run_tnt("-n", "0", "--", "x.py", program="tarantella", subcommand=())
     assert res.returncode == 2
-    assert res.stderr.startswith("tarantella: error: argument -n/--np: must be at least 1")
+    assert res.stderr.startswith("tarantella: error: argument -n/-np/--np: must be at least 1")
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -176,6 +176,16 @@ def test_python_interpreter_empty_runs_a_program(run_tnt):
     assert sorted(res.stdout.splitlines()) == ["[0] 0/2", "[1] 1/2"]
 
 
+def test_horovodrun_spelling_runs_the_named_python_on_the_named_hosts(run_tnt, h, tmp_path):
+    """``tnt run -np 2 -H localhost:2 python SCRIPT``, as a horovodrun line reads."""
+    import sys
+
+    res = run_tnt("-np", "2", "-H", "localhost:2", "--output-on-all-devices", sys.executable,
+                  h.rank_script("print_rank.py"))
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[0] rank 0 of 2", "[1] rank 1 of 2"]
+
+
 def test_python_interpreter_with_arguments(run_tnt, h, tmp_path):
     import sys
 
@@ -260,7 +270,8 @@ def test_version_and_help(run_tnt):
     assert top.returncode == 0 and "run " in top.stdout and "tnt run --help" in top.stdout
     run_help = run_tnt("--help")
     assert run_help.returncode == 0
-    for option in ("--hostfile", "--n-per-node", "--npernode", "--devices-per-node", "-x NAME=VALUE",
+    for option in ("-n N, -np N, --np N", "-H HOST[:K],..., --hosts", "--hostfile", "--n-per-node",
+                   "--npernode", "--devices-per-node", "-x NAME=VALUE",
                    "--output-on-all-devices", "--dry-run", "--cleanup", "--pin-to-socket",
                    "--python-interpreter", "--launcher", "--backend", "--timeout"):
         assert option in run_help.stdout, option

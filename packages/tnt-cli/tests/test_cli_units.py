@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tnt_cli.agent import numactl_prefix, rank_identity
 from tnt_cli.errors import UsageError
-from tnt_cli.hostfile import Host, parse_hostfile
+from tnt_cli.hostfile import Host, parse_host_list, parse_hostfile
+from tnt_cli.options import parse_run_args
 from tnt_cli.placement import place_ranks
 
 
@@ -26,6 +29,54 @@ def test_hostfile_errors_name_file_and_line(text, message):
     with pytest.raises(UsageError) as err:
         parse_hostfile(text, "hf")
     assert message in str(err.value)
+
+
+def test_host_list_is_a_hostfile_on_the_command_line():
+    """``-H`` (horovodrun's spelling) gives the hosts the equivalent hostfile gives."""
+    hosts = parse_host_list("node1:2, user@node2,[fe80::1]:3")
+    assert hosts == [Host("node1", 2), Host("user@node2"), Host("[fe80::1]", 3)]
+    assert hosts == parse_hostfile("node1 slots=2\nuser@node2\n[fe80::1] slots=3\n")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a:2,a:1", "-H 'a:1': host 'a' is listed twice; name each host once, with HOST:K"),
+    ("a:0", "-H 'a:0': slots='0' must be a positive integer"),
+    ("a,,b", "-H 'a,,b': empty entry"),
+    ("fe80::1:2", "put an IPv6 address in brackets, e.g. [fe80::1:2]:2"),
+    ("a/b:2", "'a/b' is not a host name"),
+])
+def test_host_list_errors_name_the_entry(text, message):
+    with pytest.raises(UsageError) as err:
+        parse_host_list(text)
+    assert message in str(err.value)
+
+
+def test_horovodrun_spelling_of_a_job():
+    """``horovodrun -np 3 -H a:2,b:2 python train.py --lr 0.1`` means the same to tnt run:
+    3 ranks, the first host's slots first, the command's own Python."""
+    opts = parse_run_args(["-np", "3", "-H", "a:2,b:2", "python3", "train.py", "--lr", "0.1"])
+    assert (opts.nranks, opts.hosts, opts.python, opts.command) == (
+        3, [Host("a", 2), Host("b", 2)], ["python3"], ["train.py", "--lr", "0.1"])
+    assert opts.names_hosts and opts.hostfile is None
+    placement = place_ranks(opts.hosts, opts.nranks, None, 1, None)
+    assert _layout(placement) == [(0, "a", 0, 2), (1, "a", 1, 2), (2, "b", 0, 1)]
+    assert parse_run_args(["-np=2", "--", "train.py"]).nranks == 2
+    bare = parse_run_args(["-n", "2", "--", "train.py"])
+    assert (bare.python, bare.command, bare.hosts, bare.names_hosts) == (
+        [sys.executable], ["train.py"], None, False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-H", "a:2", "--hostfile", "hosts", "x.py"], "name the hosts once: --hostfile FILE or -H"),
+    (["-H", "a:2", "-H", "b:2", "x.py"], "-H is given more than once"),
+    (["-H", "a:x", "x.py"], "argument -H/--hosts: 'a:x': slots='x' must be a positive integer"),
+    (["-np", "2", "python"], "missing script"),
+])
+def test_horovodrun_spelling_mistakes_are_one_line(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        parse_run_args(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
 def _layout(placement):

@@ -18,12 +18,16 @@ from tnt_core import settings as S
 
 from . import __version__
 from .errors import USAGE_EXIT_CODE, UsageError
+from .hostfile import Host, parse_host_list
 
 __all__ = ["RunOptions", "build_parser", "parse_run_args", "LAUNCHER_CHOICES", "LOG_LEVELS"]
 
 LAUNCHER_CHOICES = ("auto", "local", "ssh", "mpirun", "srun")
 LOG_LEVELS = tuple(c for c, _ in S.TNT_LOG_LEVEL.choices)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: a command that starts with a Python (``python train.py``, as horovodrun and mpirun take
+#: it) runs with that Python, as ``--python-interpreter`` would say
+_PYTHON = re.compile(r"python[0-9.]*")
 
 
 @dataclass
@@ -31,6 +35,8 @@ class RunOptions:
     command: list[str]
     nranks: int | None = None
     hostfile: str | None = None
+    #: ``-H``: the hosts named on the command line
+    hosts: list[Host] | None = None
     per_node: int | None = None
     no_gpu: bool = False
     launcher: str = "auto"
@@ -50,6 +56,11 @@ class RunOptions:
     dry_run: bool = False
     cleanup: bool = False
     force: bool = False
+
+    @property
+    def names_hosts(self) -> bool:
+        """The user named the job's hosts (``--hostfile`` or ``-H``)."""
+        return self.hostfile is not None or self.hosts is not None
 
 
 def _default(var: S.Variable) -> str:
@@ -123,6 +134,13 @@ def _env_assignment(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _host_list(text: str) -> list[Host]:
+    try:
+        return parse_host_list(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("-H ")) from None
+
+
 def _shell_words(text: str) -> list[str]:
     try:
         return shlex.split(text)
@@ -132,7 +150,7 @@ def _shell_words(text: str) -> list[str]:
 
 _DESCRIPTION = """\
 Start SCRIPT as a distributed Tarantella-NT job: N ranks on this machine or on the hosts
-of a hostfile. tnt run hosts the job's rendezvous store, gives every rank its TNT_*
+of a hostfile (or -H). tnt run hosts the job's rendezvous store, gives every rank its TNT_*
 environment, streams the master rank's output, and ends every rank when one fails or on
 Ctrl+C. The exit code is the first failing rank's exit code (0 when all succeed).
 """
@@ -141,6 +159,7 @@ _EPILOG = """\
 examples:
   tnt run -n 4 -- train.py --batch_size=64       4 ranks on this machine
   tnt run --hostfile hosts --n-per-node 2 -- train.py
+  tnt run -np 4 -H node1:2,node2:2 python train.py   horovodrun's spelling
   tnt run -n 2 -x DATASET=/scratch/data -- train.py
   tnt run --dry-run --hostfile hosts -- train.py  show what would run where
   tnt run --hostfile hosts --cleanup -- train.py  end leftover ranks of train.py
@@ -149,8 +168,11 @@ settings: -x NAME=VALUE wins over an option (--timeout, ...), which wins over a 
 variable exported in this shell, which wins over the default.
 
 hostfile: one host name per line, 'HOST slots=K' allowed, '#' starts a comment; names must
-be unique. Remote ranks need passwordless ssh and the same paths (script, virtualenv) on
-every host.
+be unique. -H HOST:K,HOST:K names the same hosts on the command line. Remote ranks need
+passwordless ssh and the same paths (script, virtualenv) on every host.
+
+A command that starts with a Python ('python train.py', as horovodrun takes it) runs as
+given, with that Python on every host; a bare SCRIPT runs with the Python running tnt.
 """
 
 
@@ -159,21 +181,27 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
                 usage=f"{prog} [options] -- SCRIPT [ARGS...]",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_argument_group("where ranks run")
-    where.add_argument("-n", "--np", dest="nranks", type=_positive_int, metavar="N",
-                       help="number of ranks (default: one per GPU of each host, or one CPU rank "
-                            "per host when there is no GPU)")
+    where.add_argument("-n", "-np", "--np", dest="nranks", type=_positive_int, metavar="N",
+                       help="number of ranks (default: the hosts' slots, else one per GPU of each "
+                            "host, or one CPU rank per host when there is no GPU)")
     where.add_argument("--hostfile", metavar="FILE",
-                       help="run on the hosts listed in FILE (default: this machine only)")
+                       help="run on the hosts listed in FILE, a line 'HOST' or 'HOST slots=K' "
+                            "(default: this machine only)")
+    where.add_argument("-H", "--hosts", dest="hosts", type=_host_list, action="append",
+                       metavar="HOST[:K],...",
+                       help="run on these hosts, K ranks on each (horovodrun's -H: like a "
+                            "hostfile of 'HOST slots=K' lines)")
     where.add_argument("--n-per-node", "--npernode", "--devices-per-node", dest="per_node",
                        type=_positive_int, metavar="K",
-                       help="ranks per host (overrides 'slots=' of the hostfile)")
+                       help="ranks per host (overrides the hosts' slots: 'slots=' of the "
+                            "hostfile, ':K' of -H)")
     where.add_argument("--no-gpu", action="store_true",
                        help="run on CPUs even when GPUs are present (hides them from the ranks)")
     where.add_argument("--launcher", choices=LAUNCHER_CHOICES, default="auto",
                        help="how ranks are started: local processes, ssh to each host, or an "
                             "existing launcher (mpirun, srun). auto: srun inside a multi-node "
-                            "Slurm allocation, mpirun for --backend mpi, ssh with a hostfile, "
-                            "else local")
+                            "Slurm allocation, mpirun for --backend mpi, ssh with a hostfile or "
+                            "-H, else local")
     where.add_argument("--ssh-args", type=_shell_words, default=[], metavar="ARGS",
                        help="extra arguments for ssh, e.g. \"-p 2222 -i ~/.ssh/cluster\"")
     where.add_argument("--rendezvous-host", metavar="ADDR",
@@ -250,15 +278,22 @@ def parse_run_args(argv: Sequence[str], prog: str = "tnt run") -> RunOptions:
 
 def _validate(ns: argparse.Namespace) -> RunOptions:
     command = list(ns.command or [])
+    python = [sys.executable] if ns.python is None else ns.python
+    if ns.python is None and command and _PYTHON.fullmatch(os.path.basename(command[0])):
+        python, command = command[:1], command[1:]  # `python train.py`: it names its Python
     if not command:
         raise UsageError("missing script: put it after '--', e.g. tnt run -n 2 -- train.py")
     if ns.force and not ns.cleanup:
         raise UsageError("--force only goes with --cleanup")
     if ns.cleanup and ns.dry_run:
         raise UsageError("--cleanup and --dry-run cannot be combined")
-    python = [sys.executable] if ns.python is None else ns.python
+    if ns.hostfile is not None and ns.hosts is not None:
+        raise UsageError("name the hosts once: --hostfile FILE or -H HOST:K,..., not both")
+    if ns.hosts is not None and len(ns.hosts) > 1:
+        raise UsageError("-H is given more than once; name every host in one -H HOST:K,HOST:K")
     return RunOptions(
-        command=command, nranks=ns.nranks, hostfile=ns.hostfile, per_node=ns.per_node,
+        command=command, nranks=ns.nranks, hostfile=ns.hostfile,
+        hosts=None if ns.hosts is None else ns.hosts[0], per_node=ns.per_node,
         no_gpu=ns.no_gpu, launcher=ns.launcher, backend=ns.backend, env=list(ns.env),
         fusion_threshold_kb=ns.fusion_threshold_kb, log_level=ns.log_level, log_all=ns.log_all,
         output_all=ns.output_all, python=python, pin_cpu=ns.pin_cpu, pin_memory=ns.pin_memory,

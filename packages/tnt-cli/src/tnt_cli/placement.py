@@ -67,7 +67,7 @@ def _counts(hosts: list[Host], nranks: int | None, per_node: int | None, default
         raise UsageError(
             f"-n {nranks} asks for more ranks than the hosts offer ({total}: "
             + ", ".join(f"{h.name}={c}" for h, c in zip(hosts, capacity))
-            + "); lower -n or raise --n-per-node / slots="
+            + "); lower -n, or raise --n-per-node or the hosts' slots (slots=K, -H HOST:K)"
         )
     counts, left = [], nranks
     for c in capacity:

@@ -68,12 +68,20 @@ def _check_backend(name: str, size: int, local_size: int) -> None:
                          + (f"; backends that can: {', '.join(fits)}" if fits else ""))
 
 
+def _named_hosts(options: RunOptions) -> list[Host] | None:
+    """The hosts the user named: the hostfile's, or ``-H``'s; None when neither."""
+    if options.hostfile is not None:
+        return read_hostfile(options.hostfile)
+    return options.hosts
+
+
 def resolve_job(options: RunOptions, launcher: Launcher) -> Job:
     """Hosts, devices and placement of the job ``options`` describe; warnings for the user
     go to ``Job.warnings`` (printed once all input has been checked)."""
     warnings: list[str] = []
-    if options.hostfile:
-        hosts = read_hostfile(options.hostfile)
+    named = _named_hosts(options)
+    if named is not None:
+        hosts = named
     else:
         hint = launcher.hosts_hint()
         hosts = [Host(h) for h in hint] if hint else [Host(LOCALHOST)]
@@ -122,8 +130,8 @@ def _check_oversubscription(placement: Placement, cpus: int, warnings: list[str]
     limit = max(64, MAX_RANKS_PER_CPU * cpus)
     if local > limit:
         raise UsageError(f"{local} ranks on this machine, which has {cpus} CPU(s): at most "
-                         f"{limit} are started here ({MAX_RANKS_PER_CPU} per CPU); use a "
-                         "hostfile (--hostfile) to spread the ranks over more machines")
+                         f"{limit} are started here ({MAX_RANKS_PER_CPU} per CPU); name more "
+                         "hosts (--hostfile, -H) to spread the ranks over more machines")
     warnings.append(f"{local} ranks on this machine's {cpus} CPU(s): oversubscribed, each rank "
                     f"gets a {local // cpus}th of a CPU and the job runs slower than with fewer "
                     "ranks (raise --timeout if peers time out waiting)")
@@ -147,8 +155,9 @@ def _cleanup_remote(host: str, script: str, force: bool, python: str,
 
 
 def _cleanup(options: RunOptions, launcher: Launcher) -> int:
-    if options.hostfile:
-        hosts = [h.name for h in read_hostfile(options.hostfile)]
+    named = _named_hosts(options)
+    if named is not None:
+        hosts = [h.name for h in named]
     else:
         hosts = launcher.hosts_hint() or [LOCALHOST]
     script, all_ok = options.command[0], True

@@ -18,7 +18,7 @@ __all__ = ["LAUNCHERS", "AUTO_ORDER", "Launcher", "ProcessSpec", "choose_launche
 LAUNCHERS: dict[str, type[Launcher]] = {
     cls.name: cls for cls in (LocalLauncher, SshLauncher, MpirunLauncher, SrunLauncher)
 }
-#: srun inside a multi-node allocation, mpirun for the MPI backend, ssh with a hostfile
+#: srun inside a multi-node allocation, mpirun for the MPI backend, ssh with named hosts
 AUTO_ORDER: tuple[type[Launcher], ...] = (SrunLauncher, MpirunLauncher, SshLauncher, LocalLauncher)
 
 

@@ -56,7 +56,7 @@ class Launcher(abc.ABC):
         """Whether ``--launcher auto`` picks this launcher for ``options``."""
 
     def hosts_hint(self) -> list[str] | None:
-        """Hosts of the job when no hostfile names them (e.g. a Slurm allocation)."""
+        """Hosts of the job when the user names none (e.g. a Slurm allocation)."""
         return None
 
     def check(self, job: Job) -> None:  # noqa: B027 - optional: most launchers accept every job

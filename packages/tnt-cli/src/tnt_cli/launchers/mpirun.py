@@ -69,7 +69,7 @@ class MpirunLauncher(Launcher):
         counts = [(h, len(placement.on_host(h))) for h in placement.hosts]
         argv = [mpiexec, "-n", str(placement.size)]
         openmpi = _is_open_mpi(mpiexec)
-        if len(counts) > 1 or job.options.hostfile:
+        if len(counts) > 1 or job.options.names_hosts:
             hosts = ",".join(f"{h}:{c}" for h, c in counts)
             argv += ["--host", hosts] if openmpi else ["-hosts", hosts]
         if openmpi:

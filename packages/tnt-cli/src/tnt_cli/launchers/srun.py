@@ -53,7 +53,7 @@ class SrunLauncher(Launcher):
 
     @classmethod
     def detect(cls, options: RunOptions) -> bool:
-        return (options.hostfile is None and "SLURM_JOB_ID" in os.environ
+        return (not options.names_hosts and "SLURM_JOB_ID" in os.environ
                 and _allocation_nodes() > 1 and shutil.which("srun") is not None)
 
     def hosts_hint(self) -> list[str] | None:
@@ -74,7 +74,7 @@ class SrunLauncher(Launcher):
         argv.append(f"--nodes={len(hosts)}")
         if len(counts) == 1:
             argv.append(f"--ntasks-per-node={counts.pop()}")
-        if job.options.hostfile or self.hosts_hint():
+        if job.options.names_hosts or self.hosts_hint():
             argv.append("--nodelist=" + ",".join(hosts))
         argv += job.agent_command()
         return [ProcessSpec(argv=argv, host="", ranks=tuple(range(placement.size)), specs=[spec],

@@ -35,12 +35,12 @@ class SshLauncher(Launcher):
 
     @classmethod
     def detect(cls, options: RunOptions) -> bool:
-        return options.hostfile is not None
+        return options.names_hosts
 
     def check(self, job: Job) -> None:
         if any(not is_local_host(h) for h in job.placement.hosts) and shutil.which("ssh") is None:
-            raise UsageError("ssh is not installed (install openssh-client) but the hostfile "
-                             "names remote hosts")
+            raise UsageError("ssh is not installed (install openssh-client) but the job's hosts "
+                             "(--hostfile, -H) include remote ones")
 
     def processes(self, job: Job, rendezvous: Rendezvous) -> list[ProcessSpec]:
         procs = []
