@@ -49,10 +49,11 @@ def test_a_wrong_key_is_refused_on_both_sides_with_what_to_do():
     client, server = socket.socketpair()
     with client, server:
         thread, out = _serve(server)
-        with pytest.raises(HandshakeError, match=r"refused this process: wrong job key \(TNT_RENDEZ"):
+        with pytest.raises(HandshakeError, match=r"refused this process: wrong job key \(TNT_RENDEZ") as err:
             SERVICE.client(client, "another-job's-key")
         thread.join(5)
         assert "does not know the job key" in str(out[0])
+        assert err.value.refused and out[0].refused
 
 
 def test_an_identity_that_is_not_admitted_is_told_so():
@@ -105,7 +106,7 @@ def test_a_silent_or_trickling_peer_costs_at_most_the_timeout():
             time.sleep(0.15)
         thread.join(5)
         assert time.monotonic() - start < 2
-        assert "no complete answer within 0.5s" in str(out[0])
+        assert "no complete answer within 0.5s" in str(out[0]) and not out[0].refused
     client, server = socket.socketpair()
     with client, server:
         start = time.monotonic()

@@ -62,8 +62,14 @@ class HandshakeError(TntError, ConnectionError):
     """A peer of a job's TCP service did not prove it knows the job key, or the service
     refused this process (:mod:`tnt_core.handshake`); the message says which and why.
 
-    A ``ConnectionError`` too: the connection it happened on is of no further use.
+    ``refused`` is True when the server refused an answer (a wrong key, another protocol,
+    an identity not admitted), False when a side went silent or away, or is not the
+    service expected. A ``ConnectionError`` too: its connection is of no further use.
     """
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class PluginError(TntError):

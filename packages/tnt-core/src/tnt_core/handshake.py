@@ -139,7 +139,8 @@ class Handshake:
             status = _recv_exact(sock, 1, deadline, timeout)[0]
         except OSError as exc:  # HandshakeError is one too
             cause = None if isinstance(exc, HandshakeError) else exc
-            raise HandshakeError(f"handshake with {where}: {exc}") from cause
+            raise HandshakeError(f"handshake with {where}: {exc}",
+                                 refused=isinstance(exc, HandshakeError) and exc.refused) from cause
         finally:
             try:
                 sock.settimeout(previous)
@@ -148,10 +149,10 @@ class Handshake:
         if status == WRONG_KEY:
             raise HandshakeError(f"{where} refused this process: wrong job key "
                                  "(TNT_RENDEZVOUS_KEY); every rank of a job must be started by "
-                                 "the same launcher (tnt run)")
+                                 "the same launcher (tnt run)", refused=True)
         if status == NOT_ADMITTED:
             raise HandshakeError(f"{where} refused identity {identity} (the key was right): it is "
-                                 "not a rank of this job, or it has joined already")
+                                 "not a rank of this job, or it has joined already", refused=True)
         if status != ACCEPTED:
             raise HandshakeError(f"{where} answered the handshake with unknown status {status}")
 
@@ -176,16 +177,17 @@ class Handshake:
             sock.sendall(self.tag + bytes([VERSION]) + nonce)
             if _recv_exact(sock, 4, deadline, timeout) != self.tag:
                 _refuse(sock, WRONG_KEY)
-                raise HandshakeError(f"it does not speak the {self.name}'s handshake")
+                raise HandshakeError(f"it does not speak the {self.name}'s handshake", refused=True)
             answer = _recv_exact(sock, 8 + DIGEST_LEN, deadline, timeout)
             identity: int = _IDENTITY.unpack(answer[:8])[0]
             if not hmac.compare_digest(answer[8:], self.digest(raw_key, nonce, identity)):
                 _refuse(sock, WRONG_KEY)
-                raise HandshakeError("it does not know the job key (TNT_RENDEZVOUS_KEY)")
+                raise HandshakeError("it does not know the job key (TNT_RENDEZVOUS_KEY)", refused=True)
             if admit is not None and not admit(identity):
                 _refuse(sock, NOT_ADMITTED)
                 raise HandshakeError(f"it knows the job key, but identity {identity} is not "
-                                     "admitted (not a rank of this job, or joined already)")
+                                     "admitted (not a rank of this job, or joined already)",
+                                     refused=True)
             sock.sendall(bytes([ACCEPTED]))
         except OSError as exc:  # HandshakeError is one too
             if isinstance(exc, HandshakeError):

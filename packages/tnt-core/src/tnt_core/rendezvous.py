@@ -112,8 +112,12 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             RENDEZVOUS_HANDSHAKE.server(sock, self.server.key, timeout=HANDSHAKE_TIMEOUT_S)
         except HandshakeError as exc:
-            if not self.server.closing:
-                log.warning("refused rendezvous peer %s: %s", peer, exc)
+            if self.server.closing:
+                return
+            # a wrong answer is worth a warning; a peer that went away (a rank killed while
+            # it connected) is not
+            log.log(logging.WARNING if exc.refused else logging.DEBUG,
+                    "refused rendezvous peer %s: %s", peer, exc)
             return
         try:
             while not self.server.closing:
