@@ -21,16 +21,18 @@ def _sources() -> list[Path]:
     return files
 
 
-#: the C names of the native hand-off's header: identifiers, not environment variables
-ABI_NAMES = set(re.findall(r"#define (TNT_\w+)|\b(TNT_NATIVE_[A-Z0-9_]+) =",
-                           (Path(tnt_core.native.include_dir()) / "tnt_native_comm.h").read_text()))
-ABI_NAMES = {name for pair in ABI_NAMES for name in pair if name}
+#: the C names of tnt-core's headers (the native hand-off, the stall ledger): identifiers,
+#: not environment variables
+ABI_NAMES = {name for header in Path(tnt_core.native.include_dir()).glob("*.h")
+             for pair in re.findall(r"#define (TNT_\w+)|\b(TNT_[A-Z0-9_]+) =", header.read_text())
+             for name in pair if name}
 
 
 def test_every_tnt_literal_in_the_sources_is_declared():
     sources = _sources()
     assert len(sources) > 30 and any(p.suffix == ".cpp" for p in sources)
-    assert {"TNT_NATIVE_COMM_CAPSULE", "TNT_NATIVE_FLOAT32", "TNT_NATIVE_SUM"} <= ABI_NAMES
+    assert {"TNT_NATIVE_COMM_CAPSULE", "TNT_NATIVE_FLOAT32", "TNT_NATIVE_SUM",
+            "TNT_STALL_LEDGER_ABI_VERSION", "TNT_STALL_ALLREDUCE"} <= ABI_NAMES
     missing = {}
     for path in sources:
         for name in set(LITERAL.findall(path.read_text(errors="replace"))) - ABI_NAMES:
