@@ -38,9 +38,16 @@ def _backends(argv: Sequence[str]) -> int:
     return 0
 
 
+def _settings(argv: Sequence[str]) -> int:
+    from .settings_listing import settings_command
+
+    return settings_command(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "run": (_run, "start a distributed job: tnt run [options] -- SCRIPT [ARGS...]"),
     "backends": (_backends, "list the installed communication backends"),
+    "settings": (_settings, "list the TNT_* settings of tnt-core and the installed plugins"),
 }
 
 _HELP = """\

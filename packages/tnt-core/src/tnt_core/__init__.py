@@ -72,7 +72,8 @@ from .runtime import (
     select_backend,
     shutdown,
 )
-from .settings import VARIABLES, Variable, read_setting
+from .setting_registry import InstalledSettings, SettingsRegistry, installed_settings, read_setting
+from .settings import VARIABLES, SettingGroup, Variable
 from .sharding import (
     ShardContext,
     micro_batch_offset,
@@ -112,10 +113,13 @@ __all__ = [
     "FusedAllreducer",
     "FutureHandle",
     "Handle",
+    "InstalledSettings",
     "LocalBackend",
     "MpiLaunch",
     "PluginError",
     "Runtime",
+    "SettingGroup",
+    "SettingsRegistry",
     "ShardContext",
     "ShardingError",
     "StoreClient",
@@ -144,6 +148,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "init",
+    "installed_settings",
     "is_initialized",
     "is_loopback",
     "is_master_rank",
