@@ -21,7 +21,7 @@ INPUTS  := Makefile VERSION ci/install-system-deps.sh ci/requirements-test.txt c
            ci/requirements-build.txt $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
            $(wildcard packages/tnt-comm-gloo/CMakeLists.txt packages/tnt-comm-gloo/csrc/*) \
            $(wildcard packages/tnt-keras/CMakeLists.txt packages/tnt-keras/csrc/*) \
-           packages/tnt-core/src/tnt_core/include/tnt_native_comm.h
+           $(wildcard packages/tnt-core/src/tnt_core/include/*.h)
 
 .PHONY: help setup run test tox docs bench wheels clean
 

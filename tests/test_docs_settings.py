@@ -1,6 +1,8 @@
-"""The docs' TNT_* variables against their declarations in tnt_core.settings.
+"""The docs' TNT_* variables against their declarations: tnt-core's (tnt_core.settings) and
+those the installed plugins declare through ``tnt_register_settings``.
 
-* The variable tables of the docs are generated (``{tnt-env-table}``) from the declarations.
+* The variable tables of the docs are generated (``{tnt-env-table}``) from the declarations,
+  the plugins' groups from whatever plugins are installed (``installed``).
 * Every default the docs and the READMEs state for a ``TNT_*`` variable, in a table's
   "default" column or as "(default N)" next to its name, equals the code's default.
 * No file of the repository cites a design document that is not in it.
@@ -8,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -20,7 +23,19 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "_ext"))
 
 tnt_docs = pytest.importorskip("tnt_docs")
-settings = pytest.importorskip("tnt_core.settings")
+tnt_core = pytest.importorskip("tnt_core")
+
+
+def _declared() -> dict:
+    """Every declared variable by name: tnt-core's, the installed plugins', and the example
+    plugin's (the docs and its README name its setting; it is installed only while
+    tests/test_example_plugin.py runs), imported from its source."""
+    sys.path.insert(0, str(ROOT / "examples" / "tnt-comm-loopback" / "src"))
+    example = importlib.import_module("tnt_comm_loopback.plugin")
+    return {**tnt_core.installed_settings().variables, **example.SETTINGS.variables}
+
+
+DECLARED = _declared()
 
 NAME = re.compile(r"\bTNT_[A-Z0-9_]*[A-Z0-9]\b")
 #: "`TNT_X` ... default 2048" / "(TNT_X; default 1800)" / "default 2 MB", in one cell or sentence
@@ -88,11 +103,11 @@ def _table_defaults():
 def test_every_table_default_of_a_tnt_variable_is_the_codes():
     checked, wrong = 0, []
     for page, name, stated in _table_defaults():
-        assert name in settings.VARIABLES, f"{page.name}: {name} is not declared"
+        assert name in DECLARED, f"{page.name}: {name} is not declared"
         checked += 1
-        if not _agrees(settings.VARIABLES[name], stated):
+        if not _agrees(DECLARED[name], stated):
             wrong.append(f"{page.relative_to(ROOT)}: {name} default {stated!r}, code: "
-                         f"{settings.VARIABLES[name].default_text}")
+                         f"{DECLARED[name].default_text}")
     assert not wrong, "\n".join(wrong)
     assert checked >= 12  # the backend READMEs' tables at least
 
@@ -102,7 +117,7 @@ def test_every_default_stated_next_to_a_tnt_variable_is_the_codes():
     for page in _pages():
         for match in PROSE_DEFAULT.finditer(page.read_text()):
             name, value, unit = match.groups()
-            var = settings.VARIABLES.get(name)
+            var = DECLARED.get(name)
             if var is None or not isinstance(var.default, (int, float)) or isinstance(var.default, bool):
                 continue
             scale = next((f for (suffix, u), f in UNITS.items() if u == unit and name.endswith(suffix)), 1)
@@ -115,10 +130,10 @@ def test_every_default_stated_next_to_a_tnt_variable_is_the_codes():
 
 
 def test_the_check_catches_a_wrong_default():
-    fusion = settings.VARIABLES["TNT_FUSION_THRESHOLD_KB"]
+    fusion = DECLARED["TNT_FUSION_THRESHOLD_KB"]
     assert not _agrees(fusion, "32") and _agrees(fusion, "`2048` (2 MB)")
-    assert _agrees(settings.VARIABLES["TNT_OVERLAP"], "`true`")
-    assert not _agrees(settings.VARIABLES["TNT_GLOO_SHM_SPIN_US"], "`20`")
+    assert _agrees(DECLARED["TNT_OVERLAP"], "`true`")
+    assert not _agrees(DECLARED["TNT_GLOO_SHM_SPIN_US"], "`20`")
     match = PROSE_DEFAULT.search("threshold (`TNT_FUSION_THRESHOLD_KB`, default 2 MB)")
     assert match and match.groups() == ("TNT_FUSION_THRESHOLD_KB", "2", "MB")
     match = PROSE_DEFAULT.search("`TNT_GLOO_SHM_CHUNK_BYTES` (default 1 MiB)")
@@ -130,7 +145,7 @@ def test_every_tnt_variable_the_docs_name_is_declared():
     for page in _pages():
         named |= set(NAME.findall(page.read_text()))
     named = {n for n in named if "_TEST_" not in n and not n.startswith("TNT_TEST_")}  # tests' own
-    assert not sorted(named - set(settings.VARIABLES))
+    assert not sorted(named - set(DECLARED))
 
 
 def test_env_table_renders_the_declarations():
@@ -138,16 +153,38 @@ def test_env_table_renders_the_declarations():
     assert "| variable | `tnt run` option | default | meaning |" in text
     assert "| `TNT_FUSION_THRESHOLD_KB` | `--fusion-threshold` | `2048` (2 MB) |" in text
     assert "| `TNT_TIMEOUT_S` | `--timeout` | `1800` |" in text
-    every = "\n".join(tnt_docs.env_table(list(settings.GROUPS)))
-    for name in settings.VARIABLES:
+    installed = tnt_core.installed_settings()
+    every = "\n".join(tnt_docs.env_table(list(installed.groups)))
+    for name in installed.variables:
         assert f"`{name}`" in every
-    assert ":::{rubric} The `gloo` backend (tnt-comm-gloo)" in every
     with pytest.raises(ValueError, match="unknown group"):
         tnt_docs.env_table(["nope"])
 
 
+def test_installed_stands_for_every_installed_plugins_settings():
+    """A plugin registered now, declaring its settings through the hook, gets its table."""
+    group = tnt_core.SettingGroup("docs-test", "the docs-test plugin", prefix="TNT_DOCS_TEST_")
+    group.declare("TNT_DOCS_TEST_N", "int", 3, "a test setting")
+
+    class Plugin:
+        @tnt_core.hookimpl
+        def tnt_register_settings(self, registry):
+            registry.add(group)
+
+    tnt_core.reset_plugin_manager()
+    try:
+        tnt_core.get_plugin_manager().register(Plugin(), name="docs_test")
+        text = "\n".join(tnt_docs.env_table(["plugins", "installed"]))
+        assert ":::{rubric} The docs-test plugin" in text
+        assert "| `TNT_DOCS_TEST_N` | `3` | a test setting |" in text
+        for other in tnt_core.installed_settings().plugin_groups:  # gloo, mpi, ... when installed
+            assert f":::{{rubric}} {other.title[0].upper() + other.title[1:]}" in text
+    finally:
+        tnt_core.reset_plugin_manager()
+
+
 @pytest.mark.parametrize("page, groups", [
-    ("architecture.md", "launcher settings plugins gloo mpi internal"),
+    ("architecture.md", "launcher settings plugins installed internal"),
     ("advanced.md", "launcher settings plugins"),
     ("cli.md", "launcher"),
 ])

@@ -3,11 +3,11 @@
 Four kinds of input:
 
 - ``tnt run`` command lines: options, hostfiles, scripts;
-- ``TNT_*`` values: every variable declared in ``tnt_core.settings`` (not the internal
-  one) with a value of the wrong kind or out of its range, once exported in the shell
-  that runs ``tnt run`` and once passed with ``-x NAME=VALUE``; the job's ranks start
-  the backend and run one allreduce (settings tarantella reads: a tiny ``fit``), so values
-  read only by a rank are exercised too;
+- ``TNT_*`` values: every variable declared (``tnt_core.installed_settings()``: tnt-core's
+  and the installed plugins'; not the internal one) with a value of the wrong kind or out
+  of its range, once exported in the shell that runs ``tnt run`` and once passed with
+  ``-x NAME=VALUE``; the job's ranks start the backend and run one allreduce (settings
+  tarantella reads: a tiny ``fit``), so values read only by a rank are exercised too;
 - the Keras API (``import tarantella as tnt``): ``tnt.Model``, ``compile``, ``fit`` and
   friends, callbacks, saving; one process for the single-rank cases, one ``tnt run -n 2``
   job for the cases that need two ranks (each TensorFlow import costs ~10 s);
@@ -288,10 +288,10 @@ VALUE_NAMED = {"TNT_BACKEND"}
 
 def env_cases(tmp: Path) -> list[CliCase]:
     from tnt_cli.job import LAUNCHER_OWNED
-    from tnt_core import VARIABLES
+    from tnt_core import installed_settings
 
     cases = []
-    for name, var in VARIABLES.items():
+    for name, var in installed_settings().variables.items():
         if var.group == "internal":
             continue
         values = list(BAD_VALUES.get(var.kind, [])) + BAD_STR.get(name, []) + EXTRA.get(name, [])

@@ -5,10 +5,13 @@
     page cannot drift from ``tnt run --help``.
 
 ``{tnt-env-table} GROUP [GROUP ...]`` (MyST)
-    The ``TNT_*`` variables of those groups, taken from their declarations in
-    ``tnt_core.settings`` (name, default, meaning, the ``tnt run`` option that sets it): a
-    table cannot drift from what the code reads. ``:columns:`` picks and orders the columns
-    (``variable default meaning`` by default); several groups get a rubric each.
+    The ``TNT_*`` variables of those groups, taken from their declarations (name,
+    default, meaning, the ``tnt run`` option that sets it): tnt-core's groups from
+    ``tnt_core.settings``, a plugin's from what it declares through the
+    ``tnt_register_settings`` hook; the group ``installed`` stands for every installed
+    plugin's groups. A table cannot drift from what the code reads. ``:columns:`` picks and
+    orders the columns (``variable default meaning`` by default); several groups get a
+    rubric each.
 
 ``{tnt-optional-toctree}`` (MyST)
     A toctree listing only those of its entries that exist, so a page may point to a
@@ -131,31 +134,39 @@ def _env_cell(var, column: str) -> str:
     return var.doc
 
 
+#: the group argument of ``{tnt-env-table}`` that stands for every installed plugin's groups
+INSTALLED = "installed"
+
+
 def env_table(groups: list[str], columns: list[str] | None = None) -> list[str]:
-    """MyST Markdown tables of the declared ``TNT_*`` variables of ``groups``.
+    """MyST Markdown tables of the declared ``TNT_*`` variables of ``groups`` (``installed``:
+    the groups of every installed plugin, by name).
 
     Raises ``ValueError`` for an unknown group or column.
     """
-    from tnt_core import settings
+    from tnt_core import installed_settings
 
+    declared = installed_settings()
+    names = [g.name for g in declared.plugin_groups] if INSTALLED in groups else []
+    groups = [n for g in groups for n in (names if g == INSTALLED else [g])]
     columns = columns or ["variable", "default", "meaning"]
-    bad = [c for c in columns if c not in ENV_COLUMNS] + [g for g in groups if g not in settings.GROUPS]
+    bad = [c for c in columns if c not in ENV_COLUMNS] + [g for g in groups if g not in declared.groups]
     if bad or not groups:
-        raise ValueError(f"unknown group or column {bad}; groups: {', '.join(settings.GROUPS)}; "
-                         f"columns: {', '.join(ENV_COLUMNS)}")
+        raise ValueError(f"unknown group or column {bad}; groups: "
+                         f"{', '.join([*declared.groups, INSTALLED])}; columns: {', '.join(ENV_COLUMNS)}")
     lines: list[str] = []
-    for group in groups:
+    for name in groups:
+        group = declared.groups[name]
         if len(groups) > 1:
-            title = settings.GROUPS[group]
+            title = group.title
             lines += [f":::{{rubric}} {title[0].upper() + title[1:]}", ":::", ""]
-        rows = [[_env_cell(v, c) for c in columns]
-                for v in settings.VARIABLES.values() if v.group == group]
+        rows = [[_env_cell(v, c) for c in columns] for v in group.variables.values()]
         lines += _table([ENV_COLUMNS[c] for c in columns], rows)
     return lines
 
 
 class EnvTable(SphinxDirective):
-    """Tables of the ``TNT_*`` variables declared in ``tnt_core.settings``."""
+    """Tables of the declared ``TNT_*`` variables: tnt-core's and the installed plugins'."""
 
     required_arguments = 1
     optional_arguments = 10

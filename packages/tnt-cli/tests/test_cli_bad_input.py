@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,6 +97,34 @@ def test_tnt_backends_lists_installed_backends(run_tnt):
     assert res.returncode == 0, res.stderr
     names = [line.split()[0] for line in res.stdout.splitlines()]
     assert {"local", "store"} <= set(names)
+
+
+def test_tnt_settings_lists_every_declared_setting(run_tnt):
+    from tnt_core import installed_settings
+
+    installed = installed_settings()
+    res = run_tnt(subcommand=("settings",))
+    assert res.returncode == 0, res.stderr
+    listed = re.findall(r"^  (TNT_\w+)$", res.stdout, re.MULTILINE)
+    assert listed == [n for n, v in installed.variables.items() if v.group != "internal"]
+    assert "      default: 1800; allowed: a number > 0.0; tnt run --timeout\n" in res.stdout
+    for group in installed.plugin_groups:
+        assert f" -- {group.prefix}* of {installed.owner(group.name)}\n" in res.stdout
+    bad = run_tnt("nope", subcommand=("settings",))
+    assert bad.returncode == 2 and bad.stderr.startswith(
+        "tnt settings: error: no setting group 'nope'; groups: launcher, settings, plugins, "
+        "internal"), bad.stderr
+
+
+def test_tnt_run_help_points_to_the_settings_and_names_the_plugins_prefixes(run_tnt):
+    from tnt_core import installed_settings
+
+    res = run_tnt("--help")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "'tnt settings' lists each with its default and allowed values" in text
+    for group in installed_settings().plugin_groups:
+        assert f"{group.name}: {group.prefix}*" in text
 
 
 def test_many_more_ranks_than_cpus_is_a_warning(run_tnt, h, tmp_path):

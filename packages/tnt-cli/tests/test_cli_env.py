@@ -10,7 +10,7 @@ from tnt_cli.job import Job, Rendezvous, job_settings
 from tnt_cli.options import parse_run_args
 from tnt_cli.placement import place_ranks
 from tnt_cli.run import run_command
-from tnt_core import Config, ConfigError, settings
+from tnt_core import Config, ConfigError, installed_settings, settings
 
 RDV = Rendezvous("127.0.0.1:4000", "k" * 32)
 
@@ -23,7 +23,7 @@ def _job(*args: str) -> Job:
 
 
 def _env(monkeypatch, exported: dict[str, str], *args: str) -> dict[str, str]:
-    for name in settings.VARIABLES:
+    for name in installed_settings().variables:  # tnt-core's and the plugins'
         monkeypatch.delenv(name, raising=False)
     for name, value in exported.items():
         monkeypatch.setenv(name, value)
@@ -100,3 +100,17 @@ def test_job_settings_without_options(monkeypatch):
     cfg = job_settings(parse_run_args(["--", "x"]), 3, {"TNT_BACKEND": "gloo", "TNT_RANK": "9"})
     assert cfg.backend == "gloo" and cfg.size == 3
     assert cfg.rank == 0  # only the job-wide settings are taken from the shell
+
+
+def test_x_with_a_plugins_prefix_names_the_plugins_settings():
+    """A typo (-x TNT_GLOO_SHMM=0) would reach the ranks and be ignored there."""
+    installed = installed_settings()
+    if not installed.plugin_groups:
+        pytest.skip("no installed plugin declares settings")
+    group = installed.plugin_groups[0]
+    name = f"{group.prefix}NO_SUCH_SETTING"
+    with pytest.raises(ConfigError) as err:
+        job_settings(parse_run_args(["-x", f"{name}=1", "--", "x"]), 2, {})
+    assert str(err.value) == (
+        f"{name} is not a setting of {installed.owner(group.name)}; its settings are "
+        f"{', '.join(group.variables)} (-x {name}=...)")

@@ -16,13 +16,13 @@ from tnt_cli.hostfile import Host
 from tnt_cli.job import Job
 from tnt_cli.options import parse_run_args
 from tnt_cli.placement import place_ranks
-from tnt_core import ConfigError, settings
+from tnt_core import ConfigError, installed_settings
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _job(monkeypatch, exported: dict[str, str], *args: str, host: str = "localhost") -> Job:
-    for name in settings.VARIABLES:
+    for name in installed_settings().variables:  # tnt-core's and the plugins'
         monkeypatch.delenv(name, raising=False)
     for name, value in exported.items():
         monkeypatch.setenv(name, value)

@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 import pytest
 
 import tnt_core
-from tnt_comm_gloo import plugin
+from tnt_comm_gloo import plugin, settings
 from tnt_core import Config
 
 
@@ -50,3 +50,11 @@ def test_importing_the_package_does_not_load_the_native_module() -> None:
             "print('tnt_comm_gloo._gloo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_its_settings_reach_tnt_core_through_the_hook() -> None:
+    installed = tnt_core.installed_settings(tnt_core.get_plugin_manager())
+    assert installed.groups["gloo"] is settings.GLOO
+    assert installed.owner("gloo") == "plugin 'gloo' (tnt-comm-gloo)"
+    assert set(settings.GLOO.variables) == set(settings.__all__) - {"GLOO"}
+    assert "TNT_GLOO_SHM" not in tnt_core.settings.VARIABLES  # tnt-core keeps its own only

@@ -10,13 +10,22 @@ from importlib.metadata import entry_points
 import pytest
 
 import tnt_comm_mpi
+import tnt_core
 from tnt_comm_mpi import plugin as mpi_plugin
+from tnt_comm_mpi import settings as mpi_settings
 from tnt_core import Config
 
 
 def test_entry_point_group_names_the_plugin_module() -> None:
     eps = {ep.name: ep.value for ep in entry_points(group="tnt")}
     assert eps.get("mpi") == "tnt_comm_mpi.plugin", f"tnt entry points: {eps}"
+
+
+def test_its_settings_reach_tnt_core_through_the_hook() -> None:
+    installed = tnt_core.installed_settings(tnt_core.get_plugin_manager())
+    assert installed.groups["mpi"] is mpi_settings.MPI
+    assert installed.owner("mpi") == "plugin 'mpi' (tnt-comm-mpi)"
+    assert set(mpi_settings.MPI.variables) == set(mpi_settings.__all__) - {"MPI"}
 
 
 def _spec():

@@ -17,7 +17,7 @@ def plugins_path(clean_runtime):
 
 def test_hook_names_are_the_contract():
     assert set(hookspecs.__all__) == {
-        "tnt_comm_backends", "tnt_shard_data", "tnt_wrap_callback",
+        "tnt_comm_backends", "tnt_register_settings", "tnt_shard_data", "tnt_wrap_callback",
         "tnt_runtime_started", "tnt_runtime_stopping",
     }
     pm = tnt_core.get_plugin_manager()

@@ -21,17 +21,23 @@ import sys
 import pytest
 
 import tnt_core
-from tnt_core import ConfigError, Timeline, settings
+from tnt_core import ConfigError, SettingGroup, Timeline, settings
+
+#: variables of a plugin's kind, declared here so that tnt-core's tests need no plugin
+RULES = SettingGroup("rules", "variables of this test", prefix="TNT_RULES_")
+CHUNK = RULES.declare("TNT_RULES_CHUNK_BYTES", "int", 1 << 20, "bytes per slot",
+                      minimum=4096, maximum=64 << 20, multiple_of=64, unit="bytes")
+IFACE = RULES.declare("TNT_RULES_IFACE", "str", None, "an interface",
+                      host_check=settings.interface_problem)
 
 
-def test_the_shm_chunk_rule_is_declared():
-    var = settings.TNT_GLOO_SHM_CHUNK_BYTES
-    assert (var.minimum, var.maximum, var.multiple_of) == (4096, 64 << 20, 64)
-    assert var.read({var.name: "65536"}) == 65536
+def test_a_declared_rule_reads_the_same_as_it_is_listed():
+    assert CHUNK.read({CHUNK.name: "65536"}) == 65536
+    assert CHUNK.allowed == "an integer, a multiple of 64 between 4096 and 67108864 (bytes)"
     for bad in ("100", "4100", str(128 << 20), "0"):
-        with pytest.raises(ConfigError, match=rf"^TNT_GLOO_SHM_CHUNK_BYTES={bad} must be a "
+        with pytest.raises(ConfigError, match=rf"^TNT_RULES_CHUNK_BYTES={bad} must be a "
                                               r"multiple of 64 between 4096 and 67108864$"):
-            var.read({var.name: bad})
+            CHUNK.read({CHUNK.name: bad})
 
 
 @pytest.mark.parametrize(("kwargs", "value", "words"), [
@@ -54,8 +60,8 @@ def test_host_rules():
     assert settings.local_address_problem("localhost") is None
     assert "does not resolve on" in settings.local_address_problem("no-such-host.invalid")
     assert "not an address of" in settings.local_address_problem("192.0.2.1")  # TEST-NET-1
-    with pytest.raises(ConfigError, match=r"^TNT_GLOO_IFACE='nope0' is not a network interface"):
-        settings.TNT_GLOO_IFACE.check_host("nope0")
+    with pytest.raises(ConfigError, match=r"^TNT_RULES_IFACE='nope0' is not a network interface"):
+        IFACE.check_host("nope0")
 
 
 def test_timeline_directory_rule(tmp_path):
@@ -85,13 +91,12 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_an_uncaught_bad_value_ends_the_process_with_one_line():
-    code = "import tnt_core\ntnt_core.read_setting('TNT_GLOO_SHM_CHUNK_BYTES')\n"
-    proc = _python(code, TNT_GLOO_SHM_CHUNK_BYTES="100")
+    code = "import tnt_core\ntnt_core.read_setting('TNT_STALL_WARN_S')\n"
+    proc = _python(code, TNT_STALL_WARN_S="-1")
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        "tnt_core.errors.ConfigError: TNT_GLOO_SHM_CHUNK_BYTES=100 must be a multiple of 64 "
-        "between 4096 and 67108864"]
-    debug = _python(code, TNT_GLOO_SHM_CHUNK_BYTES="100", TNT_LOG_LEVEL="debug")
+        "tnt_core.errors.ConfigError: TNT_STALL_WARN_S=-1.0 must be >= 0.0"]
+    debug = _python(code, TNT_STALL_WARN_S="-1", TNT_LOG_LEVEL="debug")
     assert debug.returncode == 1 and debug.stderr.startswith("Traceback"), debug.stderr
 
 

@@ -78,9 +78,32 @@ Buffer::Buffer(std::size_t bytes) : data_(nullptr), bytes_(bytes) {
 
 Buffer::~Buffer() { std::free(data_); }
 
-Reducer::Reducer(const tnt_native_comm* comm, std::vector<BucketSpec> buckets, std::int32_t op,
-                 bool overlap, double timeout_s, PythonHooks hooks)
+LedgerWait::LedgerWait(tnt_stall_ledger* ledger, std::int64_t seq) : ledger_(nullptr) {
+  if (ledger == nullptr || seq <= 0 || __atomic_load_n(&ledger->waiting_for, __ATOMIC_ACQUIRE) != 0) {
+    return;
+  }
+  // the start and the operation first, the number last: a reader that sees the number
+  // sees its start
+  double now = monotonic_seconds();
+  __atomic_store(&ledger->waiting_since, &now, __ATOMIC_RELAXED);
+  __atomic_store_n(&ledger->waiting_op, static_cast<std::int32_t>(TNT_STALL_ALLREDUCE),
+                   __ATOMIC_RELAXED);
+  std::int64_t none = 0;
+  if (__atomic_compare_exchange_n(&ledger->waiting_for, &none, seq, false, __ATOMIC_RELEASE,
+                                  __ATOMIC_RELAXED)) {
+    ledger_ = ledger;
+  }
+}
+
+LedgerWait::~LedgerWait() {
+  if (ledger_ != nullptr) __atomic_store_n(&ledger_->waiting_for, std::int64_t{0}, __ATOMIC_RELEASE);
+}
+
+Reducer::Reducer(const tnt_native_comm* comm, tnt_stall_ledger* ledger,
+                 std::vector<BucketSpec> buckets, std::int32_t op, bool overlap, double timeout_s,
+                 PythonHooks hooks)
     : comm_(comm),
+      ledger_(ledger),
       buckets_(std::move(buckets)),
       op_(op),
       overlap_(overlap),
@@ -91,7 +114,8 @@ Reducer::Reducer(const tnt_native_comm* comm, std::vector<BucketSpec> buckets, s
       done_(buckets_.size(), 0),
       pushed_at_(buckets_.size(), 0.0),
       issued_at_(buckets_.size(), 0.0),
-      done_at_(buckets_.size(), 0.0) {
+      done_at_(buckets_.size(), 0.0),
+      seq_(buckets_.size(), 0) {
   for (const auto& b : buckets_) {
     buffers_.push_back(std::make_shared<Buffer>(static_cast<std::size_t>(b.size) * itemsize(b.dtype)));
   }
@@ -182,6 +206,8 @@ void Reducer::issue_ready() {
       }
       ++in_flight_;
       buffer = buffers_[b];
+      // its number among the job's collectives: the ledger's next (tnt_stall_ledger.h)
+      seq_[b] = ledger_ == nullptr ? 0 : __atomic_add_fetch(&ledger_->entered, 1, __ATOMIC_RELAXED);
     }
     auto* completion = new Completion{shared_from_this(), b};
     char err[1024] = {0};
@@ -245,13 +271,18 @@ std::string Reducer::finish(std::vector<std::shared_ptr<Buffer>>* out) {
   }
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout_);
-  auto all_done = [this] {
-    for (char d : done_) if (!d) return false;
-    return true;
-  };
-  if (!cv_.wait_until(lock, deadline, all_done)) {
+  auto first_not_done = [this] {
     std::size_t first = 0;
     while (first < done_.size() && done_[first]) ++first;
+    return first;
+  };
+  auto all_done = [&] { return first_not_done() == done_.size(); };
+  // Marked in the stall ledger only when it blocks, as the Python path's waits are; kept
+  // until this function returns, so that a failure reported below names this wait.
+  const std::size_t waited = first_not_done();
+  LedgerWait marked(ledger_, waited < seq_.size() ? seq_[waited] : 0);
+  if (!cv_.wait_until(lock, deadline, all_done)) {
+    const std::size_t first = first_not_done();
     std::ostringstream msg;
     msg << "rank " << comm_->rank << ": the allreduce of gradient bucket " << first << " ("
         << static_cast<std::size_t>(buckets_[first].size) * itemsize(buckets_[first].dtype)

@@ -11,6 +11,11 @@
 // hands out are shared: TensorFlow tensors wrap them without a copy and hold a reference;
 // a push that finds its bucket still referenced (a tensor of the last step still alive)
 // writes into a fresh buffer instead of under it.
+//
+// The job's stall ledger (tnt_stall_ledger.h), when given, sees these allreduces as the
+// stall inspector sees the Python path's: each takes the next number of the ledger's count
+// as it is started, and a finish that blocks marks the wait (the first bucket not back)
+// until it has returned, its failure reported included.
 #pragma once
 
 #include <chrono>
@@ -22,6 +27,7 @@
 #include <vector>
 
 #include "tnt_native_comm.h"
+#include "tnt_stall_ledger.h"
 
 namespace tnt_keras {
 
@@ -58,8 +64,9 @@ struct PythonHooks {
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
-  Reducer(const tnt_native_comm* comm, std::vector<BucketSpec> buckets, std::int32_t op,
-          bool overlap, double timeout_s, PythonHooks hooks);
+  // `ledger` may be null (no stall inspector: one rank, or an unwrapped backend).
+  Reducer(const tnt_native_comm* comm, tnt_stall_ledger* ledger, std::vector<BucketSpec> buckets,
+          std::int32_t op, bool overlap, double timeout_s, PythonHooks hooks);
 
   std::size_t num_buckets() const { return buckets_.size(); }
   const BucketSpec& bucket(std::size_t b) const { return buckets_[b]; }
@@ -89,6 +96,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::string failed(const std::string& message);
 
   const tnt_native_comm* comm_;
+  tnt_stall_ledger* const ledger_;
   const std::vector<BucketSpec> buckets_;
   const std::int32_t op_;
   const bool overlap_;
@@ -105,6 +113,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::shared_ptr<Buffer>> buffers_;
   std::vector<char> pushed_, complete_, done_;
   std::vector<double> pushed_at_, issued_at_, done_at_, last_times_;
+  std::vector<std::int64_t> seq_;  // each bucket's number in the stall ledger, this step
   std::size_t next_to_issue_ = 0;
   std::size_t in_flight_ = 0;
   std::string error_;     // of this step (the backend's), reported by finish
@@ -113,5 +122,18 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 };
 
 double monotonic_seconds();
+
+// Marks a wait for collective `seq` in the stall ledger while it lives, unless the ledger
+// is absent or already marks one (tnt_stall_ledger.h's rule).
+class LedgerWait {
+ public:
+  LedgerWait(tnt_stall_ledger* ledger, std::int64_t seq);
+  ~LedgerWait();
+  LedgerWait(const LedgerWait&) = delete;
+  LedgerWait& operator=(const LedgerWait&) = delete;
+
+ private:
+  tnt_stall_ledger* ledger_;  // null: nothing to clear
+};
 
 }  // namespace tnt_keras

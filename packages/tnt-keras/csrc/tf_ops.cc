@@ -20,6 +20,7 @@
 // end of this file (ctypes); a kernel names its reducer by the id in its attrs.
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -294,23 +295,33 @@ __attribute__((constructor)) void register_ops() {
 
 extern "C" {
 
-// A reducer over `comm` (a backend's checked native table) for `n` buckets; its id (> 0),
-// or 0 with the reason in err.
+// A reducer over `comm` (a backend's checked native table) for `n` buckets, numbering its
+// allreduces in `ledger` (the job's stall ledger, or null); its id (> 0), or 0 with the
+// reason in err.
 __attribute__((visibility("default"))) std::int64_t tnt_reducer_create(
-    const tnt_native_comm* comm, std::int32_t n, const std::int32_t* dtypes,
+    const tnt_native_comm* comm, tnt_stall_ledger* ledger, std::int32_t n, const std::int32_t* dtypes,
     const std::int64_t* sizes, std::int32_t op, std::int32_t overlap, double timeout_s,
     std::int32_t (*agree)(void*, char*, std::int64_t),
     void (*failed)(void*, const char*, char*, std::int64_t), void* hook_arg, char* err,
     std::int64_t errlen) {
   using namespace tnt_keras;
   try {
+    if (ledger != nullptr && (ledger->abi_version != TNT_STALL_LEDGER_ABI_VERSION ||
+                              ledger->struct_size < sizeof(tnt_stall_ledger))) {
+      std::snprintf(err, static_cast<std::size_t>(errlen),
+                    "tnt-core's stall ledger is ABI %u (%u bytes); this op library was built "
+                    "for ABI %d (%zu bytes): reinstall tnt-keras against the installed tnt-core",
+                    ledger->abi_version, ledger->struct_size, TNT_STALL_LEDGER_ABI_VERSION,
+                    sizeof(tnt_stall_ledger));
+      return 0;
+    }
     std::vector<BucketSpec> buckets;
     for (std::int32_t i = 0; i < n; ++i) buckets.push_back(BucketSpec{dtypes[i], sizes[i]});
     PythonHooks hooks;
     hooks.agree = agree;
     hooks.failed = failed;
     hooks.arg = hook_arg;
-    auto reducer = std::make_shared<Reducer>(comm, std::move(buckets), op, overlap != 0, timeout_s, hooks);
+    auto reducer = std::make_shared<Reducer>(comm, ledger, std::move(buckets), op, overlap != 0, timeout_s, hooks);
     std::lock_guard<std::mutex> lock(registry_mu);
     const std::int64_t id = next_id++;
     registry.emplace(id, std::move(reducer));

@@ -1,11 +1,18 @@
 """The native gradient path (tarantella's TensorFlow ops over the backend's native table)
-gives the Python path's bits, and a failing peer ends it as it ends the Python path.
+gives the Python path's bits, and a failing or hung peer ends it as it ends the Python path.
 
 Runs on the launchable backends that offer the native hand-off (gloo); with none, the
 module is skipped and says why.
 """
 
 from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,6 +62,41 @@ def test_a_peer_killed_mid_training_ends_the_job_with_its_failure(tmp_path):
     assert rank1.returncode == -9, result.describe()
     assert rank0.returncode == 75, result.describe()  # tnt_core.PEER_FAILURE_EXIT_CODE
     assert "CommError" in rank0.stderr, result.describe()
+    assert not (tmp_path / "finished-rank0").exists()
+
+
+def test_a_rank_that_never_reaches_a_gradient_allreduce_is_named(tmp_path):
+    """Rank 1 stops before step 3's gradients; rank 0 waits in the op library's finish.
+    The stall inspector sees that wait (the op library numbers its allreduces in the
+    ledger and marks the wait, tnt_stall_ledger.h): it warns, and when the wait fails,
+    tnt run's last line names rank 1, as on the Python path (tnt-cli's
+    test_the_hung_rank_is_named)."""
+    tnt = shutil.which("tnt", path=str(Path(sys.executable).parent))
+    assert tnt, "the tnt command (tnt-cli) is not installed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    env.update(QUIET)
+    # 20 s: room for the ranks' TensorFlow start-ups and first traces to differ
+    proc = subprocess.run([tnt, "run", "-n", "2", "--backend", NATIVE[0], "--timeout", "20",
+                           "-x", "TNT_STALL_WARN_S=2", "--", str(WORKERS / "native_worker.py"),
+                           str(tmp_path), "hang"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    verdict = re.match(r"tnt run: rank 1 did not arrive at allreduce #(\d+) within 20s \(hung or "
+                       r"too slow\?\); rank 0 on localhost failed waiting for it; last seen: rank 1 "
+                       r"\(epoch 1, step 3, fit, outside any collective, after #(\d+); alive, ", last)
+    assert verdict, proc.stderr[-4000:]
+    # one numbering over both paths and both ranks: rank 1 stopped right before the
+    # allreduce rank 0 waits in (step 3's first gradient bucket)
+    waited_in, hung_after = int(verdict[1]), int(verdict[2])
+    assert waited_in == hung_after + 1, last
+    # the inspector saw the wait while it lasted, not only when it failed
+    assert re.search(rf"\[tnt 0\] WARNING tnt.stall: stall: rank 0 has waited \d+s in allreduce "
+                     rf"#{waited_in} .*; not arrived: rank 1 \(epoch 1, step 3, fit", proc.stderr), \
+        proc.stderr[-4000:]
+    # rank 0 failed in the op library's wait (the backend's native allreduce, or the finish)
+    assert re.search(r"CommError: .*(native allreduce #\d+\]|allreduce of gradient bucket)",
+                     proc.stderr), proc.stderr[-4000:]
     assert not (tmp_path / "finished-rank0").exists()
 
 

@@ -16,11 +16,15 @@ from tnt_core import (
     CommBackend,
     CommError,
     CommThread,
+    ConfigError,
     Handle,
     check_buffer,
     check_op,
     connect_store,
 )
+from tnt_core.settings import bad_input
+
+from .plugin import TNT_LOOPBACK_PORT
 
 _REDUCE = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 _ROOT_KEY = "loopback/root-address"
@@ -37,8 +41,15 @@ class LoopbackBackend(CommBackend):
         store = connect_store(config)
         try:
             if self.rank == 0:
-                self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
-                store.set(_ROOT_KEY, "{}:{}".format(*self._listener.address).encode())
+                port = TNT_LOOPBACK_PORT.read()  # checked: an integer in [0, 65535]
+                try:
+                    self._listener = Listener(("127.0.0.1", port), authkey=authkey)
+                except OSError as exc:  # one line, not a traceback: the user's value
+                    raise bad_input(ConfigError(f"TNT_LOOPBACK_PORT={port}: cannot listen on "
+                                                f"127.0.0.1:{port} ({exc.strerror})")) from None
+                #: where rank 0 listens, ``(host, port)``
+                self.root_address = self._listener.address
+                store.set(_ROOT_KEY, "{}:{}".format(*self.root_address).encode())
                 peers = {}
                 for _ in range(self.size - 1):
                     conn = self._listener.accept()

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tnt_core import VARIABLES, Config, ConfigError
+from tnt_core import VARIABLES, Config, ConfigError, installed_settings
 
 from .agent import SPEC_VERSION
 from .devices import threads_per_rank
@@ -48,12 +48,16 @@ def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> 
 
     ``-x`` wins because it is written last (as with mpirun). An exported or ``-x`` value
     that is malformed fails here with a :class:`ConfigError` naming the variable, rather
-    than being replaced by a default without a word.
+    than being replaced by a default without a word. Every variable declared, tnt-core's
+    and those of the installed plugins (``tnt_register_settings``), is checked against its
+    declaration; a ``-x`` name with a plugin's prefix that the plugin does not declare too.
     """
+    installed = installed_settings()
+    declared = installed.variables
     exported = {name: environ[name] for name in EXPORTABLE_VARIABLES if name in environ}
     try:
         cfg = Config.from_env(exported)
-        for name, var in VARIABLES.items():  # the ranks inherit the rest: check it here too
+        for name, var in declared.items():  # the ranks inherit the rest: check it here too
             if name in environ and name not in LAUNCHER_OWNED:
                 var.read({name: environ[name]})
     except ConfigError as exc:
@@ -76,9 +80,9 @@ def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> 
         if name in LAUNCHER_OWNED:
             raise ConfigError(f"-x {name}=...: tnt run sets {name} itself ({LAUNCHER_OWNED[name]}); "
                               "drop it from -x")
-        if name in VARIABLES:
+        if name in declared or installed.group_of(name):
             try:
-                VARIABLES[name].read({name: value})
+                installed.variable(name).read({name: value})
             except ConfigError as exc:
                 raise ConfigError(f"{exc} (-x {name}=...)") from None
             if name in EXPORTABLE_VARIABLES:
@@ -90,8 +94,8 @@ def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> 
     return cfg.with_overrides(**changes)
 
 
-#: groups of variables that apply whatever the backend; any other group is a backend's
-#: (``gloo``, ``mpi``) and applies only when the job runs that backend
+#: groups of variables that apply whatever the backend; any other group is a plugin's
+#: (``gloo``, ``mpi``) and applies only when the job runs the backend of that name
 _GENERAL_GROUPS = ("launcher", "settings", "plugins")
 
 
@@ -104,11 +108,12 @@ def check_host_settings(cfg: Config, options: RunOptions, placement: Placement,
     theirs themselves, as they start (one line naming the variable)."""
     if not any(is_local_host(host) for host in placement.hosts):
         return
-    values = {name: environ[name] for name in VARIABLES if name in environ}
-    values.update((name, value) for name, value in options.env if name in VARIABLES)
+    declared = installed_settings().variables
+    values = {name: environ[name] for name in declared if name in environ}
+    values.update((name, value) for name, value in options.env if name in declared)
     backend: list[str | None] = []  # resolved on first need
     for name, value in values.items():
-        var = VARIABLES[name]
+        var = declared[name]
         if var.host_check is None or name in LAUNCHER_OWNED or not value.strip():
             continue
         if var.group not in _GENERAL_GROUPS:

@@ -10,6 +10,7 @@ from tnt_core import TntError, list_backends
 from . import __version__
 from .errors import USAGE_EXIT_CODE
 from .run import run_command
+from .settings_listing import settings_command
 
 __all__ = ["main", "tarantella_main"]
 
@@ -40,6 +41,7 @@ def _backends(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "run": (_run, "start a distributed job: tnt run [options] -- SCRIPT [ARGS...]"),
     "backends": (_backends, "list the installed communication backends"),
+    "settings": (settings_command, "list the TNT_* settings of tnt-core and the installed plugins"),
 }
 
 _HELP = """\

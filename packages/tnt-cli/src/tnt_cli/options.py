@@ -19,6 +19,7 @@ from tnt_core import settings as S
 from . import __version__
 from .errors import USAGE_EXIT_CODE, UsageError
 from .hostfile import Host, parse_host_list
+from .settings_listing import plugin_settings_note
 
 __all__ = ["RunOptions", "build_parser", "parse_run_args", "LAUNCHER_CHOICES", "LOG_LEVELS"]
 
@@ -177,7 +178,8 @@ given, with that Python on every host; a bare SCRIPT runs with the Python runnin
 
 
 def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
+    p = _Parser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG + plugin_settings_note(),
+                allow_abbrev=False,
                 usage=f"{prog} [options] -- SCRIPT [ARGS...]",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_argument_group("where ranks run")

@@ -12,7 +12,8 @@ first waits for that send would deadlock). This module decides everything else: 
 listen, how to meet the other ranks, which allreduce algorithm a buffer gets, how long to
 wait, and how a native failure reads as :class:`tnt_core.CommError`.
 
-Environment (besides the launcher's ``TNT_*`` contract):
+Environment (besides the launcher's ``TNT_*`` contract; declared in
+:mod:`tnt_comm_gloo.settings`):
 
 ``TNT_GLOO_IFACE``
     network interface to listen on (e.g. ``eth0``, ``ib0``); wins over the host name.
@@ -80,9 +81,9 @@ from tnt_core import (
     connect_store,
     reachable_address,
 )
-from tnt_core import settings as tnt_settings
 
 from . import _gloo
+from . import settings as gloo_settings
 
 __all__ = [
     "DEFAULT_BCUBE_MAX_BYTES",
@@ -97,16 +98,16 @@ log = logging.getLogger("tnt.gloo")
 
 #: Largest allreduce (bytes) that ``auto`` treats as small (bcube or recursive
 #: doubling); bigger ones take the ring. Measured on 2 ranks over loopback (README).
-DEFAULT_BCUBE_MAX_BYTES: int = tnt_settings.TNT_GLOO_BCUBE_MAX_BYTES.default
+DEFAULT_BCUBE_MAX_BYTES: int = gloo_settings.TNT_GLOO_BCUBE_MAX_BYTES.default
 #: Largest allreduce that ``auto`` gives to recursive doubling on more than 2 ranks
 #: (it sends log2(p) whole buffers, against bcube's two; see the README's cost model).
-DEFAULT_DOUBLING_MAX_BYTES: int = tnt_settings.TNT_GLOO_DOUBLING_MAX_BYTES.default
-ALGORITHMS = tuple(c for c, _ in tnt_settings.TNT_GLOO_ALGORITHM.choices)
+DEFAULT_DOUBLING_MAX_BYTES: int = gloo_settings.TNT_GLOO_DOUBLING_MAX_BYTES.default
+ALGORITHMS = tuple(c for c, _ in gloo_settings.TNT_GLOO_ALGORITHM.choices)
 #: ``TNT_GLOO_SHM`` values: use shared memory when possible, never, always (or fail).
-SHM_MODES = tuple(c for c, _ in tnt_settings.TNT_GLOO_SHM.choices)
+SHM_MODES = tuple(c for c, _ in gloo_settings.TNT_GLOO_SHM.choices)
 #: Bytes per shared-memory slot: two per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's
 #: default /dev/shm is 64 MiB); large enough that the per-chunk synchronisation is noise.
-DEFAULT_SHM_CHUNK_BYTES: int = tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.default
+DEFAULT_SHM_CHUNK_BYTES: int = gloo_settings.TNT_GLOO_SHM_CHUNK_BYTES.default
 
 _KDL_CPU = 1  # DLPack device type of host memory
 _UNBOUNDED = 2**63 - 1  # the last step of an algorithm plan: every buffer fits
@@ -123,7 +124,7 @@ def _is_power_of_two(n: int) -> bool:
 
 @dataclass(frozen=True)
 class GlooSettings:
-    """The ``TNT_GLOO_*`` variables, validated (declared in :mod:`tnt_core.settings`)."""
+    """The ``TNT_GLOO_*`` variables, validated (declared in :mod:`tnt_comm_gloo.settings`)."""
 
     iface: str | None = None
     hostname: str | None = None
@@ -139,16 +140,16 @@ class GlooSettings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GlooSettings:
         env = os.environ if environ is None else environ
         return cls(
-            iface=tnt_settings.TNT_GLOO_IFACE.read(env),
-            hostname=tnt_settings.TNT_GLOO_HOSTNAME.read(env),
-            algorithm=tnt_settings.TNT_GLOO_ALGORITHM.read(env),
-            bcube_max_bytes=tnt_settings.TNT_GLOO_BCUBE_MAX_BYTES.read(env),
-            doubling_max_bytes=tnt_settings.TNT_GLOO_DOUBLING_MAX_BYTES.read(env),
-            shm=tnt_settings.TNT_GLOO_SHM.read(env),
+            iface=gloo_settings.TNT_GLOO_IFACE.read(env),
+            hostname=gloo_settings.TNT_GLOO_HOSTNAME.read(env),
+            algorithm=gloo_settings.TNT_GLOO_ALGORITHM.read(env),
+            bcube_max_bytes=gloo_settings.TNT_GLOO_BCUBE_MAX_BYTES.read(env),
+            doubling_max_bytes=gloo_settings.TNT_GLOO_DOUBLING_MAX_BYTES.read(env),
+            shm=gloo_settings.TNT_GLOO_SHM.read(env),
             # its rule (a multiple of 64 in [4096, 64 MiB]) is declared, so tnt run checks it
-            shm_chunk_bytes=tnt_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env),
-            shm_spin_us=tnt_settings.TNT_GLOO_SHM_SPIN_US.read(env),
-            shm_host_id=tnt_settings.TNT_GLOO_SHM_HOST_ID.read(env),
+            shm_chunk_bytes=gloo_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env),
+            shm_spin_us=gloo_settings.TNT_GLOO_SHM_SPIN_US.read(env),
+            shm_host_id=gloo_settings.TNT_GLOO_SHM_HOST_ID.read(env),
         )
 
     def listen_address(self, config: Config) -> tuple[str, str]:
@@ -159,10 +160,10 @@ class GlooSettings:
         ``tnt run`` checks for the ranks on its own host), not inside Gloo's connect.
         """
         if self.iface:
-            tnt_settings.TNT_GLOO_IFACE.check_host(self.iface)
+            gloo_settings.TNT_GLOO_IFACE.check_host(self.iface)
             return "", self.iface
         if self.hostname:
-            tnt_settings.TNT_GLOO_HOSTNAME.check_host(self.hostname)
+            gloo_settings.TNT_GLOO_HOSTNAME.check_host(self.hostname)
             return self.hostname, ""
         if config.local_size == config.size:
             return "127.0.0.1", ""  # one node: loopback is fastest and needs no DNS

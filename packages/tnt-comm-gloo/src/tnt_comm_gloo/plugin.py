@@ -1,4 +1,5 @@
-"""The ``tnt`` entry point of tnt-comm-gloo: declares the ``gloo`` backend.
+"""The ``tnt`` entry point of tnt-comm-gloo: declares the ``gloo`` backend and its
+``TNT_GLOO_*`` settings.
 
 ``pyproject.toml`` registers this module::
 
@@ -12,9 +13,12 @@ import functools
 import importlib
 import logging
 
-from tnt_core import BackendSpec, Config, hookimpl
+from tnt_core import BackendSpec, Config, SettingsRegistry, hookimpl
 
-__all__ = ["PRIORITY", "is_available", "make_backend", "native_import_error", "tnt_comm_backends"]
+from .settings import GLOO
+
+__all__ = ["PRIORITY", "is_available", "make_backend", "native_import_error", "tnt_comm_backends",
+           "tnt_register_settings"]
 
 #: Above tnt-core's ``local`` (0) and the reference ``store`` backend (-100).
 PRIORITY = 100
@@ -65,3 +69,8 @@ def tnt_comm_backends() -> list[BackendSpec]:
                          "native worker thread"),
         )
     ]
+
+
+@hookimpl
+def tnt_register_settings(registry: SettingsRegistry) -> None:
+    registry.add(GLOO)

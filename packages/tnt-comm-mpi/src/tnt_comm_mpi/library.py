@@ -27,7 +27,8 @@ from types import ModuleType
 from typing import Any
 
 from tnt_core import ConfigError
-from tnt_core import settings as tnt_settings
+
+from .settings import TNT_MPI_CUDA_AWARE
 
 __all__ = ["load_mpi", "mark_failed", "has_failed", "register_backend", "cuda_support",
            "host_pmi_server", "loaded", "unlink_shared_memory"]
@@ -183,7 +184,7 @@ def cuda_support() -> tuple[bool, str]:
     ``TNT_MPI_CUDA_AWARE=1/0`` overrides; otherwise ``MPIX_Query_cuda_support()`` (MPICH,
     Open MPI) answers at run time. Without an answer the backend stages through host memory.
     """
-    forced = tnt_settings.TNT_MPI_CUDA_AWARE.read()  # None: auto
+    forced = TNT_MPI_CUDA_AWARE.read()  # None: auto
     if forced is not None:
         return forced, f"TNT_MPI_CUDA_AWARE={int(forced)}"
     load_mpi()

@@ -1,4 +1,5 @@
-"""The ``tnt`` entry point of tnt-comm-mpi: declares the ``mpi`` backend.
+"""The ``tnt`` entry point of tnt-comm-mpi: declares the ``mpi`` backend and its
+``TNT_MPI_*`` settings.
 
 ``[project.entry-points.tnt] mpi = "tnt_comm_mpi.plugin"``
 
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import importlib.util
 
-from tnt_core import BackendSpec, Config, detect_mpi_launch, hookimpl
+from tnt_core import BackendSpec, Config, SettingsRegistry, detect_mpi_launch, hookimpl
 
-__all__ = ["PRIORITY", "tnt_comm_backends"]
+from .settings import MPI
+
+__all__ = ["PRIORITY", "tnt_comm_backends", "tnt_register_settings"]
 
 #: above tnt-comm-gloo's 100: under an MPI launcher MPI's rank assignment is the truth
 PRIORITY = 200
@@ -54,3 +57,8 @@ def tnt_comm_backends() -> list[BackendSpec]:
             description="MPI over mpi4py (mpiexec/srun); non-blocking collectives on a comm thread",
         )
     ]
+
+
+@hookimpl
+def tnt_register_settings(registry: SettingsRegistry) -> None:
+    registry.add(MPI)

@@ -47,8 +47,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tnt_core import CommError
-from tnt_core import settings as tnt_settings
+from tnt_core import CommError, Variable
+
+from . import settings as mpi_settings
 
 __all__ = ["PollSettings", "Poller"]
 
@@ -69,25 +70,25 @@ WINDOW = 16
 RELEARN = 4
 
 
-def _env_float(env: Mapping[str, str], var: tnt_settings.Variable, scale: float) -> float:
-    """A poller setting (declared in :mod:`tnt_core.settings`) in seconds."""
+def _env_float(env: Mapping[str, str], var: Variable, scale: float) -> float:
+    """A poller setting (declared in :mod:`tnt_comm_mpi.settings`) in seconds."""
     return float(var.read(env)) * scale
 
 
 @dataclass(frozen=True)
 class PollSettings:
-    spin_min_s: float = tnt_settings.TNT_MPI_SPIN_US.default * 1e-6
-    spin_max_s: float = tnt_settings.TNT_MPI_MAX_SPIN_MS.default * 1e-3
-    max_sleep_s: float = tnt_settings.TNT_MPI_MAX_SLEEP_US.default * 1e-6
-    spin_waited_max_s: float = tnt_settings.TNT_MPI_MAX_WAITED_SPIN_MS.default * 1e-3
+    spin_min_s: float = mpi_settings.TNT_MPI_SPIN_US.default * 1e-6
+    spin_max_s: float = mpi_settings.TNT_MPI_MAX_SPIN_MS.default * 1e-3
+    max_sleep_s: float = mpi_settings.TNT_MPI_MAX_SLEEP_US.default * 1e-6
+    spin_waited_max_s: float = mpi_settings.TNT_MPI_MAX_WAITED_SPIN_MS.default * 1e-3
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PollSettings:
         env = os.environ if environ is None else environ
-        spin_min = _env_float(env, tnt_settings.TNT_MPI_SPIN_US, 1e-6)
-        spin_max = max(spin_min, _env_float(env, tnt_settings.TNT_MPI_MAX_SPIN_MS, 1e-3))
-        sleep = max(_MIN_SLEEP_S, _env_float(env, tnt_settings.TNT_MPI_MAX_SLEEP_US, 1e-6))
-        waited = max(spin_max, _env_float(env, tnt_settings.TNT_MPI_MAX_WAITED_SPIN_MS, 1e-3))
+        spin_min = _env_float(env, mpi_settings.TNT_MPI_SPIN_US, 1e-6)
+        spin_max = max(spin_min, _env_float(env, mpi_settings.TNT_MPI_MAX_SPIN_MS, 1e-3))
+        sleep = max(_MIN_SLEEP_S, _env_float(env, mpi_settings.TNT_MPI_MAX_SLEEP_US, 1e-6))
+        waited = max(spin_max, _env_float(env, mpi_settings.TNT_MPI_MAX_WAITED_SPIN_MS, 1e-3))
         return cls(spin_min, spin_max, sleep, waited)
 
 

@@ -74,7 +74,8 @@ from .runtime import (
     select_backend,
     shutdown,
 )
-from .settings import VARIABLES, Variable, read_setting
+from .setting_registry import InstalledSettings, SettingsRegistry, installed_settings, read_setting
+from .settings import VARIABLES, SettingGroup, Variable
 from .sharding import (
     ShardContext,
     micro_batch_offset,
@@ -117,10 +118,13 @@ __all__ = [
     "Handle",
     "Handshake",
     "HandshakeError",
+    "InstalledSettings",
     "LocalBackend",
     "MpiLaunch",
     "PluginError",
     "Runtime",
+    "SettingGroup",
+    "SettingsRegistry",
     "ShardContext",
     "ShardingError",
     "StoreClient",
@@ -150,6 +154,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "init",
+    "installed_settings",
     "is_initialized",
     "is_loopback",
     "is_master_rank",

@@ -73,7 +73,9 @@ class HandshakeError(TntError, ConnectionError):
 
 
 class PluginError(TntError):
-    """A plugin could not be loaded, or the requested backend is unknown or unavailable."""
+    """A plugin could not be loaded, declares its settings wrongly (a name outside its
+    prefix, a prefix another plugin has), or the requested backend is unknown or
+    unavailable."""
 
 
 class ShardingError(TntError, ValueError):

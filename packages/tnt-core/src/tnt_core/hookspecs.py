@@ -13,10 +13,12 @@ from ._markers import hookspec
 if TYPE_CHECKING:
     from .backend import BackendSpec
     from .runtime import Runtime
+    from .setting_registry import SettingsRegistry
     from .sharding import ShardContext
 
 __all__ = [
     "tnt_comm_backends",
+    "tnt_register_settings",
     "tnt_shard_data",
     "tnt_wrap_callback",
     "tnt_runtime_started",
@@ -34,6 +36,27 @@ def tnt_comm_backends() -> list[BackendSpec]:
     else the available backend of highest priority, else the built-in ``local`` backend.
 
     :return: a list of :class:`tnt_core.BackendSpec`; results of all plugins are joined.
+    """
+
+
+# -- settings ---------------------------------------------------------------------------
+
+
+@hookspec
+def tnt_register_settings(registry: SettingsRegistry) -> None:
+    """Declare this plugin's ``TNT_*`` variables: ``registry.add(group)`` for each
+    :class:`tnt_core.SettingGroup` it made (usually one), whose names all start with the
+    group's prefix (``TNT_GLOO_``), each with its kind, default, rule and one-line doc.
+
+    Called once per plugin, one plugin after the other, whenever every setting is needed:
+    by ``tnt run`` to check the exported and ``-x`` values before it starts a rank, by
+    ``tnt settings``, by the docs' tables, and by :func:`tnt_core.read_setting` for a
+    name that is not tnt-core's. The plugin's own code reads its values through the
+    :class:`tnt_core.Variable` objects ``group.declare`` returned. A group without a
+    prefix, or a prefix or group name that tnt-core or another plugin has, is a
+    :class:`tnt_core.PluginError` naming both.
+
+    :param registry: the registry of this plugin; ``registry.add(group)`` adds a group.
     """
 
 

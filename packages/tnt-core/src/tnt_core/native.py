@@ -6,7 +6,10 @@ of backends and of framework ops compile against it, :func:`include_dir`). A bac
 offers it returns it from :meth:`CommBackend.native_comm` as a PyCapsule named
 :data:`CAPSULE_NAME`; one that does not returns None, and frameworks keep the Python path.
 This module checks a capsule (:func:`native_comm`) and calls the table from Python, which
-the conformance suite uses; a framework's op library calls it from C.
+the conformance suite uses; a framework's op library calls it from C. With the table it
+gets the job's stall ledger (``include/tnt_stall_ledger.h``, :attr:`NativeComm.ledger`),
+in which it numbers the allreduces it starts and marks its waits, so that the stall
+inspector sees them as it sees the Python path's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 
 from .backend import REDUCE_OPS, SUPPORTED_DTYPES, check_op
 from .errors import TntError
+from .stall import Ledger
 
 __all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "OP_CODES", "NativeComm", "include_dir",
            "native_comm"]
@@ -59,10 +63,19 @@ def include_dir() -> str:
 
 class NativeComm:
     """A backend's checked function table. Keeps the capsule (and so the communicator)
-    alive; :attr:`address` is what a framework's op library is given."""
+    alive; :attr:`address` is what a framework's op library is given, with :attr:`ledger`.
 
-    def __init__(self, capsule: Any, backend_name: str) -> None:
+    :param ledger: the stall ledger the consumer numbers its allreduces and marks its
+        waits in (:class:`tnt_core.stall.Ledger`), kept alive with the table; None when the
+        backend keeps none.
+    """
+
+    def __init__(self, capsule: Any, backend_name: str, ledger: Ledger | None = None) -> None:
         self.capsule = capsule
+        self._ledger = ledger
+        #: the address of the job's ``tnt_stall_ledger`` struct (``tnt_stall_ledger.h``),
+        #: 0 when there is none (one rank, or a backend the runtime did not wrap)
+        self.ledger: int = ledger.address if ledger is not None else 0
         self.address: int = _get_pointer(capsule, CAPSULE_NAME.encode())
         self._table = _Table.from_address(self.address)
         self.rank, self.size = int(self._table.rank), int(self._table.size)
@@ -74,8 +87,9 @@ class NativeComm:
     def allreduce_async(self, buf: np.ndarray, op: str,
                         done: Callable[[str | None], None]) -> None:
         """Call the table's ``allreduce_async`` on ``buf`` (kept alive until ``done``);
-        ``done(error)`` runs on whatever thread the backend completes it on. For tests and
-        tools: the step's path is in C."""
+        ``done(error)`` runs on whatever thread the backend completes it on. Counted in
+        the stall ledger, as a compiled consumer counts its own. For tests and tools: the
+        step's path is in C."""
         check_op(op)
         if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
             raise TypeError("the native allreduce takes a writable C-contiguous numpy array")
@@ -95,6 +109,8 @@ class NativeComm:
         with self._lock:
             self._pending[key] = (buf, callback)  # alive until the backend is done with them
         err = ctypes.create_string_buffer(512)
+        if self._ledger is not None:
+            self._ledger.enter()
         rc = self._table.allreduce_async(self._table.self, buf.ctypes.data, buf.size, code,
                                          OP_CODES[op], callback, None, err, len(err))
         if rc != 0:
@@ -119,7 +135,8 @@ def native_comm(backend: Any) -> NativeComm | None:
     if not _is_valid(capsule, CAPSULE_NAME.encode()):
         raise TntError(f"the {name!r} backend's native_comm() returned {type(capsule).__name__}, "
                        f"not a PyCapsule named {CAPSULE_NAME!r}")
-    table = NativeComm(capsule, name)
+    ledger = getattr(backend, "ledger", None)  # a WatchedBackend's: the stall inspector's
+    table = NativeComm(capsule, name, ledger if isinstance(ledger, Ledger) else None)
     raw = table._table  # noqa: SLF001 - read once here, the checks of this function
     if raw.abi_version != ABI_VERSION or raw.struct_size < ctypes.sizeof(_Table):
         raise TntError(f"the {name!r} backend's native table is ABI {raw.abi_version} "

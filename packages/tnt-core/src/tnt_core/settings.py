@@ -1,17 +1,22 @@
-"""Every ``TNT_*`` environment variable of Tarantella-NT: name, type, default, one-line doc.
+"""tnt-core's own ``TNT_*`` environment variables, and how any variable is declared.
 
-The one home of the launcher contract and of every setting (in the spirit of
-OpenTelemetry-python's ``environment_variables``): readers (:class:`tnt_core.Config`, the
-backends, tnt-keras) parse a variable through its declaration, the launcher writes it
-through :meth:`tnt_core.Config.to_env`, and the docs' tables are generated from here, so
-a name, a default or a rule cannot differ between two places. A test fails when a
-``TNT_*`` name in the packages' sources is not declared here.
+The one home of the launcher contract and of tnt-core's settings (in the spirit of
+OpenTelemetry-python's ``environment_variables``): readers (:class:`tnt_core.Config`,
+tnt-keras) parse a variable through its declaration, the launcher writes it through
+:meth:`tnt_core.Config.to_env`, and the docs' tables are generated from the
+declarations, so a name, a default or a rule cannot differ between two places.
+
+A plugin declares its own variables the same way, in a :class:`SettingGroup` with a
+prefix of its own (``TNT_GLOO_``), and hands the group to tnt-core through the
+``tnt_register_settings`` hook (:mod:`tnt_core.setting_registry` collects them). A test
+fails when a ``TNT_*`` name in the packages' sources is declared nowhere.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -19,21 +24,25 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
 from .addresses import can_bind
-from .errors import ConfigError
+from .errors import ConfigError, PluginError
 
 __all__ = [
+    "CORE_GROUPS",
     "GROUPS",
+    "KINDS",
     "VARIABLES",
+    "SettingGroup",
     "Variable",
     "bad_input",
+    "directory_problem",
     "env_number",
+    "interface_problem",
+    "local_address_problem",
     "parse_bool",
-    "read_setting",
-    "variable",
 ]
 
 _E = TypeVar("_E", bound=BaseException)
@@ -171,24 +180,21 @@ def directory_problem(path: str) -> str | None:
     return None
 
 
-#: The groups variables are declared in, in the order the docs list them.
-GROUPS: dict[str, str] = {
-    "launcher": "set by the launcher (`tnt run`) on every rank",
-    "settings": "settings of tnt-core and tnt-keras, passed with `-x NAME=VALUE`",
-    "plugins": "which plugins tnt-core loads",
-    "gloo": "the `gloo` backend (tnt-comm-gloo)",
-    "mpi": "the `mpi` backend (tnt-comm-mpi)",
-    "internal": "between tnt-cli's launcher and its agents; not for users",
-}
+#: The kinds of value a variable holds (``Variable.kind``).
+KINDS = ("int", "float", "bool", "str", "choice", "list")
+_NAME = re.compile(r"TNT_[A-Z0-9_]*[A-Z0-9]")
+_PREFIX = re.compile(r"TNT_[A-Z0-9]+(?:_[A-Z0-9]+)*_")
+_GROUP_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
 @dataclass(frozen=True)
 class Variable:
     """One ``TNT_*`` variable: how it is parsed, what it defaults to, what it means.
 
-    ``kind`` is ``int``, ``float``, ``bool``, ``str``, ``choice`` or ``list`` (comma
-    separated). A blank value counts as unset. ``default_doc`` says the default in words
-    where it is computed or absent (``None``).
+    ``kind`` is one of :data:`KINDS`: ``int``, ``float``, ``bool``, ``str``, ``choice`` or
+    ``list`` (comma separated). A blank value counts as unset. ``default_doc`` says the
+    default in words where it is computed or absent (``None``). Made by
+    :meth:`SettingGroup.declare`, which sets ``group``.
     """
 
     name: str
@@ -215,6 +221,14 @@ class Variable:
     #: and in ``tnt run`` for the ranks it starts on its own host.
     host_check: Callable[[str], str | None] | None = field(default=None, compare=False,
                                                            repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PluginError(f"{self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if (self.kind == "choice") != bool(self.choices):
+            raise PluginError(f"{self.name}: a 'choice' variable, and only one, lists its choices")
+        if not self.doc or "\n" in self.doc:
+            raise PluginError(f"{self.name}: the doc is one line saying what the variable does")
 
     def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The value as exported, stripped; None when unset or blank."""
@@ -277,6 +291,22 @@ class Variable:
             return "unset"
         return f"`{self.format(self.default)}`"
 
+    @property
+    def allowed(self) -> str:
+        """What a value may be, in words (for listings; errors say it the same way)."""
+        if self.kind in ("int", "float"):
+            what = "an integer" if self.kind == "int" else "a number"
+            rule = _rule_text(self.minimum, self.above, self.maximum, self.multiple_of)
+            text = f"{what}, {rule}" if rule.startswith("a multiple") else f"{what} {rule}".strip()
+            return text + (f" ({self.unit})" if self.unit else "")
+        if self.kind == "bool":
+            return "true/false" + (" or auto" if self.default is None else "")
+        if self.kind == "choice":
+            return self._choices_text()
+        if self.kind == "list":
+            return "comma-separated names"
+        return "text"
+
     def _choices_text(self) -> str:
         words = [f"{c} ({meaning})" if meaning else c for c, meaning in self.choices]
         if any(meaning for _, meaning in self.choices):
@@ -284,192 +314,161 @@ class Variable:
         return ", ".join(words)
 
 
-#: Every declared variable by name, in declaration order (the order the launcher writes
-#: them in and the docs list them in).
-VARIABLES: dict[str, Variable] = {}
+class SettingGroup:
+    """``TNT_*`` variables listed together: one of tnt-core's own groups, or the settings of
+    a plugin, whose names then all start with the group's ``prefix`` (``TNT_GLOO_``).
 
-
-def _declare(name: str, kind: str, default: Any, doc: str, group: str, **kw: Any) -> Variable:
-    var = Variable(name, kind, default, doc, group, **kw)
-    if name in VARIABLES:
-        raise ValueError(f"{name} declared twice")
-    VARIABLES[name] = var
-    return var
-
-
-def variable(name: str) -> Variable:
-    """The declaration of ``name``; :class:`ConfigError` for an undeclared name."""
-    try:
-        return VARIABLES[name]
-    except KeyError:
-        raise ConfigError(f"{name} is not a Tarantella-NT variable") from None
-
-
-def read_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """The parsed value of the variable ``name`` in ``environ`` (default: ``os.environ``).
-
-    How packages outside tnt-core read a setting, e.g.
-    ``read_setting("TNT_TENSORBOARD_ON_ALL_DEVICES")`` is a bool.
+    A plugin makes one at import time, keeps the :class:`Variable` s that
+    :meth:`declare` returns as module constants for its own code to read, and hands the
+    group to tnt-core in ``tnt_register_settings`` (``registry.add(group)``), so that
+    ``tnt run``, ``tnt settings`` and the docs know them too. ``name`` is what the docs'
+    ``{tnt-env-table}`` and ``tnt settings NAME`` select it by; ``title`` says whose
+    settings they are, e.g. "the `gloo` backend (tnt-comm-gloo)".
     """
-    return variable(name).read(environ)
 
+    def __init__(self, name: str, title: str, *, prefix: str | None = None) -> None:
+        if not _GROUP_NAME.fullmatch(name):
+            raise PluginError(f"setting group name {name!r}: lower-case letters, digits, '-', '_'")
+        if prefix is not None and not _PREFIX.fullmatch(prefix):
+            raise PluginError(f"setting group {name!r}: prefix {prefix!r} must look like "
+                              "'TNT_<NAME>_' (upper case, ending in '_')")
+        if not title or "\n" in title:
+            raise PluginError(f"setting group {name!r}: the title is one line")
+        self.name, self.title, self.prefix = name, title, prefix
+        self._variables: dict[str, Variable] = {}
+
+    @property
+    def variables(self) -> Mapping[str, Variable]:
+        """The declared variables by name, in declaration order."""
+        return MappingProxyType(self._variables)
+
+    def declare(self, name: str, kind: str, default: Any, doc: str, **kw: Any) -> Variable:
+        """Declare the variable ``name`` of this group (see :class:`Variable` for the
+        arguments) and return it; :class:`tnt_core.PluginError` for a name outside the
+        group's prefix or declared twice."""
+        if not _NAME.fullmatch(name):
+            raise PluginError(f"{name!r} is not a TNT_* variable name (TNT_, then upper case)")
+        if self.prefix is not None and not (name.startswith(self.prefix)
+                                            and len(name) > len(self.prefix)):
+            raise PluginError(f"{name}: the variables of setting group {self.name!r} start with "
+                              f"its prefix {self.prefix}")
+        if name in self._variables:
+            raise PluginError(f"{name} declared twice in setting group {self.name!r}")
+        var = Variable(name, kind, default, doc, self.name, **kw)
+        self._variables[name] = var
+        return var
+
+    def __repr__(self) -> str:
+        return f"SettingGroup({self.name!r}, prefix={self.prefix!r}, {len(self._variables)} variables)"
+
+
+LAUNCHER = SettingGroup("launcher", "set by the launcher (`tnt run`) on every rank")
+SETTINGS = SettingGroup("settings", "settings of tnt-core and tnt-keras, passed with `-x NAME=VALUE`")
+PLUGINS = SettingGroup("plugins", "which plugins tnt-core loads")
+INTERNAL = SettingGroup("internal", "between tnt-cli's launcher and its agents; not for users")
+#: tnt-core's own groups, in the order the docs list them (the plugins' groups go between
+#: ``plugins`` and ``internal``). Their names need no prefix: a plugin's prefix may not
+#: cover any of them.
+CORE_GROUPS = (LAUNCHER, SETTINGS, PLUGINS, INTERNAL)
+#: tnt-core's groups: name -> title.
+GROUPS: dict[str, str] = {g.name: g.title for g in CORE_GROUPS}
 
 # -- the launcher contract: per rank, then the same on every rank ------------------------
 # Per-rank first, then job-wide: the order `tnt run` writes them in.
 
-TNT_RANK = _declare("TNT_RANK", "int", 0, "this process's rank; 0 is the master rank",
-                    "launcher", minimum=0)
-TNT_LOCAL_RANK = _declare("TNT_LOCAL_RANK", "int", None, "the rank among the ranks of this host",
-                          "launcher", default_doc="`TNT_RANK`", minimum=0)
-TNT_LOCAL_SIZE = _declare("TNT_LOCAL_SIZE", "int", None, "the number of ranks on this host",
-                          "launcher", default_doc="`TNT_SIZE`", minimum=1)
-TNT_NUM_THREADS = _declare(
+TNT_RANK = LAUNCHER.declare("TNT_RANK", "int", 0, "this process's rank; 0 is the master rank",
+                            minimum=0)
+TNT_LOCAL_RANK = LAUNCHER.declare("TNT_LOCAL_RANK", "int", None,
+                                  "the rank among the ranks of this host",
+                                  default_doc="`TNT_RANK`", minimum=0)
+TNT_LOCAL_SIZE = LAUNCHER.declare("TNT_LOCAL_SIZE", "int", None, "the number of ranks on this host",
+                                  default_doc="`TNT_SIZE`", minimum=1)
+TNT_NUM_THREADS = LAUNCHER.declare(
     "TNT_NUM_THREADS", "int", None,
     "CPU threads per rank (TensorFlow's intra-op threads): the host's usable cores divided by "
-    "its ranks, at least 1", "launcher", default_doc="cores / ranks of the host", minimum=1)
-TNT_SIZE = _declare("TNT_SIZE", "int", 1,
-                    "the number of ranks; set means a launcher started this process "
-                    "(`TNT_RANK` without it is an error)", "launcher", minimum=1)
-TNT_BACKEND = _declare(
+    "its ranks, at least 1", default_doc="cores / ranks of the host", minimum=1)
+TNT_SIZE = LAUNCHER.declare("TNT_SIZE", "int", 1,
+                            "the number of ranks; set means a launcher started this process "
+                            "(`TNT_RANK` without it is an error)", minimum=1)
+TNT_BACKEND = LAUNCHER.declare(
     "TNT_BACKEND", "str", None,
     "communication backend: `gloo`, `mpi`, `local`, `store` or a plugin's name",
-    "launcher", default_doc="the available backend of highest priority", option="--backend")
-TNT_RENDEZVOUS = _declare(
+    default_doc="the available backend of highest priority", option="--backend")
+TNT_RENDEZVOUS = LAUNCHER.declare(
     "TNT_RENDEZVOUS", "str", None,
     "`host:port` of the launcher's rendezvous store (Gloo also accepts `file:///shared/dir`)",
-    "launcher", default_doc="set by `tnt run`")
-TNT_RENDEZVOUS_KEY = _declare("TNT_RENDEZVOUS_KEY", "str", None,
-                              "the job's random secret for the rendezvous store", "launcher",
-                              default_doc="set by `tnt run`")
+    default_doc="set by `tnt run`")
+TNT_RENDEZVOUS_KEY = LAUNCHER.declare("TNT_RENDEZVOUS_KEY", "str", None,
+                                      "the job's random secret for the rendezvous store",
+                                      default_doc="set by `tnt run`")
 #: Chosen by benchmarks/fusion_sweep.py (docs/performance_results.md): 2 MB was best or
 #: within 8 % of the best for all three models on both backends; Tarantella's 32 KB was
 #: 0.72-1.00 of the best. Each bucket costs a call from the step into Python.
-TNT_FUSION_THRESHOLD_KB = _declare(
+TNT_FUSION_THRESHOLD_KB = LAUNCHER.declare(
     "TNT_FUSION_THRESHOLD_KB", "float", 2048,
-    "tensor fusion threshold in KB, a number >= 0 (0: one bucket per tensor)", "launcher",
+    "tensor fusion threshold in KB, a number >= 0 (0: one bucket per tensor)",
     default_doc="`2048` (2 MB)", option="--fusion-threshold", minimum=0)
-TNT_LOG_LEVEL = _declare(
-    "TNT_LOG_LEVEL", "choice", "WARNING", "level of the `tnt` logger", "launcher",
+TNT_LOG_LEVEL = LAUNCHER.declare(
+    "TNT_LOG_LEVEL", "choice", "WARNING", "level of the `tnt` logger",
     option="--log-level", case="upper",
     choices=tuple((c, "") for c in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")))
-TNT_LOG_ALL = _declare("TNT_LOG_ALL", "bool", False,
-                       "log on every rank, not only errors on non-master ranks", "launcher",
-                       option="--log-on-all-devices")
-TNT_OUTPUT_ALL = _declare("TNT_OUTPUT_ALL", "bool", False,
-                          "show every rank's output, not only the master rank's", "launcher",
-                          option="--output-on-all-devices")
+TNT_LOG_ALL = LAUNCHER.declare("TNT_LOG_ALL", "bool", False,
+                               "log on every rank, not only errors on non-master ranks",
+                               option="--log-on-all-devices")
+TNT_OUTPUT_ALL = LAUNCHER.declare("TNT_OUTPUT_ALL", "bool", False,
+                                  "show every rank's output, not only the master rank's",
+                                  option="--output-on-all-devices")
 #: Same as PyTorch's default process-group timeout: long enough for a slow first step
 #: (graph tracing, a checkpoint written by the master) yet a hung peer still ends the job.
-TNT_TIMEOUT_S = _declare(
+TNT_TIMEOUT_S = LAUNCHER.declare(
     "TNT_TIMEOUT_S", "float", 1800.0,
     "seconds a rank waits on a peer (collective, rendezvous) before failing with `CommError`",
-    "launcher", option="--timeout", above=0.0)
+    option="--timeout", above=0.0)
 
 # -- settings -----------------------------------------------------------------------------
 
-TNT_OVERLAP = _declare("TNT_OVERLAP", "bool", True,
-                       "`false` starts every allreduce only after backprop ends (to measure "
-                       "what overlap buys)", "settings")
-TNT_NATIVE_OPS = _declare("TNT_NATIVE_OPS", "bool", True,
-                          "`false` reduces gradients through the Python path (one "
-                          "`tf.numpy_function` per bucket) even where the backend offers the "
-                          "native hand-off (to measure what the native path buys)", "settings")
+TNT_OVERLAP = SETTINGS.declare("TNT_OVERLAP", "bool", True,
+                               "`false` starts every allreduce only after backprop ends (to "
+                               "measure what overlap buys)")
+TNT_NATIVE_OPS = SETTINGS.declare("TNT_NATIVE_OPS", "bool", True,
+                                  "`false` reduces gradients through the Python path (one "
+                                  "`tf.numpy_function` per bucket) even where the backend offers "
+                                  "the native hand-off (to measure what the native path buys)")
 #: Horovod's stall inspector warns after the same 60 s: longer than any healthy step of a
 #: synchronous job, short enough that a hung rank is named long before TNT_TIMEOUT_S.
-TNT_STALL_WARN_S = _declare(
+TNT_STALL_WARN_S = SETTINGS.declare(
     "TNT_STALL_WARN_S", "float", 60.0,
     "seconds in one collective after which the lowest waiting rank logs which ranks have not "
     "arrived and where they were last seen (epoch, step); `0` turns the stall inspector off",
-    "settings", minimum=0.0)
-
-TNT_TIMELINE = _declare("TNT_TIMELINE", "str", None,
-                        "write a Chrome-trace timeline of the training steps to this path "
-                        "(one file per rank; a missing directory is created)", "settings",
-                        host_check=directory_problem)
-TNT_TENSORBOARD_ON_ALL_DEVICES = _declare(
+    minimum=0.0)
+TNT_TIMELINE = SETTINGS.declare("TNT_TIMELINE", "str", None,
+                                "write a Chrome-trace timeline of the training steps to this path "
+                                "(one file per rank; a missing directory is created)",
+                                host_check=directory_problem)
+TNT_TENSORBOARD_ON_ALL_DEVICES = SETTINGS.declare(
     "TNT_TENSORBOARD_ON_ALL_DEVICES", "bool", False,
-    "Keras' TensorBoard callback runs on every rank, each writing to `<log_dir>/rank_<r>`",
-    "settings")
+    "Keras' TensorBoard callback runs on every rank, each writing to `<log_dir>/rank_<r>`")
 
 # -- plugins ------------------------------------------------------------------------------
 
-TNT_PLUGINS = _declare("TNT_PLUGINS", "list", [],
-                       "comma-separated modules to load as plugins without packaging them",
-                       "plugins", default_doc="unset")
-TNT_DISABLE_PLUGINS = _declare("TNT_DISABLE_PLUGINS", "list", [],
-                               "comma-separated entry-point names of plugins not to load",
-                               "plugins", default_doc="unset")
-TNT_DISABLE_PLUGIN_AUTOLOAD = _declare(
+TNT_PLUGINS = PLUGINS.declare("TNT_PLUGINS", "list", [],
+                              "comma-separated modules to load as plugins without packaging them",
+                              default_doc="unset")
+TNT_DISABLE_PLUGINS = PLUGINS.declare("TNT_DISABLE_PLUGINS", "list", [],
+                                      "comma-separated entry-point names of plugins not to load",
+                                      default_doc="unset")
+TNT_DISABLE_PLUGIN_AUTOLOAD = PLUGINS.declare(
     "TNT_DISABLE_PLUGIN_AUTOLOAD", "bool", False,
-    "load no plugin from entry points (the built-in `local` backend stays)",
-    "plugins")
-
-# -- the gloo backend ---------------------------------------------------------------------
-
-TNT_GLOO_IFACE = _declare("TNT_GLOO_IFACE", "str", None,
-                          "network interface to listen on (e.g. `eth0`); wins over the host name",
-                          "gloo", host_check=interface_problem)
-TNT_GLOO_HOSTNAME = _declare(
-    "TNT_GLOO_HOSTNAME", "str", None, "address or host name to listen on", "gloo",
-    default_doc="loopback on one node, else the host name (or the route to the rendezvous host)",
-    host_check=local_address_problem)
-TNT_GLOO_ALGORITHM = _declare(
-    "TNT_GLOO_ALGORITHM", "choice", "auto",
-    "the allreduce algorithm: `auto`, `ring`, `bcube` or `doubling` (power-of-two ranks)",
-    "gloo", case="lower", choices=tuple((c, "") for c in ("auto", "ring", "bcube", "doubling")))
-#: measured on 2 ranks over loopback (tnt-comm-gloo's README)
-TNT_GLOO_BCUBE_MAX_BYTES = _declare(
-    "TNT_GLOO_BCUBE_MAX_BYTES", "int", 1 << 20,
-    "with `auto`, buffers up to this size are small (bcube or doubling); larger take the ring",
-    "gloo", minimum=0, unit="bytes")
-#: recursive doubling sends log2(p) whole buffers, against bcube's two
-TNT_GLOO_DOUBLING_MAX_BYTES = _declare(
-    "TNT_GLOO_DOUBLING_MAX_BYTES", "int", 64 << 10,
-    "with `auto` on more than 2 ranks (a power of two), doubling up to this size, then bcube",
-    "gloo", minimum=0, unit="bytes")
-TNT_GLOO_SHM = _declare(
-    "TNT_GLOO_SHM", "choice", "auto",
-    "allreduce through shared memory when every rank is on one host", "gloo", case="lower",
-    choices=(("auto", "shared memory when every rank is on this host"), ("0", "always TCP"),
-             ("1", "shared memory, else fail")))
-#: two slots per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's default is 64 MiB)
-TNT_GLOO_SHM_CHUNK_BYTES = _declare(
-    "TNT_GLOO_SHM_CHUNK_BYTES", "int", 1 << 20,
-    "bytes per shared-memory slot (two per rank), a multiple of 64 in [4096, 64 MiB]; the "
-    "same on every rank", "gloo", minimum=4096, maximum=64 << 20, multiple_of=64, unit="bytes")
-TNT_GLOO_SHM_SPIN_US = _declare(
-    "TNT_GLOO_SHM_SPIN_US", "int", None,
-    "µs a waiting rank spins (yielding every few µs) before sleeping on a futex", "gloo",
-    default_doc="`50` (the native default)", minimum=0, maximum=1_000_000, unit="µs")
-TNT_GLOO_SHM_HOST_ID = _declare(
-    "TNT_GLOO_SHM_HOST_ID", "str", None,
-    "this rank's host identity, e.g. for containers on one host sharing `/dev/shm`", "gloo",
-    default_doc="host name + boot id")
-TNT_GLOO_CUDART = _declare(
-    "TNT_GLOO_CUDART", "str", None,
-    "path of libcudart for staging GPU buffers (read by the native module)", "gloo",
-    default_doc="`libcudart.so` and its versioned names")
-
-# -- the mpi backend ----------------------------------------------------------------------
-
-TNT_MPI_SPIN_US = _declare("TNT_MPI_SPIN_US", "float", 200.0,
-                           "minimum spin phase of the request poller, µs", "mpi", minimum=0)
-TNT_MPI_MAX_SPIN_MS = _declare(
-    "TNT_MPI_MAX_SPIN_MS", "float", 1.0,
-    "longest spin phase while nobody waits for the result, ms", "mpi", minimum=0)
-TNT_MPI_MAX_WAITED_SPIN_MS = _declare(
-    "TNT_MPI_MAX_WAITED_SPIN_MS", "float", 50.0,
-    "longest spin phase while a caller is blocked on the result, ms", "mpi", minimum=0)
-TNT_MPI_MAX_SLEEP_US = _declare(
-    "TNT_MPI_MAX_SLEEP_US", "float", 1000.0,
-    "longest sleep between two tests once spinning stopped, µs", "mpi", minimum=0)
-TNT_MPI_CUDA_AWARE = _declare(
-    "TNT_MPI_CUDA_AWARE", "bool", None,
-    "`1`/`0` overrides the check whether the MPI library takes CUDA buffers", "mpi",
-    default_doc="`auto`")
+    "load no plugin from entry points (the built-in `local` backend stays)")
 
 # -- internal -----------------------------------------------------------------------------
 
-TNT_AGENT_SPEC = _declare("TNT_AGENT_SPEC", "str", None,
-                          "the job description (JSON) `tnt run` hands its agents under "
-                          "mpirun/srun", "internal")
+TNT_AGENT_SPEC = INTERNAL.declare("TNT_AGENT_SPEC", "str", None,
+                                  "the job description (JSON) `tnt run` hands its agents under "
+                                  "mpirun/srun")
+
+#: tnt-core's own variables by name, in declaration order (the order the launcher writes
+#: them in and the docs list them in). With every installed plugin's:
+#: :func:`tnt_core.installed_settings`.
+VARIABLES: dict[str, Variable] = {name: var for group in CORE_GROUPS
+                                  for name, var in group.variables.items()}

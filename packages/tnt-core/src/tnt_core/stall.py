@@ -11,7 +11,11 @@ Horovod's stall inspector, every rank of a multi-rank job keeps a :class:`Ledger
 
 The runtime wraps the backend in a :class:`WatchedBackend` that keeps the ledger: a counter
 increment per collective, and two clock reads when a wait actually blocks. It also makes
-the ranks agree on each collective before data moves (:mod:`tnt_core.agreement`). A daemon
+the ranks agree on each collective before data moves (:mod:`tnt_core.agreement`). The
+ledger's counters are a C struct (``include/tnt_stall_ledger.h``), handed with a backend's
+native table (:mod:`tnt_core.native`) to compiled ops that start allreduces with no Python
+in the step: they number theirs in the same count and mark their waits there, so one
+ledger watches both paths. A daemon
 thread (:class:`StallInspector`) publishes the ledger to the job's rendezvous store every few
 seconds (a heartbeat: a rank that stopped publishing is stuck outside Python's reach, or
 dead) and checks the local wait:
@@ -29,6 +33,7 @@ every waiting rank, but cannot name the ranks it waits for.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import logging
@@ -65,37 +70,84 @@ _KEY = "tnt/stall/{rank}"
 NOT_ARRIVED_KEY = "tnt/stall/not-arrived"
 
 
+#: ``LEDGER_ABI_VERSION`` and the struct of ``include/tnt_stall_ledger.h``
+LEDGER_ABI_VERSION = 1
+#: ``tnt_stall_op``: the collectives a rank can wait in, numbered from 1
+_OPS = ("", "allreduce", "broadcast", "allgather", "barrier", "split")
+_OP_CODES = {name: code for code, name in enumerate(_OPS)}
+
+
+class _Counters(ctypes.Structure):
+    """``tnt_stall_ledger``: the part of the ledger that compiled ops write too."""
+
+    _fields_ = [("abi_version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
+                ("entered", ctypes.c_int64), ("waiting_for", ctypes.c_int64),
+                ("waiting_since", ctypes.c_double), ("waiting_op", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
+
+
 class Ledger:
     """This rank's position, written on the collective path without a lock.
 
-    Plain attribute stores are atomic under the GIL; the inspector reads a snapshot that
-    may be one update old, which a diagnosis made after seconds of waiting can afford.
+    The counters (collectives entered, the one waited in and since when) live in a C
+    struct (``tnt_stall_ledger.h``) at :attr:`address`, so that compiled ops which start
+    allreduces through a backend's native table number them in the same count and mark
+    their waits, with no Python in their step (:attr:`tnt_core.NativeComm.ledger`). Stores
+    are single machine words; the inspector reads a snapshot that may be one update old,
+    which a diagnosis made after seconds of waiting can afford.
     """
 
     def __init__(self) -> None:
-        self.entered = 0                 # collectives entered so far
-        self.waiting_for = 0             # the collective waited for (1-based), 0: none
-        self.waiting_op = ""
-        self.waiting_since = 0.0         # time.monotonic() when the wait began
+        self._counters = _Counters(LEDGER_ABI_VERSION, ctypes.sizeof(_Counters))
+        #: the address of the ``tnt_stall_ledger`` struct (valid while this ledger lives)
+        self.address: int = ctypes.addressof(self._counters)
         self.epoch: int | None = None
         self.step: int | None = None
         self.phase: str | None = None
         self.heartbeat_s = 10.0          # how often the inspector publishes this
 
+    @property
+    def entered(self) -> int:
+        """Collectives entered so far, by the Python path and by compiled ops."""
+        return int(self._counters.entered)
+
+    @entered.setter
+    def entered(self, value: int) -> None:
+        self._counters.entered = value
+
+    @property
+    def waiting_for(self) -> int:
+        """The collective waited for (1-based), 0: none."""
+        return int(self._counters.waiting_for)
+
+    @property
+    def waiting_op(self) -> str:
+        code = self._counters.waiting_op
+        return _OPS[code] if 0 <= code < len(_OPS) else "collective"
+
+    @property
+    def waiting_since(self) -> float:
+        """``time.monotonic()`` when the wait began."""
+        return float(self._counters.waiting_since)
+
     def enter(self) -> int:
-        self.entered += 1
-        return self.entered
+        counters = self._counters
+        counters.entered += 1
+        return int(counters.entered)
 
     @contextmanager
     def waiting(self, seq: int, op: str) -> Iterator[None]:
-        outer = self.waiting_for
+        counters = self._counters
+        outer = counters.waiting_for
         if not outer:  # a nested wait (wait_all -> wait) keeps the outer one's start
-            self.waiting_for, self.waiting_op, self.waiting_since = seq, op, time.monotonic()
+            # the number last, as compiled ops do: a reader that sees it sees its start
+            counters.waiting_since, counters.waiting_op = time.monotonic(), _OP_CODES[op]
+            counters.waiting_for = seq
         try:
             yield
         finally:
             if not outer:
-                self.waiting_for = 0
+                counters.waiting_for = 0
 
     def record(self) -> dict[str, Any]:
         """What the heartbeat publishes (wall-clock times: readers may be other hosts)."""
@@ -207,6 +259,14 @@ class WatchedBackend(CommBackend):
                 yield
             except CommError as exc:
                 raise self._explained(exc, seq) from exc
+
+    def explained(self, exc: CommError) -> CommError:
+        """``exc``, the failure of the wait this rank's ledger is in, with the stall
+        inspector's diagnosis added (and the launcher told who did not arrive); ``exc``
+        itself outside a wait. For compiled ops, which mark their waits in the ledger
+        from C and report a failure while still marked there."""
+        seq = self.ledger.waiting_for
+        return self._explained(exc, seq) if seq else exc
 
     def _explained(self, exc: CommError, seq: int) -> CommError:
         waited = time.monotonic() - self.ledger.waiting_since if self.ledger.waiting_for else 0.0
@@ -389,10 +449,13 @@ class WatchedBackend(CommBackend):
         return self.inner.supports(capability)
 
     def native_comm(self) -> Any:
-        """The inner backend's table. Its allreduces skip the ledger and the header: the
-        consumer agrees once on its plan (:meth:`agree_on_plan`, which also drains the
-        launcher) and issues them only while no Python-path collective is being launched
-        (the step's collectives complete before its gradients go out)."""
+        """The inner backend's table. Its allreduces skip the header: the consumer agrees
+        once on its plan (:meth:`agree_on_plan`, which also drains the launcher) and issues
+        them only while no Python-path collective is being launched (the step's
+        collectives complete before its gradients go out). They do not skip the ledger:
+        :func:`tnt_core.native_comm` hands the consumer :attr:`ledger`'s C struct with the
+        table, to number them and mark its waits in (``tnt_stall_ledger.h``), and the
+        consumer reports a failed wait through :meth:`explained`."""
         return self.inner.native_comm()
 
     def send_async(self, buf: np.ndarray, dest: int, tag: int = 0) -> Handle:

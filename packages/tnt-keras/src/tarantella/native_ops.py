@@ -11,7 +11,9 @@ buffers in the same order and give the same bits.
 Python is called at two rare moments only, through C callbacks: before the first allreduce
 (the ranks agree on the plan, as the Python path's ``FusedAllreducer`` does) and when a
 collective fails (the error becomes the process's ``CommError``, which names the failing
-rank at exit).
+rank at exit, with the stall inspector's diagnosis). The stall inspector sees the native
+allreduces without Python: the op library numbers them in the job's stall ledger and marks
+its waits there (``tnt_stall_ledger.h``, given with the table).
 
 Where the backend offers no table (a third-party backend, the loopback example, MPI), or
 ``TNT_NATIVE_OPS=false``, or the library cannot load, :mod:`tarantella.gradients` keeps the
@@ -83,7 +85,7 @@ def _load() -> tuple[Any, ctypes.CDLL] | None:
             return None
         lib.tnt_reducer_create.restype = ctypes.c_int64
         lib.tnt_reducer_create.argtypes = [
-            ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
             ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32, ctypes.c_double,
             _AGREE_FN, _FAILED_FN, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
         lib.tnt_reducer_destroy.restype = None
@@ -196,6 +198,10 @@ class NativeReducer:
         def failed(_arg: Any, message: bytes, out: int, outlen: int) -> None:
             text = message.decode(errors="replace")
             exc = tnt_core.CommError(text)  # the process's first CommError names the culprit
+            if isinstance(backend, tnt_core.WatchedBackend):
+                # a failed wait is still marked in the ledger: the stall inspector says who
+                # did not arrive, here and in the launcher's last line
+                exc = backend.explained(exc)
             _recorded.append(exc)
             _write(out, outlen, str(exc))
 
@@ -205,9 +211,9 @@ class NativeReducer:
         sizes = (ctypes.c_int64 * len(buckets))(*[b.size for b in buckets])
         err = ctypes.create_string_buffer(1024)
         self.id = int(self._lib.tnt_reducer_create(
-            table.address, len(buckets), dtypes, sizes, tnt_core.native.OP_CODES[op],
-            int(overlap), float(runtime.config.timeout_s or 0.0), self._hooks[0], self._hooks[1],
-            None, err, len(err)))
+            table.address, table.ledger or None, len(buckets), dtypes, sizes,
+            tnt_core.native.OP_CODES[op], int(overlap), float(runtime.config.timeout_s or 0.0),
+            self._hooks[0], self._hooks[1], None, err, len(err)))
         if self.id == 0:
             raise tnt_core.TntError(f"could not make the native gradient reducer: {err.value.decode()}")
         self._destroy = self._lib.tnt_reducer_destroy

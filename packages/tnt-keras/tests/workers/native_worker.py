@@ -8,6 +8,9 @@ Run on every rank of a launched job: ``python native_worker.py OUT_DIR CASE``.
   (``OUT_DIR/<path>-rank<r>.npz``, path from ``TNT_NATIVE_OPS``).
 * ``kill``: rank 1 SIGKILLs itself at the start of a step of the second epoch; rank 0 must
   end with the peer's failure (a CommError, exit code 75), not hang.
+* ``hang``: rank 1 stops (sleeps) at the start of step 3 of the first epoch, so it never
+  reaches that step's gradient allreduce; run under ``tnt run``, whose last line must name
+  it (the stall inspector sees the native allreduces).
 * ``mismatch``: the ranks are given different fusion thresholds (an operator's mistake), so
   their bucket plans differ: every rank must raise CollectiveMismatchError before any
   gradient moves, and write what it raised to ``OUT_DIR/mismatch-rank<r>.txt``.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 if sys.argv[2:3] == ["mismatch"] and os.environ.get("TNT_RANK") == "1":
@@ -72,6 +76,19 @@ def kill(out: Path) -> None:
     (out / f"finished-rank{tnt.get_rank()}").write_text("the job went on without rank 1\n")
 
 
+def hang(out: Path) -> None:
+    class Hang(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if tnt.get_rank() == 1 and batch == 2:
+                time.sleep(600)  # tnt run ends it once rank 0 has failed waiting
+
+    model = tnt.Model(_model("float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.05, name="sgd"), loss="mse")
+    x, y = _data("float32")
+    model.fit(x, y, batch_size=7, epochs=1, shuffle=False, verbose=0, callbacks=[Hang()])
+    (out / f"finished-rank{tnt.get_rank()}").write_text("the job went on without rank 1\n")
+
+
 def mismatch(out: Path) -> None:
     import tnt_core
 
@@ -87,4 +104,4 @@ def mismatch(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"train": train, "kill": kill, "mismatch": mismatch}[sys.argv[2]](Path(sys.argv[1]))
+    {"train": train, "kill": kill, "hang": hang, "mismatch": mismatch}[sys.argv[2]](Path(sys.argv[1]))
