@@ -1,9 +1,11 @@
 """Gradient reduction inside the compiled step, through the fused allreducer.
 
 One :class:`GradientReducer` per call site of ``optimizer.apply`` in a step (a GAN's step
-has two). Its bucket plan is made when the step is traced, with the fusion threshold of
-``TNT_FUSION_THRESHOLD_KB``, for the tensors in the order they become ready: the
-gradients in backward order (last layer first).
+has two), and one per pipeline stage under ALL, over the group of the stage's replicas
+(:mod:`tarantella.pipeline`): the one way tarantella sums gradients. Its bucket plan is
+made when the step is traced, with the fusion threshold of ``TNT_FUSION_THRESHOLD_KB``,
+for the tensors in the order they become ready: the gradients in backward order (last
+layer first).
 
 Inside the ``tf.function`` every bucket is handed to the reducer by its own stateful
 ``tf.numpy_function`` that depends only on that bucket's tensors, so TensorFlow's dataflow
@@ -78,10 +80,20 @@ def _spec(t: tf.Tensor) -> tnt_core.TensorSpec:
 
 
 class GradientReducer:
-    """Pushes one step's gradients into a fused allreducer from graph ops; finishes it."""
+    """Pushes one step's gradients into a fused allreducer from graph ops; finishes it.
 
-    def __init__(self, runtime: tnt_core.Runtime, name: str) -> None:
+    The one gradient reducer of tarantella: DATA's step sums over the job's communicator,
+    and a pipeline stage under ALL over its replicas (``backend``, a group of
+    ``CommBackend.split``), through the same plan, the same path (native where that
+    communicator offers the hand-off, else ``numpy_function``) and the same overlap.
+
+    :param backend: the communicator the gradients are summed over; the job's by default.
+    """
+
+    def __init__(self, runtime: tnt_core.Runtime, name: str,
+                 backend: tnt_core.CommBackend | None = None) -> None:
         self.runtime = runtime
+        self.backend = runtime.backend if backend is None else backend
         self.name = name
         self.threshold_bytes = runtime.config.fusion_threshold_bytes
         self.overlap = runtime.config.overlap
@@ -99,12 +111,13 @@ class GradientReducer:
         reducer = self._plans.get(specs)
         if reducer is None:
             plan = tnt_core.plan_buckets(specs, self.threshold_bytes, align_bytes=_ALIGN)
-            why = native_ops.unavailable_reason(self.runtime)
+            why = native_ops.unavailable_reason(self.runtime, self.backend)
             native_ops.tell_once(why)
             if why is None:
-                reducer = NativeReducer(self.runtime, plan, overlap=self.overlap, name=self.name)
+                reducer = NativeReducer(self.runtime, plan, backend=self.backend,
+                                        overlap=self.overlap, name=self.name)
             else:
-                reducer = tnt_core.FusedAllreducer(self.runtime.backend, plan, overlap=self.overlap,
+                reducer = tnt_core.FusedAllreducer(self.backend, plan, overlap=self.overlap,
                                                    timeline=self.timeline)
             self._plans[specs] = reducer
         return reducer
@@ -121,7 +134,7 @@ class GradientReducer:
         factor64 = tf.cast(factor, tf.float64)
         with tf.control_dependencies(list(after)):
             factor64 = tf.identity(factor64)
-        if self.runtime.size == 1:
+        if self.backend.size == 1:
             # one rank: the sum over ranks is this rank's scaled gradient, no collective;
             # its factor is 1 for a mean loss (n = B), and then nothing is computed
             grads = list(grads)
@@ -190,6 +203,13 @@ class GradientReducer:
         return list(outs)
 
     # -- timeline (only traced when TNT_TIMELINE is set) ------------------------------------
+
+    def record_buckets(self) -> None:
+        """The last reduction's buckets on the timeline, for a caller that runs the reduce
+        outside a traced step (a pipeline stage): the native path's times are read from its
+        C reducer; the Python path's allreducer recorded its own."""
+        if self.timeline is not None and self._native is not None:
+            self._native.record_timeline(self.timeline, None)
 
     def mark_backprop_start(self, loss: tf.Tensor) -> tf.Tensor:
         """Graph op: backprop begins once ``loss`` exists (records the time)."""

@@ -27,6 +27,7 @@ import ctypes
 import importlib.util
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,30 +98,32 @@ def _load() -> tuple[Any, ctypes.CDLL] | None:
         return _loaded
 
 
-def unavailable_reason(runtime: tnt_core.Runtime) -> str | None:
-    """Why this job's gradients cannot take the native path, or None when they can."""
+def unavailable_reason(runtime: tnt_core.Runtime,
+                       backend: tnt_core.CommBackend | None = None) -> str | None:
+    """Why gradients summed over ``backend`` (the job's by default, or a group of it) cannot
+    take the native path, or None when they can."""
+    backend = runtime.backend if backend is None else backend
     if not runtime.config.native_ops:
         return "TNT_NATIVE_OPS=false"
-    if native_table(runtime) is None:
-        return (f"the {runtime.backend.name!r} backend offers no native hand-off "
+    if native_table(backend) is None:
+        return (f"the {backend.name!r} backend offers no native hand-off "
                 "(CommBackend.native_comm)")
     if _load() is None:
         return _load_error
     return None
 
 
-#: id(backend) -> (the backend, its table): the entry holds the backend, so its id cannot
-#: be reused by another while the entry exists
-_tables: dict[int, tuple[Any, tnt_core.NativeComm | None]] = {}
+#: backend -> its table; weak, so that a group of a dropped model goes with it (a reducer
+#: keeps its table, and so its communicator, itself)
+_tables: weakref.WeakKeyDictionary[Any, tnt_core.NativeComm | None] = weakref.WeakKeyDictionary()
 
 
-def native_table(runtime: tnt_core.Runtime) -> tnt_core.NativeComm | None:
-    """The job backend's checked native table (made once per backend), or None."""
-    backend = runtime.backend
-    key = id(backend)
-    if key not in _tables:
-        _tables[key] = (backend, tnt_core.native_comm(backend))
-    return _tables[key][1]
+def native_table(backend: tnt_core.CommBackend) -> tnt_core.NativeComm | None:
+    """The backend's checked native table (made once per backend), or None. A group of
+    ``split`` has its own communicator, and so its own table."""
+    if backend not in _tables:
+        _tables[backend] = tnt_core.native_comm(backend)
+    return _tables[backend]
 
 
 def tell_once(why: str | None) -> None:
@@ -168,19 +171,24 @@ def _write(out: int, size: int, text: str) -> None:
 
 
 class NativeReducer:
-    """One bucket plan on the native path: the C reducer and the graph ops that feed it."""
+    """One bucket plan on the native path: the C reducer and the graph ops that feed it.
+
+    :param backend: the communicator it reduces over (the job's by default, or a group).
+    """
 
     def __init__(self, runtime: tnt_core.Runtime, plan: tnt_core.BucketPlan, *, op: str = "sum",
-                 overlap: bool = True, name: str = "") -> None:
+                 overlap: bool = True, name: str = "",
+                 backend: tnt_core.CommBackend | None = None) -> None:
+        backend = runtime.backend if backend is None else backend
         loaded = _load()
-        table = native_table(runtime)
+        table = native_table(backend)
         if loaded is None or table is None:
-            raise tnt_core.TntError(unavailable_reason(runtime) or "the native path is unavailable")
+            raise tnt_core.TntError(unavailable_reason(runtime, backend)
+                                    or "the native path is unavailable")
         self._ops, self._lib = loaded
         self.plan = plan
         self.name = name
         self._table = table  # keeps the backend's capsule, and so its communicator, alive
-        backend = runtime.backend
 
         def agree(_arg: Any, err: int, errlen: int) -> int:
             views = [np.lib.stride_tricks.as_strided(np.zeros(1, b.dtype), (b.size,), (0,))
