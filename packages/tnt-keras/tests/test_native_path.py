@@ -54,6 +54,24 @@ def test_native_and_python_paths_train_the_same_bits(trained, dtype):
         np.testing.assert_array_equal(native[key], trained[("native", 1)][key], err_msg=key)
 
 
+def test_a_pipeline_stages_replicas_sum_through_the_same_reducer(trained):
+    """The stage's gradients go through DATA's reducer over a group of the job: on the path
+    asked for, traced once, the same bits on both paths and ranks, and the weights of plain
+    Keras."""
+    keys = sorted(k for k in trained[("native", 0)] if re.fullmatch(r"stage_\d+", k))
+    assert len(keys) == 6
+    for (path, rank), got in trained.items():
+        assert got["stage_native"].tolist() == [path == "native"]
+        assert got["stage_traces"].tolist() == [1]
+        for key in keys:
+            np.testing.assert_array_equal(got[key], trained[("native", 0)][key], err_msg=key)
+            serial = got[key.replace("stage_", "serial_")]
+            rel = np.linalg.norm(got[key] - serial) / np.linalg.norm(serial)
+            assert rel <= 1e-5, f"{path} rank {rank}: {key} differs from plain Keras by {rel:.2e}"
+    assert not np.allclose(trained[("native", 0)]["serial_0"], trained[("native", 0)]["initial_0"]), \
+        "the model did not train"
+
+
 def test_a_peer_killed_mid_training_ends_the_job_with_its_failure(tmp_path):
     result = launch_ranks([str(WORKERS / "native_worker.py"), str(tmp_path), "kill"], 2,
                           backend=NATIVE[0], timeout=300, tnt_timeout_s=60, env=QUIET)

@@ -35,6 +35,7 @@ from . import randomness, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError, user_facing
 from .files import writes_locally
+from .gradients import GradientReducer
 from .model import Model, ParallelStrategy, _DistributedState
 from .partition import Partitioning, partition
 from .pipeline import StageStep, check_stage_model
@@ -243,10 +244,11 @@ class PipelinedModel(Model):
 
     def _tnt_stage_step(self, loss: keras.losses.Loss, optimizer: Any) -> StageStep:
         state = self._tnt
+        replicas = None if state.replicas is None else \
+            GradientReducer(state.runtime, f"stage{state.stage}_replicas", state.replicas)
         return StageStep(state.parts, state.stage, state.pipe, loss=loss, optimizer=optimizer,
-                         num_micro_batches=state.num_micro_batches, replicas=state.replicas,
-                         regularise=state.replica == 0, timeline=timeline.get(state.runtime),
-                         fusion_threshold_bytes=state.runtime.config.fusion_threshold_bytes)
+                         num_micro_batches=state.num_micro_batches, replicas=replicas,
+                         regularise=state.replica == 0, timeline=timeline.get(state.runtime))
 
     # -- the steps -------------------------------------------------------------------------------
 

@@ -5,7 +5,11 @@ Run on every rank of a launched job: ``python native_worker.py OUT_DIR CASE``.
 * ``train``: trains small models with micro-batches of unequal size (global batch 7 on 2
   ranks: factors 4/7 and 3/7, so the scaled copy into the buckets is exercised), in
   float32 and float16, and saves the weights and which path each step took
-  (``OUT_DIR/<path>-rank<r>.npz``, path from ``TNT_NATIVE_OPS``).
+  (``OUT_DIR/<path>-rank<r>.npz``, path from ``TNT_NATIVE_OPS``). Then the replicas of a
+  pipeline stage: one stage (the whole model, uncut) on both ranks, each training on its
+  share of every global batch (4 and 3 of 7, in 2 micro-batches), its gradients summed over
+  a group split from the job by the stage's ``GradientReducer``; saved with the weights of
+  plain Keras ``fit`` on the same batches.
 * ``kill``: rank 1 SIGKILLs itself at the start of a step of the second epoch; rank 0 must
   end with the peer's failure (a CommError, exit code 75), not hang.
 * ``hang``: rank 1 stops (sleeps) at the start of step 3 of the first epoch, so it never
@@ -31,7 +35,11 @@ import keras
 import numpy as np
 
 import tarantella as tnt
+import tnt_core
+from tarantella.gradients import GradientReducer
 from tarantella.native_ops import NativeReducer
+from tarantella.partition import partition
+from tarantella.pipeline import StageStep
 
 
 def _model(dtype: str) -> keras.Model:
@@ -57,7 +65,40 @@ def train(out: Path) -> None:
             saved[f"{dtype}_{i}"] = w
         plans = list(model._tnt._reducers["train_sgd_0"]._plans.values())
         saved[f"{dtype}_native"] = np.array([isinstance(p, NativeReducer) for p in plans])
+    saved.update(_stage_replicas())
     np.savez(out / f"{path}-rank{tnt.get_rank()}.npz", **saved)
+
+
+def _functional() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    inp = keras.Input((12,))
+    h = keras.layers.Dense(24, activation="tanh")(inp)
+    return keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(10)(h)))
+
+
+def _stage_replicas() -> dict[str, np.ndarray]:
+    runtime = tnt_core.init()
+    rank, size = runtime.rank, runtime.size
+    x, y = _data("float32")
+    plain = _functional()
+    plain.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    plain.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    group = runtime.backend.split(list(range(size)))
+    reducer = GradientReducer(runtime, "stage0_replicas", group)
+    step = StageStep(partition(_functional()), 0, group, loss=keras.losses.MeanSquaredError(),
+                     optimizer=keras.optimizers.SGD(0.05, momentum=0.9), num_micro_batches=2,
+                     replicas=reducer)
+    for _ in range(2):
+        for start in range(0, len(x), 7):
+            bx, by = x[start:start + 7], y[start:start + 7]
+            share = tnt_core.micro_batch_slice(len(bx), rank, size, allow_empty=True)
+            step.train(bx[share], by[share], global_batch=len(bx))
+    saved = {f"stage_{i}": w for i, w in enumerate(step.model.get_weights())}
+    saved.update({f"serial_{i}": w for i, w in enumerate(plain.get_weights())})
+    saved.update({f"initial_{i}": w for i, w in enumerate(_functional().get_weights())})
+    saved["stage_native"] = np.array([isinstance(p, NativeReducer) for p in reducer._plans.values()])
+    saved["stage_traces"] = np.array([step._replicas_sum.experimental_get_tracing_count()])
+    return saved
 
 
 def kill(out: Path) -> None:
