@@ -305,8 +305,9 @@ class StageStep:
         Python path's finish hands the buckets to TensorFlow without a copy. Called eagerly,
         the same ops run one by one and every reduced tensor is copied out. Measured by
         ``benchmarks/replica_sum.py`` (2 ranks, gloo): for 16.8 MB of gradients the graph
-        takes the same CPU time on the native path and half on the Python path, at a fixed
-        cost of about 0.3 ms per step, which shows only for a tiny model."""
+        takes the same time as eager calls on the native path and half the time on the
+        Python path (8.8 against 17.9 ms of CPU), at a fixed cost of 0.3-0.4 ms of CPU
+        per step, which shows only for a tiny model."""
         assert self.replicas is not None and self._replicas_sum is not None
         dense = [dense_gradient(g, w) for g, w in zip(grads, self.weights)]
         reduced = self._replicas_sum(dense)
