@@ -1,5 +1,6 @@
 """The native gradient path (tarantella's TensorFlow ops over the backend's native table)
-gives the Python path's bits, and a failing or hung peer ends it as it ends the Python path.
+gives the Python path's bits, for DATA's step and for a pipeline stage's replicas (a group
+of the job), and a failing or hung peer ends it as it ends the Python path.
 
 Runs on the launchable backends that offer the native hand-off (gloo); with none, the
 module is skipped and says why.
