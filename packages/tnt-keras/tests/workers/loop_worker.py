@@ -15,7 +15,8 @@ The loops:
   with another seed). 26 samples in batches of 8: 8, 8, 8 and 2, so on 3 ranks the shares
   are 3/3/2 and the last batch leaves rank 2 a stand-in sample.
 * ``guide_eager_tape``: the same loop run eagerly, with ``tnt.DistributedGradientTape`` and
-  an Embedding (its gradient is sparse, gathered row by row), SGD.
+  an Embedding (its gradient is sparse, gathered row by row), SGD; then the gradients a
+  ``tf.function`` returns, kept over later steps, must not change.
 * ``tnt_model_with_distributed_optimizer``: a ``tnt.Model`` compiled with a
   ``tnt.DistributedOptimizer`` reduces once (fit against plain fit).
 * ``horovod_loop``: Horovod's TF2 example loop (``hvd.DistributedGradientTape``, broadcast
@@ -113,18 +114,25 @@ def main(argv: list[str] | None = None) -> None:
         dataset = tf.data.Dataset.from_tensor_slices((tokens, y)).batch(8)
         if tnt_mode:
             dataset = tnt.distribute_dataset(dataset)
-        copied, held = [], []
+
+        def gradients(xb, yb):
+            with tf.GradientTape() as tape:
+                loss_value = loss_fn(yb, model(xb, training=True))
+            if tnt_mode:
+                tape = tnt.DistributedGradientTape(tape)
+            return tape.gradient(loss_value, model.trainable_weights)
+
         for _ in range(2):
-            for xb, yb in dataset:
-                with tf.GradientTape() as tape:
-                    loss_value = loss_fn(yb, model(xb, training=True))
-                if tnt_mode:
-                    tape = tnt.DistributedGradientTape(tape)
-                grads = tape.gradient(loss_value, model.trainable_weights)
-                copied.append(np.array(grads[-1]))  # the Dense bias, as it was returned
-                held.append(grads[-1])  # the tensor itself: later reductions must not change it
+            for xb, yb in dataset:  # eagerly
+                grads = gradients(xb, yb)
                 optimizer.apply_gradients(zip(grads, model.trainable_weights))
         sparse = type(grads[0]).__name__
+        copied, held = [], []
+        traced = tf.function(gradients)
+        for xb, yb in dataset:  # the gradients a tf.function returns, kept across steps
+            grads = traced(xb, yb)
+            copied.append(np.array(grads[-1]))  # the Dense bias, as it was returned
+            held.append(grads[-1])  # the tensor itself: later reductions must not change it
         save("guide_eager_tape", model, copied=np.array(copied),
              held=np.array([h.numpy() for h in held]), sparse=sparse)
 
