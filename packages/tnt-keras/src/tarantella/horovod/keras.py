@@ -1,7 +1,7 @@
 """``horovod.tensorflow.keras``'s names: ``import tarantella.horovod.keras as hvd``.
 
-The same objects as :mod:`tarantella.horovod`; Horovod's Keras module differs from its
-TensorFlow one only in what TensorFlow 1 needed.
+The same objects as :mod:`tarantella.horovod`: on TensorFlow 2 and Keras 3 one optimizer
+wrapper and one set of collectives serve both of Horovod's modules.
 """
 
 from __future__ import annotations
