@@ -23,6 +23,8 @@ from tnt_core import get_master_rank, get_rank, get_size, is_master_rank  # noqa
 
 from . import keras, models  # noqa: E402
 from .errors import DatasetError, NotSupportedError, PartitionError, TntKerasError  # noqa: E402
+from .loop_data import DistributedDataset, distribute_dataset, set_batch_share  # noqa: E402
+from .loop_gradients import DistributedGradientTape, DistributedOptimizer  # noqa: E402
 from .model import Model, ParallelStrategy  # noqa: E402
 from .user_collectives import (  # noqa: E402
     Barrier,
@@ -37,6 +39,7 @@ from .user_collectives import (  # noqa: E402
     get_group_master_rank,
     is_group_master_rank,
 )
+from .weights import broadcast_variables  # noqa: E402
 
 try:
     __version__ = version("tnt-keras")
@@ -66,6 +69,13 @@ __all__ = [
     "broadcast",
     "get_group_master_rank",
     "is_group_master_rank",
+    # a training loop of your own (loop_data, loop_gradients, weights)
+    "DistributedDataset",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "broadcast_variables",
+    "distribute_dataset",
+    "set_batch_share",
     "keras",
     "models",
     "__version__",

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tnt_core
 
+from . import graph_order
+from .errors import user_facing
 from .randomness import is_seed_state
+from .user_collectives import broadcast
 
-__all__ = ["broadcast_model_state"]
+__all__ = ["broadcast_model_state", "broadcast_variables"]
 
 
 def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None:
@@ -66,3 +71,53 @@ def _check_same_model(variables: list, runtime: tnt_core.Runtime) -> None:
             f"rank {r} has {n1} ({v1} values){other}. Build the same model (layers, shapes, "
             "dtypes) and optimizer on every rank: code that depends on tnt.get_rank() must not change them"
         )
+
+
+def _as_variables(variables: Any) -> list[Any]:
+    flat = tf.nest.flatten(variables)
+    for i, v in enumerate(flat):
+        if not (isinstance(v, (tf.Variable, keras.Variable))):
+            raise TypeError(f"broadcast_variables: item {i} is a {type(v).__name__}, not a variable; "
+                            "pass variables, e.g. model.weights or optimizer.variables")
+    return flat
+
+
+@tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+@user_facing
+def broadcast_variables(variables: Any, root_rank: int = 0) -> tf.Operation | None:
+    """Set every variable to its value on ``root_rank`` (a collective: every rank passes the
+    same variables, in the same order).
+
+    Eagerly it assigns at once and returns None; inside a ``tf.function`` it returns the op
+    that does (also run without being used: it is stateful), ordered after the collectives
+    traced before it (``tarantella.graph_order``).
+
+    :param variables: Keras or TensorFlow variables, or a nest of them (``model.weights``;
+        ``model.variables`` includes the random seed states, which then become the root's
+        too).
+    :param root_rank: the rank whose values every rank takes.
+    """
+    flat = _as_variables(variables)
+    if not flat:
+        return None
+    if tf.executing_eagerly():
+        values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in flat]
+        for v, value in zip(flat, broadcast(values, root_rank=root_rank)):
+            v.assign(value)
+        return None
+    dtypes = [tf.as_dtype(v.dtype) for v in flat]
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        return list(broadcast(list(arrays), root_rank=root_rank))
+
+    with tf.control_dependencies(graph_order.previous()):
+        current = [tf.identity(tf.convert_to_tensor(v)) for v in flat]
+    received = tf.numpy_function(run, current, dtypes, stateful=True, name="tnt_broadcast_variables")
+    if not isinstance(received, (list, tuple)):
+        received = [received]
+    graph_order.record(list(received[:1]))
+    assigns = []
+    for v, value in zip(flat, received):
+        value.set_shape(v.shape)
+        assigns.append(v.assign(value))
+    return tf.group(*assigns, name="tnt_broadcast_variables_assign")

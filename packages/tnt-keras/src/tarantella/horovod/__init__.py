@@ -1,0 +1,52 @@
+"""Horovod's TensorFlow 2 API on tarantella: ``import tarantella.horovod as hvd`` in place of
+``import horovod.tensorflow as hvd`` (``tarantella.horovod.keras`` for
+``horovod.tensorflow.keras``), and the script runs with ``tnt run -n N -- script.py``.
+
+The names keep Horovod's meaning: ``hvd.DistributedGradientTape`` and
+``hvd.DistributedOptimizer`` average the gradients (``op=hvd.Sum`` sums them), through
+tarantella's fused, native gradient path; ``hvd.allreduce`` averages by default. For serial
+results with any batch (a short last batch included), use ``tnt.distribute_dataset`` with
+``tnt.DistributedGradientTape``/``tnt.DistributedOptimizer``, which weigh each rank by its
+share of the global batch (see the guide "Custom training loops and Horovod scripts").
+"""
+
+from __future__ import annotations
+
+from . import callbacks
+from ._collectives import (
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allreduce,
+    broadcast,
+    broadcast_variables,
+)
+from ._runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
+from ._training import DistributedGradientTape, DistributedOptimizer
+
+__all__ = [
+    "Average",
+    "Compression",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "broadcast_variables",
+    "callbacks",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "shutdown",
+    "size",
+]

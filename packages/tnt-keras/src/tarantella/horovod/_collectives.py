@@ -1,0 +1,166 @@
+"""Horovod's tensor collectives: ``allreduce`` (averaging by default), ``allgather``,
+``broadcast``, ``broadcast_variables``, the reduction ops and the compressors.
+
+They take and return TensorFlow tensors, eagerly or inside a ``tf.function``. The data goes
+through tarantella's user collectives (``tarantella.user_collectives``: every rank checks
+that the others passed the same shapes and dtypes before any data moves); inside a
+``tf.function`` each call is one stateful op, ordered after the collectives traced before it
+(``tarantella.graph_order``). The training gradients do not come here: they take the
+fused, native path (``tarantella.loop_gradients``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+import tnt_core
+
+from .. import graph_order
+from ..errors import NotSupportedError, user_facing
+from ..user_collectives import ReductionOp
+from ..user_collectives import allgather as _allgather
+from ..user_collectives import allreduce as _allreduce
+from ..user_collectives import broadcast as _broadcast
+from ..weights import broadcast_variables
+
+__all__ = ["Average", "Compression", "Max", "Min", "Product", "Sum", "allgather", "allreduce",
+           "broadcast", "broadcast_variables", "reduction_op"]
+
+#: Horovod's reduction ops
+Average = ReductionOp.AVERAGE
+Sum = ReductionOp.SUM
+Min = ReductionOp.MIN
+Max = ReductionOp.MAX
+Product = ReductionOp.PROD
+
+
+def reduction_op(op: Any, average: bool | None, where: str) -> ReductionOp:
+    """Horovod's ``op``/``average`` arguments as one op (``Average`` when neither is given)."""
+    if op is not None and average is not None:
+        raise ValueError(f"{where}: pass op= or the older average=, not both")
+    if average is not None:
+        return Average if average else Sum
+    if op is None:
+        return Average
+    if isinstance(op, ReductionOp):
+        return op
+    raise NotSupportedError(f"{where}(op={op!r}): use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or "
+                            "hvd.Product (Adasum is not available)")
+
+
+class NoneCompressor:
+    """Tensors travel as they are."""
+
+    @staticmethod
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
+        return tensor
+
+
+class FP16Compressor:
+    """Floating-point tensors travel as float16 (half the bytes; float16's precision)."""
+
+    @staticmethod
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
+            return tf.cast(tensor, tf.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
+        return tensor if context is None else tf.cast(tensor, context)
+
+
+class Compression:
+    """Horovod's compressors: ``hvd.Compression.none`` and ``hvd.Compression.fp16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+def _on_host(fn: Callable[[list[np.ndarray]], Sequence[np.ndarray]], tensors: Sequence[tf.Tensor],
+             dtypes: Sequence[tf.DType], name: str) -> list[tf.Tensor]:
+    """``fn`` over the tensors' values, eagerly or as one ordered graph op."""
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(fn([t.numpy() for t in tensors]), dtypes)]
+    with tf.control_dependencies(graph_order.previous()):
+        inputs = [tf.identity(t) for t in tensors]
+    outs = tf.numpy_function(lambda *arrays: list(fn(list(arrays))), inputs, list(dtypes),
+                             stateful=True, name=name)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    graph_order.record(outs[:1])
+    return outs
+
+
+def _gather(tensor: tf.Tensor, name: str) -> tf.Tensor:
+    out = _on_host(lambda a: [_allgather(a[0])], [tensor], [tensor.dtype], name)[0]
+    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    return out
+
+
+def _scaled(t: tf.Tensor, factor: float) -> tf.Tensor:
+    return t if factor == 1.0 else t * tf.cast(factor, t.dtype)
+
+
+@tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+@user_facing
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
+              device_sparse: str = "", compression: Any = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: str | None = None) -> Any:
+    """The tensor reduced over the ranks: their average by default (``op=hvd.Sum``,
+    ``Min``, ``Max``, ``Product``); a ``tf.IndexedSlices`` is gathered (and its values
+    divided by the number of ranks for the average). An average of integers is their sum
+    divided by the number of ranks, with TensorFlow's integer division rule (a float64
+    result). ``device_*`` are accepted for compatibility: the data moves through the host.
+    """
+    where = "hvd.allreduce"
+    op = reduction_op(op, average, where)
+    size = tnt_core.init().size
+    label = name or "hvd_allreduce"
+    if isinstance(tensor, tf.IndexedSlices):
+        if op not in (Average, Sum):
+            raise NotSupportedError(f"{where}: a tf.IndexedSlices is gathered, so only hvd.Sum and "
+                                    "hvd.Average reduce it")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotSupportedError(f"{where}: prescale_factor/postscale_factor with a tf.IndexedSlices")
+        values = _gather(tensor.values, label + "_values")
+        indices = _gather(tensor.indices, label + "_indices")
+        if op is Average:
+            values = values / tf.cast(size, values.dtype)
+        return tf.IndexedSlices(values, indices, tensor.dense_shape)
+    t = _scaled(tf.convert_to_tensor(tensor), prescale_factor)
+    wire, context = compression.compress(t)
+    inner = ReductionOp.SUM if op is Average else op
+    reduced = _on_host(lambda a: [_allreduce(a[0], reduction_op=inner)], [wire], [wire.dtype], label)[0]
+    reduced.set_shape(wire.shape)
+    result = compression.decompress(reduced, context)
+    if op is Average:
+        result = result / (tf.cast(size, result.dtype) if result.dtype.is_floating else size)
+    return _scaled(result, postscale_factor)
+
+
+@tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+@user_facing
+def allgather(tensor: Any, name: str | None = None) -> tf.Tensor:
+    """Every rank's tensor, concatenated along the first axis in rank order (the first
+    dimensions may differ between ranks)."""
+    return _gather(tf.convert_to_tensor(tensor), name or "hvd_allgather")
+
+
+@tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+@user_facing
+def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
+    """The tensor of ``root_rank``, on every rank."""
+    t = tf.convert_to_tensor(tensor)
+    out = _on_host(lambda a: [_broadcast(a[0], root_rank=root_rank)], [t], [t.dtype],
+                   name or "hvd_broadcast")[0]
+    out.set_shape(t.shape)
+    return out

@@ -1,0 +1,278 @@
+"""Gradient reduction for a training loop of your own: ``tnt.DistributedGradientTape`` and
+``tnt.DistributedOptimizer``.
+
+Loops are written two ways, and both are served by one reduction (:func:`reduce_gradients`):
+Keras' guide "Writing a training loop from scratch" hands the tape's gradients to
+``optimizer.apply`` (or ``apply_gradients``), so wrapping the optimizer distributes the loop
+unchanged; Horovod's users wrap the tape, whose ``gradient`` then returns the reduced
+gradients. Either way the gradients go through :class:`tarantella.gradients.GradientReducer`
+(the native path where the backend offers it, tnt-core's fused allreducer otherwise), bucket
+by bucket in backward order, from eager code or inside a ``tf.function``; sparse gradients
+(``tf.IndexedSlices``) are gathered row by row, as ``fit`` does.
+
+Rank ``r`` contributes ``w_r g_r``. With :data:`BATCH_SHARE` (the ``tnt.*`` wrappers),
+``w_r = n_r / B``, this rank's share of the global batch (``tarantella.loop_data``): for a
+loss that is a mean over the micro-batch, the sum is the serial gradient, also with uneven
+batches. ``tarantella.horovod`` passes Horovod's fixed weights instead (``1 / R`` for its
+average). Inside ``tnt.Model``'s own step nothing is reduced here: the step reduces what its
+optimizers apply, once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import keras
+import tensorflow as tf
+
+import tnt_core
+
+from . import graph_order, native_ops
+from .collectives import gather_slices
+from .errors import user_facing
+from .gradients import GradientReducer, dense_gradient
+from .loop_data import batch_share
+from .steps import current_step
+
+__all__ = ["BATCH_SHARE", "Compression", "DistributedGradientTape", "DistributedOptimizer",
+           "GradientReduction", "distribute_optimizer", "reduce_gradients"]
+
+
+class Compression(Protocol):
+    """How gradients travel (Horovod's compressors): ``compress`` before, ``decompress`` after."""
+
+    def compress(self, tensor: tf.Tensor) -> tuple[tf.Tensor, Any]: ...
+
+    def decompress(self, tensor: tf.Tensor, context: Any) -> tf.Tensor: ...
+
+
+class _AsIs:
+    """No compression."""
+
+    @staticmethod
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
+        return tensor
+
+
+_AS_IS = _AsIs()
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How a loop's gradients are combined across ranks.
+
+    :param weight: makes the graph op of this rank's weight ``w_r`` (float64 scalar); the
+        result is ``sum_r w_r g_r``.
+    :param compression: the wire format of dense gradients.
+    :param sparse_as_dense: reduce ``tf.IndexedSlices`` densely instead of gathering rows.
+    """
+
+    weight: Callable[[], tf.Tensor]
+    compression: Compression = _AS_IS
+    sparse_as_dense: bool = False
+
+
+def _batch_share_weight() -> tf.Tensor:
+    return batch_share().weight()
+
+
+#: the ``tnt.*`` wrappers' reduction: each rank weighted by its share of the global batch
+BATCH_SHARE = GradientReduction(_batch_share_weight)
+
+# -- the reduction ---------------------------------------------------------------------------
+
+#: one reducer per call site of a traced graph (the i-th reduction of a graph uses the i-th),
+#: shared by every graph and by eager calls: reductions of one graph are ordered, different
+#: graphs run one after the other, and each reducer keeps a plan per set of tensor shapes
+_reducers: dict[tuple[int, int], tuple[tnt_core.Runtime, GradientReducer]] = {}
+_calls: weakref.WeakKeyDictionary[tf.Graph, int] = weakref.WeakKeyDictionary()
+
+
+def _reducer(runtime: tnt_core.Runtime) -> GradientReducer:
+    index = 0
+    if not tf.executing_eagerly():
+        graph = tf.compat.v1.get_default_graph()
+        index = _calls.get(graph, 0)
+        _calls[graph] = index + 1
+    key = (id(runtime), index)
+    entry = _reducers.get(key)
+    if entry is None:
+        entry = _reducers[key] = (runtime, GradientReducer(runtime, f"loop_{index}"))
+    return entry[1]
+
+
+@tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
+                     reduction: GradientReduction, *, keep_outputs: bool = False) -> list[Any]:
+    """``sum_r w_r g_r`` for each gradient (``None`` stays ``None``), eagerly or as graph ops.
+
+    :param variables: the variables (or watched tensors) of ``grads``, for their static
+        shapes; None when unknown.
+    :param keep_outputs: the caller hands the results to user code, which may keep them past
+        the next reduction: on the Python path they are copied out of the reused buckets.
+    """
+    grads = list(grads)
+    if current_step() is not None:  # inside tnt.Model's step: it reduces what is applied
+        return grads
+    runtime = tnt_core.init()
+    if reduction.sparse_as_dense:
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return grads
+    weight = tf.cast(reduction.weight(), tf.float64)
+    out: list[Any] = list(grads)
+    # backward order: the last layer's gradients exist first
+    dense_ids = [i for i in present[::-1] if not isinstance(grads[i], tf.IndexedSlices)]
+    sparse_ids = [i for i in present if isinstance(grads[i], tf.IndexedSlices)]
+    if dense_ids:
+        like = [variables[i] if variables is not None and _has_shape(variables[i]) else None
+                for i in dense_ids]
+        dense = [dense_gradient(grads[i], v) for i, v in zip(dense_ids, like)]
+        packed = [reduction.compression.compress(d) for d in dense]
+        reduced = _reducer(runtime).reduce([c for c, _ in packed], weight,
+                                           after=graph_order.previous())
+        graph_order.record(reduced[:1])
+        copy = keep_outputs and runtime.size > 1 and native_ops.unavailable_reason(runtime) is not None
+        for i, r, d, (_, ctx) in zip(dense_ids, reduced, dense, packed):
+            r = reduction.compression.decompress(r, ctx)
+            out[i] = tf.raw_ops.DeepCopy(x=tf.cast(r, d.dtype)) if copy else tf.cast(r, d.dtype)
+    keep = tf.not_equal(weight, 0.0)
+    for i in sparse_ids:  # row by row, as the serial step has them (Adam squares rows)
+        g = grads[i]
+        values = g.values * tf.cast(weight, g.values.dtype)
+        indices, values = gather_slices(g.indices, values, keep, runtime,
+                                        after=graph_order.previous())
+        graph_order.record([indices])
+        out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+    return out
+
+
+def _has_shape(v: Any) -> bool:
+    shape = getattr(v, "shape", None)
+    return shape is not None and tf.TensorShape(shape).is_fully_defined()
+
+
+# -- the tape ---------------------------------------------------------------------------------
+
+
+class DistributedGradientTape:
+    """A ``tf.GradientTape`` whose ``gradient`` returns the gradients reduced over the ranks.
+
+    ``tape = tnt.DistributedGradientTape(tape)`` after the forward pass, or
+    ``with tnt.DistributedGradientTape(tf.GradientTape()) as tape:``; everything but
+    ``gradient`` is the wrapped tape's. Each rank's gradient is weighted by its share of the
+    global batch (see ``tnt.distribute_dataset``), so a loss that is a mean over the
+    micro-batch gives the serial gradient on every rank.
+    """
+
+    def __init__(self, tape: tf.GradientTape, *, reduction: GradientReduction = BATCH_SHARE) -> None:
+        if not isinstance(tape, tf.GradientTape):
+            raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape; got "
+                            f"{type(tape).__name__}")
+        self._tape = tape
+        self._reduction = reduction
+
+    @tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE) -> Any:
+        """As ``tf.GradientTape.gradient``, reduced over the ranks (a collective: every rank
+        calls it with the same sources)."""
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
+                                    unconnected_gradients=unconnected_gradients)
+        flat = tf.nest.flatten(grads, expand_composites=False)
+        reduced = reduce_gradients(flat, tf.nest.flatten(sources), self._reduction, keep_outputs=True)
+        return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+    def __enter__(self) -> DistributedGradientTape:
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tape.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:  # watch, stop_recording, reset, jacobian, ...
+        return getattr(self._tape, name)
+
+
+# -- the optimizer ------------------------------------------------------------------------------
+
+
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """A Keras optimizer whose ``apply`` (and ``apply_gradients``) first reduces the gradients
+    over the ranks: ``optimizer = tnt.DistributedOptimizer(optimizer)``.
+
+    Returns the optimizer itself, distributed (as ``tnt.Model`` does with a model): its
+    state, hyper-parameters and config stay, ``isinstance(opt, keras.optimizers.Adam)`` holds,
+    and Keras saves it as the plain optimizer. Each rank's gradient is weighted by its share
+    of the global batch (see ``tnt.distribute_dataset``). Compiled into a ``tnt.Model`` it
+    reduces nothing itself: the model's step reduces once.
+    """
+
+    _tnt_base: type
+    _tnt_reduction: GradientReduction
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is DistributedOptimizer:
+            optimizer = kwargs.pop("optimizer", args[0] if args else None)
+            if len(args) > 1 or kwargs:
+                raise TypeError("tnt.DistributedOptimizer(optimizer) takes the optimizer only")
+            return distribute_optimizer(optimizer, BATCH_SHARE, "tnt.DistributedOptimizer")
+        base = cls.__dict__.get("_tnt_base")
+        if base is None:
+            raise TypeError("tnt.DistributedOptimizer is not a base class: pass an optimizer "
+                            "instance to tnt.DistributedOptimizer(...)")
+        return distribute_optimizer(base(*args, **kwargs), BATCH_SHARE, "tnt.DistributedOptimizer")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: ``__new__`` returned the user's optimizer, initialised already."""
+
+    @tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        """Reduce ``grads`` over the ranks, then apply them as the optimizer does."""
+        grads = list(grads)
+        variables = None if trainable_variables is None else list(trainable_variables)
+        reduced = reduce_gradients(grads, variables, self._tnt_reduction)
+        return super().apply(reduced, variables)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _distributed_class(cls: type) -> type:
+    """``Distributed<cls>(DistributedOptimizer, cls)``, made once per class; it reports
+    ``cls`` as its ``__class__``, so Keras serializes it as the plain optimizer."""
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
+            "_tnt_base": cls,
+        }
+        sub = _CLASSES[cls] = type(cls.__name__, (DistributedOptimizer, cls), namespace)
+    return sub
+
+
+@user_facing
+def distribute_optimizer(optimizer: Any, reduction: GradientReduction, where: str) -> Any:
+    """``optimizer`` made to reduce its gradients with ``reduction`` (in place)."""
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise TypeError(f"{where}: {type(optimizer).__name__} is a TensorFlow 1 optimizer "
+                        "(tf.compat.v1.train), which Keras 3 cannot use; pass a Keras optimizer, "
+                        "e.g. keras.optimizers.SGD(learning_rate=0.1)")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"{where} wraps a Keras optimizer instance (e.g. "
+                        f"keras.optimizers.Adam(1e-3)); got {type(optimizer).__name__}")
+    if not isinstance(optimizer, DistributedOptimizer):
+        object.__setattr__(optimizer, "__class__", _distributed_class(type(optimizer)))
+    object.__setattr__(optimizer, "_tnt_reduction", reduction)
+    return optimizer
