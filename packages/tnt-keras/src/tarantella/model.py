@@ -35,16 +35,19 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-# Keras' own class-weight map (what its data adapters apply); no public name for it
-from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
-
 import tnt_core
 from tnt_core import TntError
 
+from . import _keras_compat, files, randomness, steps
 from . import callbacks as tnt_callbacks
-from . import files, randomness, steps
 from .batchnorm import synchronized_layers
-from .datasets import DistributedData, prepare_data, shard_arrays, split_validation
+from .datasets import (
+    DistributedData,
+    class_weights_as_sample_weights,
+    prepare_data,
+    shard_arrays,
+    split_validation,
+)
 from .errors import DatasetError, NotSupportedError, user_facing
 from .gradients import GradientReducer
 from .losses import normaliser
@@ -324,13 +327,13 @@ class Model(keras.Model):
         What fails here (a wrong input shape, an unknown loss) is Keras' own error, as its
         first step would raise it."""
         if predict:
-            if not all(layer.built for layer in [self, *_all_layers(self)]):
+            if not all(layer.built for layer in [self, *_keras_compat.all_layers(self)]):
                 x = batch_spec[0] if isinstance(batch_spec, tuple) else batch_spec
                 self(keras.tree.map_structure(
                     lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
         else:
-            self._symbolic_build(data_batch=batch_spec)
-        self._tnt.synchronized_bn = synchronized_layers(_all_layers(self))
+            _keras_compat.symbolic_build(self, batch_spec)
+        self._tnt.synchronized_bn = synchronized_layers(_keras_compat.all_layers(self))
         self._tnt_check_layers(distributed)
         if not self._tnt.seeds_folded:
             randomness.fold_rank_into_seeds(self, self._tnt.runtime.rank)
@@ -341,7 +344,7 @@ class Model(keras.Model):
         runtime = self._tnt.runtime
         if runtime.size == 1 or not distributed:
             return
-        for layer in _all_layers(self):
+        for layer in _keras_compat.all_layers(self):
             if not isinstance(layer, keras.layers.BatchNormalization):
                 continue
             if getattr(layer, "synchronized", False):
@@ -399,7 +402,7 @@ class Model(keras.Model):
         :param tnt_distribute_dataset: False when every rank already gets its own data.
         :param tnt_distribute_validation_dataset: the same for the validation data.
         """
-        self._assert_compile_called("fit")
+        _check_compiled(self, "fit")
         callbacks = _check_loop_arguments(
             "fit", callbacks, {"x": x, "y": y, "sample_weight": sample_weight,
                                "validation_data": validation_data},
@@ -452,13 +455,13 @@ class Model(keras.Model):
                  tnt_micro_batch_size: int | None = None, tnt_distribute_dataset: bool = True,
                  **kwargs: Any) -> Any:
         """``keras.Model.evaluate``, data-parallel; the result equals serial evaluation."""
-        if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: the data is ours already
+        if _keras_compat.is_fit_validation(kwargs):  # fit's validation: the data is ours already
             return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
                                     sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                                     return_dict=return_dict, **kwargs)
         if kwargs:
             raise TypeError(f"evaluate() got unexpected arguments {sorted(kwargs)}")
-        self._assert_compile_called("evaluate")
+        _check_compiled(self, "evaluate")
         callbacks = _check_loop_arguments(
             "evaluate", callbacks, {"x": x, "y": y, "sample_weight": sample_weight},
             batch_size=batch_size, steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
@@ -512,12 +515,12 @@ class Model(keras.Model):
                        class_weight: Any = None, return_dict: bool = False) -> Any:
         """``keras.Model.train_on_batch`` on the *global* batch: every rank passes the same
         batch and takes its micro-batch; one step equal to a serial one."""
-        self._assert_compile_called("train_on_batch")
+        _check_compiled(self, "train_on_batch")
         if class_weight is not None:
             if sample_weight is not None:
                 raise ValueError("pass either class_weight or sample_weight to train_on_batch, "
                                  "not both (as Keras)")
-            sample_weight = class_weight_to_sample_weights(y, class_weight)
+            sample_weight = class_weights_as_sample_weights(y, class_weight)
         packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
         return super().train_on_batch(packed, return_dict=return_dict)
 
@@ -525,7 +528,7 @@ class Model(keras.Model):
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
         """``keras.Model.test_on_batch`` on the global batch (see :meth:`train_on_batch`)."""
-        self._assert_compile_called("test_on_batch")
+        _check_compiled(self, "test_on_batch")
         packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
         return super().test_on_batch(packed, return_dict=return_dict)
 
@@ -586,6 +589,12 @@ class Model(keras.Model):
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+def _check_compiled(model: keras.Model, method: str) -> None:
+    """A loop that trains or evaluates needs ``compile()`` first (Keras' own refusal)."""
+    if not model.compiled:
+        raise ValueError(f"You must call `compile()` before calling `{method}()`.")
+
 
 def _check_suffix(method: str, filepath: Any, kwargs: dict[str, Any]) -> None:
     """Keras' own refusal of a file name it cannot save to, raised before the collective
@@ -809,11 +818,6 @@ def _model_arguments(model: Any = None, parallel_strategy: Any = ParallelStrateg
     if model is None:
         raise TypeError("tnt.Model(model): pass the keras.Model to distribute")
     return model, parallel_strategy, num_micro_batches
-
-
-def _all_layers(model: keras.Model) -> list[keras.layers.Layer]:
-    """Every layer inside ``model``, nested models included (Keras' own traversal)."""
-    return list(model._flatten_layers(include_self=False))  # noqa: SLF001 (no public equivalent)
 
 
 def _is_dataset(x: Any) -> bool:

@@ -31,11 +31,11 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import randomness, timeline
+from . import _keras_compat, randomness, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError, user_facing
 from .files import writes_locally
-from .model import Model, ParallelStrategy, _DistributedState
+from .model import Model, ParallelStrategy, _check_compiled, _DistributedState
 from .partition import Partitioning, partition
 from .pipeline import StageStep, check_stage_model
 
@@ -478,7 +478,7 @@ class PipelinedModel(Model):
                                     tnt_validation_micro_batch_size=tnt_validation_micro_batch_size,
                                     tnt_distribute_dataset=not tnt_distribute_dataset,
                                     tnt_distribute_validation_dataset=not tnt_distribute_validation_dataset)
-        self._assert_compile_called("fit")
+        _check_compiled(self, "fit")
         self._tnt_start()
         master = self._tnt.runtime.is_master
         return keras.Model.fit(
@@ -496,10 +496,10 @@ class PipelinedModel(Model):
                  tnt_micro_batch_size: int | None = None, tnt_distribute_dataset: bool = True,
                  **kwargs: Any) -> Any:
         """``keras.Model.evaluate`` of the pipeline; every rank returns the serial result."""
-        if not kwargs.get("_use_cached_eval_dataset"):  # fit's validation: set up by fit
+        if not _keras_compat.is_fit_validation(kwargs):  # fit's validation: set up by fit
             _no_data_parallel_arguments("evaluate", tnt_micro_batch_size=tnt_micro_batch_size,
                                         tnt_distribute_dataset=not tnt_distribute_dataset)
-            self._assert_compile_called("evaluate")
+            _check_compiled(self, "evaluate")
             self._tnt_start()
             callbacks = self._tnt_loop_callbacks(callbacks, train=False)
             verbose = verbose if self._tnt.runtime.is_master else 0
@@ -527,7 +527,7 @@ class PipelinedModel(Model):
         model is gathered after it (every weight from its stage, as at the end of ``fit``),
         so ``get_weights`` between calls sees it: a loop of these costs one broadcast of the
         weights per step, which ``fit`` spares."""
-        self._assert_compile_called("train_on_batch")
+        _check_compiled(self, "train_on_batch")
         self._tnt_start()
         logs = keras.Model.train_on_batch(self, x, y, sample_weight=sample_weight,
                                           class_weight=class_weight, return_dict=return_dict)
@@ -537,7 +537,7 @@ class PipelinedModel(Model):
     @user_facing
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
-        self._assert_compile_called("test_on_batch")
+        _check_compiled(self, "test_on_batch")
         self._tnt_start()
         return keras.Model.test_on_batch(self, x, y, sample_weight=sample_weight,
                                          return_dict=return_dict)
