@@ -31,11 +31,11 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, randomness, timeline
+from . import _keras_compat, arguments, randomness, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError, user_facing
 from .files import writes_locally
-from .model import Model, ParallelStrategy, _check_compiled, _DistributedState
+from .model import Model, ParallelStrategy, _DistributedState
 from .partition import Partitioning, partition
 from .pipeline import StageStep, check_stage_model
 
@@ -131,10 +131,7 @@ def pipelined(model: keras.Model, num_micro_batches: Any,
               strategy: ParallelStrategy = ParallelStrategy.PIPELINING) -> PipelinedModel:
     """Make ``model`` a pipelined ``tnt.Model`` (``tnt.Model`` calls this); with
     ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them."""
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, (int, np.integer)) \
-            or num_micro_batches < 1:
-        raise ValueError(f"tnt.Model(num_micro_batches={num_micro_batches!r}): the number of "
-                         "micro-batches each global batch is split into, a positive integer")
+    num_micro_batches = arguments.check_num_micro_batches(num_micro_batches)
     runtime = tnt_core.init()
     parts = partition(model)
     if parts.num_partitions == 1:
@@ -171,7 +168,7 @@ def pipelined(model: keras.Model, num_micro_batches: Any,
             f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
             "backend does not provide; use one that does (gloo, mpi)")
     check_stage_model(parts.models[runtime.rank % stages], runtime.rank % stages)
-    state = _PipelineState(runtime, parts, int(num_micro_batches), strategy)
+    state = _PipelineState(runtime, parts, num_micro_batches, strategy)
     # the replicas of a stage draw their own Dropout masks, for their own samples, as the
     # ranks of DATA do (pipeline 0 keeps the serial stream)
     randomness.fold_rank_into_seeds(model, state.replica)
@@ -231,6 +228,7 @@ class PipelinedModel(Model):
         if steps_per_execution != 1:
             raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
                                     "eagerly, one batch at a time; leave it at 1")
+        arguments.check_optimizer(optimizer)
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer(optimizer, scaled=auto_scale_loss and
                          keras.config.dtype_policy().name == "mixed_float16")
@@ -474,11 +472,17 @@ class PipelinedModel(Model):
             tnt_distribute_validation_dataset: bool = True) -> keras.callbacks.History:
         """``keras.Model.fit`` of the pipeline: ``batch_size`` is the global batch, split
         into ``num_micro_batches`` micro-batches; every rank passes the same data."""
-        _no_data_parallel_arguments("fit", tnt_micro_batch_size=tnt_micro_batch_size,
-                                    tnt_validation_micro_batch_size=tnt_validation_micro_batch_size,
-                                    tnt_distribute_dataset=not tnt_distribute_dataset,
-                                    tnt_distribute_validation_dataset=not tnt_distribute_validation_dataset)
-        _check_compiled(self, "fit")
+        arguments.refuse_data_parallel_arguments(
+            "fit", tnt_micro_batch_size=tnt_micro_batch_size,
+            tnt_validation_micro_batch_size=tnt_validation_micro_batch_size,
+            tnt_distribute_dataset=not tnt_distribute_dataset,
+            tnt_distribute_validation_dataset=not tnt_distribute_validation_dataset)
+        callbacks = arguments.check_fit(
+            self, x=x, y=y, sample_weight=sample_weight, validation_data=validation_data,
+            callbacks=callbacks, batch_size=batch_size, epochs=epochs,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq)
         self._tnt_start()
         master = self._tnt.runtime.is_master
         return keras.Model.fit(
@@ -497,9 +501,12 @@ class PipelinedModel(Model):
                  **kwargs: Any) -> Any:
         """``keras.Model.evaluate`` of the pipeline; every rank returns the serial result."""
         if not _keras_compat.is_fit_validation(kwargs):  # fit's validation: set up by fit
-            _no_data_parallel_arguments("evaluate", tnt_micro_batch_size=tnt_micro_batch_size,
-                                        tnt_distribute_dataset=not tnt_distribute_dataset)
-            _check_compiled(self, "evaluate")
+            arguments.refuse_data_parallel_arguments(
+                "evaluate", tnt_micro_batch_size=tnt_micro_batch_size,
+                tnt_distribute_dataset=not tnt_distribute_dataset)
+            callbacks = arguments.check_evaluate(
+                self, x=x, y=y, sample_weight=sample_weight, callbacks=callbacks,
+                batch_size=batch_size, steps=steps)
             self._tnt_start()
             callbacks = self._tnt_loop_callbacks(callbacks, train=False)
             verbose = verbose if self._tnt.runtime.is_master else 0
@@ -513,8 +520,11 @@ class PipelinedModel(Model):
                 tnt_micro_batch_size: int | None = None,
                 tnt_distribute_dataset: bool = True) -> Any:
         """``keras.Model.predict`` of the pipeline; every rank returns the whole result."""
-        _no_data_parallel_arguments("predict", tnt_micro_batch_size=tnt_micro_batch_size,
-                                    tnt_distribute_dataset=not tnt_distribute_dataset)
+        arguments.refuse_data_parallel_arguments(
+            "predict", tnt_micro_batch_size=tnt_micro_batch_size,
+            tnt_distribute_dataset=not tnt_distribute_dataset)
+        callbacks = arguments.check_predict(self, x=x, callbacks=callbacks, batch_size=batch_size,
+                                            steps=steps)
         self._tnt_start()
         return keras.Model.predict(self, x, batch_size=batch_size,
                                    verbose=verbose if self._tnt.runtime.is_master else 0,
@@ -527,7 +537,7 @@ class PipelinedModel(Model):
         model is gathered after it (every weight from its stage, as at the end of ``fit``),
         so ``get_weights`` between calls sees it: a loop of these costs one broadcast of the
         weights per step, which ``fit`` spares."""
-        _check_compiled(self, "train_on_batch")
+        arguments.check_compiled(self, "train_on_batch")
         self._tnt_start()
         logs = keras.Model.train_on_batch(self, x, y, sample_weight=sample_weight,
                                           class_weight=class_weight, return_dict=return_dict)
@@ -537,7 +547,7 @@ class PipelinedModel(Model):
     @user_facing
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
-        _check_compiled(self, "test_on_batch")
+        arguments.check_compiled(self, "test_on_batch")
         self._tnt_start()
         return keras.Model.test_on_batch(self, x, y, sample_weight=sample_weight,
                                          return_dict=return_dict)
@@ -671,12 +681,3 @@ def _single(loss: Any, what: str) -> Any:
         raise NotSupportedError(f"compile({what}=...) with {len(values)} entries: pipelining "
                                 "trains single-output models in this release")
     return values[0]
-
-
-def _no_data_parallel_arguments(method: str, **given: Any) -> None:
-    """Refuse the DATA-only ``tnt_*`` arguments (given: those not at their default)."""
-    names = sorted(name for name, value in given.items() if value not in (None, False))
-    if names:
-        raise TypeError(f"{method}({', '.join(names)}=...): these arguments split data across "
-                        "ranks for ParallelStrategy.DATA; a pipelined model reads the whole "
-                        "global batch on every rank")
