@@ -1,61 +1,47 @@
-"""``tnt.Model``: the user's Keras model, trained data-parallel with the results of serial
-training.
+"""``tnt.Model``: the user's Keras model, distributed in place; the base of both strategies.
 
 ``tnt.Model(keras_model)`` returns *the same object*, now an instance of a subclass made
-for its class: ``class Distributed<Cls>(tnt.Model, Cls)``. So it stays everything it was
-(``isinstance(m, keras.Model)`` and ``isinstance(m, Cls)`` hold, it nests in other models,
-``self.model`` in callbacks is it, ``keras.saving.save_model`` takes it), its layers,
-weights, summary and config are untouched, and the user's own ``train_step``/
-``compute_loss`` overrides still run: tnt.Model's methods come first in the method order and
-call them through ``super()``. What it adds, only around Keras' own machinery:
-
-* ``fit``/``evaluate``/``predict``/``*_on_batch`` turn the input into this rank's
-  micro-batches through Keras' data adapters (``tarantella.datasets``) and run Keras' loop;
-* the steps reduce gradients, metric states and logs across ranks (``tarantella.steps``);
-* callbacks run on every rank or on the master only (``tarantella.callbacks``);
-* the master's weights are broadcast before every ``fit``/``evaluate``/``predict``, and
-  every rank folds its rank into the model's random seeds (``tarantella.randomness``);
-* writing (``save``, ``save_weights``, ``export``) happens once, atomically
-  (``tarantella.files``).
-
-For serialization the distributed subclass reports the user's class as ``__class__``, so a
+for its class: ``class <Cls>(<sibling>, Cls)``, where the sibling is the strategy's model
+class, :class:`~tarantella.data_parallel.DataParallelModel` or
+:class:`~tarantella.pipelined_model.PipelinedModel`, both subclasses of :class:`Model`. So
+the model stays everything it was (``isinstance(m, keras.Model)`` and ``isinstance(m,
+Cls)`` hold, it nests in other models, ``self.model`` in callbacks is it,
+``keras.saving.save_model`` takes it), its layers, weights, summary and config are
+untouched, and the user's own ``train_step``/``compute_loss`` overrides still run: the
+sibling's methods come first in the method order and call them through ``super()``. For
+serialization the distributed subclass reports the user's class as ``__class__``, so a
 saved file is exactly the one plain Keras writes and loads without tarantella.
+
+What this base holds is what both strategies share: the strategy and its parsing, the class
+swap, the state every distributed model keeps (runtime, strategy, whether the master's
+weights must be broadcast), identity, ``summary`` on the master, and writing files once
+(``save``, ``save_weights``, ``export``; ``tarantella.files``). The loops, the steps and
+what a strategy adds to ``compile`` are the siblings'; the checks of the user's arguments
+are :mod:`tarantella.arguments`'. A sibling names the strategies it trains in its class
+statement (``class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,))``), so
+this module imports neither of them.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
-import inspect
+import json
 import os
-import warnings
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import keras
-import tensorflow as tf
 
 import tnt_core
 from tnt_core import TntError
 
-from . import _keras_compat, arguments, files, randomness, steps
-from . import callbacks as tnt_callbacks
-from .batchnorm import synchronized_layers
-from .datasets import (
-    DistributedData,
-    class_weights_as_sample_weights,
-    prepare_data,
-    shard_arrays,
-    split_validation,
-)
-from .errors import NotSupportedError, user_facing
-from .gradients import GradientReducer
-from .losses import normaliser
-from .steps import LocalIncrements, current_step, gradient_factor
-from .weights import broadcast_model_state
+from . import arguments, files
+from .errors import NotSupportedError
+from .steps import LocalIncrements
+from .tracebacks import user_facing
 
-__all__ = ["Model", "ParallelStrategy"]
-
-_BN_MIN_MICRO_BATCH = 16
+__all__ = ["DistributedState", "Model", "ParallelStrategy", "keras_model_from_config"]
 
 
 class ParallelStrategy(enum.Enum):
@@ -75,52 +61,6 @@ class ParallelStrategy(enum.Enum):
         if both == {ParallelStrategy.DATA, ParallelStrategy.PIPELINING} or ParallelStrategy.ALL in both:
             return ParallelStrategy.ALL
         return self
-
-
-class _DistributedState:
-    """What a distributed model keeps besides its Keras state (one per model)."""
-
-    def __init__(self, runtime: tnt_core.Runtime, strategy: ParallelStrategy) -> None:
-        self.runtime = runtime
-        self.strategy = strategy
-        self._reducers: dict[str, GradientReducer] = {}
-        self._local = {"train": LocalIncrements(), "test": LocalIncrements()}
-        self.seeds_folded = False
-        self.warned_batch_norm: set[str] = set()
-        #: the model's BatchNormalization(synchronized=True) layers (tarantella.batchnorm)
-        self.synchronized_bn: list[keras.layers.BatchNormalization] = []
-        self.needs_broadcast = True
-        #: what _tnt_build made ready ("predict": the layers; "train": also metrics and
-        #: optimizer), so *_on_batch, called every step, need not walk the model again
-        self.ready: set[str] = set()
-
-    def gradient_reducer(self, name: str) -> GradientReducer:
-        reducer = self._reducers.get(name)
-        if reducer is None:
-            reducer = self._reducers[name] = GradientReducer(self.runtime, name)
-        return reducer
-
-    def local_increments(self, kind: str) -> LocalIncrements:
-        return self._local.setdefault(kind, LocalIncrements())
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _distributed_class(cls: type) -> type:
-    """``Distributed<cls>(Model, cls)``, made once per class. It reports ``cls`` as its
-    ``__class__`` so that Keras serializes its instances as plain ``cls`` objects."""
-    sub = _CLASSES.get(cls)
-    if sub is None:
-        namespace = {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
-            "_tnt_base": cls,
-        }
-        sub = _CLASSES[cls] = type(cls.__name__, (Model, cls), namespace)
-    return sub
 
 
 #: strategies of the Tarantella design that this release does not implement
@@ -145,6 +85,42 @@ def _strategy(value: Any) -> ParallelStrategy:
     )
 
 
+class DistributedState:
+    """What every distributed model keeps besides its Keras state (one per model); each
+    strategy's model keeps a subclass."""
+
+    def __init__(self, runtime: tnt_core.Runtime, strategy: ParallelStrategy) -> None:
+        self.runtime = runtime
+        self.strategy = strategy
+        #: the master's weights must reach every rank before the next step
+        self.needs_broadcast = True
+        self._local = {"train": LocalIncrements(), "test": LocalIncrements()}
+
+    def local_increments(self, kind: str) -> LocalIncrements:
+        """This rank's own metric increments (what callbacks with ``aggregate_logs=False``
+        show); the data-parallel steps record them."""
+        return self._local.setdefault(kind, LocalIncrements())
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _distributed_class(sibling: type, cls: type) -> type:
+    """``<cls>(sibling, cls)``, made once per pair. It reports ``cls`` as its ``__class__``
+    so that Keras serializes its instances as plain ``cls`` objects."""
+    sub = _CLASSES.get((sibling, cls))
+    if sub is None:
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
+            "_tnt_base": cls,
+        }
+        sub = _CLASSES[(sibling, cls)] = type(cls.__name__, (sibling, cls), namespace)
+    return sub
+
+
 def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None) -> Model:
     strategy = _strategy(parallel_strategy)
     if num_micro_batches is not None and strategy is ParallelStrategy.DATA:
@@ -164,15 +140,18 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
             f"tnt.Model wraps a keras.Model (Sequential, functional or sub-classed); got "
             f"{type(model).__name__}"
         )
-    if strategy is not ParallelStrategy.DATA:
-        from .pipelined_model import pipelined
+    sibling = Model._tnt_siblings[strategy]  # noqa: SLF001 (this module's class)
+    return sibling._tnt_distribute(model, strategy, num_micro_batches)  # noqa: SLF001 (its hook)
 
-        return pipelined(model, 1 if num_micro_batches is None else num_micro_batches, strategy)
-    object.__setattr__(model, "__class__", _distributed_class(type(model)))
-    object.__setattr__(model, "_tnt", _DistributedState(tnt_core.init(), strategy))
-    if getattr(model, "compiled", False):
-        model._tnt_check_compiled()  # noqa: SLF001 (the model is a tnt.Model by now)
-    return model
+
+def keras_model_from_config(config: dict, custom_objects: dict | None = None) -> keras.Model:
+    """A Keras model from a model's ``get_config()``, or from a serialized ``{"class_name":
+    ..., "config": ...}`` dict (new weights)."""
+    if isinstance(config, dict) and "class_name" in config and "config" in config:
+        return keras.models.model_from_json(json.dumps(config), custom_objects=custom_objects)
+    if isinstance(config, dict) and "layers" in config and "input_layers" not in config:
+        return keras.Sequential.from_config(config, custom_objects=custom_objects)
+    return keras.Model.from_config(config, custom_objects=custom_objects)
 
 
 class Model(keras.Model):
@@ -188,14 +167,22 @@ class Model(keras.Model):
         batch is split into (default 1; ``num_pipeline_stages`` is the same).
     """
 
-    _tnt: _DistributedState
+    _tnt: DistributedState
     _tnt_base: type
+    #: the model class that trains each strategy (the siblings register in their class
+    #: statements: ``strategies=(...)``)
+    _tnt_siblings: ClassVar[dict[ParallelStrategy, type[Model]]] = {}
+
+    def __init_subclass__(cls, strategies: Iterable[ParallelStrategy] = (), **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for strategy in strategies:
+            Model._tnt_siblings[strategy] = cls
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Model:
-            model, strategy, micro = arguments.model_arguments(*args, **kwargs)
             try:
-                return _distribute(model, _strategy(strategy), micro)
+                model, strategy, micro = arguments.model_arguments(*args, **kwargs)
+                return _distribute(model, strategy, micro)
             except (TntError, ValueError, TypeError) as exc:  # a refusal: at the user's call
                 raise exc.with_traceback(None) from None
         base = cls.__dict__.get("_tnt_base")
@@ -208,6 +195,20 @@ class Model(keras.Model):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: ``__new__`` returned the user's model, initialised already."""
+
+    @classmethod
+    def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
+                        num_micro_batches: Any) -> Model:
+        """Make ``model`` (a plain Keras model) a model of this strategy (each sibling's)."""
+        raise NotImplementedError(f"{cls.__name__} trains no strategy")
+
+    @classmethod
+    def _tnt_adopt(cls, model: keras.Model, state: DistributedState) -> Any:
+        """The class swap: ``model`` becomes an instance of ``<its class>(cls, its class)``
+        holding ``state``."""
+        object.__setattr__(model, "__class__", _distributed_class(cls, type(model)))
+        object.__setattr__(model, "_tnt", state)
+        return model
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -229,9 +230,7 @@ class Model(keras.Model):
     def from_config(cls, config: dict, custom_objects: Any = None) -> Any:
         """A new ``tnt.Model`` from ``get_config()`` output (new weights)."""
         if cls is Model:
-            from .models import model_from_config
-
-            return model_from_config(config, custom_objects=custom_objects)
+            return Model(keras_model_from_config(config, custom_objects=custom_objects))
         base = cls.__dict__["_tnt_base"]
         made = (base.from_config(config) if custom_objects is None
                 else base.from_config(config, custom_objects=custom_objects))
@@ -239,18 +238,9 @@ class Model(keras.Model):
 
     # -- configuration ------------------------------------------------------------------------
 
-    @user_facing
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        """As ``keras.Model.compile``; XLA is switched off (the step calls into Python)."""
-        if kwargs.get("jit_compile") is True:
-            warnings.warn("tnt.Model runs the collectives from Python inside the step, which XLA "
-                          "cannot compile; using jit_compile=False", stacklevel=2)
-            kwargs["jit_compile"] = False
-        arguments.check_optimizer(kwargs.get("optimizer", args[0] if args else None))
-        super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
-        self._tnt_check_compiled()
-
     def _tnt_check_compiled(self) -> None:
+        """After ``compile``: refuse what no strategy trains, and broadcast the master's state
+        before the next step."""
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and not isinstance(optimizer, keras.optimizers.Optimizer):
             raise NotSupportedError(
@@ -260,268 +250,11 @@ class Model(keras.Model):
         if getattr(self, "jit_compile", False):
             self.jit_compile = False
         self._tnt.needs_broadcast = True
-        self._tnt.ready.clear()  # new metrics and optimizer to build
 
     def summary(self, *args: Any, **kwargs: Any) -> None:
         """Print the Keras summary, on the master rank only."""
         if self._tnt.runtime.is_master:
             super().summary(*args, **kwargs)
-
-    # -- the steps (Keras' own or the user's, distributed) -------------------------------------
-
-    def train_step(self, data: Any) -> Any:
-        if not steps.is_distributed(data):
-            raise steps.undistributed("train_step")
-        return steps.train_step(self, data, super().train_step, self._tnt)
-
-    def test_step(self, data: Any) -> Any:
-        if not steps.is_distributed(data):
-            raise steps.undistributed("test_step")
-        return steps.test_step(self, data, super().test_step, self._tnt)
-
-    def predict_step(self, data: Any) -> Any:
-        if not steps.is_distributed(data):
-            raise steps.undistributed("predict_step")
-        return steps.predict_step(self, data, super().predict_step, self._tnt)
-
-    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
-                     sample_weight: Any = None, training: bool = True) -> Any:
-        """Keras' (or the user's) loss; records its global normaliser for the step."""
-        parent = super().compute_loss
-        if "training" in inspect.signature(parent).parameters:
-            loss = parent(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
-        else:
-            loss = parent(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-        step = current_step()
-        if step is None or step.model is not self or step.loss is not None:
-            return loss
-        step.loss = loss
-        if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:  # noqa: SLF001
-            step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
-        if step.kind != "train":
-            return loss
-        # Weigh the loss, not only its gradient: each sample's backward pass then carries the
-        # magnitudes of the serial one (a float16 layer overflows exactly when serial does).
-        factor = tf.cast(gradient_factor(step, self._tnt), loss.dtype)
-        step.prescaled = True
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is not None:  # the timeline of the reducer that model.optimizer uses
-            reducer = self._tnt.gradient_reducer(f"train_{optimizer.name}_0")
-            if reducer.timeline is not None:
-                reducer.mark_backprop_start(loss)
-        return tf.where(step.has_data, loss * factor, tf.zeros_like(loss))
-
-    # -- before a loop ---------------------------------------------------------------------------
-
-    def _tnt_build(self, batch_spec: Any, distributed: bool = True, *, predict: bool = False) -> None:
-        """Build model, metrics and optimizer before the first step, as Keras does under a
-        distribution strategy, so that the master's state can be broadcast first. For
-        ``predict``, the layers only (a symbolic call), as Keras' predict needs no metrics.
-        What fails here (a wrong input shape, an unknown loss) is Keras' own error, as its
-        first step would raise it."""
-        if predict:
-            if not all(layer.built for layer in [self, *_keras_compat.all_layers(self)]):
-                x = batch_spec[0] if isinstance(batch_spec, tuple) else batch_spec
-                self(keras.tree.map_structure(
-                    lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
-        else:
-            _keras_compat.symbolic_build(self, batch_spec)
-        self._tnt.synchronized_bn = synchronized_layers(_keras_compat.all_layers(self))
-        self._tnt_check_layers(distributed)
-        if not self._tnt.seeds_folded:
-            randomness.fold_rank_into_seeds(self, self._tnt.runtime.rank)
-            self._tnt.seeds_folded = True
-        self._tnt.ready.update(("predict",) if predict else ("predict", "train"))
-
-    def _tnt_check_layers(self, distributed: bool) -> None:
-        runtime = self._tnt.runtime
-        if runtime.size == 1 or not distributed:
-            return
-        for layer in _keras_compat.all_layers(self):
-            if not isinstance(layer, keras.layers.BatchNormalization):
-                continue
-            if getattr(layer, "synchronized", False):
-                continue  # the global batch's moments (tarantella.batchnorm)
-            if layer.name not in self._tnt.warned_batch_norm and runtime.is_master:
-                self._tnt.warned_batch_norm.add(layer.name)
-                warnings.warn(
-                    f"BatchNormalization layer {layer.name!r} computes its batch statistics on "
-                    "each rank's micro-batch, not the global batch: training differs from serial "
-                    "training (use synchronized=True for the global batch's statistics, increase "
-                    "the micro-batch size, or use fewer ranks)",
-                    stacklevel=4,
-                )
-
-    def _tnt_broadcast(self) -> None:
-        broadcast_model_state(self, self._tnt.runtime)
-        self._tnt.needs_broadcast = False
-
-    def _tnt_callbacks(self, callbacks: Any, *, verbose: Any, epochs: int, steps: int | None,
-                       add_history: bool, data: list[DistributedData]) -> keras.callbacks.CallbackList:
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks = callbacks.callbacks
-        runtime = self._tnt.runtime
-        wrapped = tnt_callbacks.distribute_callbacks(list(callbacks or []), self, runtime,
-                                                     adapters=[d.adapter for d in data])
-        master = runtime.is_master
-        return keras.callbacks.CallbackList(
-            wrapped,
-            add_history=add_history,
-            add_progbar=master and verbose != 0,
-            model=self,
-            verbose=verbose if master else 0,
-            epochs=epochs,
-            steps=steps,
-        )
-
-    # -- the loops -------------------------------------------------------------------------------
-
-    @user_facing
-    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
-            verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
-            validation_data: Any = None, shuffle: bool = True, class_weight: Any = None,
-            sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
-            validation_steps: int | None = None, validation_batch_size: int | None = None,
-            validation_freq: int = 1, *, tnt_micro_batch_size: int | None = None,
-            tnt_validation_micro_batch_size: int | None = None,
-            tnt_distribute_dataset: bool = True,
-            tnt_distribute_validation_dataset: bool = True) -> keras.callbacks.History:
-        """``keras.Model.fit``, data-parallel. ``batch_size`` and the dataset's batches are
-        the *global* batch size.
-
-        :param tnt_micro_batch_size: the per-rank batch size instead (global = micro x ranks);
-            a dataset may then be unbatched.
-        :param tnt_validation_micro_batch_size: the same for the validation data.
-        :param tnt_distribute_dataset: False when every rank already gets its own data.
-        :param tnt_distribute_validation_dataset: the same for the validation data.
-        """
-        callbacks = arguments.check_fit(
-            self, x=x, y=y, sample_weight=sample_weight, validation_data=validation_data,
-            callbacks=callbacks, batch_size=batch_size, epochs=epochs,
-            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq, tnt_micro_batch_size=tnt_micro_batch_size,
-            tnt_validation_micro_batch_size=tnt_validation_micro_batch_size)
-        if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
-                                                                      validation_split)
-        runtime = self._tnt.runtime
-        train = prepare_data(x, y, sample_weight, batch_size=batch_size, shuffle=bool(shuffle),
-                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
-                             class_weight=class_weight, steps=steps_per_epoch, purpose="training",
-                             runtime=runtime)
-        loops = [train]
-        val = None
-        if validation_data is not None:
-            vx, vy, vsw = _unpack_validation(validation_data)
-            val = prepare_data(vx, vy, vsw, batch_size=None if _is_dataset(vx) else
-                               (validation_batch_size or batch_size),
-                               micro_batch_size=tnt_validation_micro_batch_size,
-                               distribute=tnt_distribute_validation_dataset, steps=validation_steps,
-                               purpose="validation", runtime=runtime)
-            loops.append(val)
-        self._tnt_build(train.batch_spec, train.distributed)
-        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=epochs,
-                                            steps=train.steps, add_history=True, data=loops)
-        return super().fit(
-            train.dataset,
-            epochs=epochs,
-            verbose=verbose if runtime.is_master else 0,
-            callbacks=callback_list,
-            validation_data=None if val is None else val.dataset,
-            shuffle=False,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps,
-            validation_freq=validation_freq,
-        )
-
-    @user_facing
-    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
-                 verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
-                 callbacks: Any = None, return_dict: bool = False, *,
-                 tnt_micro_batch_size: int | None = None, tnt_distribute_dataset: bool = True,
-                 **kwargs: Any) -> Any:
-        """``keras.Model.evaluate``, data-parallel; the result equals serial evaluation."""
-        if _keras_compat.is_fit_validation(kwargs):  # fit's validation: the data is ours already
-            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
-                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
-                                    return_dict=return_dict, **kwargs)
-        if kwargs:
-            raise TypeError(f"evaluate() got unexpected arguments {sorted(kwargs)}")
-        callbacks = arguments.check_evaluate(
-            self, x=x, y=y, sample_weight=sample_weight, callbacks=callbacks,
-            batch_size=batch_size, steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
-        runtime = self._tnt.runtime
-        data = prepare_data(x, y, sample_weight, batch_size=batch_size,
-                            micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
-                            steps=steps, purpose="evaluation", runtime=runtime)
-        self._tnt_build(data.batch_spec, data.distributed)
-        self._tnt_broadcast()
-        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
-                                            add_history=False, data=[data])
-        return super().evaluate(data.dataset, verbose=verbose if runtime.is_master else 0,
-                                steps=steps, callbacks=callback_list, return_dict=return_dict)
-
-    @user_facing
-    def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
-                steps: int | None = None, callbacks: Any = None, *,
-                tnt_micro_batch_size: int | None = None,
-                tnt_distribute_dataset: bool = True) -> Any:
-        """``keras.Model.predict``, data-parallel; every rank returns the whole result, in order."""
-        callbacks = arguments.check_predict(self, x=x, callbacks=callbacks, batch_size=batch_size,
-                                            steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
-        runtime = self._tnt.runtime
-        data = prepare_data(x, None, None, batch_size=batch_size,
-                            micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
-                            steps=steps, purpose="prediction", runtime=runtime)
-        self._tnt_build(data.batch_spec, data.distributed, predict=True)
-        self._tnt_broadcast()
-        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
-                                            add_history=False, data=[data])
-        return super().predict(data.dataset, verbose=verbose if runtime.is_master else 0,
-                               steps=steps, callbacks=callback_list)
-
-    # -- single batches: the global batch, sharded ------------------------------------------------
-
-    def _tnt_on_batch(self, batch: tuple, predict: bool = False) -> dict[str, Any]:
-        import tensorflow as tf
-
-        runtime = self._tnt.runtime
-        rows, n, b = shard_arrays(batch, runtime.rank, runtime.size)
-        if ("predict" if predict else "train") not in self._tnt.ready:
-            self._tnt_build(keras.tree.map_structure(_spec_of, rows), predict=predict)
-        if self._tnt.needs_broadcast:
-            self._tnt_broadcast()
-        return steps.pack(rows, tf.constant([n, b], tf.int64))
-
-    @user_facing
-    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
-                       class_weight: Any = None, return_dict: bool = False) -> Any:
-        """``keras.Model.train_on_batch`` on the *global* batch: every rank passes the same
-        batch and takes its micro-batch; one step equal to a serial one."""
-        arguments.check_compiled(self, "train_on_batch")
-        if class_weight is not None:
-            if sample_weight is not None:
-                raise ValueError("pass either class_weight or sample_weight to train_on_batch, "
-                                 "not both (as Keras)")
-            sample_weight = class_weights_as_sample_weights(y, class_weight)
-        packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
-        return super().train_on_batch(packed, return_dict=return_dict)
-
-    @user_facing
-    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
-                      return_dict: bool = False) -> Any:
-        """``keras.Model.test_on_batch`` on the global batch (see :meth:`train_on_batch`)."""
-        arguments.check_compiled(self, "test_on_batch")
-        packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
-        return super().test_on_batch(packed, return_dict=return_dict)
-
-    @user_facing
-    def predict_on_batch(self, x: Any) -> Any:
-        """``keras.Model.predict_on_batch`` on the global batch; every rank gets all rows."""
-        packed = self._tnt_on_batch((x,), predict=True)
-        return super().predict_on_batch(packed)
 
     # -- weights, saving --------------------------------------------------------------------
 
@@ -571,40 +304,3 @@ class Model(keras.Model):
         parent = super().export
         files.write_collectively(lambda path: parent(path, *args, **kwargs), filepath,
                                  all_devices=tnt_save_all_devices, runtime=self._tnt.runtime)
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-def _is_dataset(x: Any) -> bool:
-    import tensorflow as tf
-
-    return isinstance(x, tf.data.Dataset)
-
-
-def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
-    if isinstance(validation_data, (list, tuple)):
-        if len(validation_data) in (2, 3):
-            vx, vy = validation_data[0], validation_data[1]
-            vsw = validation_data[2] if len(validation_data) == 3 else None
-            return vx, vy, vsw
-        raise ValueError(
-            "validation_data must be a dataset, a generator or a tuple (x, y) or "
-            f"(x, y, sample_weight); got a {type(validation_data).__name__} of "
-            f"{len(validation_data)} elements"
-        )
-    return validation_data, None, None
-
-
-def _batch_tuple(x: Any, y: Any, sample_weight: Any) -> tuple:
-    if sample_weight is not None:
-        return (x, y, sample_weight)
-    if y is not None:
-        return (x, y)
-    return (x,)
-
-
-def _spec_of(v: Any) -> Any:
-    import tensorflow as tf
-
-    t = tf.convert_to_tensor(v)
-    return tf.TensorSpec(t.shape, t.dtype)
