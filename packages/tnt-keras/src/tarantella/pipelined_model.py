@@ -44,7 +44,7 @@ from .partition import Partitioning, partition
 from .pipeline import StageStep, check_stage_model
 from .tracebacks import user_facing
 
-__all__ = ["PipelineState", "PipelinedModel"]
+__all__ = ["PipelinedModel"]
 
 
 class _FunctionLoss(keras.losses.Loss):
@@ -59,7 +59,7 @@ class _FunctionLoss(keras.losses.Loss):
         return self.fn(y_true, y_pred)
 
 
-class PipelineState(DistributedState):
+class _PipelineState(DistributedState):
     """Rank ``r`` is stage ``r % P`` of pipeline (replica) ``r // P``: a pipeline's stages
     are consecutive ranks, talking point-to-point in the group ``pipe``; with replicas,
     each stage's replicas sum their gradients in the group ``replicas``."""
@@ -121,7 +121,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     """The pipelined ``tnt.Model`` (see the module doc); ``tnt.Model(model,
     parallel_strategy=PIPELINING or ALL)`` makes it."""
 
-    _tnt: PipelineState
+    _tnt: _PipelineState
 
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
@@ -166,7 +166,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
                 "backend does not provide; use one that does (gloo, mpi)")
         check_stage_model(parts.models[runtime.rank % stages], runtime.rank % stages)
-        state = PipelineState(runtime, parts, num_micro_batches, strategy)
+        state = _PipelineState(runtime, parts, num_micro_batches, strategy)
         # the replicas of a stage draw their own Dropout masks, for their own samples, as the
         # ranks of DATA do (pipeline 0 keeps the serial stream)
         randomness.fold_rank_into_seeds(model, state.replica)
