@@ -30,6 +30,7 @@ PACKAGES = [
     ("tnt-cli", "tnt_cli"),
     ("tnt-comm-gloo", "tnt_comm_gloo"),
     ("tnt-comm-mpi", "tnt_comm_mpi"),
+    ("tnt-keras", "tarantella"),
 ]
 
 

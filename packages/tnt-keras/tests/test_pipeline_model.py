@@ -86,6 +86,15 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
         assert refused["global_clipnorm"].startswith("NotSupportedError: SGD(global_clipnorm=...) "
                                                      "with a pipelined model")
         assert refused["loss_scaling"].startswith("NotSupportedError: loss scaling")
+        for name, message in {  # the checks of DATA's loops (test_arguments), as one line
+                "batch_size": "ValueError: fit(batch_size=0): batch_size must be a positive integer",
+                "cardinality": "DatasetError: fit(x=..., y=...): x and y have different numbers "
+                               "of samples (x: 40, y: 5)",
+                "callbacks": "TypeError: evaluate(callbacks=...): callbacks[0] is int 42",
+                "strings": "TypeError: predict(x=...): x holds a NumPy array of strings",
+                "unbatched": "DatasetError: fit(x=...): the tf.data.Dataset yields single samples",
+        }.items():
+            assert refused[name].startswith(message), refused[name]
     pipelines = 2 if "pipeline 0 of 2" in json.loads((out / "pipeline.rank0.json").read_text())["repr"] else 1
     assert sum(local) == pipelines * ref["count"] and all(n < ref["count"] for n in local)
     assert (out / "w.weights.h5").exists()

@@ -21,7 +21,9 @@ _environment.configure_process(_tnt_core.init())
 
 from tnt_core import get_master_rank, get_rank, get_size, is_master_rank  # noqa: E402
 
-from . import keras, models  # noqa: E402
+# data_parallel and pipelined_model: the model class of each strategy, which registers with
+# tnt.Model in its class statement
+from . import data_parallel, keras, models, pipelined_model  # noqa: E402, F401
 from .errors import DatasetError, NotSupportedError, PartitionError, TntKerasError  # noqa: E402
 from .loop_data import DistributedDataset, distribute_dataset, set_batch_share  # noqa: E402
 from .loop_gradients import DistributedGradientTape, DistributedOptimizer  # noqa: E402

@@ -23,6 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from ._keras_compat import batch_norm_moments
 from .collectives import allreduce_sum
 from .errors import NotSupportedError
 from .overrides import instance_attributes
@@ -61,7 +62,8 @@ def _moments(layer: keras.layers.BatchNormalization, step: Any, runtime: Any,
             f"BatchNormalization layer {layer.name!r} has synchronized=True and gets a mask: "
             "tarantella synchronizes unmasked batch statistics only; use synchronized=False"
         )
-    axes = list(layer._reduction_axes)  # noqa: SLF001 (the axes Keras' own moments reduce)
+    rank = len(inputs.shape)
+    axes = [i for i in range(rank) if i != layer.axis % rank]  # what Keras' moments reduce
     x = inputs
     dtype = x.dtype
     if dtype in (tf.float16, tf.bfloat16):  # statistics in float32, as Keras does
@@ -94,4 +96,4 @@ def global_moments(layers: list[keras.layers.BatchNormalization], step: Any,
 
         return moments
 
-    return instance_attributes([(layer, "_moments", moments_of(layer)) for layer in layers])
+    return instance_attributes([batch_norm_moments(layer, moments_of(layer)) for layer in layers])

@@ -23,25 +23,25 @@ layer sees an empty batch, while the step weighs its contributions by ``n = 0``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import keras
+import numpy as np
 import tensorflow as tf
-
-# Keras' data adapters are the machinery fit() itself uses to turn arrays, datasets,
-# PyDatasets and generators into batches; Keras exports no public name for them.
-from keras.src.trainers.data_adapters import get_data_adapter
-from keras.src.trainers.data_adapters.array_slicing import train_validation_split
 
 import tnt_core
 
+from ._keras_compat import get_data_adapter
 from .errors import DatasetError
 from .log import logger
-from .steps import pack
+from .steps import BATCH_KEY, pack
 
 __all__ = [
     "DistributedData",
+    "class_weights_as_sample_weights",
     "mark_undistributed",
     "prepare_data",
     "shard_data",
@@ -173,13 +173,57 @@ def shard_arrays(batch: Any, rank: int, size: int) -> tuple[Any, int, int]:
 
 def split_validation(x: Any, y: Any, sample_weight: Any,
                      validation_split: float) -> tuple[tuple[Any, Any, Any], tuple[Any, ...]]:
-    """Keras' own ``validation_split`` (the last fraction of the samples; arrays only)."""
+    """Keras' ``validation_split``: the last ``validation_split`` of the samples validate,
+    the first ``floor(samples x (1 - validation_split))`` train (arrays and tensors only, as
+    in Keras: a dataset or generator has no known end to cut)."""
     if not 0.0 < validation_split < 1.0:
         raise ValueError(f"validation_split must be in (0, 1), got {validation_split}")
-    try:
-        return train_validation_split((x, y, sample_weight), validation_split=validation_split)
-    except (ValueError, TypeError) as exc:
-        raise DatasetError(f"validation_split: {exc}") from None
+    arrays = (x, y, sample_weight)
+    leaves = [a for a in keras.tree.flatten(arrays) if a is not None]
+    unsplittable = sorted({type(a).__name__ for a in leaves if not _splittable(a)})
+    if unsplittable:
+        raise DatasetError(f"validation_split: only arrays and tensors can be split (got "
+                           f"{', '.join(unsplittable)}); pass validation_data= instead")
+    if not leaves:
+        return arrays, arrays
+    total = int(leaves[0].shape[0])
+    cut = math.floor(total * (1.0 - validation_split))
+    if cut in (0, total):
+        raise DatasetError(f"validation_split={validation_split}: the {total} samples cannot be "
+                           "split into a training and a validation set; give more data or "
+                           "another validation_split")
+    return (keras.tree.map_structure(lambda a: _rows(a, 0, cut), arrays),
+            keras.tree.map_structure(lambda a: _rows(a, cut, total), arrays))
+
+
+def _splittable(a: Any) -> bool:
+    return isinstance(a, (np.ndarray, tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) \
+        or hasattr(a, "iloc") or hasattr(a, "tocsr") or hasattr(a, "__array__")
+
+
+def _rows(a: Any, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of an array, tensor, pandas or SciPy sparse object."""
+    if a is None:
+        return None
+    if isinstance(a, tf.SparseTensor):
+        return _take(a, tf.constant(start, tf.int64), tf.constant(stop - start, tf.int64))
+    if hasattr(a, "iloc"):  # pandas: by position
+        return a.iloc[start:stop]
+    if hasattr(a, "tocsr"):  # SciPy sparse: CSR slices by row (COO does not slice)
+        return a.tocsr()[start:stop]
+    if not isinstance(a, (np.ndarray, tf.Tensor, tf.RaggedTensor)):
+        a = np.asarray(a)
+    return a[start:stop]
+
+
+def class_weights_as_sample_weights(y: Any, class_weight: Mapping[int, float]) -> np.ndarray:
+    """Keras' class-weight map: each sample weighs its class's weight (1 for a class not in
+    ``class_weight``); the class of a one-hot row is its largest entry."""
+    labels = np.asarray(keras.ops.convert_to_numpy(y))
+    if labels.ndim > 1:
+        labels = np.argmax(labels, axis=-1) if labels.shape[-1] != 1 else np.squeeze(labels, -1)
+    classes = np.round(labels).astype(np.int32)
+    return np.array([class_weight.get(int(c), 1.0) for c in classes], dtype=keras.config.floatx())
 
 
 def _lists_as_tuples(x: Any) -> Any:
@@ -203,8 +247,6 @@ class DistributedData:
     @property
     def batch_spec(self) -> Any:
         """Element spec of one micro-batch (without the batch info)."""
-        from .steps import BATCH_KEY
-
         return self.dataset.element_spec[BATCH_KEY]
 
 

@@ -30,7 +30,8 @@ from .log import logger
 __all__ = ["DEFAULT_SHUFFLE_SEED", "configure_process", "intra_op_threads_for"]
 
 #: The global TensorFlow seed set when the user has none: TensorFlow's DEFAULT_GRAPH_SEED
-#: (tensorflow/python/framework/random_seed.py), see the module docstring.
+#: (what ``tf.compat.v1.random.get_seed`` pairs an op seed with when there is no global
+#: seed), see the module docstring.
 DEFAULT_SHUFFLE_SEED = 87654321
 
 
@@ -92,9 +93,12 @@ def _set_cpu_threads(runtime: tnt_core.Runtime) -> None:
 
 
 def _set_default_seed() -> None:
-    from tensorflow.python.eager import context  # no public getter for the global seed
-
-    if context.global_seed() is None:
+    """``DEFAULT_SHUFFLE_SEED`` as the global seed unless the user set another. TensorFlow has
+    no public getter of the global seed; ``get_seed`` with an op seed returns it, or
+    DEFAULT_GRAPH_SEED without one, and draws nothing from the op-seed sequence (without an
+    op seed it would). A user's seed equal to the default is set again: the same seed."""
+    global_seed, _ = tf.compat.v1.random.get_seed(0)
+    if global_seed == DEFAULT_SHUFFLE_SEED:
         tf.random.set_seed(DEFAULT_SHUFFLE_SEED)
 
 

@@ -32,10 +32,10 @@ import tnt_core
 
 from . import graph_order, native_ops
 from .collectives import gather_slices
-from .errors import user_facing
 from .gradients import GradientReducer, dense_gradient
 from .loop_data import batch_share
 from .steps import current_step
+from .tracebacks import user_facing
 
 __all__ = ["BATCH_SHARE", "Compression", "DistributedGradientTape", "DistributedOptimizer",
            "GradientReduction", "distribute_optimizer", "reduce_gradients"]

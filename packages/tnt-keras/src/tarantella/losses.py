@@ -23,6 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from ._keras_compat import get_keras_mask
 from .errors import NotSupportedError
 
 __all__ = ["Normaliser", "normaliser", "per_sample"]
@@ -65,12 +66,6 @@ def _terms(loss: Any, outputs: int) -> list[Any]:
     return [loss] * outputs  # one loss for every output
 
 
-def _keras_mask(t: Any) -> tf.Tensor | None:
-    # Keras 3 keeps an output's mask on the tensor (keras.src.backend.get_keras_mask reads the
-    # same attribute; Keras has no public accessor)
-    return getattr(t, "_keras_mask", None)
-
-
 def _count(mask: tf.Tensor | None, sample_weight: Any) -> tf.Tensor:
     """The divisor of ``mean_with_sample_weight``: the sum of the (masked) weights."""
     if mask is None:
@@ -95,7 +90,7 @@ def normaliser(model: keras.Model, y_pred: Any, sample_weight: Any, n: tf.Tensor
         return per_sample(n, b)
     terms = _terms(loss, len(outputs))
     reductions = [_reduction(t) for t in terms]
-    masks = [m for m in (_keras_mask(o) for o in outputs) if m is not None]
+    masks = [m for m in (get_keras_mask(o) for o in outputs) if m is not None]
     weighted = sample_weight is not None
     if all(r in _SUM for r in reductions):
         if len(terms) > 1 or model.losses:

@@ -10,13 +10,12 @@ broadcast before the next step anyway.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import keras
 
 from .files import write_collectively
-from .model import Model
+from .model import Model, keras_model_from_config
 
 __all__ = ["clone_model", "load_model", "model_from_config", "model_from_json", "save_model",
            "write_on_master"]
@@ -54,13 +53,7 @@ def clone_model(model: Any, *args: Any, **kwargs: Any) -> Model:
 def model_from_config(config: dict, custom_objects: dict | None = None) -> Model:
     """A ``tnt.Model`` from a model's ``get_config()`` (or a serialized ``{"class_name":
     ..., "config": ...}`` dict); new weights."""
-    if isinstance(config, dict) and "class_name" in config and "config" in config:
-        keras_model = keras.models.model_from_json(json.dumps(config), custom_objects=custom_objects)
-    elif isinstance(config, dict) and "layers" in config and "input_layers" not in config:
-        keras_model = keras.Sequential.from_config(config, custom_objects=custom_objects)
-    else:
-        keras_model = keras.Model.from_config(config, custom_objects=custom_objects)
-    return Model(keras_model)
+    return Model(keras_model_from_config(config, custom_objects=custom_objects))
 
 
 def model_from_json(json_string: str, custom_objects: dict | None = None) -> Model:

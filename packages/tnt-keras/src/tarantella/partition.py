@@ -13,9 +13,8 @@ SplitLayers out of ``p``, or the model's outputs); it shares the layer objects, 
 weights are the whole model's weights. Running the partitions one after another, each on
 what the previous one returned, computes what the whole model computes.
 
-Walking the graph needs each Keras tensor's producer, which Keras 3 keeps in
-``KerasTensor._keras_history`` and ``Operation._inbound_nodes`` (the names its own
-``clone_graph_nodes`` uses); :func:`_producer` is the one place that reads them.
+Walking the graph needs each Keras tensor's producer, which Keras 3 keeps in private
+attributes (``tarantella._keras_compat.producer``); :func:`_producer` is the one caller.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from typing import Any
 
 import keras
 
+from ._keras_compat import producer
 from .errors import PartitionError
 from .keras.layers import SplitLayer
 
@@ -64,11 +64,10 @@ class Partitioning:
 
 def _producer(tensor: Any) -> tuple[Any, Any]:
     """(operation, node) that made ``tensor`` in the functional graph."""
-    history = getattr(tensor, "_keras_history", None)
-    if history is None:
+    found = producer(tensor)
+    if found is None:
         raise PartitionError(f"{tensor!r} is not a tensor of a functional Keras model")
-    operation, node_index = history[0], history[1]
-    return operation, operation._inbound_nodes[node_index]  # noqa: SLF001 - see module doc
+    return found
 
 
 def _layer_name(operation: Any) -> str:

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 import tnt_core
 
+from ._keras_compat import all_layers
 from .errors import NotSupportedError
 from .gradients import GradientReducer, dense_gradient
 from .partition import Partitioning
@@ -59,7 +60,7 @@ def micro_batch_sizes(batch: int, num_micro_batches: int) -> list[int]:
 
 def check_stage_model(model: keras.Model, stage: int) -> None:
     """Refuse what micro-batching cannot keep serial, naming the layer."""
-    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras' own walk
+    for layer in all_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization) and not getattr(layer, "synchronized", False):
             raise NotSupportedError(
                 f"BatchNormalization layer {layer.name!r} (partition {stage}) would compute its "

@@ -16,8 +16,12 @@ writes: the whole model with one optimizer holding every stage's state, gathered
 stages. What is not supported yet is refused with a message saying what to do: several
 outputs, ``loss_weights``, a custom ``train_step``, checkpoints and backups in the middle
 of an epoch. ``load_weights`` (and so ``BackupAndRestore``) gives each stage its own part
-of a saved optimizer state. Callbacks otherwise run
-as for DATA: writers on the master only.
+of a saved optimizer state. Callbacks otherwise run as for DATA: writers on the master
+only.
+
+:class:`PipelinedModel` is the sibling of :class:`~tarantella.data_parallel.DataParallelModel`
+over the base :class:`tarantella.model.Model` (identity, saving, the class swap); both run
+the argument checks of :mod:`tarantella.arguments` before their loops.
 """
 
 from __future__ import annotations
@@ -31,16 +35,17 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import randomness, timeline
+from . import _keras_compat, arguments, randomness, timeline
 from .callbacks import distribute_callbacks
-from .errors import NotSupportedError, user_facing
+from .errors import NotSupportedError
 from .files import writes_locally
 from .gradients import GradientReducer
-from .model import Model, ParallelStrategy, _DistributedState
+from .model import DistributedState, Model, ParallelStrategy
 from .partition import Partitioning, partition
 from .pipeline import StageStep, check_stage_model
+from .tracebacks import user_facing
 
-__all__ = ["PipelinedModel", "pipelined"]
+__all__ = ["PipelinedModel"]
 
 
 class _FunctionLoss(keras.losses.Loss):
@@ -55,7 +60,7 @@ class _FunctionLoss(keras.losses.Loss):
         return self.fn(y_true, y_pred)
 
 
-class _PipelineState(_DistributedState):
+class _PipelineState(DistributedState):
     """Rank ``r`` is stage ``r % P`` of pipeline (replica) ``r // P``: a pipeline's stages
     are consecutive ranks, talking point-to-point in the group ``pipe``; with replicas,
     each stage's replicas sum their gradients in the group ``replicas``."""
@@ -113,79 +118,62 @@ class _WeightSync(keras.callbacks.Callback):
         self._model._tnt.forget_whole_optimizer()  # noqa: SLF001
 
 
-_CLASSES: dict[type, type] = {}
-
-
-def _pipelined_class(cls: type) -> type:
-    sub = _CLASSES.get(cls)
-    if sub is None:
-        namespace = {
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
-            "_tnt_base": cls,
-        }
-        sub = _CLASSES[cls] = type(cls.__name__, (PipelinedModel, cls), namespace)
-    return sub
-
-
-def pipelined(model: keras.Model, num_micro_batches: Any,
-              strategy: ParallelStrategy = ParallelStrategy.PIPELINING) -> PipelinedModel:
-    """Make ``model`` a pipelined ``tnt.Model`` (``tnt.Model`` calls this); with
-    ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them."""
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, (int, np.integer)) \
-            or num_micro_batches < 1:
-        raise ValueError(f"tnt.Model(num_micro_batches={num_micro_batches!r}): the number of "
-                         "micro-batches each global batch is split into, a positive integer")
-    runtime = tnt_core.init()
-    parts = partition(model)
-    if parts.num_partitions == 1:
-        raise NotSupportedError(
-            f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has no "
-            "tnt.keras.layers.SplitLayer, so there is nothing to pipeline; mark the cuts with "
-            "SplitLayer, or use ParallelStrategy.DATA")
-    stages = parts.num_partitions
-    if strategy is ParallelStrategy.PIPELINING and runtime.size != stages:
-        raise NotSupportedError(
-            f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has {stages} "
-            f"partitions ({len(parts.cuts)} cuts), which need exactly {stages} ranks; this job "
-            f"has {runtime.size} (tnt run -n {stages} ...; for several pipelines use "
-            "ParallelStrategy.ALL)")
-    if strategy is ParallelStrategy.ALL and runtime.size % stages:
-        raise NotSupportedError(
-            f"tnt.Model(parallel_strategy=ALL): model {model.name!r} has {stages} partitions, "
-            f"so the job needs a multiple of {stages} ranks (one pipeline per {stages}); it "
-            f"has {runtime.size}")
-    if len(model.outputs) != 1:
-        raise NotSupportedError(
-            f"model {model.name!r} has {len(model.outputs)} outputs: pipelining trains "
-            "single-output models in this release")
-    if not runtime.backend.supports("p2p"):
-        raise NotSupportedError(
-            f"pipelining needs point-to-point messages, which the {runtime.backend.name!r} "
-            "backend does not provide; use one that does (tnt run --backend gloo or mpi)")
-    if getattr(model, "compiled", False):
-        raise NotSupportedError(
-            f"model {model.name!r} was compiled before tnt.Model(..., {strategy.name}): compile "
-            "it after, so that each stage's optimizer gets its own weights")
-    if strategy is ParallelStrategy.ALL and not runtime.backend.supports("groups"):
-        raise NotSupportedError(
-            f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
-            "backend does not provide; use one that does (gloo, mpi)")
-    check_stage_model(parts.models[runtime.rank % stages], runtime.rank % stages)
-    state = _PipelineState(runtime, parts, int(num_micro_batches), strategy)
-    # the replicas of a stage draw their own Dropout masks, for their own samples, as the
-    # ranks of DATA do (pipeline 0 keeps the serial stream)
-    randomness.fold_rank_into_seeds(model, state.replica)
-    object.__setattr__(model, "__class__", _pipelined_class(type(model)))
-    object.__setattr__(model, "_tnt", state)
-    model.run_eagerly = True  # predict before compile too: the steps talk to the neighbours
-    return model
-
-
-class PipelinedModel(Model):
-    """The pipelined ``tnt.Model`` (see the module doc); made by :func:`pipelined`."""
+class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStrategy.ALL)):
+    """The pipelined ``tnt.Model`` (see the module doc); ``tnt.Model(model,
+    parallel_strategy=PIPELINING or ALL)`` makes it."""
 
     _tnt: _PipelineState
+
+    @classmethod
+    def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
+                        num_micro_batches: Any) -> Model:
+        """Cut ``model`` into its stages and make it this rank's pipelined model; with
+        ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them."""
+        num_micro_batches = arguments.check_num_micro_batches(
+            1 if num_micro_batches is None else num_micro_batches)
+        runtime = tnt_core.init()
+        parts = partition(model)
+        if parts.num_partitions == 1:
+            raise NotSupportedError(
+                f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has no "
+                "tnt.keras.layers.SplitLayer, so there is nothing to pipeline; mark the cuts with "
+                "SplitLayer, or use ParallelStrategy.DATA")
+        stages = parts.num_partitions
+        if strategy is ParallelStrategy.PIPELINING and runtime.size != stages:
+            raise NotSupportedError(
+                f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has {stages} "
+                f"partitions ({len(parts.cuts)} cuts), which need exactly {stages} ranks; this job "
+                f"has {runtime.size} (tnt run -n {stages} ...; for several pipelines use "
+                "ParallelStrategy.ALL)")
+        if strategy is ParallelStrategy.ALL and runtime.size % stages:
+            raise NotSupportedError(
+                f"tnt.Model(parallel_strategy=ALL): model {model.name!r} has {stages} partitions, "
+                f"so the job needs a multiple of {stages} ranks (one pipeline per {stages}); it "
+                f"has {runtime.size}")
+        if len(model.outputs) != 1:
+            raise NotSupportedError(
+                f"model {model.name!r} has {len(model.outputs)} outputs: pipelining trains "
+                "single-output models in this release")
+        if not runtime.backend.supports("p2p"):
+            raise NotSupportedError(
+                f"pipelining needs point-to-point messages, which the {runtime.backend.name!r} "
+                "backend does not provide; use one that does (tnt run --backend gloo or mpi)")
+        if getattr(model, "compiled", False):
+            raise NotSupportedError(
+                f"model {model.name!r} was compiled before tnt.Model(..., {strategy.name}): compile "
+                "it after, so that each stage's optimizer gets its own weights")
+        if strategy is ParallelStrategy.ALL and not runtime.backend.supports("groups"):
+            raise NotSupportedError(
+                f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
+                "backend does not provide; use one that does (gloo, mpi)")
+        check_stage_model(parts.models[runtime.rank % stages], runtime.rank % stages)
+        state = _PipelineState(runtime, parts, num_micro_batches, strategy)
+        # the replicas of a stage draw their own Dropout masks, for their own samples, as the
+        # ranks of DATA do (pipeline 0 keeps the serial stream)
+        randomness.fold_rank_into_seeds(model, state.replica)
+        pipelined = cls._tnt_adopt(model, state)
+        pipelined.run_eagerly = True  # predict before compile too: the steps talk to the neighbours
+        return pipelined
 
     @property
     def local_param_count(self) -> int:
@@ -194,6 +182,7 @@ class PipelinedModel(Model):
 
     @property
     def num_micro_batches(self) -> int:
+        """The micro-batches each global batch is split into."""
         return self._tnt.num_micro_batches
 
     def __repr__(self) -> str:
@@ -232,12 +221,13 @@ class PipelinedModel(Model):
         if steps_per_execution != 1:
             raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
                                     "eagerly, one batch at a time; leave it at 1")
+        arguments.check_optimizer(optimizer)
         optimizer = keras.optimizers.get(optimizer)
         _check_optimizer(optimizer, scaled=auto_scale_loss and
                          keras.config.dtype_policy().name == "mixed_float16")
-        keras.Model.compile(self, optimizer=optimizer, loss=user_loss, metrics=metrics,
-                            weighted_metrics=weighted_metrics, run_eagerly=True,
-                            jit_compile=False, auto_scale_loss=auto_scale_loss)
+        super().compile(optimizer=optimizer, loss=user_loss, metrics=metrics,
+                        weighted_metrics=weighted_metrics, run_eagerly=True, jit_compile=False,
+                        auto_scale_loss=auto_scale_loss)
         self._tnt_check_compiled()
         self._tnt.step = self._tnt_stage_step(loss_obj, self.optimizer)
         self._tnt.loss = loss_obj
@@ -476,15 +466,21 @@ class PipelinedModel(Model):
             tnt_distribute_validation_dataset: bool = True) -> keras.callbacks.History:
         """``keras.Model.fit`` of the pipeline: ``batch_size`` is the global batch, split
         into ``num_micro_batches`` micro-batches; every rank passes the same data."""
-        _no_data_parallel_arguments("fit", tnt_micro_batch_size=tnt_micro_batch_size,
-                                    tnt_validation_micro_batch_size=tnt_validation_micro_batch_size,
-                                    tnt_distribute_dataset=not tnt_distribute_dataset,
-                                    tnt_distribute_validation_dataset=not tnt_distribute_validation_dataset)
-        self._assert_compile_called("fit")
+        arguments.refuse_data_parallel_arguments(
+            "fit", tnt_micro_batch_size=tnt_micro_batch_size,
+            tnt_validation_micro_batch_size=tnt_validation_micro_batch_size,
+            tnt_distribute_dataset=not tnt_distribute_dataset,
+            tnt_distribute_validation_dataset=not tnt_distribute_validation_dataset)
+        callbacks = arguments.check_fit(
+            self, x=x, y=y, sample_weight=sample_weight, validation_data=validation_data,
+            callbacks=callbacks, batch_size=batch_size, epochs=epochs,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq)
         self._tnt_start()
         master = self._tnt.runtime.is_master
-        return keras.Model.fit(
-            self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
+        return super().fit(
+            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
             callbacks=self._tnt_loop_callbacks(callbacks, train=True),
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
@@ -498,16 +494,19 @@ class PipelinedModel(Model):
                  tnt_micro_batch_size: int | None = None, tnt_distribute_dataset: bool = True,
                  **kwargs: Any) -> Any:
         """``keras.Model.evaluate`` of the pipeline; every rank returns the serial result."""
-        if not kwargs.get("_use_cached_eval_dataset"):  # fit's validation: set up by fit
-            _no_data_parallel_arguments("evaluate", tnt_micro_batch_size=tnt_micro_batch_size,
-                                        tnt_distribute_dataset=not tnt_distribute_dataset)
-            self._assert_compile_called("evaluate")
+        if not _keras_compat.is_fit_validation(kwargs):  # fit's validation: set up by fit
+            arguments.refuse_data_parallel_arguments(
+                "evaluate", tnt_micro_batch_size=tnt_micro_batch_size,
+                tnt_distribute_dataset=not tnt_distribute_dataset)
+            callbacks = arguments.check_evaluate(
+                self, x=x, y=y, sample_weight=sample_weight, callbacks=callbacks,
+                batch_size=batch_size, steps=steps)
             self._tnt_start()
             callbacks = self._tnt_loop_callbacks(callbacks, train=False)
             verbose = verbose if self._tnt.runtime.is_master else 0
-        return keras.Model.evaluate(self, x, y, batch_size=batch_size, verbose=verbose,
-                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
-                                    return_dict=return_dict, **kwargs)
+        return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                return_dict=return_dict, **kwargs)
 
     @user_facing
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
@@ -515,12 +514,15 @@ class PipelinedModel(Model):
                 tnt_micro_batch_size: int | None = None,
                 tnt_distribute_dataset: bool = True) -> Any:
         """``keras.Model.predict`` of the pipeline; every rank returns the whole result."""
-        _no_data_parallel_arguments("predict", tnt_micro_batch_size=tnt_micro_batch_size,
-                                    tnt_distribute_dataset=not tnt_distribute_dataset)
+        arguments.refuse_data_parallel_arguments(
+            "predict", tnt_micro_batch_size=tnt_micro_batch_size,
+            tnt_distribute_dataset=not tnt_distribute_dataset)
+        callbacks = arguments.check_predict(self, x=x, callbacks=callbacks, batch_size=batch_size,
+                                            steps=steps)
         self._tnt_start()
-        return keras.Model.predict(self, x, batch_size=batch_size,
-                                   verbose=verbose if self._tnt.runtime.is_master else 0,
-                                   steps=steps, callbacks=self._tnt_loop_callbacks(callbacks, train=False))
+        return super().predict(x, batch_size=batch_size,
+                               verbose=verbose if self._tnt.runtime.is_master else 0,
+                               steps=steps, callbacks=self._tnt_loop_callbacks(callbacks, train=False))
 
     @user_facing
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
@@ -529,25 +531,26 @@ class PipelinedModel(Model):
         model is gathered after it (every weight from its stage, as at the end of ``fit``),
         so ``get_weights`` between calls sees it: a loop of these costs one broadcast of the
         weights per step, which ``fit`` spares."""
-        self._assert_compile_called("train_on_batch")
+        arguments.check_compiled(self, "train_on_batch")
         self._tnt_start()
-        logs = keras.Model.train_on_batch(self, x, y, sample_weight=sample_weight,
-                                          class_weight=class_weight, return_dict=return_dict)
+        logs = super().train_on_batch(x, y, sample_weight=sample_weight,
+                                      class_weight=class_weight, return_dict=return_dict)
         self._tnt_gather(optimizer=False)
         return logs
 
     @user_facing
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
-        self._assert_compile_called("test_on_batch")
+        """``keras.Model.test_on_batch`` of the pipeline, on the global batch."""
+        arguments.check_compiled(self, "test_on_batch")
         self._tnt_start()
-        return keras.Model.test_on_batch(self, x, y, sample_weight=sample_weight,
-                                         return_dict=return_dict)
+        return super().test_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
 
     @user_facing
     def predict_on_batch(self, x: Any) -> Any:
+        """``keras.Model.predict_on_batch`` of the pipeline; every rank gets all rows."""
         self._tnt_start()
-        return keras.Model.predict_on_batch(self, x)
+        return super().predict_on_batch(x)
 
     @user_facing
     def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None, *,
@@ -673,12 +676,3 @@ def _single(loss: Any, what: str) -> Any:
         raise NotSupportedError(f"compile({what}=...) with {len(values)} entries: pipelining "
                                 "trains single-output models in this release")
     return values[0]
-
-
-def _no_data_parallel_arguments(method: str, **given: Any) -> None:
-    """Refuse the DATA-only ``tnt_*`` arguments (given: those not at their default)."""
-    names = sorted(name for name, value in given.items() if value not in (None, False))
-    if names:
-        raise TypeError(f"{method}({', '.join(names)}=...): these arguments split data across "
-                        "ranks for ParallelStrategy.DATA; a pipelined model reads the whole "
-                        "global batch on every rank")

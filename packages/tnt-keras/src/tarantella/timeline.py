@@ -17,6 +17,8 @@ import threading
 
 import tnt_core
 
+from .log import logger
+
 __all__ = ["close", "get"]
 
 _lock = threading.Lock()
@@ -44,6 +46,4 @@ def close() -> None:
         try:
             timeline.close()
         except OSError as exc:  # never fail a finished training over its trace
-            from .log import logger
-
             logger.warning("could not write the timeline %s: %s", timeline.path, exc)

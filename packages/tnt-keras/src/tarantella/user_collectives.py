@@ -29,7 +29,8 @@ import tensorflow as tf
 
 import tnt_core
 
-from .errors import NotSupportedError, user_facing
+from .errors import NotSupportedError
+from .tracebacks import user_facing
 
 __all__ = [
     "Barrier",

@@ -12,8 +12,8 @@ import tensorflow as tf
 import tnt_core
 
 from . import graph_order
-from .errors import user_facing
 from .randomness import is_seed_state
+from .tracebacks import user_facing
 from .user_collectives import broadcast
 
 __all__ = ["broadcast_model_state", "broadcast_variables"]

@@ -151,6 +151,8 @@ def main() -> int:
     weights = model.get_weights()
     model.save(str(args.out / f"{args.mode}.keras"))  # every rank calls it; the master writes
     if args.mode == "pipeline":  # what is refused, on every rank alike
+        import tensorflow as tf
+
         refused = {}
         for name, call in {
             "backup_batches": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
@@ -163,6 +165,12 @@ def main() -> int:
                 optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0), loss="mse"),
             "loss_scaling": lambda: model.compile(
                 optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse"),
+            # the argument checks of DATA (tarantella.arguments), before any collective
+            "batch_size": lambda: model.fit(x, y, batch_size=0, verbose=0),
+            "cardinality": lambda: model.fit(x, y[:5], verbose=0),
+            "callbacks": lambda: model.evaluate(x, y, callbacks=[42], verbose=0),
+            "strings": lambda: model.predict(np.array([["a"] * x.shape[1]] * 4), verbose=0),
+            "unbatched": lambda: model.fit(tf.data.Dataset.from_tensor_slices((x, y)), verbose=0),
         }.items():
             try:
                 call()

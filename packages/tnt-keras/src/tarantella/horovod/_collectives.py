@@ -20,7 +20,8 @@ import tensorflow as tf
 import tnt_core
 
 from .. import graph_order
-from ..errors import NotSupportedError, user_facing
+from ..errors import NotSupportedError
+from ..tracebacks import user_facing
 from ..user_collectives import ReductionOp
 from ..user_collectives import allgather as _allgather
 from ..user_collectives import allreduce as _allreduce

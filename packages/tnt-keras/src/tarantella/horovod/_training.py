@@ -18,9 +18,10 @@ import tensorflow as tf
 
 import tnt_core
 
-from ..errors import NotSupportedError, user_facing
+from ..errors import NotSupportedError
 from ..loop_gradients import DistributedGradientTape as _Tape
 from ..loop_gradients import GradientReduction, distribute_optimizer
+from ..tracebacks import user_facing
 from ._collectives import Average, Compression, Sum, reduction_op
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer"]

@@ -1,0 +1,87 @@
+"""Every private Keras or TensorFlow name tnt-keras uses, and only here.
+
+tarantella runs Keras' own machinery (its data adapters, its build, its loops) and adds
+distribution at a few seams. Where Keras 3 exports no public name for a seam, this module
+is the one place that reaches into Keras; every other module calls the functions below.
+A Keras release that renames one of them breaks this file alone, and the test that calls
+each entry against the installed Keras (``tests/test_keras_compat.py``) says which. The tox
+env ``tnt-keras-prevkeras`` runs that test, with the rest of the tnt-keras suite, on the
+previous Keras minor.
+
+Each entry says why it is needed and the Keras releases it was checked on (its source read,
+and the tests run). What has a public equivalent or takes a few lines of our own is not
+here: ``compiled`` for ``_assert_compile_called``, the class-weight map and
+``validation_split`` (``tarantella.datasets``), the reduction axes of BatchNormalization
+(from ``layer.axis``), the global seed (``tf.compat.v1.random.get_seed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+
+# get_keras_mask: where Keras keeps an output's mask (an attribute, or a side table for
+# tensors that take no attributes); the loss normaliser counts what the mask keeps.
+# Checked on Keras 3.14.1, 3.15.1.
+from keras.src.backend.common.masking import get_keras_mask
+
+# get_data_adapter: the adapter Keras' fit() itself uses, so tarantella's global batches,
+# shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
+from keras.src.trainers.data_adapters import get_data_adapter
+
+__all__ = [
+    "all_layers",
+    "batch_norm_moments",
+    "get_data_adapter",
+    "get_keras_mask",
+    "is_fit_validation",
+    "producer",
+    "symbolic_build",
+]
+
+
+def all_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """Every layer inside ``model``, nested models and layers held as attributes included:
+    Keras' own traversal (``Layer._flatten_layers``), which ``model.layers`` is not (it stops
+    at the first level). Checked on Keras 3.14.1, 3.15.1."""
+    return list(model._flatten_layers(include_self=False))  # noqa: SLF001
+
+
+def symbolic_build(model: keras.Model, data_batch: Any) -> None:
+    """Build the model, its compiled metrics and its optimizer from a batch's spec
+    (``Trainer._symbolic_build``), as Keras does before the first step under a distribution
+    strategy: the master's state must exist before it can be broadcast. Checked on Keras
+    3.14.1, 3.15.1."""
+    model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+
+
+#: the keyword Keras' ``fit`` passes to ``evaluate`` for its validation, whose data the fit
+#: of a tnt.Model has distributed already. Checked on Keras 3.14.1, 3.15.1.
+_FIT_VALIDATION = "_use_cached_eval_dataset"
+
+
+def is_fit_validation(evaluate_kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``evaluate`` was called by Keras' ``fit`` for the validation data."""
+    return bool(evaluate_kwargs.get(_FIT_VALIDATION))
+
+
+def batch_norm_moments(layer: keras.layers.BatchNormalization,
+                       moments: Any) -> tuple[keras.layers.BatchNormalization, str, Any]:
+    """The ``(object, attribute, value)`` that replaces how ``layer`` computes its batch
+    moments (``BatchNormalization._moments(inputs, mask)``, the one place Keras computes
+    them), for ``tarantella.overrides.instance_attributes``. Checked on Keras 3.14.1,
+    3.15.1."""
+    return layer, "_moments", moments
+
+
+def producer(tensor: Any) -> tuple[Any, Any] | None:
+    """``(operation, node)`` that made a symbolic tensor of a functional model, or None for
+    any other value: ``KerasTensor._keras_history`` and ``Operation._inbound_nodes``, what
+    Keras' own ``clone_graph_nodes`` walks. Checked on Keras 3.14.1, 3.15.1."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        return None
+    operation, node_index = history[0], history[1]
+    return operation, operation._inbound_nodes[node_index]  # noqa: SLF001

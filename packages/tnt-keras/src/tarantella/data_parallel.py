@@ -1,0 +1,378 @@
+"""``tnt.Model(model)`` (``ParallelStrategy.DATA``): every rank a replica of the whole model,
+each global batch split between them, trained with the results of serial training.
+
+What the data-parallel model adds, only around Keras' own machinery:
+
+* ``fit``/``evaluate``/``predict``/``*_on_batch`` turn the input into this rank's
+  micro-batches through Keras' data adapters (``tarantella.datasets``) and run Keras' loop;
+* the steps reduce gradients, metric states and logs across ranks (``tarantella.steps``);
+* callbacks run on every rank or on the master only (``tarantella.callbacks``);
+* the master's weights are broadcast before every ``fit``/``evaluate``/``predict``, and
+  every rank folds its rank into the model's random seeds (``tarantella.randomness``).
+
+Identity, saving and the class swap are the base's (:mod:`tarantella.model`); the checks of
+the loops' arguments are :mod:`tarantella.arguments`'.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+import tnt_core
+
+from . import _keras_compat, arguments, randomness, steps
+from . import callbacks as tnt_callbacks
+from .batchnorm import synchronized_layers
+from .datasets import (
+    DistributedData,
+    class_weights_as_sample_weights,
+    prepare_data,
+    shard_arrays,
+    split_validation,
+)
+from .gradients import GradientReducer
+from .losses import normaliser
+from .model import DistributedState, Model, ParallelStrategy
+from .steps import current_step, gradient_factor
+from .tracebacks import user_facing
+from .weights import broadcast_model_state
+
+__all__ = ["DataParallelModel", "DataParallelState"]
+
+
+class DataParallelState(DistributedState):
+    """What a data-parallel model keeps besides its Keras state."""
+
+    def __init__(self, runtime: tnt_core.Runtime, strategy: ParallelStrategy) -> None:
+        super().__init__(runtime, strategy)
+        self._reducers: dict[str, GradientReducer] = {}
+        self.seeds_folded = False
+        self.warned_batch_norm: set[str] = set()
+        #: the model's BatchNormalization(synchronized=True) layers (tarantella.batchnorm)
+        self.synchronized_bn: list[keras.layers.BatchNormalization] = []
+        #: what _tnt_build made ready ("predict": the layers; "train": also metrics and
+        #: optimizer), so *_on_batch, called every step, need not walk the model again
+        self.ready: set[str] = set()
+
+    def gradient_reducer(self, name: str) -> GradientReducer:
+        reducer = self._reducers.get(name)
+        if reducer is None:
+            reducer = self._reducers[name] = GradientReducer(self.runtime, name)
+        return reducer
+
+
+class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
+    """The data-parallel ``tnt.Model`` (see the module doc); ``tnt.Model(model)`` makes it."""
+
+    _tnt: DataParallelState
+
+    @classmethod
+    def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
+                        num_micro_batches: Any) -> Model:
+        distributed = cls._tnt_adopt(model, DataParallelState(tnt_core.init(), strategy))
+        if getattr(distributed, "compiled", False):
+            distributed._tnt_check_compiled()  # noqa: SLF001 (the model is this class's now)
+        return distributed
+
+    # -- configuration ------------------------------------------------------------------------
+
+    @user_facing
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """As ``keras.Model.compile``; XLA is switched off (the step calls into Python)."""
+        if kwargs.get("jit_compile") is True:
+            warnings.warn("tnt.Model runs the collectives from Python inside the step, which XLA "
+                          "cannot compile; using jit_compile=False", stacklevel=2)
+            kwargs["jit_compile"] = False
+        arguments.check_optimizer(kwargs.get("optimizer", args[0] if args else None))
+        super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
+        self._tnt_check_compiled()
+
+    def _tnt_check_compiled(self) -> None:
+        super()._tnt_check_compiled()
+        self._tnt.ready.clear()  # new metrics and optimizer to build
+
+    # -- the steps (Keras' own or the user's, distributed) -------------------------------------
+
+    def train_step(self, data: Any) -> Any:
+        if not steps.is_distributed(data):
+            raise steps.undistributed("train_step")
+        return steps.train_step(self, data, super().train_step, self._tnt)
+
+    def test_step(self, data: Any) -> Any:
+        if not steps.is_distributed(data):
+            raise steps.undistributed("test_step")
+        return steps.test_step(self, data, super().test_step, self._tnt)
+
+    def predict_step(self, data: Any) -> Any:
+        if not steps.is_distributed(data):
+            raise steps.undistributed("predict_step")
+        return steps.predict_step(self, data, super().predict_step, self._tnt)
+
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
+                     sample_weight: Any = None, training: bool = True) -> Any:
+        """Keras' (or the user's) loss; records its global normaliser for the step."""
+        parent = super().compute_loss
+        if "training" in inspect.signature(parent).parameters:
+            loss = parent(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+        else:
+            loss = parent(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        step = current_step()
+        if step is None or step.model is not self or step.loss is not None:
+            return loss
+        step.loss = loss
+        if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:  # noqa: SLF001
+            step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
+        if step.kind != "train":
+            return loss
+        # Weigh the loss, not only its gradient: each sample's backward pass then carries the
+        # magnitudes of the serial one (a float16 layer overflows exactly when serial does).
+        factor = tf.cast(gradient_factor(step, self._tnt), loss.dtype)
+        step.prescaled = True
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:  # the timeline of the reducer that model.optimizer uses
+            reducer = self._tnt.gradient_reducer(f"train_{optimizer.name}_0")
+            if reducer.timeline is not None:
+                reducer.mark_backprop_start(loss)
+        return tf.where(step.has_data, loss * factor, tf.zeros_like(loss))
+
+    # -- before a loop ---------------------------------------------------------------------------
+
+    def _tnt_build(self, batch_spec: Any, distributed: bool = True, *, predict: bool = False) -> None:
+        """Build model, metrics and optimizer before the first step, as Keras does under a
+        distribution strategy, so that the master's state can be broadcast first. For
+        ``predict``, the layers only (a symbolic call), as Keras' predict needs no metrics.
+        What fails here (a wrong input shape, an unknown loss) is Keras' own error, as its
+        first step would raise it."""
+        if predict:
+            if not all(layer.built for layer in [self, *_keras_compat.all_layers(self)]):
+                x = batch_spec[0] if isinstance(batch_spec, tuple) else batch_spec
+                self(keras.tree.map_structure(
+                    lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
+        else:
+            _keras_compat.symbolic_build(self, batch_spec)
+        self._tnt.synchronized_bn = synchronized_layers(_keras_compat.all_layers(self))
+        self._tnt_check_layers(distributed)
+        if not self._tnt.seeds_folded:
+            randomness.fold_rank_into_seeds(self, self._tnt.runtime.rank)
+            self._tnt.seeds_folded = True
+        self._tnt.ready.update(("predict",) if predict else ("predict", "train"))
+
+    def _tnt_check_layers(self, distributed: bool) -> None:
+        runtime = self._tnt.runtime
+        if runtime.size == 1 or not distributed:
+            return
+        for layer in _keras_compat.all_layers(self):
+            if not isinstance(layer, keras.layers.BatchNormalization):
+                continue
+            if getattr(layer, "synchronized", False):
+                continue  # the global batch's moments (tarantella.batchnorm)
+            if layer.name not in self._tnt.warned_batch_norm and runtime.is_master:
+                self._tnt.warned_batch_norm.add(layer.name)
+                warnings.warn(
+                    f"BatchNormalization layer {layer.name!r} computes its batch statistics on "
+                    "each rank's micro-batch, not the global batch: training differs from serial "
+                    "training (use synchronized=True for the global batch's statistics, increase "
+                    "the micro-batch size, or use fewer ranks)",
+                    stacklevel=4,
+                )
+
+    def _tnt_broadcast(self) -> None:
+        broadcast_model_state(self, self._tnt.runtime)
+        self._tnt.needs_broadcast = False
+
+    def _tnt_callbacks(self, callbacks: Any, *, verbose: Any, epochs: int, steps: int | None,
+                       add_history: bool, data: list[DistributedData]) -> keras.callbacks.CallbackList:
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = callbacks.callbacks
+        runtime = self._tnt.runtime
+        wrapped = tnt_callbacks.distribute_callbacks(list(callbacks or []), self, runtime,
+                                                     adapters=[d.adapter for d in data])
+        master = runtime.is_master
+        return keras.callbacks.CallbackList(
+            wrapped,
+            add_history=add_history,
+            add_progbar=master and verbose != 0,
+            model=self,
+            verbose=verbose if master else 0,
+            epochs=epochs,
+            steps=steps,
+        )
+
+    # -- the loops -------------------------------------------------------------------------------
+
+    @user_facing
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
+            validation_data: Any = None, shuffle: bool = True, class_weight: Any = None,
+            sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
+            validation_freq: int = 1, *, tnt_micro_batch_size: int | None = None,
+            tnt_validation_micro_batch_size: int | None = None,
+            tnt_distribute_dataset: bool = True,
+            tnt_distribute_validation_dataset: bool = True) -> keras.callbacks.History:
+        """``keras.Model.fit``, data-parallel. ``batch_size`` and the dataset's batches are
+        the *global* batch size.
+
+        :param tnt_micro_batch_size: the per-rank batch size instead (global = micro x ranks);
+            a dataset may then be unbatched.
+        :param tnt_validation_micro_batch_size: the same for the validation data.
+        :param tnt_distribute_dataset: False when every rank already gets its own data.
+        :param tnt_distribute_validation_dataset: the same for the validation data.
+        """
+        callbacks = arguments.check_fit(
+            self, x=x, y=y, sample_weight=sample_weight, validation_data=validation_data,
+            callbacks=callbacks, batch_size=batch_size, epochs=epochs,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq, tnt_micro_batch_size=tnt_micro_batch_size,
+            tnt_validation_micro_batch_size=tnt_validation_micro_batch_size)
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
+                                                                      validation_split)
+        runtime = self._tnt.runtime
+        train = prepare_data(x, y, sample_weight, batch_size=batch_size, shuffle=bool(shuffle),
+                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
+                             class_weight=class_weight, steps=steps_per_epoch, purpose="training",
+                             runtime=runtime)
+        loops = [train]
+        val = None
+        if validation_data is not None:
+            vx, vy, vsw = _unpack_validation(validation_data)
+            val = prepare_data(vx, vy, vsw, batch_size=None if isinstance(vx, tf.data.Dataset) else
+                               (validation_batch_size or batch_size),
+                               micro_batch_size=tnt_validation_micro_batch_size,
+                               distribute=tnt_distribute_validation_dataset, steps=validation_steps,
+                               purpose="validation", runtime=runtime)
+            loops.append(val)
+        self._tnt_build(train.batch_spec, train.distributed)
+        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=epochs,
+                                            steps=train.steps, add_history=True, data=loops)
+        return super().fit(
+            train.dataset,
+            epochs=epochs,
+            verbose=verbose if runtime.is_master else 0,
+            callbacks=callback_list,
+            validation_data=None if val is None else val.dataset,
+            shuffle=False,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_freq=validation_freq,
+        )
+
+    @user_facing
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+                 verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
+                 callbacks: Any = None, return_dict: bool = False, *,
+                 tnt_micro_batch_size: int | None = None, tnt_distribute_dataset: bool = True,
+                 **kwargs: Any) -> Any:
+        """``keras.Model.evaluate``, data-parallel; the result equals serial evaluation."""
+        if _keras_compat.is_fit_validation(kwargs):  # fit's validation: the data is ours already
+            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                    return_dict=return_dict, **kwargs)
+        if kwargs:
+            raise TypeError(f"evaluate() got unexpected arguments {sorted(kwargs)}")
+        callbacks = arguments.check_evaluate(
+            self, x=x, y=y, sample_weight=sample_weight, callbacks=callbacks,
+            batch_size=batch_size, steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
+        runtime = self._tnt.runtime
+        data = prepare_data(x, y, sample_weight, batch_size=batch_size,
+                            micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
+                            steps=steps, purpose="evaluation", runtime=runtime)
+        self._tnt_build(data.batch_spec, data.distributed)
+        self._tnt_broadcast()
+        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
+                                            add_history=False, data=[data])
+        return super().evaluate(data.dataset, verbose=verbose if runtime.is_master else 0,
+                                steps=steps, callbacks=callback_list, return_dict=return_dict)
+
+    @user_facing
+    def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
+                steps: int | None = None, callbacks: Any = None, *,
+                tnt_micro_batch_size: int | None = None,
+                tnt_distribute_dataset: bool = True) -> Any:
+        """``keras.Model.predict``, data-parallel; every rank returns the whole result, in order."""
+        callbacks = arguments.check_predict(self, x=x, callbacks=callbacks, batch_size=batch_size,
+                                            steps=steps, tnt_micro_batch_size=tnt_micro_batch_size)
+        runtime = self._tnt.runtime
+        data = prepare_data(x, None, None, batch_size=batch_size,
+                            micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
+                            steps=steps, purpose="prediction", runtime=runtime)
+        self._tnt_build(data.batch_spec, data.distributed, predict=True)
+        self._tnt_broadcast()
+        callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
+                                            add_history=False, data=[data])
+        return super().predict(data.dataset, verbose=verbose if runtime.is_master else 0,
+                               steps=steps, callbacks=callback_list)
+
+    # -- single batches: the global batch, sharded ------------------------------------------------
+
+    def _tnt_on_batch(self, batch: tuple, predict: bool = False) -> dict[str, Any]:
+        runtime = self._tnt.runtime
+        rows, n, b = shard_arrays(batch, runtime.rank, runtime.size)
+        if ("predict" if predict else "train") not in self._tnt.ready:
+            self._tnt_build(keras.tree.map_structure(_spec_of, rows), predict=predict)
+        if self._tnt.needs_broadcast:
+            self._tnt_broadcast()
+        return steps.pack(rows, tf.constant([n, b], tf.int64))
+
+    @user_facing
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                       class_weight: Any = None, return_dict: bool = False) -> Any:
+        """``keras.Model.train_on_batch`` on the *global* batch: every rank passes the same
+        batch and takes its micro-batch; one step equal to a serial one."""
+        arguments.check_compiled(self, "train_on_batch")
+        if class_weight is not None:
+            if sample_weight is not None:
+                raise ValueError("pass either class_weight or sample_weight to train_on_batch, "
+                                 "not both (as Keras)")
+            sample_weight = class_weights_as_sample_weights(y, class_weight)
+        packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
+        return super().train_on_batch(packed, return_dict=return_dict)
+
+    @user_facing
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                      return_dict: bool = False) -> Any:
+        """``keras.Model.test_on_batch`` on the global batch (see :meth:`train_on_batch`)."""
+        arguments.check_compiled(self, "test_on_batch")
+        packed = self._tnt_on_batch(_batch_tuple(x, y, sample_weight))
+        return super().test_on_batch(packed, return_dict=return_dict)
+
+    @user_facing
+    def predict_on_batch(self, x: Any) -> Any:
+        """``keras.Model.predict_on_batch`` on the global batch; every rank gets all rows."""
+        packed = self._tnt_on_batch((x,), predict=True)
+        return super().predict_on_batch(packed)
+
+
+def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
+    if isinstance(validation_data, (list, tuple)):
+        if len(validation_data) in (2, 3):
+            vx, vy = validation_data[0], validation_data[1]
+            vsw = validation_data[2] if len(validation_data) == 3 else None
+            return vx, vy, vsw
+        raise ValueError(
+            "validation_data must be a dataset, a generator or a tuple (x, y) or "
+            f"(x, y, sample_weight); got a {type(validation_data).__name__} of "
+            f"{len(validation_data)} elements"
+        )
+    return validation_data, None, None
+
+
+def _batch_tuple(x: Any, y: Any, sample_weight: Any) -> tuple:
+    if sample_weight is not None:
+        return (x, y, sample_weight)
+    if y is not None:
+        return (x, y)
+    return (x,)
+
+
+def _spec_of(v: Any) -> Any:
+    t = tf.convert_to_tensor(v)
+    return tf.TensorSpec(t.shape, t.dtype)
