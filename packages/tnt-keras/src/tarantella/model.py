@@ -47,7 +47,7 @@ from .batchnorm import synchronized_layers
 from .datasets import DistributedData, prepare_data, shard_arrays, split_validation
 from .errors import DatasetError, NotSupportedError, user_facing
 from .gradients import GradientReducer
-from .losses import normaliser
+from .losses import normaliser, weigh_backward
 from .steps import LocalIncrements, current_step, gradient_factor
 from .weights import broadcast_model_state
 
@@ -299,13 +299,13 @@ class Model(keras.Model):
         step = current_step()
         if step is None or step.model is not self or step.loss is not None:
             return loss
-        step.loss = loss
+        step.loss = step.returned_loss = loss
         if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:  # noqa: SLF001
             step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
         if step.kind != "train":
             return loss
-        # Weigh the loss, not only its gradient: each sample's backward pass then carries the
-        # magnitudes of the serial one (a float16 layer overflows exactly when serial does).
+        # Weigh the backward pass from its start, not only the gradients at the end: each
+        # sample then carries the magnitudes of the serial one (see losses.weigh_backward).
         factor = tf.cast(gradient_factor(step, self._tnt), loss.dtype)
         step.prescaled = True
         optimizer = getattr(self, "optimizer", None)
@@ -313,7 +313,9 @@ class Model(keras.Model):
             reducer = self._tnt.gradient_reducer(f"train_{optimizer.name}_0")
             if reducer.timeline is not None:
                 reducer.mark_backprop_start(loss)
-        return tf.where(step.has_data, loss * factor, tf.zeros_like(loss))
+        step.returned_loss = tf.where(step.has_data, weigh_backward(loss, factor),
+                                      tf.zeros_like(loss))
+        return step.returned_loss
 
     # -- before a loop ---------------------------------------------------------------------------
 
