@@ -331,7 +331,13 @@ class Model(keras.Model):
                 self(keras.tree.map_structure(
                     lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
         else:
-            self._symbolic_build(data_batch=batch_spec)
+            try:
+                self._symbolic_build(data_batch=batch_spec)
+            except RuntimeError:
+                # A model Keras cannot call on the data (a GAN: no call(), its step calls its
+                # parts) trains in plain Keras, which builds lazily; its state is its parts'.
+                if not all(layer.built for layer in _all_layers(self)):
+                    raise
         self._tnt.synchronized_bn = synchronized_layers(_all_layers(self))
         self._tnt_check_layers(distributed)
         if not self._tnt.seeds_folded:
