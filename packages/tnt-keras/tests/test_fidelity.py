@@ -23,12 +23,19 @@ FLOAT16_RTOL = 0.25
 pytestmark = pytest.mark.timeout(1500)  # the first test of a launch waits for it
 
 
-def _flat(value) -> list[float]:
+def _flat(value) -> list:
     if isinstance(value, dict):
         return [x for k in sorted(value) for x in _flat(value[k])]
     if isinstance(value, list):
         return [x for v in value for x in _flat(v)]
-    return [float(value)]
+    return [value]
+
+
+def _numbers(leaves: list) -> tuple[list[float], list]:
+    """The numeric leaves, and the others (a step's text or None logs: compared exactly)."""
+    numeric = [isinstance(x, (int, float)) and not isinstance(x, bool) for x in leaves]
+    return ([float(x) for x, n in zip(leaves, numeric) if n],
+            [x for x, n in zip(leaves, numeric) if not n])
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -67,7 +74,8 @@ def test_equals_plain_keras(case, fidelity, serial_fidelity, record_property):
                 got_j, ref_j = json.loads(str(got)), json.loads(str(ref))
                 if isinstance(ref_j, dict):
                     assert sorted(got_j) == sorted(ref_j), f"{case} {key}: keys differ"
-                got, ref = np.array(_flat(got_j)), np.array(_flat(ref_j))
+                (got, got_other), (ref, ref_other) = _numbers(_flat(got_j)), _numbers(_flat(ref_j))
+                assert got_other == ref_other, f"{case} {key}: {got_other} vs {ref_other}"
             if case == "mixed_precision":
                 if key in ("iterations", "loss_scale"):
                     assert float(got) == float(ref), f"rank {rank} {key}: {got} vs serial {ref}"

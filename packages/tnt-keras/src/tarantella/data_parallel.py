@@ -36,7 +36,7 @@ from .datasets import (
     split_validation,
 )
 from .gradients import GradientReducer
-from .losses import normaliser
+from .losses import normaliser, weigh_backward
 from .model import DistributedState, Model, ParallelStrategy
 from .steps import current_step, gradient_factor
 from .tracebacks import user_facing
@@ -124,13 +124,13 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         step = current_step()
         if step is None or step.model is not self or step.loss is not None:
             return loss
-        step.loss = loss
+        step.loss = step.returned_loss = loss
         if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:  # noqa: SLF001
             step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
         if step.kind != "train":
             return loss
-        # Weigh the loss, not only its gradient: each sample's backward pass then carries the
-        # magnitudes of the serial one (a float16 layer overflows exactly when serial does).
+        # Weigh the backward pass from its start, not only the gradients at the end: each
+        # sample then carries the magnitudes of the serial one (see losses.weigh_backward).
         factor = tf.cast(gradient_factor(step, self._tnt), loss.dtype)
         step.prescaled = True
         optimizer = getattr(self, "optimizer", None)
@@ -138,7 +138,9 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
             reducer = self._tnt.gradient_reducer(f"train_{optimizer.name}_0")
             if reducer.timeline is not None:
                 reducer.mark_backprop_start(loss)
-        return tf.where(step.has_data, loss * factor, tf.zeros_like(loss))
+        step.returned_loss = tf.where(step.has_data, weigh_backward(loss, factor),
+                                      tf.zeros_like(loss))
+        return step.returned_loss
 
     # -- before a loop ---------------------------------------------------------------------------
 
@@ -154,7 +156,13 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                 self(keras.tree.map_structure(
                     lambda s: keras.KerasTensor(s.shape, s.dtype.name), x))
         else:
-            _keras_compat.symbolic_build(self, batch_spec)
+            try:
+                _keras_compat.symbolic_build(self, batch_spec)
+            except RuntimeError:
+                # A model Keras cannot call on the data (a GAN: no call(), its step calls its
+                # parts) trains in plain Keras, which builds lazily; its state is its parts'.
+                if not all(layer.built for layer in _keras_compat.all_layers(self)):
+                    raise
         self._tnt.synchronized_bn = synchronized_layers(_keras_compat.all_layers(self))
         self._tnt_check_layers(distributed)
         if not self._tnt.seeds_folded:

@@ -26,7 +26,7 @@ import tensorflow as tf
 from ._keras_compat import get_keras_mask
 from .errors import NotSupportedError
 
-__all__ = ["Normaliser", "normaliser", "per_sample"]
+__all__ = ["Normaliser", "normaliser", "per_sample", "weigh_backward"]
 
 _MEAN = ("sum_over_batch_size", "mean")
 _WEIGHTED_MEAN = "mean_with_sample_weight"
@@ -51,6 +51,25 @@ def per_sample(n: tf.Tensor, b: tf.Tensor | None = None) -> Normaliser:
     n64 = tf.cast(n, tf.float64)
     total = None if b is None else tf.cast(b, tf.float64)
     return Normaliser(n64, n64, True, total)
+
+
+def weigh_backward(loss: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    """``loss`` itself, whose gradient is ``factor`` times the loss's.
+
+    The backward pass then starts from this rank's weight, so each sample carries the
+    magnitudes of the serial backward pass (a float16 layer overflows exactly when serial
+    does), while the value stays this rank's own loss: what a custom step logs or feeds a
+    metric is then a per-rank mean, which the logs reduction averages as it averages
+    everything else (``tarantella.steps``)."""
+
+    @tf.custom_gradient
+    def weighed(x: tf.Tensor) -> tuple[tf.Tensor, Any]:
+        def grad(upstream: tf.Tensor) -> tf.Tensor:
+            return upstream * tf.cast(factor, upstream.dtype)
+
+        return tf.identity(x), grad
+
+    return weighed(loss)
 
 
 def _reduction(loss: Any) -> str | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import keras
@@ -35,7 +35,7 @@ from .collectives import allreduce_sum, gather_rows, gather_slices
 from .errors import DatasetError
 from .gradients import dense_gradient
 from .losses import Normaliser, per_sample
-from .metrics import MetricStates
+from .metrics import MetricCalls, MetricStates
 from .overrides import instance_attributes
 
 __all__ = ["BATCH_KEY", "INFO_KEY", "LocalIncrements", "StepContext", "current_step",
@@ -120,8 +120,10 @@ class StepContext:
         self.n = n
         self.b = b
         self.has_data = n > 0
-        #: set by compute_loss: the loss Keras tracks and its normaliser
+        #: set by compute_loss: this rank's loss, what compute_loss returned (the same value;
+        #: in a train step its gradient is weighed, see losses.weigh_backward), normaliser
         self.loss: tf.Tensor | None = None
+        self.returned_loss: tf.Tensor | None = None
         self.normaliser: Normaliser | None = None
         #: the output of the last collective traced: the next one waits for it
         self.last: list[tf.Tensor] = []
@@ -239,30 +241,19 @@ def _reducing_gradients(model: keras.Model, step: StepContext,
 # -- the steps -------------------------------------------------------------------------------
 
 
-def _loss_tracker_slots(model: keras.Model) -> tuple[int, int] | None:
-    """Positions of the loss tracker's ``total`` and ``count`` in ``metrics_variables``."""
-    metrics = model.metrics
-    if not metrics or not getattr(model, "compiled", False):
-        return None
-    tracker = metrics[0]
-    if not (isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss"):
-        return None
-    positions = {id(v): i for i, v in enumerate(model.metrics_variables)}
-    total, count = tracker.variables
-    return positions[id(total)], positions[id(count)]
-
-
 def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any],
               state: Any) -> Any:
     batch, n, b = unpack(data)
     step = StepContext(model, kind, n, b)
-    states = MetricStates(model.metrics_variables)
+    variables = model.metrics_variables
+    states = MetricStates(variables)
+    calls = MetricCalls(model.metrics, variables, lambda: step.returned_loss)
     # Only once the batch exists: when the input runs out (a dataset of unknown length), the
     # step stops at fetching it and the metric states must still hold the epoch's values.
     with tf.control_dependencies([n]):
         before = states.begin()
         kept = [(v, tf.identity(tf.convert_to_tensor(v))) for v in model.non_trainable_variables]
-    with _tracing(step):
+    with _tracing(step), calls.recording():
         if kind == "train":
             step.sync_bn = bool(state.synchronized_bn)
             with _reducing_gradients(model, step, state), \
@@ -273,13 +264,39 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
     # a stand-in sample (n == 0) must not move e.g. BatchNorm statistics or the RNG
     for v, old in kept:
         v.assign(tf.where(step.has_data, tf.convert_to_tensor(v), old))
-    return _reduce_logs(model, step, states, before, logs, state)
+    return _reduce_logs(model, step, states, calls, before, logs, state)
 
 
-def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, before: list,
-                 logs: Any, state: Any) -> Any:
-    """Sum the metric states (and average the other logs) over ranks; the serial logs."""
-    if not isinstance(logs, dict):
+class _Parts:
+    """The pieces of the one float64 vector a step sums over ranks, and where each lands."""
+
+    def __init__(self) -> None:
+        self.parts: list[tf.Tensor] = []
+        self.size = 0
+
+    def add(self, t: tf.Tensor) -> slice:
+        t = tf.reshape(t, [-1])
+        count = int(t.shape[0])
+        self.parts.append(t)
+        self.size += count
+        return slice(self.size - count, self.size)
+
+
+def _averaged(leaf: Any) -> bool:
+    """Whether a log leaf is a number to average over the global batch (a numeric or bool
+    tensor); anything else (strings, None, Python values) is passed on as Keras would."""
+    return tf.is_tensor(leaf) and leaf.dtype != tf.string
+
+
+def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, calls: MetricCalls,
+                 before: list, logs: Any, state: Any) -> Any:
+    """Sum the metric states (and average the other logs) over ranks; the serial logs.
+
+    ``logs`` may be any nest Keras accepts from a step (a dict at the top; dicts, lists and
+    tuples inside): a leaf a metric's ``result()`` gave becomes that metric's serial result,
+    the loss ``compute_loss`` returned becomes the global batch's loss, other numeric leaves
+    are averaged over the global batch (weighted by samples), the rest is passed on."""
+    if not isinstance(logs, Mapping):
         raise tnt_core.TntError(
             f"{type(model).__name__}.{step.kind}_step returned {type(logs).__name__}; "
             "tarantella needs a dict of logs, as Keras' fit/evaluate do"
@@ -287,51 +304,69 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, be
     has_data = tf.cast(step.has_data, tf.float64)
     increments = states.increments() * has_data
     size = int(increments.shape[0])
-    slots = _loss_tracker_slots(model) if step.loss is not None else None
-    if slots is not None:  # Keras tracked the weighted loss: this rank's own is step.loss
+    flat = keras.tree.flatten_with_path(logs)
+    # the scalar loss compute_loss returned: a log of it is the global batch's loss
+    returned = step.returned_loss if getattr(step.returned_loss, "shape", None) == () else None
+    per_step = calls.per_step_slots()
+    loss_slots = calls.loss_slots()
+    n64 = tf.cast(step.n, tf.float64) * has_data
+    vector = _Parts()
+    vector.add(increments)
+    at_samples = vector.add(n64)
+    # per-step values: each rank's share of the global batch's value (metrics.MetricCalls)
+    at_per_step = vector.add(tf.gather(increments, per_step) * n64) if per_step else None
+    averaged: dict[int, slice] = {}
+    for i, (path, leaf) in enumerate(flat):
+        if not _averaged(leaf) or calls.result_of(leaf) is not None or leaf is returned:
+            continue
+        if not leaf.shape.is_fully_defined():
+            raise tnt_core.TntError(f"log {'/'.join(map(str, path))!r} of the {step.kind} step "
+                                    "has no static shape")
+        averaged[i] = vector.add(tf.cast(leaf, tf.float64) * n64)
+    weights = step.weights()
+    needs_loss = returned is not None and (
+        bool(loss_slots) or any(leaf is returned for _, leaf in flat))
+    if needs_loss:  # the global batch's loss, from each rank's own (see tarantella.losses)
         own = tf.reshape(tf.cast(step.loss, tf.float64), [-1])
         own = tf.reduce_sum(own) / tf.cast(tf.size(own), tf.float64)
-        increments = tf.tensor_scatter_nd_update(increments, [[slots[0]]],
-                                                 [own * increments[slots[1]]])
-    results = model.get_metrics_result() if states else {}
-    extra = {k: v for k, v in logs.items() if k not in results}
-    n64 = tf.cast(step.n, tf.float64) * has_data
-    parts = [increments, tf.reshape(n64, [1])]
-    shapes = {}
-    for key, value in extra.items():
-        t = tf.convert_to_tensor(value)
-        shapes[key] = (t.shape, t.dtype)
-        parts.append(tf.reshape(tf.cast(t, tf.float64) * n64, [-1]))
-    weights = step.weights()
-    if slots is not None:
-        loss64 = tf.reshape(tf.cast(step.loss, tf.float64), [-1])
-        loss64 = tf.reduce_sum(loss64) / tf.cast(tf.size(loss64), tf.float64)
-        scale = weights.scale * has_data
-        parts += [tf.reshape(scale * loss64, [1]), tf.reshape(weights.divisor * has_data, [1])]
+        at_loss = vector.add(weights.scale * has_data * own)
+        at_divisor = vector.add(weights.divisor * has_data)
     local = state.local_increments(step.kind)
-    vector = tf.concat(parts, axis=0)
-    total = allreduce_sum(vector, state.runtime, after=step.last, name=f"tnt_{step.kind}_metrics",
+    total = allreduce_sum(tf.concat(vector.parts, axis=0), state.runtime, after=step.last,
+                          name=f"tnt_{step.kind}_metrics",
                           local=(lambda v: local.add(v, size)) if local.enabled else None)
     step.last = [total]
     summed = total[:size]
-    samples = total[size]
-    if slots is not None:  # the loss tracker: serial loss of the global batch x its samples
-        loss_sum, divisor_sum = total[-2], total[-1]
+    samples = tf.maximum(total[at_samples][0], 1.0)
+    if at_per_step is not None:  # the global batch's value, with weight 1 per update
+        summed = tf.tensor_scatter_nd_update(summed, [[i] for i in per_step],
+                                             total[at_per_step] / samples)
+    batch_loss = None
+    if needs_loss:
+        loss_sum, divisor_sum = total[at_loss][0], total[at_divisor][0]
         batch_loss = loss_sum / divisor_sum if weights.divide else loss_sum
-        tracker_total = batch_loss * summed[slots[1]]
-        summed = tf.tensor_scatter_nd_update(summed, [[slots[0]]], [tracker_total])
+        for at_total, at_count in loss_slots:  # the serial loss times the (serial) count
+            summed = tf.tensor_scatter_nd_update(summed, [[at_total]],
+                                                 [batch_loss * summed[at_count]])
     if states:
         states.end(before, summed)
-    out = dict(model.get_metrics_result()) if states else {}
-    offset = size + 1
-    for key, (shape, dtype) in shapes.items():
-        count = int(np.prod(shape.as_list())) if shape.is_fully_defined() else None
-        if count is None:
-            raise tnt_core.TntError(f"log {key!r} of the {step.kind} step has no static shape")
-        value = total[offset:offset + count] / tf.maximum(samples, 1.0)
-        out[key] = tf.cast(tf.reshape(value, shape), dtype)
-        offset += count
-    return {k: out[k] for k in logs} if set(logs) <= set(out) else out
+    out = []
+    for i, (_path, leaf) in enumerate(flat):
+        source = calls.result_of(leaf) if tf.is_tensor(leaf) else None
+        if source is not None:  # the metric's result, now of the summed states
+            metric, where = source
+            value = metric.result()
+            for key in where:
+                value = value[key]
+            out.append(value)
+        elif batch_loss is not None and returned is not None and leaf is returned:
+            out.append(tf.cast(batch_loss, returned.dtype))
+        elif i in averaged:
+            value = total[averaged[i]] / samples
+            out.append(tf.cast(tf.reshape(value, leaf.shape), leaf.dtype))
+        else:
+            out.append(leaf)
+    return keras.tree.pack_sequence_as(logs, out)
 
 
 def train_step(model: keras.Model, data: Any, run: Callable[[Any], Any], state: Any) -> Any:

@@ -20,8 +20,16 @@ import numpy as np
 
 CASES = ("dense3d_dataset", "dense3d_numpy", "unknown_cardinality", "generator", "pydataset",
          "rebatch_zip", "shuffle_seeded", "masked_loss", "reduction_sum", "weighted_mean",
-         "custom_training", "two_optimizers", "on_batch", "mixed_precision", "predict_loaded",
-         "regularized", "synchronized_bn")
+         "custom_training", "two_optimizers", "two_outputs", "on_batch", "mixed_precision",
+         "predict_loaded", "regularized", "synchronized_bn")
+
+
+def _jsonable(value):
+    """History entries that are not floats (a custom step may log anything): arrays as lists,
+    the rest (text) as its repr."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "fiub":
+        return value.tolist()
+    return repr(value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     def save(case: str, model, history=None, **extra):
         result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
         if history is not None:
-            result["history"] = np.array(json.dumps(history.history))
+            result["history"] = np.array(json.dumps(history.history, default=_jsonable))
         for k, v in extra.items():
             result[k] = np.array(json.dumps(v)) if isinstance(v, dict) else np.asarray(v)
         np.savez(os.path.join(out, f"{case}.{who}.npz"), **result)
@@ -158,42 +166,58 @@ def main(argv: list[str] | None = None) -> None:
                 reduction="mean_with_sample_weight"))
             h = m.fit(xm, ym, sample_weight=sw, batch_size=7, epochs=2, verbose=0, shuffle=False)
             save(case, m, h)
-        elif case == "custom_training":  # a user's step (its own loss, own tracker)
+        elif case == "custom_training":  # Keras' guide's custom steps, with logs of every kind
             class Custom(keras.Model):
-                def __init__(self, **kw):
-                    super().__init__(**kw)
-                    self.d1, self.d2 = L.Dense(8, activation="relu"), L.Dense(3)
-                    self.tracker = keras.metrics.Mean(name="my_loss")
-                    self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-                def call(self, x):
-                    return self.d2(self.d1(x))
-
                 def train_step(self, data):
                     x, y = data
                     with tf.GradientTape() as tape:
-                        loss = self.loss_fn(y, self(x, training=True))
-                    grads = tape.gradient(loss, self.trainable_variables)
-                    self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-                    self.tracker.update_state(loss, sample_weight=tf.shape(x)[0])
-                    return {"my_loss": self.tracker.result(), "batch_loss": loss}
+                        y_pred = self(x, training=True)
+                        loss = self.compute_loss(y=y, y_pred=y_pred)
+                    self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                                         self.trainable_variables)
+                    for metric in self.metrics:
+                        if metric.name == "loss":
+                            metric.update_state(loss)
+                        else:
+                            metric.update_state(y, y_pred)
+                    # compile_metrics' result is a dict: the logs nest
+                    logs = {m.name: m.result() for m in self.metrics}
+                    return {**logs, "batch": {"value": loss, "parts": [2.0 * loss, loss]}, "n": 3,
+                            "note": "text", "none": None, "flag": tf.constant("on")}
+
+                def test_step(self, data):
+                    x, y = data
+                    y_pred = self(x, training=False)
+                    loss = self.compute_loss(y=y, y_pred=y_pred)
+                    for metric in self.metrics:
+                        if metric.name == "loss":
+                            metric.update_state(loss)
+                        else:
+                            metric.update_state(y, y_pred)
+                    return {m.name: m.result() for m in self.metrics}
 
             keras.utils.set_random_seed(6)
-            model = Custom()
-            model.build((None, 6))
-            m = wrap(model)
-            m.compile(optimizer=keras.optimizers.SGD(0.1))
-            h = m.fit(xm, ym, batch_size=8, epochs=2, verbose=0, shuffle=False)
-            save(case, m, h)
-        elif case == "two_optimizers":  # a GAN-like step: two optimizers, two losses
+            inp = keras.Input((6,))
+            h = L.Dense(8, activation="relu")(inp)
+            m = wrap(Custom(inp, L.Dense(3, activation="softmax")(h)))
+            m.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+            h = m.fit(xm, ym, batch_size=7, epochs=2, verbose=0, shuffle=False,
+                      validation_data=(xm[:11], ym[:11]), validation_batch_size=4)
+            ev = m.evaluate(xm, ym, batch_size=8, verbose=0, return_dict=True)
+            save(case, m, h, evaluate=ev)
+        elif case == "two_optimizers":  # Keras' guide's GAN: no call(), two optimizers, trackers
             class Two(keras.Model):
                 def __init__(self, **kw):
                     super().__init__(**kw)
-                    self.a, self.b = L.Dense(4, activation="tanh"), L.Dense(1)
-                    self.tracker = keras.metrics.Mean(name="loss")
+                    self.a = keras.Sequential([keras.Input((6,)), L.Dense(4, activation="tanh")])
+                    self.b = keras.Sequential([keras.Input((4,)), L.Dense(1)])
+                    self.tracker_a = keras.metrics.Mean(name="loss_a")  # one value per step
+                    self.tracker_b = keras.metrics.Mean(name="loss_b")  # weighted by samples
 
-                def call(self, x):
-                    return self.b(self.a(x))
+                @property
+                def metrics(self):
+                    return [self.tracker_a, self.tracker_b]
 
                 def compile(self, opt_a, opt_b):
                     super().compile()
@@ -203,23 +227,40 @@ def main(argv: list[str] | None = None) -> None:
                     x, y = data
                     y = tf.cast(tf.reshape(y, (-1, 1)), x.dtype)
                     with tf.GradientTape() as tape:
-                        la = tf.reduce_mean((self(x) - y) ** 2)
+                        la = tf.reduce_mean((self.b(self.a(x)) - y) ** 2)
                     ga = tape.gradient(la, self.a.trainable_variables)
-                    self.opt_a.apply_gradients(zip(ga, self.a.trainable_variables))
+                    self.opt_a.apply(ga, self.a.trainable_variables)
                     with tf.GradientTape() as tape:
-                        lb = tf.reduce_mean(tf.abs(self(x) - y))
+                        lb = tf.reduce_mean(tf.abs(self.b(self.a(x)) - y))
                     gb = tape.gradient(lb, self.b.trainable_variables)
-                    self.opt_b.apply_gradients(zip(gb, self.b.trainable_variables))
-                    self.tracker.update_state(la + lb, sample_weight=tf.shape(x)[0])
-                    return {"loss": self.tracker.result()}
+                    self.opt_b.apply(gb, self.b.trainable_variables)
+                    self.tracker_a.update_state(la)
+                    self.tracker_b.update_state(lb, sample_weight=tf.shape(x)[0])
+                    return {"loss_a": self.tracker_a.result(), "loss_b": self.tracker_b.result()}
 
             keras.utils.set_random_seed(8)
-            model = Two()
-            model.build((None, 6))
-            m = wrap(model)
+            m = wrap(Two())
             m.compile(keras.optimizers.SGD(0.05), keras.optimizers.Adam(0.01))
             h = m.fit(xm, ym.astype("float64"), batch_size=9, epochs=2, verbose=0, shuffle=False)
             save(case, m, h)
+        elif case == "two_outputs":  # per-output losses and metrics, uneven batches everywhere
+            keras.utils.set_random_seed(14)
+            inp = keras.Input((6,))
+            h = L.Dense(8, activation="relu")(inp)
+            model = keras.Model(inp, {"cls": L.Dense(3, activation="softmax", name="cls")(h),
+                                      "reg": L.Dense(1, name="reg")(h)})
+            m = wrap(model)
+            m.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                      loss_weights={"cls": 1.0, "reg": 0.5},
+                      metrics={"cls": ["accuracy"], "reg": ["mae"]})
+            yr = xm[:, :1] * 2.0
+            xv = rng.normal(size=(60, 6))
+            yv = {"cls": rng.integers(0, 3, size=60), "reg": xv[:, :1] * 2.0}
+            h = m.fit(xm, {"cls": ym, "reg": yr}, batch_size=7, epochs=2, verbose=0,
+                      shuffle=False, validation_data=(xv, yv), validation_batch_size=25)
+            ev = m.evaluate(xv, yv, batch_size=25, verbose=0, return_dict=True)
+            save(case, m, h, evaluate=ev)
         elif case == "on_batch":
             m = compiled(mlp())
             logs = [m.train_on_batch(xm[i:i + 7], ym[i:i + 7], return_dict=True)
