@@ -50,6 +50,7 @@ from .gradients import GradientReducer
 from .losses import normaliser
 from .steps import LocalIncrements, current_step, gradient_factor
 from .weights import broadcast_model_state
+from .xla import XlaStep, take_jit_compile
 
 __all__ = ["Model", "ParallelStrategy"]
 
@@ -91,6 +92,8 @@ class _DistributedState:
         #: what _tnt_build made ready ("predict": the layers; "train": also metrics and
         #: optimizer), so *_on_batch, called every step, need not walk the model again
         self.ready: set[str] = set()
+        #: compiles the steps' bodies with XLA when Keras' jit_compile resolved to True
+        self.xla: XlaStep | None = None
 
     def gradient_reducer(self, name: str) -> GradientReducer:
         reducer = self._reducers.get(name)
@@ -170,6 +173,8 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
     object.__setattr__(model, "_tnt", _DistributedState(tnt_core.init(), strategy))
     if getattr(model, "compiled", False):
         model._tnt_check_compiled()  # noqa: SLF001 (the model is a tnt.Model by now)
+    else:  # predict without compile: Keras resolves "auto" (XLA on a GPU machine)
+        model._tnt.xla = take_jit_compile(model, model._tnt.runtime.is_master)  # noqa: SLF001
     return model
 
 
@@ -239,11 +244,9 @@ class Model(keras.Model):
 
     @user_facing
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """As ``keras.Model.compile``; XLA is switched off (the step calls into Python)."""
-        if kwargs.get("jit_compile") is True:
-            warnings.warn("tnt.Model runs the collectives from Python inside the step, which XLA "
-                          "cannot compile; using jit_compile=False", stacklevel=2)
-            kwargs["jit_compile"] = False
+        """As ``keras.Model.compile``. ``jit_compile`` resolves as in Keras; when it is on, the
+        step's body is compiled with XLA and its collectives run between the compiled parts
+        (``tarantella.xla``), so ``self.jit_compile`` (Keras' outer function) reads False."""
         optimizer = kwargs.get("optimizer", args[0] if args else None)
         if isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise ValueError(
@@ -261,8 +264,7 @@ class Model(keras.Model):
                 f"optimizer {type(optimizer).__name__} is not a Keras 3 optimizer; use one from "
                 "keras.optimizers (or a subclass of keras.optimizers.Optimizer)"
             )
-        if getattr(self, "jit_compile", False):
-            self.jit_compile = False
+        self._tnt.xla = take_jit_compile(self, self._tnt.runtime.is_master)
         self._tnt.needs_broadcast = True
         self._tnt.ready.clear()  # new metrics and optimizer to build
 

@@ -1,9 +1,9 @@
 """All checks of one rank in one process: TensorFlow is imported once per rank.
 
 ``python suite_worker.py --mode serial|tnt --out DIR`` runs ``dataset_worker`` (into
-``DIR/data``), ``train_worker`` (``DIR/train``), ``fidelity_worker`` (``DIR/fidelity``) and
-``features_worker`` (``DIR/features``; last, because it changes the working directory) with
-the same arguments.
+``DIR/data``), ``train_worker`` (``DIR/train``), ``fidelity_worker`` (``DIR/fidelity``),
+``xla_worker`` (``DIR/xla``; 2-rank launches only) and ``features_worker``
+(``DIR/features``; last, because it changes the working directory) with the same arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataset_worker
 import features_worker
 import fidelity_worker
 import train_worker
+import xla_worker
 
 
 def main() -> None:
@@ -27,7 +28,8 @@ def main() -> None:
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     for name, worker in (("data", dataset_worker), ("train", train_worker),
-                         ("fidelity", fidelity_worker), ("features", features_worker)):
+                         ("fidelity", fidelity_worker), ("xla", xla_worker),
+                         ("features", features_worker)):
         worker.main(["--mode", args.mode, "--out", os.path.join(out, name)])
         print(f"suite: {name} done", flush=True)
 
