@@ -174,7 +174,7 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
     if getattr(model, "compiled", False):
         model._tnt_check_compiled()  # noqa: SLF001 (the model is a tnt.Model by now)
     else:  # predict without compile: Keras resolves "auto" (XLA on a GPU machine)
-        model._tnt.xla = take_jit_compile(model, model._tnt.runtime.is_master)  # noqa: SLF001
+        model._tnt.xla = take_jit_compile(model, model._tnt.runtime)  # noqa: SLF001
     return model
 
 
@@ -264,7 +264,7 @@ class Model(keras.Model):
                 f"optimizer {type(optimizer).__name__} is not a Keras 3 optimizer; use one from "
                 "keras.optimizers (or a subclass of keras.optimizers.Optimizer)"
             )
-        self._tnt.xla = take_jit_compile(self, self._tnt.runtime.is_master)
+        self._tnt.xla = take_jit_compile(self, self._tnt.runtime)
         self._tnt.needs_broadcast = True
         self._tnt.ready.clear()  # new metrics and optimizer to build
 

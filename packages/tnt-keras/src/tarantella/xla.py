@@ -21,6 +21,9 @@ compiles what lies between the collectives:
 * **test**: ``test_step`` in one XLA function; the metric states are summed after it;
 * **predict**: ``predict_step`` in one XLA function; the rows are gathered after it.
 
+On one rank there is no collective: Keras compiles the whole step itself (see
+:func:`take_jit_compile`).
+
 Steps this cannot split run without XLA, with one warning line saying why (as Keras warns
 when a layer cannot be compiled): a step that calls ``apply`` more than once (a GAN: its
 second forward pass may need the first update) or inside a ``tf.cond``/loop of its own,
@@ -46,6 +49,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+import tnt_core
+
 from .losses import Normaliser
 from .overrides import instance_attributes
 from .steps import (
@@ -60,14 +65,21 @@ from .steps import (
 __all__ = ["XlaStep", "take_jit_compile"]
 
 
-def take_jit_compile(model: keras.Model, is_master: bool) -> XlaStep | None:
+def take_jit_compile(model: keras.Model, runtime: tnt_core.Runtime) -> XlaStep | None:
     """Keras' resolved ``jit_compile`` of ``model`` as the :class:`XlaStep` that compiles its
-    steps' bodies (None: no XLA); Keras' own flag is set to False, since its outer function
-    hosts the collectives. Reading the flag resolves ``"auto"`` as Keras does for a model
-    that was never compiled."""
+    steps' bodies, with Keras' own flag set to False (its outer function hosts the
+    collectives); None when the step needs no split. Reading the flag resolves ``"auto"``
+    as Keras does for a model that was never compiled.
+
+    One rank's step has no collective and calls no Python (its sums over ranks are the
+    tensors themselves), so there Keras' flag stays as it is and Keras compiles the whole
+    step, tarantella's bookkeeping included, as it compiles its own; unless the timeline is
+    on (``TNT_TIMELINE``: it records times from Python in the step)."""
     on = bool(model.jit_compile)
+    if on and runtime.size == 1 and not runtime.config.timeline:
+        return None
     model.jit_compile = False
-    return XlaStep(is_master) if on else None
+    return XlaStep(runtime.is_master) if on else None
 
 
 class _Recorder:
