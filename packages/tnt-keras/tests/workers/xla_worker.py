@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(case: str) -> None:
         if case == "metrics_weights":  # metrics, weighted metrics, sample weights, several
-            # steps per execution, validation, evaluate and predict (the last batches uneven)
+            # steps per execution, validation, evaluate and predict (the last batches uneven;
+            # in fit, one sample: rank 1 has none)
             m = compiled(mlp(1), keras.optimizers.SGD(0.05, momentum=0.9), steps_per_execution=3,
                          weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="w_acc")])
-            h = m.fit(x, y, sample_weight=sw, batch_size=8, epochs=3, verbose=0, shuffle=False,
-                      validation_data=(x[:16], y[:16], sw[:16]))
+            h = m.fit(x[:33], y[:33], sample_weight=sw[:33], batch_size=8, epochs=3, verbose=0,
+                      shuffle=False, validation_data=(x[:16], y[:16], sw[:16]))
             ev = m.evaluate(x, y, sample_weight=sw, batch_size=8, verbose=0, return_dict=True)
             save(case, m, h, evaluate=ev, predict=m.predict(x, batch_size=8, verbose=0))
             if tnt_mode:
