@@ -19,8 +19,11 @@ thread per process:
   ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
 * with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
 * with --frames, Python frames entered per step on each path (profiled runs, slower);
-* with --xla, Keras held to one CPU with ``jit_compile=True``: what XLA gives the serial
-  step, i.e. what the distributed step forgoes (its collective ops have no XLA kernel).
+* with --xla, every run above again with ``jit_compile=True`` (Keras on one CPU, tnt on 1
+  rank, tnt on N ranks, the comm-free bound): Keras compiles its whole step with XLA,
+  tnt the step's body and the optimizer's update, with the collectives between them
+  (``tarantella.xla``). Printed: tnt 1 rank / Keras, both with XLA on one CPU; N ranks /
+  N x Keras, both with XLA; N ranks with / without XLA.
 
 Results: a table on stdout, JSON and a PNG plot in --out-dir. Machines are noisy: compare
 the ratios of one run, read absolute numbers only as context.
@@ -83,6 +86,7 @@ def _read(out: Path, what: str, procs_output: str) -> dict:
 
 
 def run_keras(args, model: str, tmp: Path, cpus: int = 0, jit: bool = False) -> dict:
+    """One plain Keras process (with ``jit``: ``jit_compile=True``)."""
     out = tmp / f"keras-{model}-{cpus}-{jit}.json"
     p = subprocess.run([sys.executable, str(WORKER), "--mode", "keras", *_common(args, model),
                         "--cpus", str(cpus), "--out", str(out)] + (["--jit"] if jit else []),
@@ -92,9 +96,9 @@ def run_keras(args, model: str, tmp: Path, cpus: int = 0, jit: bool = False) -> 
 
 def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
             comm_free: bool = False, native: bool = True, ranks: int = 0, cpus: int = 0,
-            frames: bool = False) -> dict:
+            frames: bool = False, jit: bool = False) -> dict:
     ranks = ranks or args.ranks
-    out = tmp / f"tnt-{backend}-{model}-{overlap}-{comm_free}-{native}-{ranks}-{cpus}-{frames}.json"
+    out = tmp / f"tnt-{backend}-{model}-{overlap}-{comm_free}-{native}-{ranks}-{cpus}-{frames}-{jit}.json"
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
     cmd = [tnt, "run", "-n", str(ranks), "-x", "TNT_NUM_THREADS=1",
            "-x", f"TNT_NATIVE_OPS={str(native).lower()}"]
@@ -112,22 +116,25 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
         cmd += ["--cpus", str(cpus)]
     if frames:
         cmd += ["--count-frames"]
+    if jit:
+        cmd += ["--jit"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     return _read(out, f"tnt run ({backend})", p.stdout + p.stderr)
 
 
-def run_independent(args, model: str, tmp: Path) -> dict:
+def run_independent(args, model: str, tmp: Path, jit: bool = False) -> dict:
     """The comm-free bound: ``--ranks`` single-rank tnt processes at once, each held to its
     own CPU. The same step as a rank's, with no collective and no waiting for a peer (one
     rank reduces its gradients in the graph); their summed throughput is what N ranks
     could reach with free communication."""
     procs, outs = [], []
     for i in range(args.ranks):
-        out = tmp / f"independent-{model}-{i}.json"
+        out = tmp / f"independent-{model}-{i}-{jit}.json"
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), "--mode", "tnt", *_common(args, model), "--pin", str(i),
-             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+             "--out", str(out)] + (["--jit"] if jit else []), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
             env={k: v for k, v in os.environ.items() if not k.startswith("TNT_")}))
     output = "".join(p.communicate(timeout=args.timeout)[0] for p in procs)
     results = [_read(o, "an independent rank", output) for o in outs]
@@ -218,7 +225,8 @@ def main() -> int:
     p.add_argument("--one-rank", action="store_true",
                    help="also run tnt on 1 rank held to one CPU, against Keras held to one CPU")
     p.add_argument("--xla", action="store_true",
-                   help="also run Keras on 1 CPU with jit_compile=True: what XLA gives the serial step")
+                   help="also run Keras on 1 CPU, tnt (N ranks; with --one-rank 1 rank; with "
+                        "--comm-free the bound) with jit_compile=True")
     p.add_argument("--frames", action="store_true",
                    help="also count Python frames per step, native and Python paths (slow runs)")
     p.add_argument("--timeline", action="store_true", help="write TNT_TIMELINE traces to --out-dir")
@@ -247,14 +255,20 @@ def main() -> int:
             if args.xla:
                 row["keras_1cpu_xla"] = run_keras(args, model, tmp, cpus=1, jit=True)
             if args.one_rank:
-                one = run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1)
-                row["tnt-1-rank-1cpu"] = {**one, "efficiency": one["samples_per_s"] / base_1cpu,
-                                          "efficiency_1cpu": one["samples_per_s"] / base_1cpu}
+                for jit, suffix in ((False, ""), (True, "-xla"))[:2 if args.xla else 1]:
+                    one = run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1, jit=jit)
+                    row[f"tnt-1-rank-1cpu{suffix}"] = {
+                        **one, "efficiency": one["samples_per_s"] / base_1cpu,
+                        "efficiency_1cpu": one["samples_per_s"] / base_1cpu}
             if args.comm_free:
                 row["comm-free"] = rate(run_independent(args, model, tmp))
+                if args.xla:
+                    row["comm-free-xla"] = rate(run_independent(args, model, tmp, jit=True))
             row["memcpy_gbps"] = memcpy_gbps(4 * row["keras"]["params"])
             for backend in backends:
                 row[f"tnt-{backend}"] = rate(run_tnt(args, model, backend, tmp))
+                if args.xla:
+                    row[f"tnt-{backend}-xla"] = rate(run_tnt(args, model, backend, tmp, jit=True))
                 if args.python_path:
                     row[f"tnt-{backend}-python-path"] = rate(run_tnt(args, model, backend, tmp, native=False))
                 if args.overlap:
@@ -314,8 +328,27 @@ def print_row(row: dict, backends: list[str], args) -> None:
         if "mwms" in row:
             print(f"    {backend}: ours / MWMS: {ours / row['mwms']['samples_per_s']:.2f}")
     if "keras_1cpu_xla" in row:
-        print(f"    Keras with XLA / without, both on 1 CPU: "
-              f"{row['keras_1cpu_xla']['samples_per_s'] / base_1cpu:.2f}")
+        xla_1cpu = row["keras_1cpu_xla"]["samples_per_s"]
+        print(f"    Keras with XLA / without, both on 1 CPU: {xla_1cpu / base_1cpu:.2f}")
+        print(f"  XLA (keras with XLA on 1 CPU: {xla_1cpu:.0f} samples/s):")
+        if "tnt-1-rank-1cpu-xla" in row:
+            one = row["tnt-1-rank-1cpu-xla"]["samples_per_s"]
+            print(f"    tnt 1 rank with XLA / Keras with XLA, both on 1 CPU: {one / xla_1cpu:.2f}")
+        free_xla = row.get("comm-free-xla")
+        if free_xla:
+            print(f"    {args.ranks} ranks comm-free with XLA / {args.ranks}x Keras with XLA on 1 CPU: "
+                  f"{free_xla['samples_per_s'] / (args.ranks * xla_1cpu):.2f}")
+        for backend in backends:
+            with_xla = row.get(f"tnt-{backend}-xla")
+            if with_xla:
+                ours = with_xla["samples_per_s"]
+                print(f"    {backend}: {args.ranks} ranks with XLA / {args.ranks}x Keras with XLA "
+                      f"on 1 CPU: {ours / (args.ranks * xla_1cpu):.2f}")
+                print(f"    {backend}: {args.ranks} ranks with XLA / without: "
+                      f"{ours / row[f'tnt-{backend}']['samples_per_s']:.2f}")
+                if free_xla:
+                    print(f"    {backend}: with XLA, with communication / comm-free: "
+                          f"{ours / free_xla['samples_per_s']:.2f}")
     grad_bytes = 4 * row["keras"]["params"]
     print(f"  context: {grad_bytes / 1e6:.2f} MB of float32 gradients; memcpy {row['memcpy_gbps']:.1f} GB/s "
           f"here, so one copy of them takes {grad_bytes / row['memcpy_gbps'] / 1e6:.3f} ms")

@@ -44,7 +44,9 @@ def parse() -> argparse.Namespace:
                    help="hold the process to this one CPU (independent comm-free ranks)")
     p.add_argument("--pin-local-rank", action="store_true",
                    help="tnt: hold each rank to the CPU of its local rank (TNT_LOCAL_RANK)")
-    p.add_argument("--jit", action="store_true", help="keras: compile with jit_compile=True (XLA)")
+    p.add_argument("--jit", action="store_true",
+                   help="keras, tnt: compile with jit_compile=True (XLA; tnt compiles the step's "
+                        "body and update, the collectives run between them)")
     p.add_argument("--count-frames", action="store_true",
                    help="count Python frames entered per timed step, on every thread (slow)")
     p.add_argument("--out", type=Path, required=True)
@@ -173,7 +175,7 @@ def main() -> int:
 
                 backend = tnt_core.init().backend  # the runtime tnt.Model started
                 backend.allreduce_async = lambda buf, op="sum": tnt_core.CompletedHandle(buf)
-        models.compile_for_benchmark(model, keras, jit_compile=args.jit and args.mode == "keras")
+        models.compile_for_benchmark(model, keras, jit_compile=args.jit)
 
     global_batch = args.micro_batch * workers
     x, y = models.synthetic_data(args.model, global_batch * steps)

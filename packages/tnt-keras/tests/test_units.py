@@ -7,7 +7,10 @@ and its errors, and the process set-up rules.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import types
+import warnings
 
 import keras
 import numpy as np
@@ -17,7 +20,7 @@ import tensorflow as tf
 import tarantella as tnt
 import tnt_core
 from tarantella import callbacks as tcb
-from tarantella import datasets, environment, steps
+from tarantella import datasets, environment, steps, xla
 
 
 def _ids(ds) -> list[list[int]]:
@@ -153,11 +156,106 @@ def test_tnt_model_is_the_users_keras_model():
     assert keras.Sequential.from_config(config).count_params() == model.count_params()
 
 
-def test_xla_is_switched_off_with_a_warning():
-    model = tnt.Model(_mlp())
-    with pytest.warns(UserWarning, match="jit_compile=False"):
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    assert model.jit_compile is False
+class _NoXla(keras.layers.Layer):
+    """A layer that tells Keras XLA cannot compile it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+
+    def call(self, x):
+        return x
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-only", "fake-gpu"])
+@pytest.mark.parametrize("case", ["True", "False", "auto", "default", "uncompiled", "no-xla-layer",
+                                  "determinism"])
+def test_jit_compile_resolves_as_keras_resolves_it(case, gpu, monkeypatch):
+    """The step compiles with XLA exactly when plain Keras' step would (``tarantella.xla``).
+    On several ranks (or with a timeline) tarantella compiles the step's parts and Keras'
+    own flag reads False (its outer function hosts the collectives); on one rank Keras
+    compiles the whole step. A GPU is faked in the device list Keras reads, op determinism
+    in the switch Keras reads."""
+    devices = tf.config.list_physical_devices()
+    if gpu:
+        devices = [*devices, tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")]
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda device_type=None: [
+        d for d in devices if device_type in (None, d.device_type)])
+    if case == "determinism":
+        switch = importlib.import_module("tensorflow.python.framework.config")  # Keras reads it
+        monkeypatch.setattr(switch, "is_op_determinism_enabled", lambda: True)
+
+    def make():
+        layers = [keras.layers.Dense(2)] + ([_NoXla()] if case == "no-xla-layer" else [])
+        model = keras.Sequential([keras.Input((3,)), *layers])
+        if case != "uncompiled":
+            kwargs = {} if case == "default" else {
+                "jit_compile": {"True": True, "False": False}.get(case, "auto")}
+            model.compile(optimizer="sgd", loss="mse", **kwargs)
+        return model
+
+    with warnings.catch_warnings(record=True) as keras_warned:
+        warnings.simplefilter("always")
+        plain = make()
+        expected = bool(plain.jit_compile)
+    with warnings.catch_warnings(record=True) as tnt_warned:
+        warnings.simplefilter("always")
+        model = tnt.Model(make())
+    assert model.jit_compile is expected and model._tnt.xla is None, "one rank: Keras compiles"
+    assert [str(w.message) for w in tnt_warned] == [str(w.message) for w in keras_warned], \
+        "Keras' own warning (a layer or determinism refusing XLA), nothing else"
+    if case == "auto" or (case == "default" and gpu):
+        assert expected is gpu, "Keras: XLA by default on a machine with a GPU, not CPU-only"
+    for size, timeline in ((2, ""), (1, "trace.json")):  # the step split around collectives
+        other = make()
+        config = types.SimpleNamespace(timeline=timeline)
+        split = xla.take_jit_compile(other, types.SimpleNamespace(
+            size=size, is_master=True, config=config))
+        assert (split is not None) is expected and other.jit_compile is False
+
+
+def test_one_rank_with_xla_trains_as_keras_with_xla():
+    """One rank: Keras compiles the whole step with XLA, tarantella's part of it included
+    (sparse gradients, synchronized BatchNormalization, predictions, a callback's own logs).
+    The multi-rank proof is test_xla."""
+    def make():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([
+            keras.Input((4,), dtype="int32"), keras.layers.Embedding(10, 5),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.BatchNormalization(synchronized=True),
+            keras.layers.Dense(3, activation="softmax")])
+
+    class Record(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.logs = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.logs.append(dict(logs))
+
+    rng = np.random.default_rng(2)
+    x, y = rng.integers(0, 10, size=(23, 4)), rng.integers(0, 3, size=23)
+    results = []
+    for model in (make(), tnt.Model(make())):
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], jit_compile=True)
+        record = Record()
+        callback = record if not isinstance(model, tnt.Model) else \
+            tnt.keras.callbacks.Callback(record, aggregate_logs=False)
+        history = model.fit(x, y, batch_size=6, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[callback])
+        assert model.jit_compile is True
+        results.append((history.history, record.logs, model.get_weights(),
+                        model.predict(x, batch_size=5, verbose=0)))
+    (h_keras, r_keras, w_keras, p_keras), (h_tnt, r_tnt, w_tnt, p_tnt) = results
+    assert h_tnt.keys() == h_keras.keys() and len(r_tnt) == len(r_keras)
+    for key in h_keras:
+        np.testing.assert_allclose(h_tnt[key], h_keras[key], rtol=1e-6)
+        np.testing.assert_allclose([r[key] for r in r_tnt], [r[key] for r in r_keras], rtol=1e-6)
+    for a, b in zip(w_tnt, w_keras):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(p_tnt, p_keras, rtol=1e-6)
 
 
 def test_unsupported_uses_raise_with_advice():

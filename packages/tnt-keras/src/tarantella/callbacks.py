@@ -130,8 +130,8 @@ def local_metric_logs(model: Any, increments: np.ndarray | None, prefix: str = "
 def _local_logs(callback: Callback, hook: str, logs: dict | None) -> dict | None:
     state = getattr(callback.model, "_tnt", None)
     kind = _LOG_KIND.get(hook)
-    if logs is None or state is None or kind is None:
-        return logs
+    if logs is None or state is None or kind is None or state.runtime.size == 1:
+        return logs  # one rank's own logs are the job's
     local = dict(logs)
     train, test = state.local_increments("train").total, state.local_increments("test").total
     if kind in ("train", "epoch"):
@@ -227,8 +227,8 @@ class _Coordinator(keras.callbacks.Callback):
         super().set_model(model)
         for kind in ("train", "test"):  # rank-local metrics only when a callback wants them
             local = self._local(kind)
-            if local is not None:
-                local.enabled = self.local_logs
+            if local is not None:  # one rank's own logs are the job's (and its step calls no
+                local.enabled = self.local_logs and self.runtime.size > 1  # Python: see xla)
                 local.reset()
 
     def on_train_begin(self, logs: dict | None = None) -> None:

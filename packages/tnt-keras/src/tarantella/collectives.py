@@ -62,11 +62,13 @@ def gather_rows(flat: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
     distributed) this rank's own rows."""
     backend = runtime.backend
     size = runtime.size
+    if size == 1:  # one rank's micro-batch is the global batch (no Python in its step: Keras
+        return list(flat)  # may compile it whole with XLA, see tarantella.xla)
 
     def gather(*args: np.ndarray) -> list[np.ndarray]:
         *arrays, n_arg, b_arg = args
         n, b = int(n_arg), int(b_arg)
-        if b < 0 or size == 1:
+        if b < 0:
             return [a[:n] for a in arrays]
         sizes = tnt_core.micro_batch_sizes(b, size, allow_empty=True)
         rows = sizes[0]  # the largest micro-batch
@@ -97,13 +99,12 @@ def gather_slices(indices: tf.Tensor, values: tf.Tensor, keep: tf.Tensor,
     adding duplicates up), so summing it densely would change the update.
     """
     backend = runtime.backend
-    single = runtime.size == 1
+    if runtime.size == 1:  # one rank always has samples (keep); no Python in its step
+        return indices, values
 
     def run(idx: np.ndarray, vals: np.ndarray, keep_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not bool(keep_):
             idx, vals = idx[:0], vals[:0]
-        if single:
-            return idx, vals
         counts = backend.allgather(np.array([idx.shape[0]], dtype=np.int64))[:, 0]
         rows = max(int(counts.max()), 1)
         pad_i = np.zeros((rows,), dtype=idx.dtype)

@@ -41,6 +41,7 @@ from .model import DistributedState, Model, ParallelStrategy
 from .steps import current_step, gradient_factor
 from .tracebacks import user_facing
 from .weights import broadcast_model_state
+from .xla import XlaStep, take_jit_compile
 
 __all__ = ["DataParallelModel", "DataParallelState"]
 
@@ -58,6 +59,8 @@ class DataParallelState(DistributedState):
         #: what _tnt_build made ready ("predict": the layers; "train": also metrics and
         #: optimizer), so *_on_batch, called every step, need not walk the model again
         self.ready: set[str] = set()
+        #: compiles the steps' bodies with XLA when Keras' jit_compile resolved to True
+        self.xla: XlaStep | None = None
 
     def gradient_reducer(self, name: str) -> GradientReducer:
         reducer = self._reducers.get(name)
@@ -77,23 +80,25 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         distributed = cls._tnt_adopt(model, DataParallelState(tnt_core.init(), strategy))
         if getattr(distributed, "compiled", False):
             distributed._tnt_check_compiled()  # noqa: SLF001 (the model is this class's now)
+        else:  # predict without compile: Keras resolves "auto" (XLA on a GPU machine)
+            state = distributed._tnt  # noqa: SLF001 (the model is this class's now)
+            state.xla = take_jit_compile(distributed, state.runtime)
         return distributed
 
     # -- configuration ------------------------------------------------------------------------
 
     @user_facing
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """As ``keras.Model.compile``; XLA is switched off (the step calls into Python)."""
-        if kwargs.get("jit_compile") is True:
-            warnings.warn("tnt.Model runs the collectives from Python inside the step, which XLA "
-                          "cannot compile; using jit_compile=False", stacklevel=2)
-            kwargs["jit_compile"] = False
+        """As ``keras.Model.compile``. ``jit_compile`` resolves as in Keras; when it is on, the
+        step's body is compiled with XLA and its collectives run between the compiled parts
+        (``tarantella.xla``), so ``self.jit_compile`` (Keras' outer function) reads False."""
         arguments.check_optimizer(kwargs.get("optimizer", args[0] if args else None))
         super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
         self._tnt_check_compiled()
 
     def _tnt_check_compiled(self) -> None:
         super()._tnt_check_compiled()
+        self._tnt.xla = take_jit_compile(self, self._tnt.runtime)
         self._tnt.ready.clear()  # new metrics and optimizer to build
 
     # -- the steps (Keras' own or the user's, distributed) -------------------------------------

@@ -150,6 +150,14 @@ class MetricCalls:
                 and isinstance(m, keras.metrics.Mean)
                 and id(m.total) in self._positions and id(m.count) in self._positions]
 
+    def alias(self, outer: Any, inner: Any) -> None:
+        """``outer`` is what a compiled body returned as ``inner`` (tarantella.xla): if
+        ``inner`` was a metric's result, so is ``outer``."""
+        source = self._results.get(id(inner))
+        if source is not None and tf.is_tensor(outer):
+            self._results[id(outer)] = source
+            self._kept.append(outer)
+
     def result_of(self, leaf: Any) -> tuple[keras.metrics.Metric, tuple] | None:
         """The metric (and the path in its result) a log leaf is the result of, if any."""
         return self._results.get(id(leaf))

@@ -247,8 +247,6 @@ class Model(keras.Model):
                 f"optimizer {type(optimizer).__name__} is not a Keras 3 optimizer; use one from "
                 "keras.optimizers (or a subclass of keras.optimizers.Optimizer)"
             )
-        if getattr(self, "jit_compile", False):
-            self.jit_compile = False
         self._tnt.needs_broadcast = True
 
     def summary(self, *args: Any, **kwargs: Any) -> None:

@@ -39,7 +39,8 @@ from .metrics import MetricCalls, MetricStates
 from .overrides import instance_attributes
 
 __all__ = ["BATCH_KEY", "INFO_KEY", "LocalIncrements", "StepContext", "current_step",
-           "gradient_factor", "pack", "predict_step", "test_step", "train_step", "unpack"]
+           "gradient_factor", "model_optimizers", "pack", "predict_step", "reduce_gradients",
+           "remaining_factor", "test_step", "tracing", "train_step", "unpack"]
 
 #: keys of the elements tarantella's datasets yield: the micro-batch and ``[n, b]``
 BATCH_KEY = "tnt_micro_batch"
@@ -134,6 +135,12 @@ class StepContext:
         self.backward_last: list[tf.Tensor] = []
         #: the model has synchronized BatchNormalization layers: no overlap (see batchnorm)
         self.sync_bn = False
+        #: the step's body is being traced into an XLA function (``tarantella.xla``): no
+        #: collective may be traced, the gradient factor's global part comes after it
+        self.compiled = False
+        #: (inner, outer) leaves of the outputs of an XLA body: what it returned as the body's
+        #: trace had them, and as this (outer) trace has them
+        self.compiled_outputs: list[tuple[Any, Any]] = []
 
     def weights(self) -> Normaliser:
         return self.normaliser if self.normaliser is not None else per_sample(self.n, self.b)
@@ -145,7 +152,8 @@ def current_step() -> StepContext | None:
 
 
 @contextlib.contextmanager
-def _tracing(step: StepContext) -> Iterator[StepContext]:
+def tracing(step: StepContext) -> Iterator[StepContext]:
+    """Make ``step`` the step being traced on this thread (what ``compute_loss`` sees)."""
     outer = current_step()
     _active.step = step
     try:
@@ -157,7 +165,7 @@ def _tracing(step: StepContext) -> Iterator[StepContext]:
 # -- optimizers ------------------------------------------------------------------------------
 
 
-def _optimizers(model: keras.Model) -> list[keras.optimizers.Optimizer]:
+def model_optimizers(model: keras.Model) -> list[keras.optimizers.Optimizer]:
     """The optimizers a step may apply: ``model.optimizer`` and every optimizer the model
     holds as an attribute (a GAN's ``d_optimizer``/``g_optimizer``)."""
     found: dict[int, keras.optimizers.Optimizer] = {}
@@ -168,40 +176,52 @@ def _optimizers(model: keras.Model) -> list[keras.optimizers.Optimizer]:
     return list(found.values())
 
 
+def reduce_gradients(step: StepContext, optimizer: keras.optimizers.Optimizer, grads: list[Any],
+                     variables: list[Any] | None, factor: tf.Tensor,
+                     state: Any) -> tuple[list[Any], Any]:
+    """Graph ops: ``sum_r factor_r g_r`` for the gradients one ``optimizer.apply`` call is
+    given (None where a variable has none), in the order the step issues its collectives;
+    returns them with the reducer (its timeline marks; None when there was no gradient)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    out: list[Any] = list(grads)
+    if not present:
+        return out, None
+    reducer = state.gradient_reducer(f"{step.kind}_{optimizer.name}_{step.applies}")
+    step.applies += 1
+    # backward order: the last layer's gradients exist first
+    dense_ids = [i for i in present[::-1] if not isinstance(grads[i], tf.IndexedSlices)]
+    sparse_ids = [i for i in present if isinstance(grads[i], tf.IndexedSlices)]
+    dense = [dense_gradient(grads[i], variables[i] if variables is not None else None)
+             for i in dense_ids]
+    if dense:
+        after = list(step.last)
+        if step.sync_bn:  # the backward pass's collectives first, on every rank
+            after += step.backward_last + dense
+        reduced = reducer.reduce(dense, factor, after=after)
+        step.last = reduced[:1]
+        for i, g, d in zip(dense_ids, reduced, dense):
+            out[i] = tf.cast(g, d.dtype)
+    for i in sparse_ids:  # row by row, as the serial step has them (Adam squares rows)
+        g = grads[i]
+        values = g.values * tf.cast(factor, g.values.dtype)
+        indices, values = gather_slices(g.indices, values, step.has_data, state.runtime,
+                                        after=step.last)
+        step.last = [indices]
+        out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+    return out, reducer
+
+
 def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
                     apply: Callable[..., Any], state: Any) -> Callable[..., Any]:
     def reduced_apply(grads: Any, trainable_variables: Any = None) -> Any:
         grads = list(grads)
         variables = None if trainable_variables is None else list(trainable_variables)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
+        if all(g is None for g in grads):
             return apply(grads, trainable_variables)
-        # backward order: the last layer's gradients exist first
-        dense_ids = [i for i in present[::-1] if not isinstance(grads[i], tf.IndexedSlices)]
-        sparse_ids = [i for i in present if isinstance(grads[i], tf.IndexedSlices)]
-        dense = [dense_gradient(grads[i], variables[i] if variables is not None else None)
-                 for i in dense_ids]
         factor = tf.constant(1.0, tf.float64) if step.prescaled else gradient_factor(step, state)
-        reducer = state.gradient_reducer(f"{step.kind}_{optimizer.name}_{step.applies}")
-        step.applies += 1
-        out: list[Any] = list(grads)
-        if dense:
-            after = list(step.last)
-            if step.sync_bn:  # the backward pass's collectives first, on every rank
-                after += step.backward_last + dense
-            reduced = reducer.reduce(dense, factor, after=after)
-            step.last = reduced[:1]
-            for i, g, d in zip(dense_ids, reduced, dense):
-                out[i] = tf.cast(g, d.dtype)
-        for i in sparse_ids:  # row by row, as the serial step has them (Adam squares rows)
-            g = grads[i]
-            values = g.values * tf.cast(factor, g.values.dtype)
-            indices, values = gather_slices(g.indices, values, step.has_data, state.runtime,
-                                            after=step.last)
-            step.last = [indices]
-            out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+        out, reducer = reduce_gradients(step, optimizer, grads, variables, factor, state)
         result = apply(out, trainable_variables)
-        if reducer.timeline is not None and variables:
+        if reducer is not None and reducer.timeline is not None and variables:
             reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
         return result
 
@@ -211,11 +231,20 @@ def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
 def gradient_factor(step: StepContext, state: Any) -> tf.Tensor:
     """This rank's weight of its loss or gradient: ``scale_r / sum_r divisor_r``
     (``scale_r`` for a summed loss), 0 without a sample. The sum is known for a mean loss of
-    distributed data (the global batch size); otherwise one small allreduce finds it."""
+    distributed data (the global batch size); otherwise one small allreduce finds it.
+
+    In a body compiled with XLA (``step.compiled``) no collective may run: there it is the
+    part known locally (the whole factor when the global batch size is known, else 1), and
+    :func:`remaining_factor`, after the body, gives the rest."""
     weights = step.weights()
     scale = tf.where(step.has_data, weights.scale, tf.zeros_like(weights.scale))
     if not weights.divide:
         return scale
+    if step.compiled:
+        if weights.total is None:
+            return tf.ones_like(scale)
+        known = weights.total
+        return tf.where(known >= 0, scale / tf.maximum(known, 1e-300), tf.ones_like(scale))
     divisor = tf.where(step.has_data, weights.divisor, tf.zeros_like(weights.divisor))
 
     def summed() -> tf.Tensor:
@@ -231,11 +260,25 @@ def gradient_factor(step: StepContext, state: Any) -> tf.Tensor:
     return scale / tf.maximum(total, 1e-300)
 
 
+def remaining_factor(step: StepContext, state: Any) -> tf.Tensor:
+    """What :func:`gradient_factor` left for after a compiled body that weighed its loss by
+    the local part: 1 when that was the whole factor, else ``scale_r / sum_r divisor_r``
+    (one small allreduce)."""
+    weights = step.weights()
+    one = tf.constant(1.0, tf.float64)
+    if not weights.divide:
+        return one
+    whole = gradient_factor(step, state)  # step.compiled is False here: the global sum
+    if weights.total is None:
+        return whole
+    return tf.where(weights.total >= 0, one, whole)
+
+
 def _reducing_gradients(model: keras.Model, step: StepContext,
                         state: Any) -> contextlib.AbstractContextManager[None]:
     """While the step is traced, the model's optimizers reduce what they apply."""
     return instance_attributes([(opt, "apply", _reducing_apply(step, opt, opt.apply, state))
-                                for opt in _optimizers(model)])
+                                for opt in model_optimizers(model)])
 
 
 # -- the steps -------------------------------------------------------------------------------
@@ -247,20 +290,27 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
     step = StepContext(model, kind, n, b)
     variables = model.metrics_variables
     states = MetricStates(variables)
-    calls = MetricCalls(model.metrics, variables, lambda: step.returned_loss)
+    # the loss compute_loss returned in the trace being recorded (an XLA body's own context)
+    calls = MetricCalls(model.metrics, variables,
+                        lambda: (current_step() or step).returned_loss)
     # Only once the batch exists: when the input runs out (a dataset of unknown length), the
     # step stops at fetching it and the metric states must still hold the epoch's values.
     with tf.control_dependencies([n]):
         before = states.begin()
         kept = [(v, tf.identity(tf.convert_to_tensor(v))) for v in model.non_trainable_variables]
-    with _tracing(step), calls.recording():
-        if kind == "train":
+    with tracing(step), calls.recording():
+        # XLA (tarantella.xla): the body compiled, the collectives around it; None when this
+        # step cannot be split so
+        logs = None if state.xla is None else state.xla.run(step, batch, run, state)
+        if logs is None and kind == "train":
             step.sync_bn = bool(state.synchronized_bn)
             with _reducing_gradients(model, step, state), \
                     global_moments(state.synchronized_bn, step, state.runtime):
                 logs = run(batch)
-        else:
+        elif logs is None:
             logs = run(batch)
+    for inner, outer in step.compiled_outputs:  # an XLA body's logs, as the outer trace has them
+        calls.alias(outer, inner)
     # a stand-in sample (n == 0) must not move e.g. BatchNorm statistics or the RNG
     for v, old in kept:
         v.assign(tf.where(step.has_data, tf.convert_to_tensor(v), old))
@@ -383,8 +433,10 @@ def predict_step(model: keras.Model, data: Any, run: Callable[[Any], Any], state
     """The distributed predict step: this rank's predictions, gathered in global order."""
     batch, n, b = unpack(data)
     step = StepContext(model, "predict", n, b)
-    with _tracing(step):
-        y_pred = run(batch)
+    with tracing(step):
+        y_pred = None if state.xla is None else state.xla.run(step, batch, run, state)
+        if y_pred is None:
+            y_pred = run(batch)
     flat = keras.tree.flatten(y_pred)
     gathered = gather_rows(flat, n, b, state.runtime)
     return keras.tree.pack_sequence_as(y_pred, gathered)
