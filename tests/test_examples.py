@@ -1,7 +1,7 @@
 """Every example under ``examples/`` runs distributed: ``tnt run -n 2`` with short settings.
 
 The quick-start example (``examples/quickstart/lenet5.py``) is run, and compared with
-serial training, by ``packages/tnt-keras/tests/test_examples.py``; the plugin example
+serial training, by ``tests/test_wheels.py`` from the installed wheels; the plugin example
 (``examples/tnt-comm-loopback``) by ``tests/test_example_plugin.py``. This file runs the
 others, and checks that no example is left without a test.
 """
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(420)
 
 #: examples whose test lives elsewhere: path -> the test that runs it
 TESTED_ELSEWHERE = {
-    "quickstart/lenet5.py": ROOT / "packages" / "tnt-keras" / "tests" / "test_examples.py",
+    "quickstart/lenet5.py": ROOT / "tests" / "test_wheels.py",
 }
 #: examples run by this file
 TESTED_HERE = ("resnet/resnet.py", "transformer/transformer.py", "callbacks/callbacks.py",

@@ -1,12 +1,15 @@
 """The conformance suite against the reference store backend: proves the suite itself
-(it runs, passes on a correct backend, and catches a dead peer within the timeout)."""
+(it runs, passes on a correct backend, and catches a dead peer within the timeout). One size,
+3 ranks: an odd number, with a real group and a lone one in the ``groups`` case; the backend
+has no code that depends on the number of ranks."""
 
 from tnt_core.testing.suite import BackendConformance
 
 
 class TestStoreBackendConformance(BackendConformance):
     backend = "store"
-    nprocs = (2, 3)
+    nprocs = (3,)
+    dead_peer_nprocs = 3
     dead_peer_timeout_s = 5.0
 
 

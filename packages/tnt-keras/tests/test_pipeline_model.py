@@ -1,9 +1,10 @@
 """``tnt.Model(model, parallel_strategy=PIPELINING or ALL, num_micro_batches=3)`` against plain
 Keras running the same script (workers/pipeline_model_worker.py, on the gloo backend): fit
 with shuffling and validation data, evaluate, predict and get_weights give the serial
-History, results and weights on every rank, for 2 and 3 stages and for 2 pipelines of 2
-stages (ALL: each pipeline trains on its half of every batch); what is not supported is
-refused with one line.
+History, results and weights on every rank, for 3 stages (a first, a middle and a last
+stage) and for 2 pipelines of 2 stages (ALL: each pipeline trains on its half of every
+batch); a lone pipeline of 2 stages would show nothing these do not. What is not supported
+is refused with one line.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ TOLERANCE = 1e-5
 BACKEND = "gloo" if "gloo" in BACKENDS else "store"
 
 
-@pytest.fixture(scope="module", params=[(2, "pipelining", 2), (3, "pipelining", 3), (2, "all", 4)],
-                ids=["2-stages", "3-stages", "2-stages-x-2-pipelines"])
+@pytest.fixture(scope="module", params=[(3, "pipelining", 3), (2, "all", 4)],
+                ids=["3-stages", "2-stages-x-2-pipelines"])
 def runs(request, tmp_path_factory) -> tuple[int, Path]:
     stages, strategy, ranks = request.param
     out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")

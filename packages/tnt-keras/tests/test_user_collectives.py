@@ -1,10 +1,10 @@
 """The collectives a script calls (``tnt.TensorAllreducer``, ``TensorBroadcaster``,
 ``TensorAllgatherer``, ``Barrier``, ``Group``): ``docs/collectives.md``.
 
-Several ranks: two launches of ``workers/user_collectives_worker.py`` (3 ranks on the first
-launchable backend other than ``store``, e.g. gloo; 2 ranks on ``store``), each running every
-case and checking its results against what NumPy computes from every rank's values; this
-test reads their reports. One rank: in-process checks of results, types and the errors, and that the docs
+Several ranks: ``workers/user_collectives_worker.py`` runs every case in the two multi-rank
+launches of the suite worker (``tnt_keras_helpers``: 3 ranks on gloo, 2 on ``store``) and checks its
+results against what NumPy computes from every rank's values; this test reads their
+reports. One rank: in-process checks of results, types and the errors, and that the docs
 quote the real messages.
 """
 
@@ -22,32 +22,20 @@ import tensorflow as tf
 import tarantella as tnt
 import tnt_core
 from tarantella import user_collectives
-from tnt_core.testing import launch_ranks
-from tnt_keras_helpers import BACKENDS, QUIET, WORKERS
+from tnt_keras_helpers import NATIVE_PATH, PYTHON_PATH, launch_params
 
 pytestmark = pytest.mark.timeout(300)
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "collectives.md"
 
 
-def _launches() -> list:
-    """3 ranks on the first launchable backend other than ``store``; 2 ranks on ``store``
-    (tnt-core's reference backend, which ``launch_ranks`` registers in the ranks it starts)."""
-    others = [b for b in BACKENDS if b != "store"]
-    params = [pytest.param((others[0], 3), id=f"{others[0]}-3ranks")] if others else []
-    return params + [pytest.param(("store", 2), id="store-2ranks")]
+@pytest.fixture(scope="session", params=launch_params([NATIVE_PATH, PYTHON_PATH]))
+def reports(request, suite_runs) -> list[dict]:
+    out, nprocs, _ = suite_runs.get(request.param)
+    return [json.loads((out / "collectives" / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
-@pytest.fixture(scope="module", params=_launches())
-def reports(request, tmp_path_factory) -> list[dict]:
-    backend, nprocs = request.param
-    out = tmp_path_factory.mktemp(f"collectives-{backend}-{nprocs}")
-    result = launch_ranks([str(WORKERS / "user_collectives_worker.py"), "--out", str(out)], nprocs,
-                          backend=backend, timeout=180, tnt_timeout_s=60, env=QUIET)
-    result.check()
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
-
-
+@pytest.mark.timeout(1500)  # the first test of a launch waits for it
 def test_every_case_passes_on_every_rank(reports):
     names = list(reports[0])
     assert len(names) >= 19

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -85,17 +87,42 @@ def run_serial(script: str, args: list[str], *, timeout: float = 600, cwd: str |
     return proc
 
 
-def backend_params(nprocs_list: tuple[int, ...]) -> list:
-    """``(backend, nprocs)`` parameters. One rank runs once, on the backend a launcher picks
-    for a 1-rank job (``local``); more ranks run on every launchable backend. A clear skip
-    when no backend can serve several ranks."""
-    params = []
-    for n in nprocs_list:
-        if n == 1:
-            params.append(pytest.param(("local", 1), id="local-1rank"))
-        elif not BACKENDS:
-            params.append(pytest.param((None, n), id=f"nobackend-{n}ranks", marks=pytest.mark.skip(
-                reason="no installed backend can serve launched ranks")))
-        else:
-            params += [pytest.param((b, n), id=f"{b}-{n}ranks") for b in BACKENDS]
-    return params
+@dataclass(frozen=True)
+class SuiteLaunch:
+    """One launch of ``workers/suite_worker.py``: ``nprocs`` ranks on ``backend`` (None: no
+    backend here can serve it). Every launch runs the workers that compare with the serial
+    run; ``also`` names the ones without a serial part that it runs too."""
+
+    backend: str | None
+    nprocs: int
+    also: tuple[str, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend or 'nobackend'}-{self.nprocs}rank{'s' if self.nprocs > 1 else ''}"
+
+
+_NATIVE_BACKENDS = [b for b in BACKENDS if b != "store"]
+#: The launches of ``workers/suite_worker.py`` (conftest's ``rank_suite``), one per thing a
+#: launch shows that the others cannot; 2 ranks on gloo or 3 on store would show nothing
+#: more (the backends' own conformance suites run every size), for another TensorFlow
+#: start-up per rank.
+#: 1 rank, on the backend a launcher picks for it (``local``): ``tnt.Model`` with no
+#: collectives at all.
+ONE_RANK = SuiteLaunch("local", 1)
+#: 3 ranks on the first launchable backend other than ``store`` (gloo): the native gradient
+#: path; 3 ranks divide none of the global batches, and with a global batch of one, two
+#: ranks hold no sample.
+NATIVE_PATH = SuiteLaunch(_NATIVE_BACKENDS[0] if _NATIVE_BACKENDS else None, 3,
+                          also=("small_batches", "collectives"))
+#: 2 ranks on ``store``, tnt-core's reference backend (``launch_ranks`` registers it in the
+#: ranks it starts): no native hand-off, so the Python gradient path.
+PYTHON_PATH = SuiteLaunch("store", 2, also=("collectives",))
+SUITE_LAUNCHES = (ONE_RANK, NATIVE_PATH, PYTHON_PATH)
+
+
+def launch_params(launches: Sequence[SuiteLaunch]) -> list:
+    """pytest parameters of ``launches``, each with its id; a clear skip for a launch no
+    backend here can serve."""
+    return [pytest.param(launch, id=launch.id, marks=[] if launch.backend else pytest.mark.skip(
+        reason="no installed backend but store can serve launched ranks")) for launch in launches]

@@ -19,7 +19,7 @@ import numpy as np
 
 SAMPLES, BATCH, EPOCHS = 40, 16, 2  # batches of 16, 16 and a last one of 8
 #: (name, partitions, optimizer, micro-batches, schedule)
-CASES = [(f"p{p}-{opt}-m{m}-{schedule}", p, opt, m, schedule) for p in (2, 3)
+CASES = [(f"p{p}-{opt}-m{m}-{schedule}", p, opt, m, schedule) for p in (3,)
          for opt in ("sgd", "adam") for m in ((1, 4, 3) if opt == "sgd" else (3,))
          for schedule in (("1f1b", "gpipe") if m == 3 else ("1f1b",))]
 

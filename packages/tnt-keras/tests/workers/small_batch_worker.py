@@ -1,6 +1,7 @@
 """Global batches smaller than the number of ranks: tnt.Model against plain Keras.
 
-Run on every rank of a launched job: ``python small_batch_worker.py OUT_DIR``. Each case
+Run on every rank of a launched job with several ranks (``workers/suite_worker.py`` calls
+``main(["--out", OUT_DIR])``; ``python small_batch_worker.py --out OUT_DIR``). Each case
 trains (or evaluates, predicts) a plain Keras model and the same model under ``tnt.Model``
 in this process, from the same initial weights, and records the largest relative
 difference of the weights and of what the call returned (``OUT_DIR/rank<r>.json``).
@@ -9,8 +10,8 @@ float64, so that a difference would be the algorithm's, not float32 round-off.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import keras
@@ -34,8 +35,11 @@ def _flat(value) -> list[float]:
     return list(np.ravel(np.asarray(value, np.float64)))
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = Path(parser.parse_args(argv).out)
+    out.mkdir(parents=True, exist_ok=True)
     keras.config.set_floatx("float64")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(7, 4)), rng.normal(size=(7, 2))

@@ -3,13 +3,17 @@
 ``python suite_worker.py --mode serial|tnt --out DIR`` runs ``dataset_worker`` (into
 ``DIR/data``), ``train_worker`` (``DIR/train``), ``fidelity_worker`` (``DIR/fidelity``),
 ``loop_worker`` (``DIR/loops``; on 3 ranks only), ``xla_worker`` (``DIR/xla``; 2-rank
-launches only) and ``features_worker`` (``DIR/features``; last, because it changes the
-working directory) with the same arguments.
+launches only) and ``features_worker`` (``DIR/features``; it changes the working directory)
+with the same arguments. ``--also small_batches,collectives`` (``--mode tnt``) then runs the
+workers that compare within the rank or against NumPy and so have no serial part:
+``small_batch_worker`` (``DIR/small_batches``) and ``user_collectives_worker``
+(``DIR/collectives``; last, since its refusal cases make the ranks disagree on purpose).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -22,17 +26,29 @@ import loop_worker
 import train_worker
 import xla_worker
 
+#: ``--also`` names -> modules; imported only when asked for: they import tarantella, which
+#: the plain-Keras serial process never does
+ALSO = {"small_batches": "small_batch_worker", "collectives": "user_collectives_worker"}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("serial", "tnt"), required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--also", default="", help=f"comma-separated, of {sorted(ALSO)} (--mode tnt)")
     args = parser.parse_args()
+    also = [name for name in args.also.split(",") if name]
+    unknown = sorted(set(also) - set(ALSO))
+    if unknown or (also and args.mode == "serial"):
+        parser.error(f"--also takes {sorted(ALSO)} with --mode tnt, not {also}")
     out = os.path.abspath(args.out)
     for name, worker in (("data", dataset_worker), ("train", train_worker),
                          ("fidelity", fidelity_worker), ("loops", loop_worker), ("xla", xla_worker),
                          ("features", features_worker)):
         worker.main(["--mode", args.mode, "--out", os.path.join(out, name)])
+        print(f"suite: {name} done", flush=True)
+    for name in also:
+        importlib.import_module(ALSO[name]).main(["--out", os.path.join(out, name)])
         print(f"suite: {name} done", flush=True)
 
 

@@ -25,10 +25,10 @@ def case(fn: Callable[[], None]) -> Callable[[], None]:
     return fn
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import tensorflow as tf
 
