@@ -24,7 +24,8 @@ micro-batches and for a rank with no sample (``n_r = 0``: it pushes zeros).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -33,9 +34,11 @@ import tnt_core
 
 from . import native_ops
 from . import timeline as _timeline
+from .collectives import gather_slices
 from .native_ops import NativeReducer
 
-__all__ = ["GradientReducer", "dense_gradient"]
+__all__ = ["NO_COMPRESSION", "Compression", "GradientReducer", "NoCompression", "dense_gradient",
+           "reduce_weighted"]
 
 #: bucket views start at multiples of this (TensorFlow's EIGEN_MAX_ALIGN_BYTES with AVX-512):
 #: the reduced tensors are handed to TensorFlow without a copy
@@ -47,13 +50,76 @@ def dense_gradient(grad: tf.Tensor | tf.IndexedSlices, like: tf.Variable | None)
 
     A gradient may lose its static shape on the way (``Dense`` on a 3-D input of unknown
     batch size gives a kernel gradient of shape ``(None, units)``); the variable's shape
-    restores it. (Sparse gradients do not come here: ``tarantella.steps`` gathers them row
-    by row, as the serial step has them.)
+    restores it. (Sparse gradients do not come here: :func:`reduce_weighted` gathers them
+    row by row, as the serial step has them.)
     """
     dense = tf.convert_to_tensor(grad)
     if like is not None:
         dense = tf.ensure_shape(dense, like.shape)
     return dense
+
+
+class Compression(Protocol):
+    """How gradients travel (Horovod's compressors): ``compress`` before, ``decompress`` after."""
+
+    def compress(self, tensor: tf.Tensor) -> tuple[tf.Tensor, Any]: ...
+
+    def decompress(self, tensor: tf.Tensor, context: Any) -> tf.Tensor: ...
+
+
+class NoCompression:
+    """Gradients travel as they are."""
+
+    @staticmethod
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
+        return tensor
+
+
+NO_COMPRESSION: Compression = NoCompression()
+
+
+def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weight: tf.Tensor,
+                    reducer: Callable[[], GradientReducer], runtime: tnt_core.Runtime, *,
+                    keep: tf.Tensor,
+                    previous: Callable[[], list[tf.Tensor]],
+                    record: Callable[[list[tf.Tensor]], None],
+                    dense_after: Callable[[list[tf.Tensor]], list[tf.Tensor]] | None = None,
+                    compression: Compression = NO_COMPRESSION, copy: bool = False) -> list[Any]:
+    """``sum_r weight_r g_r`` for each gradient (None stays None): the one reduction of
+    ``fit``'s step and of a custom loop. Dense gradients go to ``reducer()`` in backward order
+    (the last layer's exist first), after ``previous()`` (and ``dense_after(dense)``);
+    sparse ones (``tf.IndexedSlices``) are gathered row by row, as the serial step has them
+    (Adam squares rows), keeping this rank's rows where ``keep``. ``record`` is handed the
+    output each collective leaves for the next to wait for; ``copy`` copies the results out
+    of reused buckets (for callers that hand them to user code).
+
+    :param variables: the variables of ``grads`` (None where a static shape is unknown).
+    """
+    out: list[Any] = list(grads)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    dense_ids = [i for i in present[::-1] if not isinstance(grads[i], tf.IndexedSlices)]
+    sparse_ids = [i for i in present if isinstance(grads[i], tf.IndexedSlices)]
+    if dense_ids:
+        dense = [dense_gradient(grads[i], variables[i] if variables is not None else None)
+                 for i in dense_ids]
+        packed = [compression.compress(d) for d in dense]
+        after = previous() + (dense_after(dense) if dense_after is not None else [])
+        reduced = reducer().reduce([c for c, _ in packed], weight, after=after)
+        record(reduced[:1])
+        for i, r, d, (_, context) in zip(dense_ids, reduced, dense, packed):
+            r = tf.cast(compression.decompress(r, context), d.dtype)
+            out[i] = tf.raw_ops.DeepCopy(x=r) if copy else r
+    for i in sparse_ids:
+        g = grads[i]
+        values = g.values * tf.cast(weight, g.values.dtype)
+        indices, values = gather_slices(g.indices, values, keep, runtime, after=previous())
+        record([indices])
+        out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+    return out
 
 
 def _scaled(g: tf.Tensor, factor64: tf.Tensor) -> tf.Tensor:

@@ -5,8 +5,10 @@ Loops are written two ways, and both are served by one reduction (:func:`reduce_
 Keras' guide "Writing a training loop from scratch" hands the tape's gradients to
 ``optimizer.apply`` (or ``apply_gradients``), so wrapping the optimizer distributes the loop
 unchanged; Horovod's users wrap the tape, whose ``gradient`` then returns the reduced
-gradients. Either way the gradients go through :class:`tarantella.gradients.GradientReducer`
-(the native path where the backend offers it, tnt-core's fused allreducer otherwise), bucket
+gradients. Either way the gradients go through ``fit``'s own reduction
+(:func:`tarantella.gradients.reduce_weighted` over a
+:class:`tarantella.gradients.GradientReducer`: the native path where the backend offers it,
+tnt-core's fused allreducer otherwise), bucket
 by bucket in backward order, from eager code or inside a ``tf.function``; sparse gradients
 (``tf.IndexedSlices``) are gathered row by row, as ``fit`` does.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -31,37 +33,13 @@ import tensorflow as tf
 import tnt_core
 
 from . import graph_order, native_ops
-from .collectives import gather_slices
-from .gradients import GradientReducer, dense_gradient
+from .gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
 from .loop_data import batch_share
 from .steps import current_step
 from .tracebacks import user_facing
 
 __all__ = ["BATCH_SHARE", "Compression", "DistributedGradientTape", "DistributedOptimizer",
            "GradientReduction", "distribute_optimizer", "reduce_gradients"]
-
-
-class Compression(Protocol):
-    """How gradients travel (Horovod's compressors): ``compress`` before, ``decompress`` after."""
-
-    def compress(self, tensor: tf.Tensor) -> tuple[tf.Tensor, Any]: ...
-
-    def decompress(self, tensor: tf.Tensor, context: Any) -> tf.Tensor: ...
-
-
-class _AsIs:
-    """No compression."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
-        return tensor
-
-
-_AS_IS = _AsIs()
 
 
 @dataclass(frozen=True)
@@ -75,7 +53,7 @@ class GradientReduction:
     """
 
     weight: Callable[[], tf.Tensor]
-    compression: Compression = _AS_IS
+    compression: Compression = NO_COMPRESSION
     sparse_as_dense: bool = False
 
 
@@ -128,31 +106,12 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
     if not present:
         return grads
     weight = tf.cast(reduction.weight(), tf.float64)
-    out: list[Any] = list(grads)
-    # backward order: the last layer's gradients exist first
-    dense_ids = [i for i in present[::-1] if not isinstance(grads[i], tf.IndexedSlices)]
-    sparse_ids = [i for i in present if isinstance(grads[i], tf.IndexedSlices)]
-    if dense_ids:
-        like = [variables[i] if variables is not None and _has_shape(variables[i]) else None
-                for i in dense_ids]
-        dense = [dense_gradient(grads[i], v) for i, v in zip(dense_ids, like)]
-        packed = [reduction.compression.compress(d) for d in dense]
-        reduced = _reducer(runtime).reduce([c for c, _ in packed], weight,
-                                           after=graph_order.previous())
-        graph_order.record(reduced[:1])
-        copy = keep_outputs and runtime.size > 1 and native_ops.unavailable_reason(runtime) is not None
-        for i, r, d, (_, ctx) in zip(dense_ids, reduced, dense, packed):
-            r = reduction.compression.decompress(r, ctx)
-            out[i] = tf.raw_ops.DeepCopy(x=tf.cast(r, d.dtype)) if copy else tf.cast(r, d.dtype)
-    keep = tf.not_equal(weight, 0.0)
-    for i in sparse_ids:  # row by row, as the serial step has them (Adam squares rows)
-        g = grads[i]
-        values = g.values * tf.cast(weight, g.values.dtype)
-        indices, values = gather_slices(g.indices, values, keep, runtime,
-                                        after=graph_order.previous())
-        graph_order.record([indices])
-        out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
-    return out
+    like = None if variables is None else [v if _has_shape(v) else None for v in variables]
+    copy = keep_outputs and runtime.size > 1 and native_ops.unavailable_reason(runtime) is not None
+    return reduce_weighted(grads, like, weight, lambda: _reducer(runtime), runtime,
+                           keep=tf.not_equal(weight, 0.0), previous=graph_order.previous,
+                           record=graph_order.record, compression=reduction.compression,
+                           copy=copy)
 
 
 def _has_shape(v: Any) -> bool:

@@ -31,9 +31,9 @@ import tensorflow as tf
 import tnt_core
 
 from .batchnorm import global_moments
-from .collectives import allreduce_sum, gather_rows, gather_slices
+from .collectives import allreduce_sum, gather_rows
 from .errors import DatasetError
-from .gradients import dense_gradient
+from .gradients import reduce_weighted
 from .losses import Normaliser, per_sample
 from .metrics import MetricCalls, MetricStates
 from .overrides import instance_attributes
@@ -182,32 +182,22 @@ def reduce_gradients(step: StepContext, optimizer: keras.optimizers.Optimizer, g
     """Graph ops: ``sum_r factor_r g_r`` for the gradients one ``optimizer.apply`` call is
     given (None where a variable has none), in the order the step issues its collectives;
     returns them with the reducer (its timeline marks; None when there was no gradient)."""
-    present = [i for i, g in enumerate(grads) if g is not None]
-    out: list[Any] = list(grads)
-    if not present:
-        return out, None
+    if all(g is None for g in grads):
+        return list(grads), None
     reducer = state.gradient_reducer(f"{step.kind}_{optimizer.name}_{step.applies}")
     step.applies += 1
-    # backward order: the last layer's gradients exist first
-    dense_ids = [i for i in present[::-1] if not isinstance(grads[i], tf.IndexedSlices)]
-    sparse_ids = [i for i in present if isinstance(grads[i], tf.IndexedSlices)]
-    dense = [dense_gradient(grads[i], variables[i] if variables is not None else None)
-             for i in dense_ids]
-    if dense:
-        after = list(step.last)
-        if step.sync_bn:  # the backward pass's collectives first, on every rank
-            after += step.backward_last + dense
-        reduced = reducer.reduce(dense, factor, after=after)
-        step.last = reduced[:1]
-        for i, g, d in zip(dense_ids, reduced, dense):
-            out[i] = tf.cast(g, d.dtype)
-    for i in sparse_ids:  # row by row, as the serial step has them (Adam squares rows)
-        g = grads[i]
-        values = g.values * tf.cast(factor, g.values.dtype)
-        indices, values = gather_slices(g.indices, values, step.has_data, state.runtime,
-                                        after=step.last)
-        step.last = [indices]
-        out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
+
+    def record(outputs: list[tf.Tensor]) -> None:
+        step.last = outputs
+
+    def sync_bn_first(dense: list[tf.Tensor]) -> list[tf.Tensor]:
+        # the backward pass's collectives first, on every rank
+        return step.backward_last + dense if step.sync_bn else []
+
+    out = reduce_weighted(grads, variables, factor, lambda: reducer, state.runtime,
+                          keep=step.has_data,
+                          previous=lambda: list(step.last), record=record,
+                          dense_after=sync_bn_first)
     return out, reducer
 
 

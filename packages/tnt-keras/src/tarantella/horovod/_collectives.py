@@ -21,6 +21,7 @@ import tnt_core
 
 from .. import graph_order
 from ..errors import NotSupportedError
+from ..gradients import NoCompression
 from ..tracebacks import user_facing
 from ..user_collectives import ReductionOp
 from ..user_collectives import allgather as _allgather
@@ -53,16 +54,8 @@ def reduction_op(op: Any, average: bool | None, where: str) -> ReductionOp:
                             "hvd.Product (Adasum is not available)")
 
 
-class NoneCompressor:
-    """Tensors travel as they are."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
-        return tensor
+#: tensors travel as they are (the custom loops' own default)
+NoneCompressor = NoCompression
 
 
 class FP16Compressor:
