@@ -126,3 +126,16 @@ def test_errors_name_the_users_path(facts):
     ranks, _ = facts
     assert "no_such_dir/model.keras" in ranks[0]["save_error"]
     assert all("tnt-tmp" not in f["save_error"] for f in ranks)
+
+
+def test_what_cannot_equal_serial_is_refused_naming_it(facts):
+    """A metric state that is not a sum (a maximum, a recomputed ratio) and an add_loss term
+    that is neither a mean nor a sum over the samples: refused on every rank, in one line
+    naming the state or the layer (on one rank too: the state handling is the same)."""
+    ranks, _ = facts
+    for f in ranks:
+        for key, named in (("metric_max", "metric state 'running_max/peak'"),
+                           ("metric_ratio", "metric state 'ratio/rate'"),
+                           ("added_loss_square", "layer 'squared_mean' adds a loss with add_loss()")):
+            assert f[key].startswith(named), f"{key}: {f[key]}"
+            assert "\n" not in f[key]

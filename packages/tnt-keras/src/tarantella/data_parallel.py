@@ -35,8 +35,9 @@ from .datasets import (
     shard_arrays,
     split_validation,
 )
+from .errors import NotSupportedError
 from .gradients import GradientReducer
-from .losses import normaliser, weigh_backward
+from .losses import normaliser, summed_terms, weigh_backward
 from .model import DistributedState, Model, ParallelStrategy
 from .steps import current_step, gradient_factor
 from .tracebacks import user_facing
@@ -132,11 +133,25 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         step.loss = step.returned_loss = loss
         if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:  # noqa: SLF001
             step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
+        sums = summed_terms(step.added_losses, step.batch)
+        if step.kind != "train" and not sums:
+            return loss
+        if sums and step.compiled:
+            raise NotSupportedError(
+                "a layer adds a sum over the batch with add_loss(), which a step compiled with "
+                "XLA cannot count once per rank: compile with jit_compile=False"
+            )
+        factor = gradient_factor(step, self._tnt)
+        if sums:  # counted once per rank: divided by the weight the whole loss gets
+            extra = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float64)) for t in sums])
+            inverse = tf.math.divide_no_nan(tf.ones_like(factor), tf.stop_gradient(factor))
+            loss = loss + tf.cast(extra * (inverse - 1.0), loss.dtype)
+            step.loss = step.returned_loss = loss
         if step.kind != "train":
             return loss
         # Weigh the backward pass from its start, not only the gradients at the end: each
         # sample then carries the magnitudes of the serial one (see losses.weigh_backward).
-        factor = tf.cast(gradient_factor(step, self._tnt), loss.dtype)
+        factor = tf.cast(factor, loss.dtype)
         step.prescaled = True
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None:  # the timeline of the reducer that model.optimizer uses

@@ -13,10 +13,17 @@ combination whose terms have different normalisers (two masked outputs, ``sum`` 
 a mean, ...) cannot be expressed by one factor per rank and is refused. A loss a custom
 ``train_step`` computes itself is taken to be a mean over the samples of the micro-batch
 (:func:`per_sample`), which is Keras' default.
+
+Terms added with ``add_loss`` are read from the traced graph (:func:`summed_terms`,
+``tarantella.batch_scaling``): a mean over the samples (Keras' activity regularizers divide
+by the batch size) or a term free of the batch is weighed like the loss; a *sum* over the
+samples must count once per rank, so ``compute_loss`` adds it divided by this rank's
+weight; a term that is neither (a maximum, a square of a mean) is refused, naming the layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +31,10 @@ import keras
 import tensorflow as tf
 
 from ._keras_compat import get_keras_mask
+from .batch_scaling import Scaling, scaling
 from .errors import NotSupportedError
 
-__all__ = ["Normaliser", "normaliser", "per_sample", "weigh_backward"]
+__all__ = ["Normaliser", "normaliser", "per_sample", "summed_terms", "weigh_backward"]
 
 _MEAN = ("sum_over_batch_size", "mean")
 _WEIGHTED_MEAN = "mean_with_sample_weight"
@@ -70,6 +78,26 @@ def weigh_backward(loss: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
         return tf.identity(x), grad
 
     return weighed(loss)
+
+
+def summed_terms(terms: Sequence[tuple[Any, Any]], batch: Sequence[Any]) -> list[tf.Tensor]:
+    """Of the ``(layer, term)`` a step added with ``add_loss``, the terms that are sums over
+    the samples of the micro-batch (``batch``: its tensors); refuses a term that is neither
+    a mean nor a sum over them, nor free of them. A step run eagerly has no graph to read:
+    its terms are taken for means, Keras' own kind (its activity regularizers)."""
+    sums = []
+    for layer, term in terms:
+        kind = scaling(term, batch)
+        if kind is Scaling.OTHER:
+            raise NotSupportedError(
+                f"layer {layer.name!r} adds a loss with add_loss() that is neither a mean nor a "
+                "sum over the samples of the batch (a maximum, a product of means, a mean over "
+                "selected rows, ...): the ranks' parts of such a term do not add up to its "
+                "serial value. Write it as a mean (ops.mean) or a sum (ops.sum) over the samples"
+            )
+        if kind is Scaling.SUM:
+            sums.append(term)
+    return sums
 
 
 def _reduction(loss: Any) -> str | None:

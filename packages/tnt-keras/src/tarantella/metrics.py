@@ -35,6 +35,10 @@ What a step's own code does with the metrics is recorded while Keras traces it
   serial loss of the global batch times its count: the global batch's loss weighs each
   rank's by its loss normaliser (``tarantella.losses``: valid tokens under a mask, the sum
   of the sample weights, ...), which need not be its share of the samples.
+* **States that are not additive.** An ``update_state`` that sets a state to anything but
+  the state plus an increment (a maximum, a ratio recomputed from other states) would give
+  another number than serial Keras once increments are summed; the writes its trace made
+  are read (:func:`check_additive`) and such a metric is refused, naming the state.
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from .errors import NotSupportedError
 from .overrides import instance_attributes
 
-__all__ = ["MetricCalls", "MetricStates"]
+__all__ = ["MetricCalls", "MetricStates", "check_additive"]
 
 _ACC = tf.float64  # increments are summed in float64: exact for counts, no extra round-off
 
@@ -86,6 +91,85 @@ class MetricStates:
 #: the ``update_state`` of the reduction metrics whose scalar updates are per-step values
 _REDUCTIONS = (keras.metrics.Mean.update_state, keras.metrics.Sum.update_state)
 
+# -- additive states -----------------------------------------------------------------------
+
+_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_PASS = ("Identity", "Cast")
+
+
+def _key(t: tf.Tensor) -> tuple[str, int]:
+    return t.op.name, t.value_index
+
+
+def _through(t: tf.Tensor) -> tf.Tensor:
+    while t.op.type in _PASS and t.op.inputs:
+        t = t.op.inputs[0]
+    return t
+
+
+def _is_read(t: tf.Tensor, resource: tuple[str, int]) -> bool:
+    t = _through(t)
+    return t.op.type == "ReadVariableOp" and _key(t.op.inputs[0]) == resource
+
+
+def _reads(t: tf.Tensor, resource: tuple[str, int]) -> bool:
+    """Whether ``t`` is computed from a read of ``resource``."""
+    seen: set[tuple[str, int]] = set()
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        if _key(x) in seen:
+            continue
+        seen.add(_key(x))
+        if x.op.type == "ReadVariableOp" and _key(x.op.inputs[0]) == resource:
+            return True
+        stack.extend(x.op.inputs)
+    return False
+
+
+def _adds_to_itself(op: tf.Operation) -> bool:
+    """Whether a write ``op`` sets its variable to the variable plus an increment that does
+    not read it (``assign_add(x)``, ``assign(v + x)``, ``assign(v - x)``)."""
+    resource, value = _key(op.inputs[0]), op.inputs[1]
+    if op.type != "AssignVariableOp":
+        return not _reads(value, resource)
+    value = _through(value)
+    parts = list(value.op.inputs)
+    if value.op.type in ("AddV2", "Add", "AddN"):
+        own = [p for p in parts if _is_read(p, resource)]
+        return len(own) == 1 and not any(_reads(p, resource) for p in parts if p is not own[0])
+    if value.op.type == "Sub":
+        return _is_read(parts[0], resource) and not _reads(parts[1], resource)
+    return False
+
+
+def _state_name(metric: keras.metrics.Metric, resource: tf.Tensor) -> str:
+    """The state behind ``resource`` (a captured handle): its variable's path, which starts
+    with the name of the metric that owns it (compiled metrics are inside one container)."""
+    captures = getattr(resource.graph, "captures", ())
+    outer = {_key(inner): external for external, inner in captures if hasattr(inner, "op")}
+    external = outer.get(_key(resource))
+    for v in metric.variables:
+        handle = getattr(getattr(v, "value", None), "handle", None)
+        if external is not None and handle is external:
+            return f"metric state {v.path!r}"
+    return f"a state of metric {metric.name!r}"
+
+
+def check_additive(metric: keras.metrics.Metric, ops: Sequence[tf.Operation]) -> None:
+    """Refuse ``metric`` if one of the ``ops`` its ``update_state`` traced writes a state
+    other than by adding an increment to it (see the module docstring)."""
+    for op in ops:
+        if op.type in _WRITES and not _adds_to_itself(op):
+            state = _state_name(metric, op.inputs[0])
+            raise NotSupportedError(
+                f"{state} is set by update_state to something other than the state plus an "
+                "increment (a maximum, a ratio, ...): "
+                "tarantella adds up the ranks' increments of each state, which gives the serial "
+                "value only for sums and counts. Keep sums and counts as states and compute the "
+                "rest in result(), or compute this metric from predict()'s outputs"
+            )
+
 
 class MetricCalls:
     """The calls a step made on the model's metrics while Keras traced it (see the module
@@ -116,6 +200,22 @@ class MetricCalls:
 
         return update_state
 
+    @staticmethod
+    def _checked(metric: keras.metrics.Metric, update: Callable[..., Any]) -> Callable[..., Any]:
+        """``update``, its writes checked for additive states (graph mode only: a step is
+        traced; an eager call writes nothing to read)."""
+
+        def update_state(*args: Any, **kwargs: Any) -> Any:
+            if tf.executing_eagerly():
+                return update(*args, **kwargs)
+            graph = tf.compat.v1.get_default_graph()
+            before = len(graph.get_operations())
+            result = update(*args, **kwargs)
+            check_additive(metric, graph.get_operations()[before:])
+            return result
+
+        return update_state
+
     def _result(self, metric: keras.metrics.Metric) -> Callable[[], Any]:
         result = metric.result
 
@@ -130,8 +230,9 @@ class MetricCalls:
 
     def recording(self) -> contextlib.AbstractContextManager[None]:
         """While the step is traced, the metrics' updates and results are recorded."""
-        updates = [(m, "update_state", self._update(m)) for m in self._metrics
-                   if type(m).update_state in _REDUCTIONS]
+        updates = [(m, "update_state", self._checked(
+            m, self._update(m) if type(m).update_state in _REDUCTIONS else m.update_state))
+            for m in self._metrics]
         return instance_attributes(updates + [(m, "result", self._result(m))
                                               for m in self._metrics])
 

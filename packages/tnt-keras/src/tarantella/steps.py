@@ -8,7 +8,9 @@ what data parallelism needs at three public seams of Keras 3:
   optimizer of the model reduces the gradients it is given across ranks before it applies
   them (``tarantella.gradients``). Clipping, loss scaling (its skip decision is then the
   same on every rank), gradient accumulation and EMA all see the serial gradient.
-* ``compute_loss``: records the loss and its global normaliser (``tarantella.losses``).
+* ``compute_loss``: records the loss and its global normaliser (``tarantella.losses``);
+  the terms the layers add with ``add_loss`` while the step is traced are recorded for it
+  (a sum over the batch counts once per rank, see ``tarantella.losses.summed_terms``).
 * the metric states: zeroed before the step, summed across ranks after it and added back
   (``tarantella.metrics``), so ``result()`` is the serial value. Logs a custom step returns
   that are not metric results are averaged over the global batch (weighted by samples).
@@ -30,11 +32,12 @@ import tensorflow as tf
 
 import tnt_core
 
+from ._keras_compat import all_layers
 from .batchnorm import global_moments
 from .collectives import allreduce_sum, gather_rows
-from .errors import DatasetError
+from .errors import DatasetError, NotSupportedError
 from .gradients import reduce_weighted
-from .losses import Normaliser, per_sample
+from .losses import Normaliser, per_sample, summed_terms
 from .metrics import MetricCalls, MetricStates
 from .overrides import instance_attributes
 
@@ -141,6 +144,9 @@ class StepContext:
         #: (inner, outer) leaves of the outputs of an XLA body: what it returned as the body's
         #: trace had them, and as this (outer) trace has them
         self.compiled_outputs: list[tuple[Any, Any]] = []
+        #: the micro-batch's tensors in this trace, and the (layer, term) added with add_loss
+        self.batch: list[Any] = []
+        self.added_losses: list[tuple[keras.layers.Layer, Any]] = []
 
     def weights(self) -> Normaliser:
         return self.normaliser if self.normaliser is not None else per_sample(self.n, self.b)
@@ -271,6 +277,44 @@ def _reducing_gradients(model: keras.Model, step: StepContext,
                                 for opt in model_optimizers(model)])
 
 
+# -- losses added by layers ----------------------------------------------------------------
+
+
+def _recording_added_losses(model: keras.Model,
+                            step: StepContext) -> contextlib.AbstractContextManager[None]:
+    """While the step is traced, what the model and its layers add with ``add_loss`` is
+    recorded in the step being traced (an XLA body's own context included)."""
+
+    def recording(layer: keras.layers.Layer) -> Callable[[Any], Any]:
+        add = layer.add_loss
+
+        def add_loss(loss: Any) -> Any:
+            (current_step() or step).added_losses.extend(
+                (layer, term) for term in keras.tree.flatten(loss))
+            return add(loss)
+
+        return add_loss
+
+    layers = [model, *all_layers(model)]
+    return instance_attributes([(layer, "add_loss", recording(layer)) for layer in layers])
+
+
+def _check_added_losses(step: StepContext) -> None:
+    """A step whose loss compute_loss did not make (a custom step's own) cannot count a sum
+    added with ``add_loss`` once per rank: refused, as a term that is no mean or sum is."""
+    if step.loss is not None or step.kind != "train":
+        return
+    for layer, term in step.added_losses:
+        if not summed_terms([(layer, term)], step.batch):
+            continue
+        raise NotSupportedError(
+            f"layer {layer.name!r} adds a sum over the batch with add_loss(), and the train "
+            "step computes its loss without compute_loss(): tarantella weighs that loss as a "
+            "mean over the samples. Call self.compute_loss(...) in train_step, or divide the "
+            "term by the batch size"
+        )
+
+
 # -- the steps -------------------------------------------------------------------------------
 
 
@@ -278,6 +322,7 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
               state: Any) -> Any:
     batch, n, b = unpack(data)
     step = StepContext(model, kind, n, b)
+    step.batch = keras.tree.flatten(batch)
     variables = model.metrics_variables
     states = MetricStates(variables)
     # the loss compute_loss returned in the trace being recorded (an XLA body's own context)
@@ -288,7 +333,7 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
     with tf.control_dependencies([n]):
         before = states.begin()
         kept = [(v, tf.identity(tf.convert_to_tensor(v))) for v in model.non_trainable_variables]
-    with tracing(step), calls.recording():
+    with tracing(step), calls.recording(), _recording_added_losses(model, step):
         # XLA (tarantella.xla): the body compiled, the collectives around it; None when this
         # step cannot be split so
         logs = None if state.xla is None else state.xla.run(step, batch, run, state)
@@ -299,6 +344,7 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
                 logs = run(batch)
         elif logs is None:
             logs = run(batch)
+    _check_added_losses(step)
     for inner, outer in step.compiled_outputs:  # an XLA body's logs, as the outer trace has them
         calls.alias(outer, inner)
     # a stand-in sample (n == 0) must not move e.g. BatchNorm statistics or the RNG

@@ -178,6 +178,7 @@ class XlaStep:
         def body(batch: Any) -> dict[str, Any]:
             inner = StepContext(step.model, step.kind, step.n, step.b)
             inner.compiled = True
+            inner.batch = keras.tree.flatten(batch)
             recorder = _Recorder()
             traced.update(inner=inner, recorder=recorder)
             applies = [(opt, "apply", recorder.apply_of(opt))

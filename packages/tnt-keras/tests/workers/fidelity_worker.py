@@ -21,7 +21,7 @@ import numpy as np
 CASES = ("dense3d_dataset", "dense3d_numpy", "unknown_cardinality", "generator", "pydataset",
          "rebatch_zip", "shuffle_seeded", "masked_loss", "reduction_sum", "weighted_mean",
          "custom_training", "two_optimizers", "two_outputs", "on_batch", "mixed_precision",
-         "predict_loaded", "regularized", "synchronized_bn")
+         "predict_loaded", "regularized", "synchronized_bn", "added_losses")
 
 
 def _jsonable(value):
@@ -322,6 +322,42 @@ def main(argv: list[str] | None = None) -> None:
             m = compiled(model)
             h = m.fit(xm, ym, batch_size=8, epochs=2, verbose=0, shuffle=False)
             save(case, m, h, evaluate=m.evaluate(xm, ym, batch_size=8, verbose=0, return_dict=True))
+        elif case == "added_losses":  # add_loss as Keras' guides write it; a metric of sums
+            ops = keras.ops
+
+            class ActivityRegularization(L.Layer):  # Keras' guide: a sum over the batch
+                def call(self, inputs):
+                    self.add_loss(1e-2 * ops.sum(inputs))
+                    return inputs
+
+            class Spread(L.Layer):  # a mean over the samples of per-sample sums
+                def call(self, inputs):
+                    self.add_loss(0.1 * ops.mean(ops.sum(ops.square(inputs), axis=-1)))
+                    return inputs
+
+            class MeanAbsOutput(keras.metrics.Metric):  # sums and counts; the ratio in result()
+                def __init__(self, name="mean_abs_output", **kw):
+                    super().__init__(name=name, **kw)
+                    self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+                    self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+                def update_state(self, y_true, y_pred, sample_weight=None):
+                    self.total.assign(self.total + ops.sum(ops.abs(y_pred)))
+                    self.count.assign_add(ops.cast(ops.shape(y_pred)[0], self.count.dtype))
+
+                def result(self):
+                    return self.total / ops.maximum(self.count, 1.0)
+
+            keras.utils.set_random_seed(15)
+            model = keras.Sequential([
+                keras.Input((6,)),
+                L.Dense(8, activation="relu", activity_regularizer=keras.regularizers.L2(0.01)),
+                ActivityRegularization(), Spread(), L.Dense(3, activation="softmax")])
+            m = compiled(model, metrics=("accuracy", MeanAbsOutput()))
+            h = m.fit(xm, ym, batch_size=7, epochs=2, verbose=0, shuffle=False,
+                      validation_data=(xm[:11], ym[:11]), validation_batch_size=4)
+            ev = m.evaluate(xm, ym, batch_size=8, verbose=0, return_dict=True)
+            save(case, m, h, evaluate=ev)
         else:
             raise ValueError(case)
 
@@ -389,7 +425,59 @@ def _tnt_facts(tnt, keras, tf, out: str, who: str) -> dict:
         facts["differing_model"] = "trained"
     except ValueError as exc:
         facts["differing_model"] = str(exc)
+    facts.update(_refusals(tnt, keras))
     return facts
+
+
+def _refusals(tnt, keras) -> dict:
+    """What cannot equal serial Keras is refused when the step is traced, with one line."""
+    L = keras.layers  # noqa: N806 (Keras' own abbreviation)
+    ops = keras.ops
+
+    class RunningMax(keras.metrics.Metric):  # keeps a maximum
+        def __init__(self, name="running_max", **kw):
+            super().__init__(name=name, **kw)
+            self.peak = self.add_variable(shape=(), initializer="zeros", name="peak")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.peak.assign(ops.maximum(self.peak, ops.max(y_pred)))
+
+        def result(self):
+            return self.peak
+
+    class Ratio(keras.metrics.Metric):  # recomputes a ratio of its sums into a state
+        def __init__(self, name="ratio", **kw):
+            super().__init__(name=name, **kw)
+            self.hits = self.add_variable(shape=(), initializer="zeros", name="hits")
+            self.seen = self.add_variable(shape=(), initializer="zeros", name="seen")
+            self.rate = self.add_variable(shape=(), initializer="zeros", name="rate")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.hits.assign_add(ops.sum(ops.cast(y_pred[:, 0] > 0.5, self.hits.dtype)))
+            self.seen.assign_add(ops.cast(ops.shape(y_pred)[0], self.seen.dtype))
+            self.rate.assign(self.hits / self.seen)
+
+        def result(self):
+            return self.rate
+
+    class SquaredMean(L.Layer):  # neither a mean nor a sum over the samples
+        def call(self, inputs):
+            self.add_loss(ops.square(ops.mean(inputs)))
+            return inputs
+
+    x, y = np.zeros((8, 4)), np.zeros((8, 1))
+    out = {}
+    for key, layers, metrics in (("metric_max", [], [RunningMax()]),
+                                 ("metric_ratio", [], [Ratio()]),
+                                 ("added_loss_square", [SquaredMean()], [])):
+        m = tnt.Model(keras.Sequential([keras.Input((4,)), *layers, L.Dense(1)]))
+        m.compile(optimizer="sgd", loss="mse", metrics=metrics)
+        try:
+            m.fit(x, y, batch_size=4, epochs=1, verbose=0)
+            out[key] = "trained"
+        except tnt.NotSupportedError as exc:
+            out[key] = str(exc)
+    return out
 
 
 if __name__ == "__main__":
