@@ -12,7 +12,7 @@ share of the global batch (see the guide "Custom training loops and Horovod scri
 
 from __future__ import annotations
 
-from . import callbacks
+from . import _keras2, callbacks
 from ._collectives import (
     Average,
     Compression,
@@ -27,6 +27,8 @@ from ._collectives import (
 )
 from ._runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 from ._training import DistributedGradientTape, DistributedOptimizer
+
+_keras2.install()  # Horovod's Keras 2 spellings: compile(experimental_run_tf_function=), opt.variables()
 
 __all__ = [
     "Average",

@@ -1,0 +1,82 @@
+"""The two Keras 2 spellings of Horovod's TensorFlow 2 examples, accepted on Keras 3.
+
+Horovod's examples were written for Keras 2 (``tf.keras``), and two of their calls fail on
+Keras 3 before any Horovod name matters:
+
+* ``model.compile(..., experimental_run_tf_function=False)``. Keras 2 took the argument and
+  ignored it from TensorFlow 2.2 on (its step was always a ``tf.function``); Keras 3 refuses
+  arguments it does not know. Here it is taken and ignored again, as Keras 2 did.
+* ``opt.variables()``. Keras 2's optimizers had a method; Keras 3's have a property that
+  returns a list. The list the property returns here is also callable, returning itself as
+  a plain list: ``opt.variables`` and ``opt.variables()`` give the same variables. It is a
+  ``list`` subclass, so what Keras and TensorFlow do with it (iterate, index, ``len``,
+  ``tf.nest``) is unchanged; Keras' TensorFlow backend applies no ``keras.tree`` function
+  to it (an ``optree`` tree takes a list subclass for a leaf).
+
+Importing ``tarantella.horovod`` installs both on Keras' classes (once; importing
+``tarantella`` alone changes nothing), since the scripts call them on plain Keras objects.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+__all__ = ["VariableList", "install"]
+
+#: the functions this module put on Keras' classes (so that installing twice wraps once)
+_OURS: set[Callable[..., Any]] = set()
+
+
+class VariableList(list[Any]):
+    """A list of an optimizer's variables that can also be called, as Keras 2's
+    ``optimizer.variables()`` was."""
+
+    @tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced
+    def __call__(self) -> list[Any]:
+        return list(self)
+
+
+def _accepting_run_tf_function(compile_: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(compile_)
+    def compile(self: keras.Model, *args: Any, experimental_run_tf_function: Any = None,
+                **kwargs: Any) -> Any:
+        """Keras' ``compile``; ``experimental_run_tf_function`` (Keras 2's, ignored there
+        since TensorFlow 2.2) is taken and ignored."""
+        return compile_(self, *args, **kwargs)
+
+    _OURS.add(compile)
+    return compile
+
+
+def _callable_variables(variables: property) -> property:
+    def getter(self: keras.optimizers.Optimizer) -> VariableList:
+        return VariableList(variables.fget(self))  # type: ignore[misc]
+
+    _OURS.add(getter)
+    return property(getter, doc=variables.__doc__)
+
+
+def _optimizer_classes() -> list[type]:
+    """Keras' public optimizer classes that define ``variables`` themselves."""
+    classes = [keras.optimizers.Optimizer]
+    classes += [cls for cls in vars(keras.optimizers).values()
+                if inspect.isclass(cls) and issubclass(cls, keras.optimizers.Optimizer)
+                and "variables" in vars(cls) and cls is not keras.optimizers.Optimizer]
+    return classes
+
+
+def install() -> None:
+    """Accept both spellings on Keras' classes (idempotent)."""
+    compile_ = keras.Model.compile
+    if compile_ not in _OURS:
+        keras.Model.compile = _accepting_run_tf_function(compile_)
+    for cls in _optimizer_classes():
+        variables = inspect.getattr_static(cls, "variables")
+        if isinstance(variables, property) and variables.fget not in _OURS:
+            cls.variables = _callable_variables(variables)  # type: ignore[attr-defined]
