@@ -94,7 +94,8 @@ def test_horovod_names_keep_horovods_meaning(facts):
         assert f["graph_broadcast_variables"] == [1.0, 5.0]
         assert f["optimizer_is_sgd"] == [True, "SGD", "SGD"], "saved as the plain optimizer"
         # Keras 2's opt.variables() gives Keras 3's list (horovod_loop broadcasts it so)
-        assert f["variables_spellings"] == [True, 10, "list", True]  # iteration, learning rate, 2 slots x 4 weights
+        # iteration, learning rate, and Adam's 2 slots for each of the 4 weights
+        assert f["variables_spellings"] == [True, 10, "list", True]
 
 
 def test_learning_rate_warmup_is_horovods(facts):

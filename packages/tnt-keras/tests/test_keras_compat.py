@@ -96,6 +96,25 @@ def test_producer_names_the_layer_that_made_a_tensor():
     assert _keras_compat.producer(np.ones(3)) is None
 
 
+def test_compile_owner_is_where_loading_looks_for_keras_compile(tmp_path):
+    """A compile replaced on compile_owner() still counts as Keras' own: load_model compiles."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    model.save(tmp_path / "m.keras")
+    owner = _keras_compat.compile_owner()
+    original = vars(owner)["compile"]
+
+    def compile(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    owner.compile = compile
+    try:
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    finally:
+        owner.compile = original
+    assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+
+
 def test_get_keras_mask_reads_a_layers_output_mask():
     x = np.array([[[1.0], [0.0]], [[0.0], [0.0]]], "float32")
     out = keras.layers.Masking(mask_value=0.0)(x)

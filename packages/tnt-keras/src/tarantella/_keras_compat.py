@@ -34,6 +34,7 @@ from keras.src.trainers.data_adapters import get_data_adapter
 __all__ = [
     "all_layers",
     "batch_norm_moments",
+    "compile_owner",
     "get_data_adapter",
     "get_keras_mask",
     "is_fit_validation",
@@ -65,6 +66,14 @@ _FIT_VALIDATION = "_use_cached_eval_dataset"
 def is_fit_validation(evaluate_kwargs: Mapping[str, Any]) -> bool:
     """Whether ``evaluate`` was called by Keras' ``fit`` for the validation data."""
     return bool(evaluate_kwargs.get(_FIT_VALIDATION))
+
+
+def compile_owner() -> type:
+    """The class that defines ``keras.Model.compile`` (``Trainer``). Loading a model
+    compiles it only when the model's class has that class's ``compile``
+    (``Trainer.compile_from_config`` compares them), so a replacement of Keras' ``compile``
+    (``tarantella.horovod``'s Keras 2 spelling) must sit on it. Checked on Keras 3.15.1."""
+    return next(cls for cls in keras.Model.__mro__ if "compile" in vars(cls))
 
 
 def batch_norm_moments(layer: keras.layers.BatchNormalization,

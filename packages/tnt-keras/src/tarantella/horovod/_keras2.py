@@ -15,6 +15,8 @@ Keras 3 before any Horovod name matters:
 
 Importing ``tarantella.horovod`` installs both on Keras' classes (once; importing
 ``tarantella`` alone changes nothing), since the scripts call them on plain Keras objects.
+``compile`` is replaced on the class that defines it, which is where loading a model looks
+for Keras' own ``compile`` (``tarantella._keras_compat.compile_owner``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
+from .._keras_compat import compile_owner
 
 __all__ = ["VariableList", "install"]
 
@@ -73,9 +77,10 @@ def _optimizer_classes() -> list[type]:
 
 def install() -> None:
     """Accept both spellings on Keras' classes (idempotent)."""
-    compile_ = keras.Model.compile
+    owner = compile_owner()  # where loading a model looks for Keras' own compile
+    compile_ = vars(owner)["compile"]
     if compile_ not in _OURS:
-        keras.Model.compile = _accepting_run_tf_function(compile_)
+        setattr(owner, "compile", _accepting_run_tf_function(compile_))  # noqa: B010 (a class)
     for cls in _optimizer_classes():
         variables = inspect.getattr_static(cls, "variables")
         if isinstance(variables, property) and variables.fget not in _OURS:
