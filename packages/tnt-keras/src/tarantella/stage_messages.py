@@ -1,0 +1,110 @@
+"""A pipeline stage's messages to its neighbours, as ops of the stage's compiled step.
+
+Why graph ops: a stage's whole step (every micro-batch's forward and backward pass, the
+gradient sum, the optimizer) is one ``tf.function`` (:class:`tarantella.pipeline.StageStep`),
+so activations and gradients must leave and arrive inside the graph. The ops are stateful,
+so TensorFlow keeps them in program order (its automatic control dependencies order every
+stateful op of a function as written): the schedule's order of messages is the order the
+step was written in, and two neighbours, following the same schedule, post matching sends
+and receives.
+
+This module is the Python path: each op is a ``tf.numpy_function`` that posts the
+backend's ``send_async`` (keeping the buffer alive until :meth:`complete`) or waits on its
+``recv_async``. The GIL is held only while a message is posted or handed over, not while a
+receive waits (the backend's wait releases it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+import tnt_core
+
+__all__ = ["StageMessages"]
+
+
+class StageMessages:
+    """Sends and receives between the stages of one pipeline, as graph ops.
+
+    :param backend: the pipeline's communicator (point-to-point).
+    :param ranks: the communicator rank of each stage.
+    """
+
+    def __init__(self, backend: tnt_core.CommBackend, ranks: Sequence[int], *,
+                 timeline: tnt_core.Timeline | None = None, lane: str = "") -> None:
+        self.backend = backend
+        self.ranks = list(ranks)
+        self.timeline, self.lane = timeline, lane
+        #: seconds spent waiting in receives since made (what the benchmark reads)
+        self.waited = 0.0
+        self._starts: dict[str, float] = {}
+        #: sends posted in the current step, with their buffers, until :meth:`complete`
+        self._pending: list[tuple[tnt_core.Handle, np.ndarray]] = []
+
+    def send(self, tensor: tf.Tensor, stage: int, tag: int) -> tf.Tensor:
+        """Graph op: post ``tensor`` to ``stage`` (returns at once; a token)."""
+        backend, peer, pending = self.backend, self.ranks[stage], self._pending
+
+        def post(array: np.ndarray) -> np.int64:
+            buf = np.ascontiguousarray(array)
+            pending.append((backend.send_async(buf, peer, tag), buf))
+            return np.int64(0)
+
+        return tf.numpy_function(post, [tensor], tf.int64, stateful=True,
+                                 name=f"tnt_send_{stage}_{tag}")
+
+    def receive(self, shape: Sequence[int], dtype: tf.DType, stage: int, tag: int) -> tf.Tensor:
+        """Graph op: the tensor of ``shape`` and ``dtype`` that ``stage`` sends with ``tag``."""
+        backend, peer = self.backend, self.ranks[stage]
+        shape = tuple(int(d) for d in shape)
+        np_dtype = tf.as_dtype(dtype).as_numpy_dtype
+        what = "receive activations" if tag % 2 == 0 else "receive gradients"
+
+        def wait() -> np.ndarray:
+            start = time.perf_counter()
+            out = np.asarray(backend.recv_async(np.empty(shape, np_dtype), peer, tag).wait())
+            end = time.perf_counter()
+            self.waited += end - start
+            if self.timeline is not None:
+                self.timeline.complete(what, f"{self.lane}: waits", start, end)
+            return out
+
+        out = tf.numpy_function(wait, [], tf.as_dtype(dtype), stateful=True,
+                                name=f"tnt_receive_{stage}_{tag}")
+        out.set_shape(shape)
+        return out
+
+    def mark(self, after: Sequence[tf.Tensor], name: str, begin: bool) -> tf.Tensor:
+        """Graph op, after ``after``: the beginning (``begin``) or the end of span ``name``
+        on this stage's timeline lane (traced only with a timeline)."""
+        assert self.timeline is not None
+        timeline, lane, starts = self.timeline, self.lane, self._starts
+
+        def run(*_after: Any) -> np.int64:
+            now = time.perf_counter()
+            if begin:
+                starts[name] = now
+            else:
+                timeline.complete(name, lane, starts.pop(name, now), now)
+            return np.int64(0)
+
+        with tf.control_dependencies(list(after)):
+            return tf.numpy_function(run, [], tf.int64, stateful=True, name="tnt_timeline_mark")
+
+    def complete(self, after: Sequence[tf.Tensor]) -> tf.Tensor:
+        """Graph op, after ``after``: every send of the step has left (its buffer is free)."""
+        pending = self._pending
+
+        def wait(*_after: Any) -> np.int64:
+            handles = [h for h, _ in pending]
+            pending.clear()
+            tnt_core.wait_all(handles)
+            return np.int64(0)
+
+        return tf.numpy_function(wait, list(after), tf.int64, stateful=True,
+                                 name="tnt_sends_complete")
