@@ -298,13 +298,35 @@ class StageStep:
         grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
         if self.replicas is not None:
             grads = list(self.replicas.reduce(grads, tf.constant(1.0, tf.float64)))
-        self.optimizer.apply(grads, self.weights)
+        clipnorm = getattr(self.optimizer, "global_clipnorm", None)
+        if clipnorm:
+            grads = self._clip_by_global_norm(grads, clipnorm)
+            self.optimizer.global_clipnorm = None  # read when traced: clipped once, above
+            try:
+                self.optimizer.apply(grads, self.weights)
+            finally:
+                self.optimizer.global_clipnorm = clipnorm
+        else:
+            self.optimizer.apply(grads, self.weights)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
         total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float32)
         with tf.control_dependencies([done]):
             total = tf.identity(total)
         joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
         return total, joined
+
+    def _clip_by_global_norm(self, grads: list[tf.Tensor], clipnorm: float) -> list[tf.Tensor]:
+        """``optimizer.global_clipnorm`` as serial Keras applies it, over the whole model:
+        the norm of every stage's gradients, agreed with one scalar allreduce over the
+        pipeline's stages (the replicas' gradients are summed already), and Keras' formula
+        (``keras.optimizers``: ``clip * min(1 / norm, 1 / clip)``, NaN for a non-finite
+        norm)."""
+        local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float64))) for g in grads]) \
+            if grads else tf.constant(0.0, tf.float64)
+        norm = tf.sqrt(self.messages.allreduce_sum(local))
+        norm32 = tf.cast(norm, tf.float32)
+        scale = clipnorm * tf.minimum(1.0 / norm32, 1.0 / clipnorm) + (norm32 - norm32)
+        return [g * tf.cast(scale, g.dtype) for g in grads]
 
     def order(self, count: int) -> list[tuple[str, int]]:
         """This stage's passes over ``count`` micro-batches, in the order it runs them.

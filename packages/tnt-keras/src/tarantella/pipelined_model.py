@@ -663,11 +663,6 @@ def _check_optimizer(optimizer: Any, scaled: bool) -> None:
             "loss scaling (a 'mixed_float16' dtype policy, or a LossScaleOptimizer) with a "
             "pipelined model: the stages would have to agree on every skipped step; use "
             "float32 or 'mixed_bfloat16', which needs no loss scaling")
-    if getattr(optimizer, "global_clipnorm", None) is not None:
-        raise NotSupportedError(
-            f"{type(optimizer).__name__}(global_clipnorm=...) with a pipelined model: each "
-            "stage sees only its own gradients, not the global norm; use clipnorm= (per "
-            "variable) or clipvalue=, which clip as in serial training")
 
 
 def _single(loss: Any, what: str) -> Any:

@@ -96,6 +96,19 @@ class StageMessages:
         with tf.control_dependencies(list(after)):
             return tf.numpy_function(run, [], tf.int64, stateful=True, name="tnt_timeline_mark")
 
+    def allreduce_sum(self, value: tf.Tensor) -> tf.Tensor:
+        """Graph op: the sum over the pipeline's stages of the float64 scalar ``value``
+        (in the messages' program order, so no stage waits for it out of turn)."""
+        backend = self.backend
+
+        def run(v: np.ndarray) -> np.ndarray:
+            return np.asarray(backend.allreduce(np.array([v], np.float64))[0], np.float64)
+
+        out = tf.numpy_function(run, [value], tf.float64, stateful=True,
+                                name="tnt_stages_sum")
+        out.set_shape(())
+        return out
+
     def complete(self, after: Sequence[tf.Tensor]) -> tf.Tensor:
         """Graph op, after ``after``: every send of the step has left (its buffer is free)."""
         pending = self._pending

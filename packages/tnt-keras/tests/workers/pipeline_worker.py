@@ -22,6 +22,8 @@ SAMPLES, BATCH, EPOCHS = 40, 16, 2  # batches of 16, 16 and a last one of 8
 CASES = [(f"p{p}-{opt}-m{m}-{schedule}", p, opt, m, schedule) for p in (3,)
          for opt in ("sgd", "adam") for m in ((1, 4, 3) if opt == "sgd" else (3,))
          for schedule in (("1f1b", "gpipe") if m == 3 else ("1f1b",))]
+#: global_clipnorm: the stages agree on the whole model's gradient norm
+CASES.append(("p3-adamclip-m3-1f1b", 3, "adamclip", 3, "1f1b"))
 
 
 def build(partitions: int) -> keras.Model:
@@ -48,6 +50,8 @@ def build(partitions: int) -> keras.Model:
 def optimizer(name: str) -> keras.optimizers.Optimizer:
     if name == "sgd":
         return keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
+    if name == "adamclip":  # a norm the gradients exceed: the clip acts in every step
+        return keras.optimizers.Adam(learning_rate=0.01, global_clipnorm=0.05)
     return keras.optimizers.Adam(learning_rate=0.01)
 
 
