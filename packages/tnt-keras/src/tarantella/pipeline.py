@@ -279,7 +279,7 @@ class StageStep:
                 seeds += self._receive(sent, sizes[k], self.stage + 1, _BACKWARD)
             if flight.loss is not None:
                 targets.append(flight.loss)
-                seeds.append(tf.ones_like(flight.loss))
+                seeds.append(self._loss_seed(flight.loss))
                 parts.append(tf.cast(flight.loss, tf.float32))
             sources = self.weights + ([] if self.first else list(flight.inputs))
             begun = self._mark(seeds, f"backward {k}", begin=True)
@@ -298,6 +298,8 @@ class StageStep:
         grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
         if self.replicas is not None:
             grads = list(self.replicas.reduce(grads, tf.constant(1.0, tf.float64)))
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            grads = self._agree_on_finite(grads)
         clipnorm = getattr(self.optimizer, "global_clipnorm", None)
         if clipnorm:
             grads = self._clip_by_global_norm(grads, clipnorm)
@@ -314,6 +316,27 @@ class StageStep:
             total = tf.identity(total)
         joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
         return total, joined
+
+    def _loss_seed(self, loss: tf.Tensor) -> tf.Tensor:
+        """The gradient the backward pass starts from at this stage's loss: 1, or with loss
+        scaling (``LossScaleOptimizer``, what ``mixed_float16`` compiles) the optimizer's
+        current scale, as serial Keras differentiates ``optimizer.scale_loss(loss)``. The
+        stages' scales are equal: they start equal and take the same decisions."""
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return tf.cast(self.optimizer.scale_loss(tf.ones_like(loss, tf.float32)), loss.dtype)
+        return tf.ones_like(loss)
+
+    def _agree_on_finite(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Loss scaling skips a step whose gradients are not all finite, over the whole
+        model: the stages count their non-finite verdicts with one scalar allreduce, and a
+        stage whose own gradients are finite while another's are not hands its optimizer
+        NaN gradients, so that every stage's ``LossScaleOptimizer`` skips the step and
+        lowers its scale alike."""
+        assert isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        finite = self.optimizer.check_finite(grads)
+        others = self.messages.allreduce_sum(1.0 - tf.cast(finite, tf.float64))
+        factor = tf.where(others > 0.0, float("nan"), 1.0)
+        return [g * tf.cast(factor, g.dtype) for g in grads]
 
     def _clip_by_global_norm(self, grads: list[tf.Tensor], clipnorm: float) -> list[tf.Tensor]:
         """``optimizer.global_clipnorm`` as serial Keras applies it, over the whole model:
