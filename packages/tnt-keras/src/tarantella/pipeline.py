@@ -239,6 +239,7 @@ class StageStep:
         ys = _split(y, sizes) if self.last else None
         sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
         self._tokens = []
+        self.messages.begin()
         flights: dict[int, _InFlight] = {}
         predictions: dict[int, Any] = {}
         accumulated: list[Any] = [None] * len(self.weights)
@@ -383,6 +384,7 @@ class StageStep:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
         xs = _micro_batches(x, sizes) if self.first else None
         self._tokens = []
+        self.messages.begin()
         predictions: list[Any] = []
         for k, b in enumerate(sizes):
             inputs = self._inputs(xs, k, b)
