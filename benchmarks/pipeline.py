@@ -149,29 +149,22 @@ ACTIVE: list[Timers] = []  # the timers of the model training now (a pipeline ra
 
 
 def instrument_stage_step() -> None:
-    """Wrap ``StageStep.train`` and ``StageStep._receive`` with timers (behaviour unchanged)."""
+    """Wrap ``StageStep.train`` with a timer, and read the time its receives waited
+    (``StageStep.messages.waited``, kept by the step's receive ops); behaviour unchanged."""
     from tarantella.pipeline import StageStep
 
-    train, receive = StageStep.train, StageStep._receive
+    train = StageStep.train
 
     def timed_train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), self.messages.waited
         try:
             return train(self, *args, **kwargs)
         finally:
             if ACTIVE:
                 ACTIVE[0].stage_now += time.perf_counter() - t0
-
-    def timed_receive(self: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return receive(self, *args, **kwargs)
-        finally:
-            if ACTIVE:
-                ACTIVE[0].wait_now += time.perf_counter() - t0
+                ACTIVE[0].wait_now += self.messages.waited - waited
 
     StageStep.train = timed_train  # type: ignore[method-assign]
-    StageStep._receive = timed_receive  # type: ignore[method-assign]
 
 
 def worker_throughput(args: argparse.Namespace) -> None:
@@ -371,6 +364,17 @@ def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, rank
         print(f"{'pipeline M=' + str(m):26s} {rate:9.0f} {rate / base:9.2f} {rate / base1:8.2f} "
               f"{P * eff:5.2f} ({eff:.2f}) {step * 1e3:6.1f} {pair('stage'):>13s} {pair('wait'):>11s} "
               f"{pair('work'):>13s} {pair('loop'):>11s} {bound / base:5.2f} {rate / bound:8.2f}")
+    ms = list(args.micro_batches)
+    if len(ms) > 1:  # work(M) = compute + M x fixed: the least-squares slope is the fixed cost
+        mean_m = statistics.mean(ms)
+        slopes = []
+        for r in ranks:
+            works = [r["configs"][f"M={m}"]["work"] for m in ms]
+            mean_w = statistics.mean(works)
+            slopes.append(sum((m - mean_m) * (w - mean_w) for m, w in zip(ms, works))
+                          / sum((m - mean_m) ** 2 for m in ms))
+        print("   fixed cost per extra micro-batch (slope of a rank's work over M): "
+              + " / ".join(f"{sl * 1e3:.2f} ms" for sl in slopes))
     half = {name: c["step"] * 1e3 / P for name, c in serial1["configs"].items()}
     m1 = [r["configs"][f"M={args.micro_batches[0]}"] for r in ranks]
     print(f"   half the serial step on 1 CPU: fit {half['keras fit']:.1f} ms, eager "

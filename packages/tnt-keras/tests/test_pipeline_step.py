@@ -47,7 +47,7 @@ def pipelined(request, tmp_path_factory) -> tuple[int, Path]:
 def test_every_stage_ends_with_the_serial_weights_and_losses(serial, pipelined):
     stages, out = pipelined
     cases = sorted(p.name.split(".")[0] for p in out.glob("*.rank0.json"))
-    assert len(cases) == 6, cases
+    assert len(cases) == 8, cases
     for case in cases:
         ref = dict(np.load(serial / f"{case}.npz"))
         got: dict[str, np.ndarray] = {}

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 import tnt_core
@@ -40,6 +39,7 @@ from ._keras_compat import all_layers
 from .errors import NotSupportedError
 from .gradients import GradientReducer, dense_gradient
 from .partition import Partitioning
+from .stage_messages import StageMessages
 
 __all__ = ["SCHEDULES", "StageStep", "micro_batch_sizes", "check_stage_model"]
 
@@ -152,39 +152,45 @@ class StageStep:
         self.ranks = list(ranks) if ranks is not None else list(range(parts.num_partitions))
         self.first, self.last = stage == 0, stage == parts.num_partitions - 1
         self.replicas, self.regularise = replicas, regularise
-        # the replicas' sum as a graph, traced once per gradient signature: see _sum_over_replicas
-        self._replicas_sum = None if replicas is None else tf.function(self._sum_graph, autograph=False)
+        self._tokens: list[tf.Tensor] = []
+        # one graph per batch size (static arguments: the micro-batch sizes follow from it)
+        self._train_fn = tf.function(self._train_graph, autograph=False, reduce_retracing=False)
+        self._forward_fn = tf.function(self._forward_graph, autograph=False)
         self.timeline = timeline
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
         self.schedule = schedule
         self._lane = f"stage {stage}"
+        self.messages = StageMessages(backend, self.ranks, timeline=timeline, lane=self._lane)
         self.weights = list(self.model.trainable_weights)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
+
+    def _mark(self, after: Sequence[Any], name: str, begin: bool) -> list[tf.Tensor]:
+        """With a timeline: a graph op marking the beginning or end of a pass (its token,
+        for a control dependency); without: nothing is traced."""
+        if self.timeline is None:
+            return []
+        token = self.messages.mark([tf.convert_to_tensor(a) for a in after if a is not None],
+                                   name, begin)
+        self._tokens.append(token)
+        return [token]
 
     def _span(self, name: str, waits: bool = False) -> AbstractContextManager[None]:
         if self.timeline is None:
             return contextlib.nullcontext()
         return self.timeline.span(name, f"{self._lane}: waits" if waits else self._lane)
 
-    # -- messages to the neighbours --------------------------------------------------------
+    # -- messages to the neighbours (graph ops: tarantella.stage_messages) -------------------
 
-    def _send(self, tensors: Sequence[Any], to: int, direction: int) -> list[tnt_core.Handle]:
-        handles = []
+    def _send(self, tensors: Sequence[Any], to: int, direction: int) -> None:
         for j, t in enumerate(tensors):
-            buf = np.ascontiguousarray(np.asarray(t))
-            handles.append(self.backend.send_async(buf, self.ranks[to], 2 * j + direction))
-        return handles
+            self._tokens.append(self.messages.send(t, to, 2 * j + direction))
 
     def _receive(self, specs: Sequence[Any], batch: int, frm: int, direction: int) -> list[tf.Tensor]:
-        bufs = [np.empty((batch, *[int(d) for d in s.shape[1:]]), dtype=tf.as_dtype(s.dtype).as_numpy_dtype)
-                for s in specs]
-        handles = [self.backend.recv_async(buf, self.ranks[frm], 2 * j + direction)
-                   for j, buf in enumerate(bufs)]
-        what = "activations" if direction == _FORWARD else "gradients"
-        with self._span(f"receive {what}", waits=True):
-            return [tf.convert_to_tensor(h.wait()) for h in handles]
+        return [self.messages.receive((batch, *[int(d) for d in s.shape[1:]]), s.dtype,
+                                      frm, 2 * j + direction)
+                for j, s in enumerate(specs)]
 
     def _inputs(self, xs: list[Any] | None, k: int, b: int) -> Any:
         """Micro-batch ``k``'s inputs (``b`` samples): the first stage's share of ``x`` (in
@@ -205,23 +211,45 @@ class StageStep:
         last stage, plus each stage's weight regularisation): their sum is the loss.
 
         With replicas, ``(x, y)`` is this pipeline's share of a global batch of
-        ``global_batch`` samples: the loss is the global batch's mean."""
+        ``global_batch`` samples: the loss is the global batch's mean.
+
+        The step is one graph per batch size (traced on the first batch of a size; a
+        shorter last batch traces once more): see :meth:`_train_graph`."""
         local = int(tf.shape(_flat(y)[0])[0])
         batch = global_batch or local
+        if not self.optimizer.built:  # its slots are made outside the graph, once
+            self.optimizer.build(self.weights)
+        with self._span("step"):
+            total, predictions = self._train_fn(
+                x if self.first else None, y if self.last else None,
+                sample_weight if self.last else None, local, batch)
+        if self.replicas is not None:
+            self.replicas.record_buckets()
+        self.predictions = predictions if self.last else None
+        return float(total)
+
+    def _train_graph(self, x: Any, y: Any, sample_weight: Any, local: int,
+                     batch: int) -> tuple[tf.Tensor, Any]:
+        """The step's graph: every pass of the schedule, unrolled (``local`` and ``batch``
+        are static, so the micro-batch sizes are), the gradients accumulated, summed over
+        the replicas and applied, and the sends completed. The messages are stateful ops
+        in the schedule's order; the compute between them runs as the dataflow allows."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         xs = _micro_batches(x, sizes) if self.first else None
         ys = _split(y, sizes) if self.last else None
         sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
-        pending: list[tnt_core.Handle] = []
+        self._tokens = []
+        self.messages.begin()
         flights: dict[int, _InFlight] = {}
         predictions: dict[int, Any] = {}
         accumulated: list[Any] = [None] * len(self.weights)
-        total = 0.0
+        parts: list[tf.Tensor] = []
 
         def forward(k: int) -> None:
             b = sizes[k]
             inputs = self._inputs(xs, k, b)
-            with self._span(f"forward {k}"), tf.GradientTape() as tape:
+            begun = self._mark(keras.tree.flatten(inputs), f"forward {k}", begin=True)
+            with tf.GradientTape() as tape, tf.control_dependencies(begun):
                 if not self.first:
                     tape.watch(inputs)
                 outputs = self.model(_call_form(inputs, self.first), training=True)
@@ -233,16 +261,15 @@ class StageStep:
                     regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
                     loss = regularisation if loss is None else loss + regularisation
             flat_out = _flat(outputs)
+            self._mark(flat_out + ([] if loss is None else [loss]), f"forward {k}", begin=False)
             if self.last:
                 predictions[k] = outputs
             else:
-                pending.extend(self._send([flat_out[i] for i in self._routes_out()],
-                                          self.stage + 1, _FORWARD))
+                self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
             flights[k] = _InFlight(tape, inputs, flat_out, loss)
 
         def backward(k: int) -> None:
-            nonlocal total
-            flight = flights.pop(k)  # the tape's activations go with it
+            flight = flights.pop(k)
             targets: list[Any] = []
             seeds: list[Any] = []
             if not self.last:
@@ -253,29 +280,77 @@ class StageStep:
                 seeds += self._receive(sent, sizes[k], self.stage + 1, _BACKWARD)
             if flight.loss is not None:
                 targets.append(flight.loss)
-                seeds.append(tf.ones_like(flight.loss))
-                total += float(flight.loss)
+                seeds.append(self._loss_seed(flight.loss))
+                parts.append(tf.cast(flight.loss, tf.float32))
             sources = self.weights + ([] if self.first else list(flight.inputs))
-            with self._span(f"backward {k}"):
+            begun = self._mark(seeds, f"backward {k}", begin=True)
+            with tf.control_dependencies(begun):
                 grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
                                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"backward {k}", begin=False)
             for i, g in enumerate(grads[:len(self.weights)]):
+                g = dense_gradient(g, self.weights[i])
                 accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
             if not self.first:
-                pending.extend(self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD))
+                self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD)
 
         for kind, k in self.order(len(sizes)):
             (forward if kind == "forward" else backward)(k)
         grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
         if self.replicas is not None:
-            with self._span("allreduce over replicas", waits=True):
-                grads = self._sum_over_replicas(grads)
-        with self._span("optimizer"):
+            grads = list(self.replicas.reduce(grads, tf.constant(1.0, tf.float64)))
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            grads = self._agree_on_finite(grads)
+        clipnorm = getattr(self.optimizer, "global_clipnorm", None)
+        if clipnorm:
+            grads = self._clip_by_global_norm(grads, clipnorm)
+            self.optimizer.global_clipnorm = None  # read when traced: clipped once, above
+            try:
+                self.optimizer.apply(grads, self.weights)
+            finally:
+                self.optimizer.global_clipnorm = clipnorm
+        else:
             self.optimizer.apply(grads, self.weights)
-        with self._span("sends complete", waits=True):
-            tnt_core.wait_all(pending)
-        self.predictions = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
-        return total
+        done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
+        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float32)
+        with tf.control_dependencies([done]):
+            total = tf.identity(total)
+        joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
+        return total, joined
+
+    def _loss_seed(self, loss: tf.Tensor) -> tf.Tensor:
+        """The gradient the backward pass starts from at this stage's loss: 1, or with loss
+        scaling (``LossScaleOptimizer``, what ``mixed_float16`` compiles) the optimizer's
+        current scale, as serial Keras differentiates ``optimizer.scale_loss(loss)``. The
+        stages' scales are equal: they start equal and take the same decisions."""
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return tf.cast(self.optimizer.scale_loss(tf.ones_like(loss, tf.float32)), loss.dtype)
+        return tf.ones_like(loss)
+
+    def _agree_on_finite(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Loss scaling skips a step whose gradients are not all finite, over the whole
+        model: the stages count their non-finite verdicts with one scalar allreduce, and a
+        stage whose own gradients are finite while another's are not hands its optimizer
+        NaN gradients, so that every stage's ``LossScaleOptimizer`` skips the step and
+        lowers its scale alike."""
+        assert isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        finite = self.optimizer.check_finite(grads)
+        others = self.messages.allreduce_sum(1.0 - tf.cast(finite, tf.float64))
+        factor = tf.where(others > 0.0, float("nan"), 1.0)
+        return [g * tf.cast(factor, g.dtype) for g in grads]
+
+    def _clip_by_global_norm(self, grads: list[tf.Tensor], clipnorm: float) -> list[tf.Tensor]:
+        """``optimizer.global_clipnorm`` as serial Keras applies it, over the whole model:
+        the norm of every stage's gradients, agreed with one scalar allreduce over the
+        pipeline's stages (the replicas' gradients are summed already), and Keras' formula
+        (``keras.optimizers``: ``clip * min(1 / norm, 1 / clip)``, NaN for a non-finite
+        norm)."""
+        local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float64))) for g in grads]) \
+            if grads else tf.constant(0.0, tf.float64)
+        norm = tf.sqrt(self.messages.allreduce_sum(local))
+        norm32 = tf.cast(norm, tf.float32)
+        scale = clipnorm * tf.minimum(1.0 / norm32, 1.0 / clipnorm) + (norm32 - norm32)
+        return [g * tf.cast(scale, g.dtype) for g in grads]
 
     def order(self, count: int) -> list[tuple[str, int]]:
         """This stage's passes over ``count`` micro-batches, in the order it runs them.
@@ -295,38 +370,21 @@ class StageStep:
             passes += [("forward", ahead + k), ("backward", k)]
         return passes + [("backward", k) for k in range(count - ahead, count)]
 
-    def _sum_over_replicas(self, grads: list[Any]) -> list[Any]:
-        """The replicas' gradients summed through the gradient reducer DATA uses: one
-        bucket plan agreed on once, native where the replicas' communicator offers the
-        hand-off. Each replica computed its share of the global batch's mean loss, so the
-        sum is the serial gradient: every replica pushes with factor 1.
-
-        Why a ``tf.function`` while the step itself is eager: in the graph every bucket's
-        push runs as soon as its tensors exist, side by side with the others, and the
-        Python path's finish hands the buckets to TensorFlow without a copy. Called eagerly,
-        the same ops run one by one and every reduced tensor is copied out. Measured by
-        ``benchmarks/replica_sum.py`` (2 ranks, gloo): for 16.8 MB of gradients the graph
-        takes the same time as eager calls on the native path and half the time on the
-        Python path (8.8 against 17.9 ms of CPU), at a fixed cost of 0.3-0.4 ms of CPU
-        per step, which shows only for a tiny model."""
-        assert self.replicas is not None and self._replicas_sum is not None
-        dense = [dense_gradient(g, w) for g, w in zip(grads, self.weights)]
-        reduced = self._replicas_sum(dense)
-        self.replicas.record_buckets()
-        return list(reduced)
-
-    def _sum_graph(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        assert self.replicas is not None
-        return self.replicas.reduce(grads, tf.constant(1.0, tf.float64))
-
     def forward(self, x: Any, batch: int) -> float:
         """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by
         micro-batch through the stages, not training: they are left in
         :attr:`predictions` on the last stage. Returns this stage's weight regularisation
-        (the stages' sum is what serial ``model.losses`` adds to the loss)."""
+        (the stages' sum is what serial ``model.losses`` adds to the loss). One graph per
+        batch size, as :meth:`train`."""
+        regularisation, predictions = self._forward_fn(x if self.first else None, batch)
+        self.predictions = predictions if self.last else None
+        return float(regularisation)
+
+    def _forward_graph(self, x: Any, batch: int) -> tuple[tf.Tensor, Any]:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
         xs = _micro_batches(x, sizes) if self.first else None
-        pending: list[tnt_core.Handle] = []
+        self._tokens = []
+        self.messages.begin()
         predictions: list[Any] = []
         for k, b in enumerate(sizes):
             inputs = self._inputs(xs, k, b)
@@ -335,11 +393,14 @@ class StageStep:
                 predictions.append(outputs)
             else:
                 flat_out = _flat(outputs)
-                pending += self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
-        tnt_core.wait_all(pending)
-        self.predictions = _concat(predictions) if self.last else None
+                self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
+        done = self.messages.complete(self._tokens)
         losses = self.model.losses if self.regularise else []
-        return float(tf.add_n([tf.cast(r, tf.float32) for r in losses])) if losses else 0.0
+        regularisation = tf.add_n([tf.cast(r, tf.float32) for r in losses]) if losses \
+            else tf.constant(0.0, tf.float32)
+        with tf.control_dependencies([done]):
+            regularisation = tf.identity(regularisation)
+        return regularisation, (_concat(predictions) if self.last else None)
 
     def _routes_out(self) -> list[int]:
         """Which of this partition's outputs go to the next stage, in its input order."""

@@ -223,8 +223,6 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                                     "eagerly, one batch at a time; leave it at 1")
         arguments.check_optimizer(optimizer)
         optimizer = keras.optimizers.get(optimizer)
-        _check_optimizer(optimizer, scaled=auto_scale_loss and
-                         keras.config.dtype_policy().name == "mixed_float16")
         super().compile(optimizer=optimizer, loss=user_loss, metrics=metrics,
                         weighted_metrics=weighted_metrics, run_eagerly=True, jit_compile=False,
                         auto_scale_loss=auto_scale_loss)
@@ -653,21 +651,6 @@ def _broadcast_variables(backend: tnt_core.CommBackend, variables: list[Any],
         for v, value in zip(members, values):
             v.assign(flat[offset:offset + value.size].reshape(tuple(v.shape)))
             offset += value.size
-
-
-def _check_optimizer(optimizer: Any, scaled: bool) -> None:
-    """Refuse what a stage's optimizer, seeing only its own gradients, cannot do as the
-    serial one does (``scaled``: compile would wrap it for loss scaling)."""
-    if scaled or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise NotSupportedError(
-            "loss scaling (a 'mixed_float16' dtype policy, or a LossScaleOptimizer) with a "
-            "pipelined model: the stages would have to agree on every skipped step; use "
-            "float32 or 'mixed_bfloat16', which needs no loss scaling")
-    if getattr(optimizer, "global_clipnorm", None) is not None:
-        raise NotSupportedError(
-            f"{type(optimizer).__name__}(global_clipnorm=...) with a pipelined model: each "
-            "stage sees only its own gradients, not the global norm; use clipnorm= (per "
-            "variable) or clipvalue=, which clip as in serial training")
 
 
 def _single(loss: Any, what: str) -> Any:

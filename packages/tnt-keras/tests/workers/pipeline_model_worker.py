@@ -161,10 +161,6 @@ def main() -> int:
                 keras.callbacks.ModelCheckpoint(str(args.out / "c.weights.h5"),
                                                 save_weights_only=True, save_freq=2)]),
             "micro_batch_size": lambda: model.fit(x, y, tnt_micro_batch_size=4, verbose=0),
-            "global_clipnorm": lambda: model.compile(
-                optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0), loss="mse"),
-            "loss_scaling": lambda: model.compile(
-                optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse"),
             # the argument checks of DATA (tarantella.arguments), before any collective
             "batch_size": lambda: model.fit(x, y, batch_size=0, verbose=0),
             "cardinality": lambda: model.fit(x, y[:5], verbose=0),

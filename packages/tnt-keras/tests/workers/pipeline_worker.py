@@ -22,6 +22,10 @@ SAMPLES, BATCH, EPOCHS = 40, 16, 2  # batches of 16, 16 and a last one of 8
 CASES = [(f"p{p}-{opt}-m{m}-{schedule}", p, opt, m, schedule) for p in (3,)
          for opt in ("sgd", "adam") for m in ((1, 4, 3) if opt == "sgd" else (3,))
          for schedule in (("1f1b", "gpipe") if m == 3 else ("1f1b",))]
+#: global_clipnorm: the stages agree on the whole model's gradient norm
+CASES.append(("p3-adamclip-m3-1f1b", 3, "adamclip", 3, "1f1b"))
+#: mixed_float16: loss scaling, the stages skipping a non-finite step together
+CASES.append(("p3-mixed-m1-1f1b", 3, "mixed", 1, "1f1b"))  # float16 sums: one micro-batch
 
 
 def build(partitions: int) -> keras.Model:
@@ -48,6 +52,11 @@ def build(partitions: int) -> keras.Model:
 def optimizer(name: str) -> keras.optimizers.Optimizer:
     if name == "sgd":
         return keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
+    if name == "mixed":  # a scale so large that the first steps overflow and are skipped
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(learning_rate=0.01),
+                                                   initial_scale=2.0 ** 18)
+    if name == "adamclip":  # a norm the gradients exceed: the clip acts in every step
+        return keras.optimizers.Adam(learning_rate=0.01, global_clipnorm=0.05)
     return keras.optimizers.Adam(learning_rate=0.01)
 
 
@@ -67,6 +76,7 @@ def batches():
 
 def serial(out: Path) -> None:
     for name, partitions, opt, _, _ in CASES:
+        keras.config.set_dtype_policy("mixed_float16" if opt == "mixed" else "float32")
         model = build(partitions)
         model.compile(optimizer=optimizer(opt), loss="mse")
         losses = [float(model.train_on_batch(bx, by)) for bx, by in batches()]
@@ -85,6 +95,7 @@ def pipeline(out: Path) -> None:
     for name, partitions, opt, micro, schedule in CASES:
         if partitions != runtime.size:
             continue
+        keras.config.set_dtype_policy("mixed_float16" if opt == "mixed" else "float32")
         model = build(partitions)
         step = StageStep(partition(model), rank, backend, loss=keras.losses.MeanSquaredError(),
                          optimizer=optimizer(opt), num_micro_batches=micro, schedule=schedule)
