@@ -177,7 +177,7 @@ def worker_throughput(args: argparse.Namespace) -> None:
     if args.role == "serial-1cpu":
         tf.config.threading.set_intra_op_parallelism_threads(1)
 
-    pipeline = args.role == "pipe"
+    pipeline = args.role in ("pipe", "pipe-all")
     rank = 0
     if pipeline:
         import tarantella as tnt
@@ -188,9 +188,11 @@ def worker_throughput(args: argparse.Namespace) -> None:
     x, y = data(b * steps, args.width, args.width)
     configs: dict[str, Any] = {}
     if pipeline:
-        for m in args.micro_batches:
+        every = args.role == "pipe-all"  # ALL: 2 pipelines of P stages, the batch split
+        for m in ([args.all_micro_batches] if every else args.micro_batches):
             model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
-                              parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_micro_batches=m)
+                              parallel_strategy=tnt.ParallelStrategy.ALL if every
+                              else tnt.ParallelStrategy.PIPELINING, num_micro_batches=m)
             model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
             configs[f"M={m}"] = model
     else:
@@ -281,6 +283,7 @@ def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
             "--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--rounds", str(args.rounds),
             "--micro-batches", ",".join(map(str, args.micro_batches)),
+            "--all-micro-batches", str(args.all_micro_batches),
             "--mem-width", str(args.mem_width), "--mem-layers", str(args.mem_layers),
             "--mem-io", str(args.mem_io), "--mem-batch", str(args.mem_batch),
             "--mem-steps", str(args.mem_steps), "--mem-micro-batches", str(args.mem_micro_batches)]
@@ -380,6 +383,19 @@ def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, rank
     print(f"   half the serial step on 1 CPU: fit {half['keras fit']:.1f} ms, eager "
           f"{half['keras fit, eager']:.1f} ms; a rank's work at M={args.micro_batches[0]}: "
           + " / ".join(f"{c['work'] * 1e3:.1f} ms" for c in m1))
+
+
+def print_all(args: argparse.Namespace, every: list[dict], ranks: list[dict]) -> None:
+    """The ALL row: 2 pipelines of P stages on 2P ranks (oversubscribed: 2P processes on
+    the cores), against PIPELINING's P ranks at the same M, run just before."""
+    m = args.all_micro_batches
+    step = statistics.median([r["configs"][f"M={m}"]["step"] for r in every])
+    pipe = statistics.median([r["configs"][f"M={m}"]["step"] for r in ranks]) \
+        if f"M={m}" in ranks[0]["configs"] else None
+    ratio = f"{pipe / step:.2f}" if pipe else "n/a (M not in --micro-batches)"
+    print(f"   ALL, {2 * P} ranks (2 pipelines x {P} stages, {os.cpu_count()} cores), M={m}: "
+          f"{args.batch / step:.0f} samples/s, step {step * 1e3:.1f} ms; samples/s / "
+          f"PIPELINING {P} at M={m}: {ratio}")
 
 
 def print_memory(args: argparse.Namespace, serial: dict, ranks: list[dict]) -> None:
@@ -502,6 +518,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--micro-batches", default="1,2,4,8")
+    p.add_argument("--all-micro-batches", type=int, default=4,
+                   help="M of the ALL row (2 pipelines x P stages on 2P ranks)")
+    p.add_argument("--no-all", action="store_true", help="skip the ALL row")
     p.add_argument("--mem-width", type=int, default=4096)
     p.add_argument("--mem-layers", type=int, default=6)
     p.add_argument("--mem-io", type=int, default=1024, help="input and output width of the big model")
@@ -516,7 +535,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.micro_batches = [int(m) for m in str(args.micro_batches).split(",") if m]
-    if args.role in ("serial", "serial-1cpu", "pipe"):
+    if args.role in ("serial", "serial-1cpu", "pipe", "pipe-all"):
         worker_throughput(args)
         return 0
     if args.role in ("mem-serial", "mem-pipe"):
@@ -544,6 +563,8 @@ def main() -> int:
             print_throughput(args, serial, serial1, ranks)
             print("   serial rows: the faster of a run before and one after the pipelined runs; "
                   "after / before step time: " + ", ".join(drifts))
+            if not args.no_all:
+                print_all(args, run(args, "pipe-all", out, 2 * P), ranks)
         if args.only != "throughput":
             mserial = run(args, "mem-serial", out, 0)[0]
             mranks = run(args, "mem-pipe", out, P)
