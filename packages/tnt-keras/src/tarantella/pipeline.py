@@ -5,6 +5,10 @@ step is a conversation between neighbours. The global batch is split into micro-
 for each, stage ``p`` receives its inputs from ``p - 1`` (point-to-point), runs its
 partition under a gradient tape and sends its outputs on, without waiting for the rest of
 the pipeline, so stage ``p`` computes micro-batch ``k + 1`` while ``p + 1`` computes ``k``.
+What a stage sends is fixed by the partitioning: tensors that skip partitions pass through
+the stages between unchanged, and every model output travels to the last stage, which
+computes the loss of all outputs at once, as compile does (``Partitioning.emits``); model
+inputs a later partition uses are read from ``x`` by its own stage.
 The gradients flow back the same way: the last stage differentiates the loss, every other
 stage its outputs against the gradients ``p + 1`` sent, and each stage accumulates its own
 weights' gradients and applies them once, with its own optimizer, after the last
@@ -39,7 +43,7 @@ import tnt_core
 from ._keras_compat import all_layers
 from .errors import NotSupportedError
 from .gradients import GradientReducer, dense_gradient
-from .partition import Partitioning
+from .partition import COMPUTED, Partitioning
 
 __all__ = ["SCHEDULES", "StageStep", "micro_batch_sizes", "check_stage_model"]
 
@@ -74,33 +78,19 @@ def check_stage_model(model: keras.Model, stage: int) -> None:
                 "(kernel_regularizer=...) or drop it")
 
 
-def _flat(values: Any) -> list[Any]:
-    return list(values) if isinstance(values, (list, tuple)) else [values]
-
-
 def _micro_batches(x: Any, sizes: Sequence[int]) -> list[Any]:
-    """``x`` (a tensor or a list/tuple/dict of them) cut into micro-batches of ``sizes``
-    samples, each in ``x``'s structure."""
+    """``x`` (a tensor or a list/tuple/dict of them; None stays None) cut into micro-batches
+    of ``sizes`` samples, each in ``x``'s structure."""
+    if x is None:
+        return [None] * len(sizes)
     leaves = [tf.split(tf.convert_to_tensor(t), list(sizes), axis=0) for t in keras.tree.flatten(x)]
     return [keras.tree.pack_sequence_as(x, [parts[k] for parts in leaves]) for k in range(len(sizes))]
-
-
-def _call_form(inputs: Any, first: bool) -> Any:
-    """What the partition is called with: the user's structure on the first stage, the
-    received list (or its one tensor) on the others."""
-    if first:
-        return inputs
-    return inputs if len(inputs) > 1 else inputs[0]
 
 
 def _concat(parts: list[Any]) -> Any:
     if not parts:
         return None
     return keras.tree.map_structure(lambda *ts: tf.concat(ts, axis=0), *parts)
-
-
-def _split(tensor: Any, sizes: Sequence[int]) -> list[Any]:
-    return tf.split(tensor, list(sizes), axis=0) if tensor is not None else [None] * len(sizes)
 
 
 @dataclass
@@ -118,8 +108,10 @@ class StageStep:
 
     :param backend: a communicator with point-to-point (``backend.supports("p2p")``) in
         which stage ``p`` is rank ``ranks[p]``.
-    :param loss: the ``keras.losses.Loss`` of the model's (single) output, reducing over
-        the batch with ``sum_over_batch_size`` as compiled losses do.
+    :param loss: a ``keras.losses.Loss`` taking ``(y, outputs, sample_weight)`` in the
+        model's output structure, reducing over the batch with ``sum_over_batch_size`` as
+        compiled losses do (a ``tnt.Model`` passes Keras' compiled loss: every output's
+        loss, weighted by ``loss_weights``, summed).
     :param optimizer: this stage's optimizer (over its partition's weights only).
     :param replicas: for data and pipeline parallelism combined, the gradient reducer over
         the group of this stage's replicas (one per pipeline): their accumulated gradients
@@ -186,83 +178,93 @@ class StageStep:
         with self._span(f"receive {what}", waits=True):
             return [tf.convert_to_tensor(h.wait()) for h in handles]
 
-    def _inputs(self, xs: list[Any] | None, k: int, b: int) -> Any:
-        """Micro-batch ``k``'s inputs (``b`` samples): the first stage's share of ``x`` (in
-        ``x``'s structure: a tensor, list or dict), or the list of what the previous stage
-        sends."""
+    def _received(self, b: int) -> list[tf.Tensor]:
+        """What the previous stage sends for a micro-batch of ``b`` samples (nothing on the
+        first stage)."""
         if self.first:
-            assert xs is not None
-            return xs[k]
-        return self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
+            return []
+        return self._receive(self.parts.received[self.stage], b, self.stage - 1, _FORWARD)
+
+    def _run(self, received: list[tf.Tensor], x: Any, training: bool) -> list[Any]:
+        """This stage's partition on one micro-batch: what it emits (sends on, or on the
+        last stage the model's flat outputs), its own inputs from ``received`` and ``x``."""
+        computed = self.model(self.parts.feed(self.stage, received, x), training=training)
+        return self.parts.emitted(self.stage, received, computed)
 
     # -- the step ------------------------------------------------------------------------------
 
     def train(self, x: Any, y: Any, sample_weight: Any = None, *,
               global_batch: int | None = None) -> float:
-        """One optimizer step on the global batch ``(x, y)`` (``x`` is read on the first
-        stage, ``y`` and ``sample_weight`` on the last; every stage needs the batch's size
-        from ``y``). Returns this stage's part of the batch's loss (the compiled loss on the
-        last stage, plus each stage's weight regularisation): their sum is the loss.
+        """One optimizer step on the global batch ``(x, y)`` (``x`` is read by the stages
+        whose partitions use model inputs, ``y`` and ``sample_weight`` on the last; every
+        stage needs the batch's size from ``y``). Returns this stage's part of the batch's
+        loss (the compiled loss on the last stage, plus each stage's weight
+        regularisation): their sum is the loss.
 
         With replicas, ``(x, y)`` is this pipeline's share of a global batch of
         ``global_batch`` samples: the loss is the global batch's mean."""
-        local = int(tf.shape(_flat(y)[0])[0])
+        local = int(tf.shape(keras.tree.flatten(y)[0])[0])
         batch = global_batch or local
         sizes = micro_batch_sizes(local, self.num_micro_batches)
-        xs = _micro_batches(x, sizes) if self.first else None
-        ys = _split(y, sizes) if self.last else None
-        sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
+        xs = _micro_batches(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
+        ys = _micro_batches(y, sizes) if self.last else [None] * len(sizes)
+        sws = _micro_batches(sample_weight, sizes) if self.last else [None] * len(sizes)
         pending: list[tnt_core.Handle] = []
         flights: dict[int, _InFlight] = {}
         predictions: dict[int, Any] = {}
         accumulated: list[Any] = [None] * len(self.weights)
+        emits = self.parts.emits[self.stage]
         total = 0.0
 
         def forward(k: int) -> None:
             b = sizes[k]
-            inputs = self._inputs(xs, k, b)
+            received = self._received(b)
             with self._span(f"forward {k}"), tf.GradientTape() as tape:
-                if not self.first:
-                    tape.watch(inputs)
-                outputs = self.model(_call_form(inputs, self.first), training=True)
+                tape.watch(received)
+                emitted = self._run(received, xs[k], training=True)
                 loss = None
                 if self.last:
-                    assert ys is not None
-                    loss = self.loss(ys[k], outputs, sample_weight=sws[k]) * (b / batch)
+                    predictions[k] = self.parts.outputs(emitted)
+                    loss = self.loss(ys[k], predictions[k], sample_weight=sws[k]) * (b / batch)
                 if k == 0 and self.regularise and self.model.losses:  # once per step
                     regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
                     loss = regularisation if loss is None else loss + regularisation
-            flat_out = _flat(outputs)
-            if self.last:
-                predictions[k] = outputs
-            else:
-                pending.extend(self._send([flat_out[i] for i in self._routes_out()],
-                                          self.stage + 1, _FORWARD))
-            flights[k] = _InFlight(tape, inputs, flat_out, loss)
+            if not self.last:
+                pending.extend(self._send(emitted, self.stage + 1, _FORWARD))
+            flights[k] = _InFlight(tape, received, emitted, loss)
 
         def backward(k: int) -> None:
             nonlocal total
             flight = flights.pop(k)  # the tape's activations go with it
             targets: list[Any] = []
             seeds: list[Any] = []
+            through: dict[int, Any] = {}  # received index -> the gradient sent straight back
             if not self.last:
-                # one gradient per input of the next stage; an output sent twice (through two
-                # SplitLayers) is a target twice, and the tape sums its two gradients
-                sent = [flight.outputs[i] for i in self._routes_out()]
-                targets += sent
-                seeds += self._receive(sent, sizes[k], self.stage + 1, _BACKWARD)
+                # one gradient per tensor sent on; what passed through this stage unchanged
+                # has its gradient passed straight back
+                returned = self._receive(flight.outputs, sizes[k], self.stage + 1, _BACKWARD)
+                for (kind, i), sent, grad in zip(emits, flight.outputs, returned):
+                    if kind == COMPUTED:
+                        targets.append(sent)
+                        seeds.append(grad)
+                    else:
+                        through[i] = grad
             if flight.loss is not None:
                 targets.append(flight.loss)
                 seeds.append(tf.ones_like(flight.loss))
                 total += float(flight.loss)
-            sources = self.weights + ([] if self.first else list(flight.inputs))
+            sources = self.weights + list(flight.inputs)
             with self._span(f"backward {k}"):
                 grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
-                                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                                             unconnected_gradients=tf.UnconnectedGradients.ZERO) \
+                    if targets else [tf.zeros_like(s) for s in sources]
             for i, g in enumerate(grads[:len(self.weights)]):
                 accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
             if not self.first:
-                pending.extend(self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD))
+                back = list(grads[len(self.weights):])
+                for i, grad in through.items():
+                    back[i] = back[i] + tf.cast(grad, back[i].dtype)
+                pending.extend(self._send(back, self.stage - 1, _BACKWARD))
 
         for kind, k in self.order(len(sizes)):
             (forward if kind == "forward" else backward)(k)
@@ -325,22 +327,16 @@ class StageStep:
         :attr:`predictions` on the last stage. Returns this stage's weight regularisation
         (the stages' sum is what serial ``model.losses`` adds to the loss)."""
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
-        xs = _micro_batches(x, sizes) if self.first else None
+        xs = _micro_batches(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         pending: list[tnt_core.Handle] = []
         predictions: list[Any] = []
         for k, b in enumerate(sizes):
-            inputs = self._inputs(xs, k, b)
-            outputs = self.model(_call_form(inputs, self.first), training=False)
+            emitted = self._run(self._received(b), xs[k], training=False)
             if self.last:
-                predictions.append(outputs)
+                predictions.append(self.parts.outputs(emitted))
             else:
-                flat_out = _flat(outputs)
-                pending += self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
+                pending += self._send(emitted, self.stage + 1, _FORWARD)
         tnt_core.wait_all(pending)
         self.predictions = _concat(predictions) if self.last else None
         losses = self.model.losses if self.regularise else []
         return float(tf.add_n([tf.cast(r, tf.float32) for r in losses])) if losses else 0.0
-
-    def _routes_out(self) -> list[int]:
-        """Which of this partition's outputs go to the next stage, in its input order."""
-        return self.parts.routes[self.stage]
