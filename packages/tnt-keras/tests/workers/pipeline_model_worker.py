@@ -15,6 +15,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pipeline_graph_worker
 from pipeline_worker import build, data
 
 EPOCHS, BATCH, MICRO = 3, 16, 3
@@ -165,6 +166,8 @@ def main() -> int:
                 optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0), loss="mse"),
             "loss_scaling": lambda: model.compile(
                 optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse"),
+            "summed_loss": lambda: model.compile(
+                optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum")),
             # the argument checks of DATA (tarantella.arguments), before any collective
             "batch_size": lambda: model.fit(x, y, batch_size=0, verbose=0),
             "cardinality": lambda: model.fit(x, y[:5], verbose=0),
@@ -182,6 +185,7 @@ def main() -> int:
     resumed = resume(args, x, y)
     named = dict_inputs(args, x, y)
     workflow = keras_workflow(args, x)
+    pipeline_graph_worker.run(args, x, y)  # skips, late inputs, several outputs, automatic cuts
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
              **{f"w{i}": w for i, w in enumerate(weights)},
