@@ -266,14 +266,15 @@ def _automatic(model: keras.Model, nodes: list[tuple[Any, Any]],
     module doc), and for each cut the layer before it."""
     points = _cut_points(model, nodes)
     if len(points) < count - 1:
-        found = (f"only {len(points)}" if points else "none") + \
-            (f" (after {', '.join(repr(nodes[i - 1][0].name) for i in points[:5])}"
-             f"{', ...' if len(points) > 5 else ''})" if points else "")
+        found = f"only {len(points)}" if points else "none"
+        if points:
+            found += f" (after {', '.join(repr(nodes[i - 1][0].name) for i in points[:5])}" \
+                     f"{', ...' if len(points) > 5 else ''})"
+        fewer = f"use num_pipeline_stages={len(points) + 1} or fewer, or " if points else ""
         raise PartitionError(
             f"model {model.name!r} cannot be cut into {count} partitions automatically: that "
-            f"needs {count - 1} places that one tensor crosses between two layers, and it has "
-            f"{found}; use num_pipeline_stages={len(points) + 1} or fewer, or mark the cuts "
-            "with tnt.keras.layers.SplitLayer")
+            f"needs {count - 1} places between two layers that one tensor crosses, and it has "
+            f"{found}; {fewer}mark the cuts with tnt.keras.layers.SplitLayer")
     seen: set[int] = set()
     costs = []
     for operation, _ in nodes:  # a shared layer's parameters count once
