@@ -177,6 +177,9 @@ def test_pipelining_arguments_are_checked():
     uncut = keras.Model(inp, keras.layers.Dense(1)(inp))
     with pytest.raises(tnt.NotSupportedError, match=r"has no tnt\.keras\.layers\.SplitLayer"):
         tnt.Model(uncut, parallel_strategy="pipelining")
+    with pytest.raises(tnt.NotSupportedError, match=r"nothing to pipeline; pass "
+                       r"num_pipeline_stages=S \(the stages of each pipeline\)"):
+        tnt.Model(uncut, parallel_strategy="all")
     with pytest.raises(ValueError, match=r"num_micro_batches=0\): .* a positive integer"):
         tnt.Model(_cut_model(), parallel_strategy="pipeline", num_micro_batches=0)
     with pytest.raises(TypeError, match="splits the batch of a pipeline"):

@@ -162,12 +162,14 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             wanted = runtime.size
         parts = partition(model, wanted)
         if parts.num_partitions == 1:
+            how = ("run on S ranks (tnt run -n S: it is cut into S partitions), pass "
+                   "num_pipeline_stages=S" if strategy is ParallelStrategy.PIPELINING else
+                   "pass num_pipeline_stages=S (the stages of each pipeline)")
             raise NotSupportedError(
                 f"tnt.Model(parallel_strategy={strategy.name}): model {model.name!r} has no "
                 "tnt.keras.layers.SplitLayer and is to be cut into 1 partition, so there is "
-                "nothing to pipeline; run on S ranks (tnt run -n S: it is cut into S "
-                "partitions), pass num_pipeline_stages=S, mark the cuts with SplitLayer, or "
-                "use ParallelStrategy.DATA")
+                f"nothing to pipeline; {how}, mark the cuts with SplitLayer, or use "
+                "ParallelStrategy.DATA")
         stages = parts.num_partitions
         if strategy is ParallelStrategy.PIPELINING and runtime.size != stages:
             raise NotSupportedError(
