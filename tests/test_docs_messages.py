@@ -293,17 +293,25 @@ def test_keras_messages(scripts):
         attempt(lambda: model(bn=True).fit(x, y, batch_size=16, verbose=0))
         attempt(lambda: tnt.Model(object()))
 
-        def cut(bypass=False, cuts=1):
+        def cut(cuts=1):
             inp = keras.Input((4,))
             h = keras.layers.Dense(4, name="h")(inp)
             x = h
             for i in range(cuts):
                 x = tnt.keras.layers.SplitLayer(name=f"cut{i}")(x)
                 x = keras.layers.Dense(4, name=f"g{i}" if i else "g")(x)
-            out = keras.layers.Add(name="residual")([x, h]) if bypass else x
-            return keras.Model(inp, out, name="net")
+            return keras.Model(inp, x, name="net")
 
-        attempt(lambda: tnt.Model(cut(bypass=True), parallel_strategy="pipelining"))
+        def resnet():
+            inp = keras.Input((4,))
+            x = keras.layers.Dense(8, name="stem")(inp)
+            for b in range(2):
+                y = keras.layers.Dense(8, name=f"block{b}_a")(x)
+                y = keras.layers.Dense(8, name=f"block{b}_b")(y)
+                x = keras.layers.Add(name=f"block{b}_add")([x, y])
+            return keras.Model(inp, keras.layers.Dense(2, name="head")(x), name="resnet")
+
+        attempt(lambda: tnt.Model(resnet(), parallel_strategy="pipelining", num_pipeline_stages=5))
         attempt(lambda: tnt.Model(cut(cuts=2), parallel_strategy="pipelining"))
     """))
     proc = run([_bin("tnt"), "run", "-n", "2", "--", "keras_errors.py"], scripts, timeout=240)
@@ -312,6 +320,6 @@ def test_keras_messages(scripts):
     for pattern in (r"yields single samples", r"was given with a tf.data.Dataset",
                     r"tnt_micro_batch_size=4 x 2 ranks", r"cannot be normalised like serial",
                     r"computes its batch statistics on each rank's micro-batch",
-                    r"tnt.Model wraps a keras.Model", r"the cut does not separate the model",
+                    r"tnt.Model wraps a keras.Model", r"cannot be cut into 5 partitions automatically",
                     r"which need exactly 3 ranks"):
         assert_quoted(out, pattern)

@@ -194,8 +194,9 @@ def _tf1_optimizer() -> None:
 
 
 MISTAKES = [
-    ("pipelining a Sequential model", lambda: tnt.Model(_model(), parallel_strategy="pipeline"),
-     ValueError, "model 'sequential"),
+    ("pipelining a Sequential model without an input shape",
+     lambda: tnt.Model(keras.Sequential([keras.layers.Dense(2)]), parallel_strategy="pipeline"),
+     ValueError, "keras.Sequential model 'sequential"),
     ("unknown strategy", lambda: tnt.Model(_model(), parallel_strategy="model"),
      tnt.NotSupportedError, "tnt.Model(parallel_strategy='model'): not a parallel strategy; use"),
     ("unknown optimizer", lambda: tnt.Model(_model()).compile(optimizer="sgdd", loss="mse"),

@@ -115,6 +115,23 @@ def test_compile_owner_is_where_loading_looks_for_keras_compile(tmp_path):
     assert isinstance(loaded.optimizer, keras.optimizers.Adam)
 
 
+def test_compiled_losses_weigh_and_sum_the_outputs_losses_and_track_each():
+    inp = keras.Input((3,))
+    model = keras.Model(inp, [keras.layers.Dense(2, name="a")(inp), keras.layers.Dense(1, name="b")(inp)])
+    loss, weights = {"a": "mse", "b": "mae"}, {"a": 0.5, "b": 2.0}
+    model.compile(optimizer="sgd", loss=loss, loss_weights=weights)
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype("float32")
+    y = {"a": np.ones((4, 2), "float32"), "b": np.zeros((4, 1), "float32")}
+    y_pred = model(x)
+    expected = 0.5 * float(keras.losses.mean_squared_error(y["a"], y_pred[0]).numpy().mean()) \
+        + 2.0 * float(keras.losses.mean_absolute_error(y["b"], y_pred[1]).numpy().mean())
+    made = _keras_compat.new_compiled_loss(model, loss, weights)
+    np.testing.assert_allclose(float(made(y, y_pred)), expected, rtol=1e-6)
+    own = _keras_compat.compiled_loss(model)
+    np.testing.assert_allclose(float(own(y, y_pred)), expected, rtol=1e-6)
+    assert [m.name for m in own.metrics] == ["a_loss", "b_loss"] and own is not made
+
+
 def test_get_keras_mask_reads_a_layers_output_mask():
     x = np.array([[[1.0], [0.0]], [[0.0], [0.0]]], "float32")
     out = keras.layers.Masking(mask_value=0.0)(x)

@@ -3,8 +3,11 @@ Keras running the same script (workers/pipeline_model_worker.py, on the gloo bac
 with shuffling and validation data, evaluate, predict and get_weights give the serial
 History, results and weights on every rank, for 3 stages (a first, a middle and a last
 stage) and for 2 pipelines of 2 stages (ALL: each pipeline trains on its half of every
-batch); a lone pipeline of 2 stages would show nothing these do not. What is not supported
-is refused with one line.
+batch); a lone pipeline of 2 stages would show nothing these do not. The same launches
+train the graphs a pipeline must route (workers/pipeline_graph_worker.py): a residual
+connection across every cut, an input that enters the last partition, three outputs in
+three partitions with their losses, loss_weights and metrics, and a Sequential model cut
+automatically. What is not supported is refused with one line.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
         assert refused["checkpoint_batches"].startswith(
             "NotSupportedError: ModelCheckpoint(save_freq=2) with a pipelined model")
         assert refused["micro_batch_size"].startswith("TypeError: fit(tnt_micro_batch_size=...)")
+        assert refused["summed_loss"].startswith("NotSupportedError: compile(loss=...) with a "
+                                                 "loss of reduction='sum' on a pipelined model")
         for name, message in {  # the checks of DATA's loops (test_arguments), as one line
                 "batch_size": "ValueError: fit(batch_size=0): batch_size must be a positive integer",
                 "cardinality": "DatasetError: fit(x=..., y=...): x and y have different numbers "
@@ -118,6 +123,40 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
     assert ref["history"]["loss"][-1] < ref["history"]["loss"][0], "the model did not train"
 
 
+def test_skips_late_inputs_several_outputs_and_automatic_cuts_train_as_serial(runs):
+    ranks, partitions, out = runs
+    ref = json.loads((out / "graph.serial.rank0.json").read_text())
+    ref_arrays = dict(np.load(out / "graph.serial.rank0.npz"))
+    assert set(ref) == {"skip", "late", "outputs", "sequential"}
+    assert set(ref["outputs"]["history"]) == {
+        "loss", "main_loss", "early_loss", "middle_loss", "main_mae", "middle_mse",
+        *(f"val_{k}" for k in ("loss", "main_loss", "early_loss", "middle_loss", "main_mae",
+                               "middle_mse"))}
+    for rank in range(ranks):
+        got = json.loads((out / f"graph.pipeline.rank{rank}.json").read_text())
+        arrays = dict(np.load(out / f"graph.pipeline.rank{rank}.npz"))
+        assert set(arrays) == set(ref_arrays)
+        for case, expected in ref.items():
+            assert set(got[case]["history"]) == set(expected["history"]), case
+            for key, values in expected["history"].items():
+                np.testing.assert_allclose(got[case]["history"][key], values, rtol=TOLERANCE,
+                                           err_msg=f"rank {rank}: {case}: History[{key!r}]")
+            assert set(got[case]["evaluate"]) == set(expected["evaluate"])
+            for key, value in expected["evaluate"].items():
+                np.testing.assert_allclose(got[case]["evaluate"][key], value, rtol=TOLERANCE,
+                                           err_msg=f"rank {rank}: {case}: evaluate {key!r}")
+        for name, value in ref_arrays.items():
+            rel = np.linalg.norm(arrays[name] - value) / np.linalg.norm(value)
+            assert rel <= TOLERANCE, f"rank {rank}: {name} differs from serial by {rel:.2e}"
+    # the automatic cut: every stage holds a part of the Sequential model's parameters
+    stages = [json.loads((out / f"graph.pipeline.rank{r}.json").read_text())["sequential"]
+              ["local_params"] for r in range(partitions)]
+    total = sum(int(np.prod(ref_arrays[n].shape)) for n in ref_arrays if n.startswith("sequential_w"))
+    assert sum(stages) == total and all(0 < n < total for n in stages), stages
+    for case in ref:
+        assert ref[case]["history"]["loss"][-1] < ref[case]["history"]["loss"][0], case
+
+
 def _cut_model() -> keras.Model:
     inp = keras.Input((4,))
     x = tnt.keras.layers.SplitLayer()(keras.layers.Dense(4)(inp))
@@ -135,13 +174,20 @@ def test_pipelining_arguments_are_checked():
     uncut = keras.Model(inp, keras.layers.Dense(1)(inp))
     with pytest.raises(tnt.NotSupportedError, match=r"has no tnt\.keras\.layers\.SplitLayer"):
         tnt.Model(uncut, parallel_strategy="pipelining")
+    with pytest.raises(tnt.NotSupportedError, match=r"nothing to pipeline; pass "
+                       r"num_pipeline_stages=S \(the stages of each pipeline\)"):
+        tnt.Model(uncut, parallel_strategy="all")
     with pytest.raises(ValueError, match=r"num_micro_batches=0\): .* a positive integer"):
         tnt.Model(_cut_model(), parallel_strategy="pipeline", num_micro_batches=0)
     with pytest.raises(TypeError, match="splits the batch of a pipeline"):
         tnt.Model(_cut_model(), num_micro_batches=4)
-    with pytest.raises(TypeError, match="the same number by two names"):
-        tnt.Model(_cut_model(), parallel_strategy="pipelining", num_micro_batches=2,
-                  num_pipeline_stages=4)
+    with pytest.raises(tnt.PartitionError, match=r"has SplitLayers for 2 partitions \(1 cuts: "
+                       r".*\), but num_pipeline_stages=3: the SplitLayers decide"):
+        tnt.Model(_cut_model(), parallel_strategy="pipelining", num_pipeline_stages=3)
+    with pytest.raises(ValueError, match=r"num_pipeline_stages=0\): the number of partitions"):
+        tnt.Model(_cut_model(), parallel_strategy="pipelining", num_pipeline_stages=0)
+    with pytest.raises(TypeError, match="cuts the model into a pipeline"):
+        tnt.Model(_cut_model(), num_pipeline_stages=2)
     assert tnt.ParallelStrategy.DATA | tnt.ParallelStrategy.PIPELINING is tnt.ParallelStrategy.ALL
     with pytest.raises(tnt.NotSupportedError, match=r"ALL\): model .* has 2 partitions, so the "
                        r"job needs a multiple of 2 ranks \(one pipeline per 2\); it has 1"):

@@ -27,6 +27,12 @@ import keras
 # Checked on Keras 3.14.1, 3.15.1.
 from keras.src.backend.common.masking import get_keras_mask
 
+# CompileLoss: the loss compile() makes of its loss= and loss_weights= (each output's loss,
+# weighted, summed; a Mean tracker per output's loss when there are several). A pipelined
+# model's last stage differentiates one made alike (new_compiled_loss). Checked on Keras
+# 3.15.1.
+from keras.src.trainers.compile_utils import CompileLoss
+
 # get_data_adapter: the adapter Keras' fit() itself uses, so tarantella's global batches,
 # shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
 from keras.src.trainers.data_adapters import get_data_adapter
@@ -35,9 +41,11 @@ __all__ = [
     "all_layers",
     "batch_norm_moments",
     "compile_owner",
+    "compiled_loss",
     "get_data_adapter",
     "get_keras_mask",
     "is_fit_validation",
+    "new_compiled_loss",
     "producer",
     "symbolic_build",
 ]
@@ -94,3 +102,17 @@ def producer(tensor: Any) -> tuple[Any, Any] | None:
         return None
     operation, node_index = history[0], history[1]
     return operation, operation._inbound_nodes[node_index]  # noqa: SLF001
+
+
+def compiled_loss(model: keras.Model) -> Any:
+    """The loss ``compile`` made (``Trainer._compile_loss``, a ``CompileLoss``): called with
+    ``(y, y_pred, sample_weight)`` it returns every output's loss weighted and summed, and
+    updates the per-output loss trackers that serial logs show (``out1_loss``, ...).
+    Checked on Keras 3.15.1."""
+    return model._compile_loss  # noqa: SLF001
+
+
+def new_compiled_loss(model: keras.Model, loss: Any, loss_weights: Any) -> keras.losses.Loss:
+    """A ``CompileLoss`` made as ``model.compile(loss=loss, loss_weights=loss_weights)``
+    makes the model's (its own trackers, which nobody reads). Checked on Keras 3.15.1."""
+    return CompileLoss(loss, loss_weights, output_names=getattr(model, "output_names", None))

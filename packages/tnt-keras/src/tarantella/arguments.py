@@ -27,6 +27,7 @@ __all__ = [
     "check_fit",
     "check_loop_arguments",
     "check_num_micro_batches",
+    "check_num_pipeline_stages",
     "check_optimizer",
     "check_predict",
     "check_save_path",
@@ -39,16 +40,10 @@ __all__ = [
 # -- tnt.Model(...) ----------------------------------------------------------------------------
 
 def model_arguments(model: Any = None, parallel_strategy: Any = "data",
-                    num_micro_batches: Any = None, **kwargs: Any) -> tuple[Any, Any, Any]:
-    """``(model, parallel_strategy, num_micro_batches)`` of a ``tnt.Model(...)`` call, with the
-    original Tarantella's ``num_pipeline_stages`` taken for ``num_micro_batches``."""
-    if "num_pipeline_stages" in kwargs:  # the original Tarantella's name for the same number
-        stages = kwargs.pop("num_pipeline_stages")
-        if num_micro_batches is not None and stages != num_micro_batches:
-            raise TypeError(f"tnt.Model(num_micro_batches={num_micro_batches!r}, "
-                            f"num_pipeline_stages={stages!r}): the same number by two names; "
-                            "give one")
-        num_micro_batches = stages
+                    num_micro_batches: Any = None, num_pipeline_stages: Any = None,
+                    **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """``(model, parallel_strategy, num_micro_batches, num_pipeline_stages)`` of a
+    ``tnt.Model(...)`` call."""
     if kwargs:
         raise TypeError(
             f"tnt.Model(model, parallel_strategy=...) got unexpected arguments {sorted(kwargs)}; "
@@ -57,7 +52,7 @@ def model_arguments(model: Any = None, parallel_strategy: Any = "data",
         )
     if model is None:
         raise TypeError("tnt.Model(model): pass the keras.Model to distribute")
-    return model, parallel_strategy, num_micro_batches
+    return model, parallel_strategy, num_micro_batches, num_pipeline_stages
 
 
 def check_num_micro_batches(value: Any) -> int:
@@ -65,6 +60,16 @@ def check_num_micro_batches(value: Any) -> int:
     if not _is_integer(value) or value < 1:
         raise ValueError(f"tnt.Model(num_micro_batches={value!r}): the number of "
                          "micro-batches each global batch is split into, a positive integer")
+    return int(value)
+
+
+def check_num_pipeline_stages(value: Any) -> int | None:
+    """The number of partitions (stages) of a pipeline, a positive integer, or None."""
+    if value is None:
+        return None
+    if not _is_integer(value) or value < 1:
+        raise ValueError(f"tnt.Model(num_pipeline_stages={value!r}): the number of partitions "
+                         "the model is cut into (one stage each), a positive integer")
     return int(value)
 
 

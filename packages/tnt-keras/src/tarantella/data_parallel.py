@@ -77,7 +77,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
 
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
-                        num_micro_batches: Any) -> Model:
+                        num_micro_batches: Any, num_pipeline_stages: Any = None) -> Model:
         distributed = cls._tnt_adopt(model, DataParallelState(tnt_core.init(), strategy))
         if getattr(distributed, "compiled", False):
             distributed._tnt_check_compiled()  # noqa: SLF001 (the model is this class's now)

@@ -26,4 +26,5 @@ class DatasetError(TntKerasError, ValueError):
 
 
 class PartitionError(TntKerasError, ValueError):
-    """A model that cannot be cut where its SplitLayers say (the message names the layer)."""
+    """A model that cannot be cut into pipeline partitions, at its SplitLayers or
+    automatically (the message names the layer or the reason)."""

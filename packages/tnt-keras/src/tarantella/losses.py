@@ -34,7 +34,7 @@ from ._keras_compat import get_keras_mask
 from .batch_scaling import Scaling, scaling
 from .errors import NotSupportedError
 
-__all__ = ["Normaliser", "normaliser", "per_sample", "summed_terms", "weigh_backward"]
+__all__ = ["Normaliser", "normaliser", "per_sample", "reductions", "summed_terms", "weigh_backward"]
 
 _MEAN = ("sum_over_batch_size", "mean")
 _WEIGHTED_MEAN = "mean_with_sample_weight"
@@ -111,6 +111,12 @@ def _terms(loss: Any, outputs: int) -> list[Any]:
     if isinstance(loss, (dict, list, tuple)):
         return [term for term in keras.tree.flatten(loss) if term is not None]
     return [loss] * outputs  # one loss for every output
+
+
+def reductions(loss: Any, outputs: int) -> list[str | None]:
+    """The reduction of each term of a ``compile(loss=...)`` (one loss, a list or a dict)
+    for a model of ``outputs`` outputs."""
+    return [_reduction(term) for term in _terms(loss, outputs)]
 
 
 def _count(mask: tf.Tensor | None, sample_weight: Any) -> tf.Tensor:

@@ -46,8 +46,9 @@ __all__ = ["DistributedState", "Model", "ParallelStrategy", "keras_model_from_co
 
 class ParallelStrategy(enum.Enum):
     """How a ``tnt.Model`` is parallelized: ``DATA`` (every rank a replica, the batch
-    split), ``PIPELINING`` (the model cut at its SplitLayers, one partition per rank, the
-    batch split into micro-batches that flow through them)."""
+    split), ``PIPELINING`` (the model cut into partitions, at its SplitLayers or
+    automatically, one per rank, the batch split into micro-batches that flow through
+    them)."""
 
     DATA = "data"
     PIPELINING = "pipelining"
@@ -121,12 +122,14 @@ def _distributed_class(sibling: type, cls: type) -> type:
     return sub
 
 
-def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None) -> Model:
+def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None,
+                num_pipeline_stages: Any = None) -> Model:
     strategy = _strategy(parallel_strategy)
-    if num_micro_batches is not None and strategy is ParallelStrategy.DATA:
-        raise TypeError(f"tnt.Model(num_micro_batches={num_micro_batches!r}) splits the batch "
-                        "of a pipeline: pass it with parallel_strategy=tnt.ParallelStrategy."
-                        "PIPELINING")
+    for name, value, what in (("num_micro_batches", num_micro_batches, "splits the batch of"),
+                              ("num_pipeline_stages", num_pipeline_stages, "cuts the model into")):
+        if value is not None and strategy is ParallelStrategy.DATA:
+            raise TypeError(f"tnt.Model({name}={value!r}) {what} a pipeline: pass it with "
+                            "parallel_strategy=tnt.ParallelStrategy.PIPELINING (or ALL)")
     backend = keras.backend.backend()
     if backend != "tensorflow":
         raise NotSupportedError(
@@ -141,7 +144,8 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
             f"{type(model).__name__}"
         )
     sibling = Model._tnt_siblings[strategy]  # noqa: SLF001 (this module's class)
-    return sibling._tnt_distribute(model, strategy, num_micro_batches)  # noqa: SLF001 (its hook)
+    return sibling._tnt_distribute(model, strategy, num_micro_batches,  # noqa: SLF001 (its hook)
+                                   num_pipeline_stages)
 
 
 def keras_model_from_config(config: dict, custom_objects: dict | None = None) -> keras.Model:
@@ -160,11 +164,14 @@ class Model(keras.Model):
 
     :param model: the Keras model (its weights are broadcast from the master rank).
     :param parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the default),
-        ``PIPELINING`` (a functional model cut at its ``tnt.keras.layers.SplitLayer`` s, one
-        partition per rank) or ``ALL`` (several pipelines, data-parallel); see the
-        "Pipelining" guide.
+        ``PIPELINING`` (a functional or Sequential model cut into partitions, one per rank)
+        or ``ALL`` (several pipelines, data-parallel); see the "Pipelining" guide.
     :param num_micro_batches: for ``PIPELINING``/``ALL``, the micro-batches each global
-        batch is split into (default 1; ``num_pipeline_stages`` is the same).
+        batch is split into (default 1).
+    :param num_pipeline_stages: for ``PIPELINING``/``ALL``, the number of partitions
+        (stages) a model without ``tnt.keras.layers.SplitLayer`` is cut into automatically,
+        balancing their parameters (default under ``PIPELINING``: one per rank). A model
+        with SplitLayers is cut at them; a different ``num_pipeline_stages`` is refused.
     """
 
     _tnt: DistributedState
@@ -181,8 +188,8 @@ class Model(keras.Model):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Model:
             try:
-                model, strategy, micro = arguments.model_arguments(*args, **kwargs)
-                return _distribute(model, strategy, micro)
+                model, strategy, micro, stages = arguments.model_arguments(*args, **kwargs)
+                return _distribute(model, strategy, micro, stages)
             except (TntError, ValueError, TypeError) as exc:  # a refusal: at the user's call
                 raise exc.with_traceback(None) from None
         base = cls.__dict__.get("_tnt_base")
@@ -198,7 +205,7 @@ class Model(keras.Model):
 
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
-                        num_micro_batches: Any) -> Model:
+                        num_micro_batches: Any, num_pipeline_stages: Any = None) -> Model:
         """Make ``model`` (a plain Keras model) a model of this strategy (each sibling's)."""
         raise NotImplementedError(f"{cls.__name__} trains no strategy")
 

@@ -5,6 +5,10 @@ step is a conversation between neighbours. The global batch is split into micro-
 for each, stage ``p`` receives its inputs from ``p - 1`` (point-to-point), runs its
 partition under a gradient tape and sends its outputs on, without waiting for the rest of
 the pipeline, so stage ``p`` computes micro-batch ``k + 1`` while ``p + 1`` computes ``k``.
+What a stage sends is fixed by the partitioning: tensors that skip partitions pass through
+the stages between unchanged, and every model output travels to the last stage, which
+computes the loss of all outputs at once, as compile does (``Partitioning.emits``); model
+inputs a later partition uses are read from ``x`` by its own stage.
 The gradients flow back the same way: the last stage differentiates the loss, every other
 stage its outputs against the gradients ``p + 1`` sent, and each stage accumulates its own
 weights' gradients and applies them once, with its own optimizer, after the last
@@ -13,6 +17,16 @@ forward passes ahead, then alternates): measured against GPipe (all forward pass
 all backward passes) by ``benchmarks/pipeline_schedules.py``, the step time is the same
 within this machine's noise (1F1B / GPipe 0.84-1.08) while a stage holds at most
 ``P - p`` micro-batches' activations instead of all of them (2 instead of 8).
+
+A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
+a shorter last batch traces once more): every micro-batch's passes unrolled in the
+schedule's order, the accumulation, the replicas' sum and the optimizer, with the
+messages as graph ops (:mod:`tarantella.stage_messages`: native where the backend offers
+point-to-point in its hand-off table). There is no Python per micro-batch. The graph also
+makes two things serial that a stage's own optimizer cannot see alone: a
+``global_clipnorm`` clips by the whole model's norm (one scalar allreduce over the
+stages), and loss scaling (``mixed_float16``) starts the backward pass from the scale and
+skips a non-finite step on every stage together.
 
 Serial equivalence: Keras' compiled loss is the mean over the batch, so micro-batch ``k``
 of ``b_k`` samples contributes its own mean times ``b_k / B``; the accumulated gradient is
@@ -38,7 +52,7 @@ import tnt_core
 from ._keras_compat import all_layers
 from .errors import NotSupportedError
 from .gradients import GradientReducer, dense_gradient
-from .partition import Partitioning
+from .partition import COMPUTED, Partitioning
 from .stage_messages import StageMessages
 
 __all__ = ["SCHEDULES", "StageStep", "micro_batch_sizes", "check_stage_model"]
@@ -74,33 +88,19 @@ def check_stage_model(model: keras.Model, stage: int) -> None:
                 "(kernel_regularizer=...) or drop it")
 
 
-def _flat(values: Any) -> list[Any]:
-    return list(values) if isinstance(values, (list, tuple)) else [values]
-
-
 def _micro_batches(x: Any, sizes: Sequence[int]) -> list[Any]:
-    """``x`` (a tensor or a list/tuple/dict of them) cut into micro-batches of ``sizes``
-    samples, each in ``x``'s structure."""
+    """``x`` (a tensor or a list/tuple/dict of them; None stays None) cut into micro-batches
+    of ``sizes`` samples, each in ``x``'s structure."""
+    if x is None:
+        return [None] * len(sizes)
     leaves = [tf.split(tf.convert_to_tensor(t), list(sizes), axis=0) for t in keras.tree.flatten(x)]
     return [keras.tree.pack_sequence_as(x, [parts[k] for parts in leaves]) for k in range(len(sizes))]
-
-
-def _call_form(inputs: Any, first: bool) -> Any:
-    """What the partition is called with: the user's structure on the first stage, the
-    received list (or its one tensor) on the others."""
-    if first:
-        return inputs
-    return inputs if len(inputs) > 1 else inputs[0]
 
 
 def _concat(parts: list[Any]) -> Any:
     if not parts:
         return None
     return keras.tree.map_structure(lambda *ts: tf.concat(ts, axis=0), *parts)
-
-
-def _split(tensor: Any, sizes: Sequence[int]) -> list[Any]:
-    return tf.split(tensor, list(sizes), axis=0) if tensor is not None else [None] * len(sizes)
 
 
 @dataclass
@@ -118,8 +118,10 @@ class StageStep:
 
     :param backend: a communicator with point-to-point (``backend.supports("p2p")``) in
         which stage ``p`` is rank ``ranks[p]``.
-    :param loss: the ``keras.losses.Loss`` of the model's (single) output, reducing over
-        the batch with ``sum_over_batch_size`` as compiled losses do.
+    :param loss: a ``keras.losses.Loss`` taking ``(y, outputs, sample_weight)`` in the
+        model's output structure, reducing over the batch with ``sum_over_batch_size`` as
+        compiled losses do (a ``tnt.Model`` passes Keras' compiled loss: every output's
+        loss, weighted by ``loss_weights``, summed).
     :param optimizer: this stage's optimizer (over its partition's weights only).
     :param replicas: for data and pipeline parallelism combined, the gradient reducer over
         the group of this stage's replicas (one per pipeline): their accumulated gradients
@@ -129,13 +131,15 @@ class StageStep:
     :param schedule: the order of the passes (:meth:`order`), ``"1f1b"`` or ``"gpipe"``.
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
+    :param native: the native point-to-point ops over ``backend``
+        (``native_ops.point_to_point``), or None for the Python path.
     """
 
     def __init__(self, parts: Partitioning, stage: int, backend: tnt_core.CommBackend, *,
                  loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
                  ranks: Sequence[int] | None = None, replicas: GradientReducer | None = None,
                  regularise: bool = True, timeline: tnt_core.Timeline | None = None,
-                 schedule: str = "1f1b") -> None:
+                 schedule: str = "1f1b", native: Any = None) -> None:
         if not backend.supports("p2p"):
             raise NotSupportedError(
                 f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
@@ -161,20 +165,11 @@ class StageStep:
             raise ValueError(f"schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
         self.schedule = schedule
         self._lane = f"stage {stage}"
-        self.messages = StageMessages(backend, self.ranks, timeline=timeline, lane=self._lane)
+        self.messages = StageMessages(backend, self.ranks, native=native, timeline=timeline,
+                                      lane=self._lane)
         self.weights = list(self.model.trainable_weights)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
-
-    def _mark(self, after: Sequence[Any], name: str, begin: bool) -> list[tf.Tensor]:
-        """With a timeline: a graph op marking the beginning or end of a pass (its token,
-        for a control dependency); without: nothing is traced."""
-        if self.timeline is None:
-            return []
-        token = self.messages.mark([tf.convert_to_tensor(a) for a in after if a is not None],
-                                   name, begin)
-        self._tokens.append(token)
-        return [token]
 
     def _span(self, name: str, waits: bool = False) -> AbstractContextManager[None]:
         if self.timeline is None:
@@ -192,36 +187,51 @@ class StageStep:
                                       frm, 2 * j + direction)
                 for j, s in enumerate(specs)]
 
-    def _inputs(self, xs: list[Any] | None, k: int, b: int) -> Any:
-        """Micro-batch ``k``'s inputs (``b`` samples): the first stage's share of ``x`` (in
-        ``x``'s structure: a tensor, list or dict), or the list of what the previous stage
-        sends."""
+    def _mark(self, after: Sequence[Any], name: str, begin: bool) -> list[tf.Tensor]:
+        """With a timeline: a graph op marking the beginning or end of a pass (its token,
+        for a control dependency); without: nothing is traced."""
+        if self.timeline is None:
+            return []
+        token = self.messages.mark([tf.convert_to_tensor(a) for a in after if a is not None],
+                                   name, begin)
+        self._tokens.append(token)
+        return [token]
+
+    def _received(self, b: int) -> list[tf.Tensor]:
+        """What the previous stage sends for a micro-batch of ``b`` samples (nothing on the
+        first stage)."""
         if self.first:
-            assert xs is not None
-            return xs[k]
-        return self._receive(self.model.inputs, b, self.stage - 1, _FORWARD)
+            return []
+        return self._receive(self.parts.received[self.stage], b, self.stage - 1, _FORWARD)
+
+    def _run(self, received: list[tf.Tensor], x: Any, training: bool) -> list[Any]:
+        """This stage's partition on one micro-batch: what it emits (sends on, or on the
+        last stage the model's flat outputs), its own inputs from ``received`` and ``x``."""
+        computed = self.model(self.parts.feed(self.stage, received, x), training=training)
+        return self.parts.emitted(self.stage, received, computed)
 
     # -- the step ------------------------------------------------------------------------------
 
     def train(self, x: Any, y: Any, sample_weight: Any = None, *,
               global_batch: int | None = None) -> float:
-        """One optimizer step on the global batch ``(x, y)`` (``x`` is read on the first
-        stage, ``y`` and ``sample_weight`` on the last; every stage needs the batch's size
-        from ``y``). Returns this stage's part of the batch's loss (the compiled loss on the
-        last stage, plus each stage's weight regularisation): their sum is the loss.
+        """One optimizer step on the global batch ``(x, y)`` (``x`` is read by the stages
+        whose partitions use model inputs, ``y`` and ``sample_weight`` on the last; every
+        stage needs the batch's size from ``y``). Returns this stage's part of the batch's
+        loss (the compiled loss on the last stage, plus each stage's weight
+        regularisation): their sum is the loss.
 
         With replicas, ``(x, y)`` is this pipeline's share of a global batch of
         ``global_batch`` samples: the loss is the global batch's mean.
 
         The step is one graph per batch size (traced on the first batch of a size; a
         shorter last batch traces once more): see :meth:`_train_graph`."""
-        local = int(tf.shape(_flat(y)[0])[0])
+        local = int(tf.shape(keras.tree.flatten(y)[0])[0])
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
             self.optimizer.build(self.weights)
         with self._span("step"):
             total, predictions = self._train_fn(
-                x if self.first else None, y if self.last else None,
+                x if self.parts.reads_x(self.stage) else None, y if self.last else None,
                 sample_weight if self.last else None, local, batch)
         if self.replicas is not None:
             self.replicas.record_buckets()
@@ -232,67 +242,74 @@ class StageStep:
                      batch: int) -> tuple[tf.Tensor, Any]:
         """The step's graph: every pass of the schedule, unrolled (``local`` and ``batch``
         are static, so the micro-batch sizes are), the gradients accumulated, summed over
-        the replicas and applied, and the sends completed. The messages are stateful ops
-        in the schedule's order; the compute between them runs as the dataflow allows."""
+        the replicas and applied, and the sends completed. The messages run in the
+        schedule's order (:mod:`tarantella.stage_messages`); the compute between them runs
+        as the dataflow allows."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
-        xs = _micro_batches(x, sizes) if self.first else None
-        ys = _split(y, sizes) if self.last else None
-        sws = _split(None if sample_weight is None else tf.convert_to_tensor(sample_weight), sizes)
+        xs = _micro_batches(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
+        ys = _micro_batches(y, sizes) if self.last else [None] * len(sizes)
+        sws = _micro_batches(sample_weight, sizes) if self.last else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
         flights: dict[int, _InFlight] = {}
         predictions: dict[int, Any] = {}
         accumulated: list[Any] = [None] * len(self.weights)
+        emits = self.parts.emits[self.stage]
         parts: list[tf.Tensor] = []
 
         def forward(k: int) -> None:
             b = sizes[k]
-            inputs = self._inputs(xs, k, b)
-            begun = self._mark(keras.tree.flatten(inputs), f"forward {k}", begin=True)
+            received = self._received(b)
+            begun = self._mark(received + keras.tree.flatten(xs[k]), f"forward {k}", begin=True)
             with tf.GradientTape() as tape, tf.control_dependencies(begun):
-                if not self.first:
-                    tape.watch(inputs)
-                outputs = self.model(_call_form(inputs, self.first), training=True)
+                tape.watch(received)
+                emitted = self._run(received, xs[k], training=True)
                 loss = None
                 if self.last:
-                    assert ys is not None
-                    loss = self.loss(ys[k], outputs, sample_weight=sws[k]) * (b / batch)
+                    predictions[k] = self.parts.outputs(emitted)
+                    loss = self.loss(ys[k], predictions[k], sample_weight=sws[k]) * (b / batch)
                 if k == 0 and self.regularise and self.model.losses:  # once per step
                     regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
                     loss = regularisation if loss is None else loss + regularisation
-            flat_out = _flat(outputs)
-            self._mark(flat_out + ([] if loss is None else [loss]), f"forward {k}", begin=False)
-            if self.last:
-                predictions[k] = outputs
-            else:
-                self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
-            flights[k] = _InFlight(tape, inputs, flat_out, loss)
+            self._mark(list(emitted) + ([] if loss is None else [loss]), f"forward {k}", begin=False)
+            if not self.last:
+                self._send(emitted, self.stage + 1, _FORWARD)
+            flights[k] = _InFlight(tape, received, emitted, loss)
 
         def backward(k: int) -> None:
             flight = flights.pop(k)
             targets: list[Any] = []
             seeds: list[Any] = []
+            through: dict[int, Any] = {}  # received index -> the gradient sent straight back
             if not self.last:
-                # one gradient per input of the next stage; an output sent twice (through two
-                # SplitLayers) is a target twice, and the tape sums its two gradients
-                sent = [flight.outputs[i] for i in self._routes_out()]
-                targets += sent
-                seeds += self._receive(sent, sizes[k], self.stage + 1, _BACKWARD)
+                # one gradient per tensor sent on; what passed through this stage unchanged
+                # has its gradient passed straight back
+                returned = self._receive(flight.outputs, sizes[k], self.stage + 1, _BACKWARD)
+                for (kind, i), sent, grad in zip(emits, flight.outputs, returned):
+                    if kind == COMPUTED:
+                        targets.append(sent)
+                        seeds.append(grad)
+                    else:
+                        through[i] = grad
             if flight.loss is not None:
                 targets.append(flight.loss)
                 seeds.append(self._loss_seed(flight.loss))
                 parts.append(tf.cast(flight.loss, tf.float32))
-            sources = self.weights + ([] if self.first else list(flight.inputs))
+            sources = self.weights + list(flight.inputs)
             begun = self._mark(seeds, f"backward {k}", begin=True)
             with tf.control_dependencies(begun):
                 grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
-                                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                                             unconnected_gradients=tf.UnconnectedGradients.ZERO) \
+                    if targets else [tf.zeros_like(s) for s in sources]
             self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"backward {k}", begin=False)
             for i, g in enumerate(grads[:len(self.weights)]):
                 g = dense_gradient(g, self.weights[i])
                 accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
             if not self.first:
-                self._send(grads[len(self.weights):], self.stage - 1, _BACKWARD)
+                back = list(grads[len(self.weights):])
+                for i, grad in through.items():
+                    back[i] = back[i] + tf.cast(grad, back[i].dtype)
+                self._send(back, self.stage - 1, _BACKWARD)
 
         for kind, k in self.order(len(sizes)):
             (forward if kind == "forward" else backward)(k)
@@ -317,6 +334,24 @@ class StageStep:
             total = tf.identity(total)
         joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
         return total, joined
+
+    def order(self, count: int) -> list[tuple[str, int]]:
+        """This stage's passes over ``count`` micro-batches, in the order it runs them.
+
+        ``gpipe``: every forward pass, then every backward pass, the last micro-batch's
+        first (each stage holds all ``count`` micro-batches' activations at the turn).
+        ``1f1b``: stage ``p`` runs ``P - 1 - p`` forward passes ahead, then alternates one
+        forward and one backward pass, then drains; it holds at most ``P - p``
+        micro-batches' activations. Both make the same passes; neighbours agree on the
+        order of what they exchange, since both follow the same schedule."""
+        if self.schedule == "gpipe":
+            return [("forward", k) for k in range(count)] + \
+                [("backward", k) for k in reversed(range(count))]
+        ahead = min(self.parts.num_partitions - 1 - self.stage, count)
+        passes = [("forward", k) for k in range(ahead)]
+        for k in range(count - ahead):
+            passes += [("forward", ahead + k), ("backward", k)]
+        return passes + [("backward", k) for k in range(count - ahead, count)]
 
     def _loss_seed(self, loss: tf.Tensor) -> tf.Tensor:
         """The gradient the backward pass starts from at this stage's loss: 1, or with loss
@@ -352,48 +387,29 @@ class StageStep:
         scale = clipnorm * tf.minimum(1.0 / norm32, 1.0 / clipnorm) + (norm32 - norm32)
         return [g * tf.cast(scale, g.dtype) for g in grads]
 
-    def order(self, count: int) -> list[tuple[str, int]]:
-        """This stage's passes over ``count`` micro-batches, in the order it runs them.
-
-        ``gpipe``: every forward pass, then every backward pass, the last micro-batch's
-        first (each stage holds all ``count`` micro-batches' activations at the turn).
-        ``1f1b``: stage ``p`` runs ``P - 1 - p`` forward passes ahead, then alternates one
-        forward and one backward pass, then drains; it holds at most ``P - p``
-        micro-batches' activations. Both make the same passes; neighbours agree on the
-        order of what they exchange, since both follow the same schedule."""
-        if self.schedule == "gpipe":
-            return [("forward", k) for k in range(count)] + \
-                [("backward", k) for k in reversed(range(count))]
-        ahead = min(self.parts.num_partitions - 1 - self.stage, count)
-        passes = [("forward", k) for k in range(ahead)]
-        for k in range(count - ahead):
-            passes += [("forward", ahead + k), ("backward", k)]
-        return passes + [("backward", k) for k in range(count - ahead, count)]
-
     def forward(self, x: Any, batch: int) -> float:
         """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by
         micro-batch through the stages, not training: they are left in
         :attr:`predictions` on the last stage. Returns this stage's weight regularisation
         (the stages' sum is what serial ``model.losses`` adds to the loss). One graph per
         batch size, as :meth:`train`."""
-        regularisation, predictions = self._forward_fn(x if self.first else None, batch)
+        regularisation, predictions = self._forward_fn(
+            x if self.parts.reads_x(self.stage) else None, batch)
         self.predictions = predictions if self.last else None
         return float(regularisation)
 
     def _forward_graph(self, x: Any, batch: int) -> tuple[tf.Tensor, Any]:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
-        xs = _micro_batches(x, sizes) if self.first else None
+        xs = _micro_batches(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
         predictions: list[Any] = []
         for k, b in enumerate(sizes):
-            inputs = self._inputs(xs, k, b)
-            outputs = self.model(_call_form(inputs, self.first), training=False)
+            emitted = self._run(self._received(b), xs[k], training=False)
             if self.last:
-                predictions.append(outputs)
+                predictions.append(self.parts.outputs(emitted))
             else:
-                flat_out = _flat(outputs)
-                self._send([flat_out[i] for i in self._routes_out()], self.stage + 1, _FORWARD)
+                self._send(emitted, self.stage + 1, _FORWARD)
         done = self.messages.complete(self._tokens)
         losses = self.model.losses if self.regularise else []
         regularisation = tf.add_n([tf.cast(r, tf.float32) for r in losses]) if losses \
@@ -401,7 +417,3 @@ class StageStep:
         with tf.control_dependencies([done]):
             regularisation = tf.identity(regularisation)
         return regularisation, (_concat(predictions) if self.last else None)
-
-    def _routes_out(self) -> list[int]:
-        """Which of this partition's outputs go to the next stage, in its input order."""
-        return self.parts.routes[self.stage]

@@ -1,23 +1,26 @@
 """``tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING)``: the user's model,
-cut at its SplitLayers, trained as a pipeline with the results of serial training.
+cut into partitions (:mod:`tarantella.partition`: at its SplitLayers, or into
+``num_pipeline_stages`` automatically), trained as a pipeline with the results of serial
+training.
 
 Why Keras' own loop: ``fit``/``evaluate``/``predict`` stay Keras' (its data adapters,
 callbacks, History, progress bar); only the steps change. Every rank reads the same global
 batches; the steps run eagerly (they exchange tensors with the neighbouring stages between
 micro-batches) and hand the batch to this rank's stage (:class:`~tarantella.pipeline.
-StageStep`). After each step the last stage's outputs are broadcast, so that every rank
-updates the compiled metrics with the same values and every rank's logs and History equal
-serial Keras'. The model stays whole: at the end of every epoch and of ``fit``, each
-weight is broadcast from the stage that trains it, so ``get_weights``, ``save_weights`` and
-callbacks at epoch end see the whole trained model on every rank.
+StageStep`). The last stage differentiates a loss made as ``compile`` makes the model's
+(every output's loss, weighted by ``loss_weights``, summed). After each step the last
+stage's outputs (all of the model's outputs) are broadcast, so that every rank runs Keras'
+compiled loss and metrics on the same values: the per-output losses, metrics, logs and
+History of every rank equal serial Keras'. The model stays whole: at the end of every epoch
+and of ``fit``, each weight is broadcast from the stage that trains it, so ``get_weights``,
+``save_weights`` and callbacks at epoch end see the whole trained model on every rank.
 
 ``save``/``save_weights`` (and ``ModelCheckpoint`` at epoch ends) write what serial Keras
 writes: the whole model with one optimizer holding every stage's state, gathered from the
-stages. What is not supported yet is refused with a message saying what to do: several
-outputs, ``loss_weights``, a custom ``train_step``, checkpoints and backups in the middle
-of an epoch. ``load_weights`` (and so ``BackupAndRestore``) gives each stage its own part
-of a saved optimizer state. Callbacks otherwise run as for DATA: writers on the master
-only.
+stages. What is not supported yet is refused with a message saying what to do: a custom
+``train_step``, checkpoints and backups in the middle of an epoch. ``load_weights`` (and so
+``BackupAndRestore``) gives each stage its own part of a saved optimizer state. Callbacks
+otherwise run as for DATA: writers on the master only.
 
 :class:`PipelinedModel` is the sibling of :class:`~tarantella.data_parallel.DataParallelModel`
 over the base :class:`tarantella.model.Model` (identity, saving, the class swap); both run
@@ -35,29 +38,48 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, arguments, randomness, timeline
+from . import _keras_compat, arguments, losses, randomness, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError
 from .files import writes_locally
 from .gradients import GradientReducer
 from .model import DistributedState, Model, ParallelStrategy
-from .partition import Partitioning, partition
+from .partition import Partitioning, partition, split_layers
 from .pipeline import StageStep, check_stage_model
 from .tracebacks import user_facing
 
 __all__ = ["PipelinedModel"]
 
 
-class _FunctionLoss(keras.losses.Loss):
-    """A loss function (``"mse"``, ``keras.losses.mean_squared_error``) reduced over the
-    batch as ``compile`` reduces it."""
+class _TracedLoss:
+    """Keras' compiled loss of a model, run as Keras' default (compiled) step runs it: in a
+    graph whose batch dimension is unknown. Why: the compiled loss adds each output's loss to
+    its tracker (``out1_loss``) weighted by the static batch size, which a traced step does
+    not know, so serial Keras adds one unweighted value per step; called eagerly, as a
+    pipelined step would, it would weigh by the batch size and the per-output logs would
+    differ from serial ones (2e-2 with an uneven last batch, measured). One trace per
+    structure and per dtype and shape of the samples."""
 
-    def __init__(self, fn: Any) -> None:
-        super().__init__(name=getattr(fn, "__name__", "loss"))
-        self.fn = fn
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+        self._traced: dict[Any, Any] = {}
 
-    def call(self, y_true: Any, y_pred: Any) -> Any:
-        return self.fn(y_true, y_pred)
+    def __call__(self, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
+        args = (y, y_pred) if sample_weight is None else (y, y_pred, sample_weight)
+        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(args)]
+        structure = tf.nest.map_structure(lambda _: None, args)
+        key = (repr(structure), tuple((t.dtype, tuple(t.shape[1:])) for t in flat))
+        traced = self._traced.get(key)
+        if traced is None:
+            compiled = self.compiled  # built (its trackers made) in its first trace, as in Keras
+
+            def loss(*tensors: tf.Tensor) -> tf.Tensor:
+                return compiled(*tf.nest.pack_sequence_as(structure, list(tensors)))
+
+            signature = [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in flat]
+            traced = self._traced[key] = tf.function(loss, input_signature=signature,
+                                                     autograph=False)
+        return traced(*flat)
 
 
 class _PipelineState(DistributedState):
@@ -86,7 +108,8 @@ class _PipelineState(DistributedState):
                 if group is not None:
                     self.replicas = group
         self.step: StageStep | None = None
-        self.loss: Any = None  # the compiled loss, as a keras.losses.Loss
+        #: the model's compiled loss as a traced step runs it (for the logs; set by compile)
+        self.logged_loss: _TracedLoss | None = None
         #: on the writing rank(s): the optimizer over the whole model holding every stage's
         #: state (what save/save_weights write), gathered since the last step, else None
         self.whole_optimizer: keras.optimizers.Optimizer | None = None
@@ -126,18 +149,27 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
-                        num_micro_batches: Any) -> Model:
+                        num_micro_batches: Any, num_pipeline_stages: Any = None) -> Model:
         """Cut ``model`` into its stages and make it this rank's pipelined model; with
-        ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them."""
+        ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them.
+        The cuts are the model's SplitLayers, else ``num_pipeline_stages`` automatic ones
+        (under PIPELINING, by default one partition per rank)."""
         num_micro_batches = arguments.check_num_micro_batches(
             1 if num_micro_batches is None else num_micro_batches)
+        wanted = arguments.check_num_pipeline_stages(num_pipeline_stages)
         runtime = tnt_core.init()
-        parts = partition(model)
+        if wanted is None and strategy is ParallelStrategy.PIPELINING and not split_layers(model):
+            wanted = runtime.size
+        parts = partition(model, wanted)
         if parts.num_partitions == 1:
+            how = ("run on S ranks (tnt run -n S: it is cut into S partitions), pass "
+                   "num_pipeline_stages=S" if strategy is ParallelStrategy.PIPELINING else
+                   "pass num_pipeline_stages=S (the stages of each pipeline)")
             raise NotSupportedError(
-                f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has no "
-                "tnt.keras.layers.SplitLayer, so there is nothing to pipeline; mark the cuts with "
-                "SplitLayer, or use ParallelStrategy.DATA")
+                f"tnt.Model(parallel_strategy={strategy.name}): model {model.name!r} has no "
+                "tnt.keras.layers.SplitLayer and is to be cut into 1 partition, so there is "
+                f"nothing to pipeline; {how}, mark the cuts with SplitLayer, or use "
+                "ParallelStrategy.DATA")
         stages = parts.num_partitions
         if strategy is ParallelStrategy.PIPELINING and runtime.size != stages:
             raise NotSupportedError(
@@ -150,10 +182,6 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 f"tnt.Model(parallel_strategy=ALL): model {model.name!r} has {stages} partitions, "
                 f"so the job needs a multiple of {stages} ranks (one pipeline per {stages}); it "
                 f"has {runtime.size}")
-        if len(model.outputs) != 1:
-            raise NotSupportedError(
-                f"model {model.name!r} has {len(model.outputs)} outputs: pipelining trains "
-                "single-output models in this release")
         if not runtime.backend.supports("p2p"):
             raise NotSupportedError(
                 f"pipelining needs point-to-point messages, which the {runtime.backend.name!r} "
@@ -204,31 +232,34 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         if loss is None:
             raise NotSupportedError("compile(loss=None): a pipelined model needs the compiled "
                                     "loss (its last stage differentiates it); pass loss=...")
-        if loss_weights is not None:
-            raise NotSupportedError("compile(loss_weights=...) is for several outputs, which "
-                                    "pipelining does not train in this release")
         base: Any = type(self)._tnt_base  # noqa: SLF001 - the class's own attribute
         if base.train_step is not keras.Model.train_step:
             raise NotSupportedError(
                 f"{type(self).__name__} overrides train_step: a pipelined model runs its own "
                 "step per stage; use ParallelStrategy.DATA for custom steps")
-        user_loss = loss  # what Keras compiles (and saves in the model's compile config)
-        if isinstance(loss, (list, tuple, dict)):
-            loss = _single(loss, "loss")
-        loss_obj = keras.losses.get(loss)
-        if not isinstance(loss_obj, keras.losses.Loss):
-            loss_obj = _FunctionLoss(loss_obj)
+        means = ("sum_over_batch_size", "mean")
+        other = [r for r in losses.reductions(loss, len(self.outputs)) if r not in means]
+        if other:
+            raise NotSupportedError(
+                f"compile(loss=...) with a loss of reduction={other[0]!r} on a pipelined model: "
+                "each micro-batch's loss is weighted by its share of the batch, which gives the "
+                "serial loss only for a mean over the samples; use "
+                "reduction='sum_over_batch_size' (Keras' default)")
         if steps_per_execution != 1:
             raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
                                     "eagerly, one batch at a time; leave it at 1")
         arguments.check_optimizer(optimizer)
         optimizer = keras.optimizers.get(optimizer)
-        super().compile(optimizer=optimizer, loss=user_loss, metrics=metrics,
-                        weighted_metrics=weighted_metrics, run_eagerly=True, jit_compile=False,
-                        auto_scale_loss=auto_scale_loss)
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                        metrics=metrics, weighted_metrics=weighted_metrics, run_eagerly=True,
+                        jit_compile=False, auto_scale_loss=auto_scale_loss)
         self._tnt_check_compiled()
-        self._tnt.step = self._tnt_stage_step(loss_obj, self.optimizer)
-        self._tnt.loss = loss_obj
+        # the last stage differentiates a loss of its own made as compile made the model's
+        # (every output's loss weighted and summed): the model's one keeps the per-output
+        # loss trackers, which the logs update on every rank alike (_tnt_logs)
+        self._tnt.step = self._tnt_stage_step(
+            _keras_compat.new_compiled_loss(self, loss, loss_weights), self.optimizer)
+        self._tnt.logged_loss = _TracedLoss(_keras_compat.compiled_loss(self))
 
     def _tnt_stage_step(self, loss: keras.losses.Loss, optimizer: Any) -> StageStep:
         state = self._tnt
@@ -246,22 +277,26 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         return tnt_core.micro_batch_slice(batch, state.replica, state.num_replicas, allow_empty=True)
 
     def _tnt_outputs(self, batch: int) -> Any:
-        """The model's outputs for the whole batch, on every rank: the last stage's, or with
-        several pipelines each last stage's rows (an allreduce of the rows over zeros,
-        which adds nothing to them)."""
+        """The model's outputs for the whole batch, on every rank, in the model's output
+        structure: the last stage's, or with several pipelines each last stage's rows (an
+        allreduce of the rows over zeros, which adds nothing to them)."""
         state = self._tnt
-        last = state.parts.num_partitions - 1
-        spec = self.outputs[0]
-        buf = np.zeros((batch, *[int(d) for d in spec.shape[1:]]),
-                       dtype=tf.as_dtype(spec.dtype).as_numpy_dtype)
+        parts = state.parts
+        last = parts.num_partitions - 1
+        specs = keras.tree.flatten(parts.output_structure)
+        bufs = [np.zeros((batch, *[int(d) for d in spec.shape[1:]]),
+                         dtype=tf.as_dtype(spec.dtype).as_numpy_dtype) for spec in specs]
         share = self._tnt_share(batch)
         if state.stage == last and share.stop > share.start:
             assert state.step is not None
-            buf[share] = np.asarray(state.step.predictions)
+            for buf, rows in zip(bufs, keras.tree.flatten(state.step.predictions)):
+                buf[share] = np.asarray(rows)
         backend = state.runtime.backend
         if state.num_replicas == 1:
-            return tf.convert_to_tensor(backend.broadcast(buf, root=last))
-        return tf.convert_to_tensor(backend.allreduce(buf))
+            flat = [backend.broadcast(buf, root=last) for buf in bufs]
+        else:
+            flat = [backend.allreduce(buf) for buf in bufs]
+        return parts.outputs([tf.convert_to_tensor(v) for v in flat])
 
     def _tnt_rows(self, values: Any, share: slice) -> Any:
         return tf.nest.map_structure(lambda v: None if v is None else v[share.start:share.stop],
@@ -302,7 +337,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         state.forget_whole_optimizer()
         part = state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
                                 self._tnt_rows(sample_weight, share), global_batch=batch)
-        return self._tnt_logs(x, y, sample_weight, batch, self._tnt_sum(part))
+        return self._tnt_logs(x, y, sample_weight, batch, 0.0, loss=self._tnt_sum(part))
 
     def test_step(self, data: Any) -> Any:
         state = self._tnt
@@ -312,8 +347,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         regularisation = self._tnt_sum(state.step.forward(self._tnt_rows(x, share),
                                                           share.stop - share.start))
         y_pred = self._tnt_outputs(batch)
-        loss = float(state.loss(y, y_pred, sample_weight=sample_weight)) + regularisation
-        return self._tnt_logs(x, y, sample_weight, batch, loss, y_pred)
+        return self._tnt_logs(x, y, sample_weight, batch, regularisation, y_pred)
 
     def predict_step(self, data: Any) -> Any:
         state = self._tnt
@@ -326,11 +360,19 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         state.step.forward(self._tnt_rows(x, share), share.stop - share.start)
         return self._tnt_outputs(batch)
 
-    def _tnt_logs(self, x: Any, y: Any, sample_weight: Any, batch: int, loss: float,
-                  y_pred: Any = None) -> Any:
-        """The same metric updates on every rank (the outputs are everyone's now)."""
+    def _tnt_logs(self, x: Any, y: Any, sample_weight: Any, batch: int, regularisation: float,
+                  y_pred: Any = None, loss: float | None = None) -> Any:
+        """The same metric updates on every rank (the outputs are everyone's now). Keras'
+        compiled loss runs on the whole batch's outputs as in a serial step
+        (:class:`_TracedLoss`): it updates the per-output loss trackers (``out1_loss``, ...)
+        and gives the loss (plus the stages' ``regularisation``) unless the step's own sum
+        ``loss`` is given."""
         if y_pred is None:
             y_pred = self._tnt_outputs(batch)
+        assert self._tnt.logged_loss is not None, "compile() makes it"
+        compiled = self._tnt.logged_loss(y, y_pred, sample_weight)
+        if loss is None:
+            loss = float(compiled) + regularisation
         tracker = self._tnt_loss_tracker()
         if tracker is not None:
             tracker.update_state(loss, sample_weight=batch)
@@ -672,9 +714,3 @@ def _broadcast_variables(backend: tnt_core.CommBackend, variables: list[Any],
             offset += value.size
 
 
-def _single(loss: Any, what: str) -> Any:
-    values = list(loss.values()) if isinstance(loss, dict) else list(loss)
-    if len(values) != 1:
-        raise NotSupportedError(f"compile({what}=...) with {len(values)} entries: pipelining "
-                                "trains single-output models in this release")
-    return values[0]

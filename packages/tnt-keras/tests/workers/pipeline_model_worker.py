@@ -15,6 +15,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pipeline_graph_worker
 from pipeline_worker import build, data
 
 EPOCHS, BATCH, MICRO = 3, 16, 3
@@ -161,6 +162,8 @@ def main() -> int:
                 keras.callbacks.ModelCheckpoint(str(args.out / "c.weights.h5"),
                                                 save_weights_only=True, save_freq=2)]),
             "micro_batch_size": lambda: model.fit(x, y, tnt_micro_batch_size=4, verbose=0),
+            "summed_loss": lambda: model.compile(
+                optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum")),
             # the argument checks of DATA (tarantella.arguments), before any collective
             "batch_size": lambda: model.fit(x, y, batch_size=0, verbose=0),
             "cardinality": lambda: model.fit(x, y[:5], verbose=0),
@@ -178,6 +181,7 @@ def main() -> int:
     resumed = resume(args, x, y)
     named = dict_inputs(args, x, y)
     workflow = keras_workflow(args, x)
+    pipeline_graph_worker.run(args, x, y)  # skips, late inputs, several outputs, automatic cuts
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
              **{f"w{i}": w for i, w in enumerate(weights)},
