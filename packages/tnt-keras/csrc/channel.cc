@@ -59,10 +59,12 @@ void Channel::on_send_done(void* arg, const char* error) {
   std::unique_ptr<SendDone> completion(static_cast<SendDone*>(arg));
   completion->release();  // the backend no longer reads the tensor
   Channel& c = *completion->channel;
-  std::lock_guard<std::mutex> lock(c.mu_);
-  c.sending_.erase(completion->token);
-  if (error != nullptr) c.send_errors_.emplace(completion->token, error);
-  c.cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(c.mu_);
+    c.sending_.erase(completion->token);
+    if (error != nullptr) c.send_errors_.emplace(completion->token, error);
+  }
+  c.send_cv_.notify_all();  // outside the lock: the woken thread does not block on it
 }
 
 std::string Channel::wait_sends(const std::vector<std::int64_t>& tokens) {
@@ -75,7 +77,7 @@ std::string Channel::wait_sends(const std::vector<std::int64_t>& tokens) {
     }
     return std::int64_t{0};
   };
-  if (!cv_.wait_until(lock, deadline, [&] { return pending() == 0; })) {
+  if (!send_cv_.wait_until(lock, deadline, [&] { return pending() == 0; })) {
     std::ostringstream msg;
     msg << "rank " << comm_->rank << ": a native send (token " << pending()
         << ") did not complete within " << timeout_.count()
@@ -114,7 +116,7 @@ std::string Channel::recv(const std::shared_ptr<Buffer>& buffer, std::int32_t pe
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout_);
   std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_until(lock, deadline, [&] { return state->done; })) {
+  if (!recv_cv_.wait_until(lock, deadline, [&] { return state->done; })) {
     lock.unlock();
     std::ostringstream msg;
     msg << "rank " << comm_->rank << ": the receive from rank " << peer << " (tag " << tag
@@ -138,10 +140,12 @@ void Channel::on_recv_done(void* arg, const char* error) {
   std::unique_ptr<std::shared_ptr<RecvDone>> holder(static_cast<std::shared_ptr<RecvDone>*>(arg));
   RecvDone& state = **holder;
   std::shared_ptr<Channel> channel = state.channel;  // alive past the state's last reference
-  std::lock_guard<std::mutex> lock(channel->mu_);
-  state.done = true;
-  if (error != nullptr) state.error = error;
-  channel->cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(channel->mu_);
+    state.done = true;
+    if (error != nullptr) state.error = error;
+  }
+  channel->recv_cv_.notify_all();  // outside the lock: the woken thread does not block on it
 }
 
 }  // namespace tnt_keras

@@ -64,7 +64,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   const PythonHooks hooks_;
 
   std::mutex mu_;  // everything below, and every RecvDone's state
-  std::condition_variable cv_;
+  // one for each direction: a send completing wakes no receive waiting on its message
+  std::condition_variable send_cv_, recv_cv_;
   std::int64_t next_token_ = 1;
   std::set<std::int64_t> sending_;                 // tokens of sends not done yet
   std::map<std::int64_t, std::string> send_errors_;  // tokens of sends that failed
