@@ -417,7 +417,21 @@ std::shared_ptr<Work> Communicator::recv(void* data, std::size_t nbytes, int src
   return shared_->p2p->recv(data, nbytes, src, tag, std::move(name));
 }
 
+std::shared_ptr<Work> Communicator::send_to(Shared& shared, const void* data,
+                                            std::size_t nbytes, int dest, std::uint64_t tag,
+                                            std::string name, Work::OnDone on_done) {
+  return shared.p2p->send(data, nbytes, dest, tag, std::move(name), std::move(on_done));
+}
+
+std::shared_ptr<Work> Communicator::recv_to(Shared& shared, void* data, std::size_t nbytes,
+                                            int src, std::uint64_t tag, std::string name,
+                                            Work::OnDone on_done) {
+  return shared.p2p->recv(data, nbytes, src, tag, std::move(name), std::move(on_done));
+}
+
 void Communicator::abort(const std::string& reason) { poison(*shared_, reason); }
+
+void Communicator::abort_to(Shared& shared, const std::string& reason) { poison(shared, reason); }
 
 std::string Communicator::failure() const {
   std::lock_guard<std::mutex> lock(shared_->mu);

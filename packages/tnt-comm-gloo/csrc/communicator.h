@@ -159,9 +159,19 @@ class Communicator {
                              std::uint64_t tag, std::string name);
   std::shared_ptr<Work> recv(void* data, std::size_t nbytes, int src, std::uint64_t tag,
                              std::string name);
+  // The same on the shared state (the native hand-off's holder), with an OnDone; refused
+  // (GlooError) once the communicator is closed.
+  static std::shared_ptr<Work> send_to(Shared& shared, const void* data, std::size_t nbytes,
+                                       int dest, std::uint64_t tag, std::string name,
+                                       Work::OnDone on_done);
+  static std::shared_ptr<Work> recv_to(Shared& shared, void* data, std::size_t nbytes, int src,
+                                       std::uint64_t tag, std::string name,
+                                       Work::OnDone on_done);
 
   // Poison the communicator with `reason` and close its connections.
   void abort(const std::string& reason);
+  // The same on the shared state; does nothing more once the communicator is closed.
+  static void abort_to(Shared& shared, const std::string& reason);
   // First failure, empty if none.
   std::string failure() const;
 

@@ -22,6 +22,8 @@ struct NativeComm {
   int rank = 0;
   // numbers the accepted allreduces, as the Python layer numbers its operations
   std::atomic<std::uint64_t> issued{0};
+  // numbers the accepted sends and receives (one count for both)
+  std::atomic<std::uint64_t> messages{0};
 };
 
 // Write `message` into the caller's `err` (truncated, NUL-terminated) and return the
@@ -72,6 +74,26 @@ std::string prefix(int rank, const std::string& operation) {
   return "[rank " + std::to_string(rank) + ": " + operation + "] ";
 }
 
+// The OnDone of an operation accepted through the table: `done(arg, NULL)`, or the error
+// after `head` (the operation's name); the message lives during the call only.
+Work::OnDone done_caller(tnt_native_done_fn done, void* arg, std::string head,
+                         const char* what) {
+  return [done, arg, head = std::move(head), what](const std::string& error) {
+    if (error.empty()) {
+      done(arg, nullptr);
+      return;
+    }
+    std::string message;
+    try {
+      message = head + error;
+    } catch (...) {  // out of memory: a failure without its details, but a failure
+      done(arg, what);
+      return;
+    }
+    done(arg, message.c_str());
+  };
+}
+
 std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::int32_t dtype,
                              std::int32_t op, tnt_native_done_fn done, void* arg, char* err,
                              std::int64_t errlen) noexcept {
@@ -106,22 +128,10 @@ std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::in
     const Algorithm algorithm =
         algorithm_for(nc->plan, static_cast<std::uint64_t>(n * elsize));
     operation += " #" + std::to_string(nc->issued.fetch_add(1) + 1);
-    // on_done runs on the worker, once: the message it passes lives during the call only
-    Work::OnDone on_done = [done, arg, head = prefix(nc->rank, operation)](
-                               const std::string& error) {
-      if (error.empty()) {
-        done(arg, nullptr);
-        return;
-      }
-      std::string message;
-      try {
-        message = head + error;
-      } catch (...) {  // out of memory: a failure without its details, but a failure
-        done(arg, "native allreduce failed (and describing why ran out of memory)");
-        return;
-      }
-      done(arg, message.c_str());
-    };
+    // on_done runs on the worker, once
+    Work::OnDone on_done =
+        done_caller(done, arg, prefix(nc->rank, operation),
+                    "native allreduce failed (and describing why ran out of memory)");
     Communicator::submit_to(
         *nc->shared, operation,
         [data, n, dt, rop, algorithm](const Exec& exec) {
@@ -132,6 +142,81 @@ std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::in
   } catch (...) {  // refused by the queue (closed, failed) or out of memory
     return refuse(err, errlen,
                   prefix(nc->rank, operation) + describe_exception(std::current_exception()));
+  }
+}
+
+// send_async and recv_async: the checks, then the communicator's point-to-point (p2p.h),
+// beside the collective worker as the Python methods' messages are.
+std::int32_t p2p_async(void* self, bool send, void* data, std::int64_t nbytes,
+                       std::int32_t peer, std::int64_t tag, tnt_native_done_fn done, void* arg,
+                       char* err, std::int64_t errlen) noexcept {
+  auto* nc = static_cast<NativeComm*>(self);
+  const char* kind = send ? "native send" : "native recv";
+  if (nc == nullptr) return refuse(err, errlen, std::string(kind) + ": self is NULL");
+  std::string operation = kind;
+  try {
+    operation += std::string(send ? " to " : " from ") + std::to_string(peer) + " tag " +
+                 std::to_string(tag);
+    if (done == nullptr) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "no done callback was given");
+    }
+    if (peer < 0 || peer >= nc->table.size) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "rank " + std::to_string(peer) +
+                                     " is not a rank of this communicator (0.." +
+                                     std::to_string(nc->table.size - 1) + ")");
+    }
+    if (tag < 0 || tag > TNT_NATIVE_MAX_TAG) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "tag " + std::to_string(tag) +
+                                     " is out of range (0 to TNT_NATIVE_MAX_TAG)");
+    }
+    if (nbytes < 0) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "byte count " +
+                                     std::to_string(nbytes) + " is negative");
+    }
+    if (data == nullptr && nbytes > 0) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + "data is NULL");
+    }
+    operation += " #" + std::to_string(nc->messages.fetch_add(1) + 1);
+    Work::OnDone on_done = done_caller(done, arg, prefix(nc->rank, operation),
+                                       send ? "native send failed (and describing why ran "
+                                              "out of memory)"
+                                            : "native recv failed (and describing why ran "
+                                              "out of memory)");
+    const auto n = static_cast<std::size_t>(nbytes);
+    const auto t = static_cast<std::uint64_t>(tag);
+    if (send) {
+      Communicator::send_to(*nc->shared, data, n, peer, t, operation, std::move(on_done));
+    } else {
+      Communicator::recv_to(*nc->shared, data, n, peer, t, operation, std::move(on_done));
+    }
+    return 0;
+  } catch (...) {  // refused: closed or failed communicator, a peer known gone, no memory
+    return refuse(err, errlen,
+                  prefix(nc->rank, operation) + describe_exception(std::current_exception()));
+  }
+}
+
+std::int32_t send_async(void* self, const void* data, std::int64_t nbytes, std::int32_t peer,
+                        std::int64_t tag, tnt_native_done_fn done, void* arg, char* err,
+                        std::int64_t errlen) noexcept {
+  return p2p_async(self, /*send=*/true, const_cast<void*>(data), nbytes, peer, tag, done, arg,
+                   err, errlen);
+}
+
+std::int32_t recv_async(void* self, void* data, std::int64_t nbytes, std::int32_t peer,
+                        std::int64_t tag, tnt_native_done_fn done, void* arg, char* err,
+                        std::int64_t errlen) noexcept {
+  return p2p_async(self, /*send=*/false, data, nbytes, peer, tag, done, arg, err, errlen);
+}
+
+void abort_comm(void* self, const char* reason) noexcept {
+  auto* nc = static_cast<NativeComm*>(self);
+  if (nc == nullptr) return;
+  try {
+    Communicator::abort_to(*nc->shared, reason != nullptr && reason[0] != '\0'
+                                            ? std::string(reason)
+                                            : std::string("aborted through the native table"));
+  } catch (...) {  // out of memory: nothing more can be done from here
   }
 }
 
@@ -148,6 +233,9 @@ tnt_native_comm* make_native_comm(const Communicator& comm, std::vector<Algorith
   nc->table.rank = comm.rank();
   nc->table.size = comm.size();
   nc->table.allreduce_async = &allreduce_async;
+  nc->table.send_async = &send_async;
+  nc->table.recv_async = &recv_async;
+  nc->table.abort = &abort_comm;
   NativeComm* raw = nc.release();
   raw->table.self = raw;
   return &raw->table;

@@ -1,6 +1,11 @@
-// The native hand-off (tnt_core/include/tnt_native_comm.h): the C function table through
-// which compiled framework ops start allreduces on this communicator with no Python and
-// no GIL.
+// The native hand-off (tnt_core/include/tnt_native_comm.h, ABI 2): the C function table
+// through which compiled framework ops start allreduces, sends and receives on this
+// communicator with no Python and no GIL.
+//
+// Its send_async and recv_async are the Python methods' point-to-point (p2p.h): posted
+// from the caller's thread, completed by the per-peer threads, on the same (peer, tag)
+// streams, on Gloo slots apart from every collective's. Its abort poisons the
+// communicator as a timed-out Python wait does.
 //
 // Its allreduce_async queues on the communicator's one worker queue (Communicator::
 // submit_to), as the Python path's allreduce does, with the same allreduce (shared

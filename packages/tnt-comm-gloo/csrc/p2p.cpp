@@ -70,10 +70,11 @@ PointToPoint::Peer& PointToPoint::peer_locked(int rank) {
 }
 
 std::shared_ptr<Work> PointToPoint::send(const void* data, std::size_t nbytes, int dest,
-                                         std::uint64_t tag, std::string name) {
+                                         std::uint64_t tag, std::string name,
+                                         Work::OnDone on_done) {
   if (dest < 0 || dest >= size_) throw std::invalid_argument("send: no such rank");
   if (tag > kMaxP2pTag) throw std::invalid_argument("send: tag out of range");
-  auto work = std::make_shared<Work>(std::move(name));
+  auto work = std::make_shared<Work>(std::move(name), std::move(on_done));
   std::shared_ptr<RecvOp> target;  // a receive of this rank's own (dest == rank)
   std::string error;
   {
@@ -142,10 +143,11 @@ std::shared_ptr<Work> PointToPoint::send(const void* data, std::size_t nbytes, i
 }
 
 std::shared_ptr<Work> PointToPoint::recv(void* data, std::size_t nbytes, int src,
-                                         std::uint64_t tag, std::string name) {
+                                         std::uint64_t tag, std::string name,
+                                         Work::OnDone on_done) {
   if (src < 0 || src >= size_) throw std::invalid_argument("recv: no such rank");
   if (tag > kMaxP2pTag) throw std::invalid_argument("recv: tag out of range");
-  auto work = std::make_shared<Work>(std::move(name));
+  auto work = std::make_shared<Work>(std::move(name), std::move(on_done));
   auto op = std::make_shared<RecvOp>(RecvOp{data, nbytes, work});
   std::shared_ptr<Message> ready;
   std::string broken;

@@ -67,12 +67,14 @@ class PointToPoint {
   PointToPoint& operator=(const PointToPoint&) = delete;
 
   // Start sending `nbytes` at `data` to `dest`; `data` must stay valid until the Work
-  // is done. Throws GlooError if the communicator failed or Gloo refuses the post.
+  // is done. Throws GlooError if the communicator failed or Gloo refuses the post (then
+  // `on_done` is never called; else once, see Work::OnDone, possibly before this returns).
   std::shared_ptr<Work> send(const void* data, std::size_t nbytes, int dest,
-                             std::uint64_t tag, std::string name);
+                             std::uint64_t tag, std::string name,
+                             Work::OnDone on_done = nullptr);
   // Start receiving the next message from `src` with `tag` into `nbytes` at `data`.
   std::shared_ptr<Work> recv(void* data, std::size_t nbytes, int src, std::uint64_t tag,
-                             std::string name);
+                             std::string name, Work::OnDone on_done = nullptr);
 
   // Fail every pending operation and every later call with `reason` (the first reason
   // wins); wake the threads. Never blocks on the network; callable from any thread.

@@ -660,7 +660,8 @@ def _seen(handles: dict) -> tuple[bool, bool]:
 
 def native(report: Report, runtime) -> None:
     """The table of tnt_core.native_comm(backend): results bitwise those of the Python
-    path, program order with it, done() once, refusals, and after close."""
+    path, program order with it, done() once, refusals, point-to-point (ABI 2) on the
+    Python methods' streams, and after close."""
     backend = runtime.backend.inner  # the raw backend: no header exchange in between
     table = tnt_core.native_comm(runtime.backend)  # WatchedBackend hands out the inner's
     rank, size = backend.rank, backend.size
@@ -730,9 +731,54 @@ def native(report: Report, runtime) -> None:
         assert all(not dones.calls[k] for k in dones.calls if k != 99), dones.calls
         assert np.all(buf == 1)
 
+    def point_to_point() -> None:
+        # ABI 2: the table's messages are the Python methods' (one stream per peer and tag)
+        assert table.has_p2p and table.abi_version == tnt_core.native.ABI_VERSION
+        right, left = (rank + 1) % size, (rank - 1) % size
+        dones = NativeDone()
+        sent = [np.arange(n, dtype=np.float64) * (rank + 1) for n in (0, 7, 1 << 16)]
+        got = [np.full_like(s, -1.0) for s in sent]
+        for k, buf in enumerate(sent):  # native sends, Python receives, then the reverse
+            table.send_async(buf, right, 5, dones.callback(k))
+        handles = [backend.recv_async(g, left, 5) for g in got]
+        for h in handles:
+            h.wait(timeout=30)
+        dones.wait(range(len(sent)))
+        assert all(dones.once(k) is None for k in range(len(sent)))
+        for g, s in zip(got, sent):
+            assert np.array_equal(g, s / (rank + 1) * (left + 1)), g[:4]
+        back = [np.full_like(s, -1.0) for s in sent]
+        for k, buf in enumerate(back):
+            table.recv_async(buf, right, 6, dones.callback(10 + k))
+        for buf in sent:
+            backend.send_async(buf, left, 6).wait(timeout=30)
+        dones.wait([10 + k for k in range(len(sent))])
+        assert all(dones.once(10 + k) is None for k in range(len(sent)))
+        for b, s in zip(back, sent):
+            assert np.array_equal(b, s / (rank + 1) * (right + 1)), b[:4]
+        # a message of another size fails that receive only; the communicator goes on
+        small = np.zeros(3, np.float32)
+        table.recv_async(small, left, 7, dones.callback(20))
+        backend.send_async(np.ones(4, np.float32), right, 7).wait(timeout=30)
+        dones.wait([20])
+        error = dones.once(20)
+        assert error and f"[rank {rank}: native recv from {left} tag 7 #" in error \
+            and "does not match" in error, error
+        # refusals, never a done: a peer that is no rank, a tag out of range
+        for peer, tag in ((size, 0), (-1, 0), (right, -1), (right, tnt_core.native.MAX_TAG + 1)):
+            try:
+                table.send_async(np.ones(2), peer, tag, dones.callback(30 + len(dones.calls)))
+            except tnt_core.TntError as exc:
+                assert f"[rank {rank}: native send to {peer} tag {tag}]" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"a send to {peer} with tag {tag} was accepted")
+        backend.barrier()
+        assert all(not dones.calls[k] for k in dones.calls if k >= 30), dones.calls
+
     report.check("results-match-the-python-path", results)
     report.check("program-order", order)
     report.check("refusals", refusals)
+    report.check("point-to-point", point_to_point)
 
     def after_close() -> None:
         dones = NativeDone()

@@ -1,8 +1,10 @@
 """The native hand-off (``GlooBackend.native_comm``, tnt_core/include/tnt_native_comm.h)
 with real ranks: results bitwise those of the Python path over TCP and shared memory, one
 order with Python-path collectives, done() exactly once on success and failure, refusals
-of bad arguments and of a closed communicator. The backend-generic checks are in tnt-core's
-conformance suite (native-* cases), which test_conformance_gloo.py runs."""
+of bad arguments and of a closed communicator; point-to-point (ABI 2) on the streams of
+the Python methods, both ways, with a size mismatch failing one receive. The
+backend-generic checks are in tnt-core's conformance suite (native-* cases), which
+test_conformance_gloo.py runs."""
 
 from __future__ import annotations
 

@@ -69,11 +69,12 @@ double monotonic_seconds() {
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
-Buffer::Buffer(std::size_t bytes) : data_(nullptr), bytes_(bytes) {
+Buffer::Buffer(std::size_t bytes, bool zeroed) : data_(nullptr), bytes_(bytes) {
   const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
   data_ = static_cast<char*>(std::aligned_alloc(kAlign, rounded ? rounded : kAlign));
   if (data_ == nullptr) throw std::bad_alloc();
-  std::memset(data_, 0, rounded ? rounded : kAlign);  // padding between tensors is reduced too
+  // padding between tensors is reduced too
+  if (zeroed) std::memset(data_, 0, rounded ? rounded : kAlign);
 }
 
 Buffer::~Buffer() { std::free(data_); }

@@ -31,10 +31,11 @@
 
 namespace tnt_keras {
 
-// A 64-byte aligned allocation (TensorFlow wraps aligned memory without copying).
+// A 64-byte aligned allocation (TensorFlow wraps aligned memory without copying), zeroed
+// unless `zeroed` is false (a receive's: every byte is written before it is read).
 class Buffer {
  public:
-  explicit Buffer(std::size_t bytes);
+  explicit Buffer(std::size_t bytes, bool zeroed = true);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;

@@ -8,16 +8,22 @@
 //                    once (a token for the finish to wait on).
 //   TntFinishReduce  waits for every bucket of the step and outputs the reduced gradients
 //                    as tensors that wrap the buckets (no copy back).
+//   TntSend          starts sending a tensor to a peer (point-to-point, ABI 2 of the
+//                    table); returns a token at once and keeps the tensor until it is sent.
+//   TntRecv          receives the next message from a peer with a tag, as a tensor of the
+//                    given dtype and shape wrapping the receive buffer (no copy).
+//   TntWaitSends     waits for the sends of the given tokens (outputs their number).
 //
-// The finish blocks the TensorFlow thread it runs on while it waits. The C API's
-// asynchronous kernels cannot avoid that: TensorFlow passes the kernel a pointer to its
+// The finish and TntRecv block the TensorFlow thread they run on while they wait. The C
+// API's asynchronous kernels cannot avoid that: TensorFlow passes the kernel a pointer to its
 // `done` callback's copy on the ComputeAsync stack frame (CAsyncOpKernel::ComputeAsync in
 // tensorflow/c/kernels.cc), so calling it after the kernel returned is a use after free
 // (measured: a segfault inside tf.function). The numpy_function path blocks a thread the
 // same way; what the ops remove is Python, the GIL and the copies around the collective.
 //
-// The reducers (reducer.h) are made and freed from Python through the C functions at the
-// end of this file (ctypes); a kernel names its reducer by the id in its attrs.
+// The reducers (reducer.h) and the point-to-point channels (channel.h) are made and freed
+// from Python through the C functions at the end of this file (ctypes); a kernel names its
+// reducer or channel by the id in its attrs.
 
 #include <cstdint>
 #include <cstdio>
@@ -34,6 +40,7 @@
 #include "tensorflow/c/tf_status.h"
 #include "tensorflow/c/tf_tensor.h"
 
+#include "channel.h"
 #include "reducer.h"
 
 namespace tnt_keras {
@@ -41,7 +48,14 @@ namespace {
 
 std::mutex registry_mu;
 std::unordered_map<std::int64_t, std::shared_ptr<Reducer>> registry;
-std::int64_t next_id = 1;
+std::unordered_map<std::int64_t, std::shared_ptr<Channel>> channels;
+std::int64_t next_id = 1;  // one numbering for reducers and channels
+
+std::shared_ptr<Channel> find_channel(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = channels.find(id);
+  return it == channels.end() ? nullptr : it->second;
+}
 
 std::shared_ptr<Reducer> find_reducer(std::int64_t id) {
   std::lock_guard<std::mutex> lock(registry_mu);
@@ -231,6 +245,156 @@ void finish_compute(void* kernel, TF_OpKernelContext* ctx) {
   TF_DeleteStatus(status);
 }
 
+// -- TntSend, TntRecv, TntWaitSends ---------------------------------------------------------
+
+struct P2pKernel {
+  std::int64_t channel = 0;
+  std::int64_t peer = 0;
+  std::int64_t tag = 0;
+  TF_DataType dtype = TF_FLOAT;     // TntRecv
+  std::vector<std::int64_t> shape;  // TntRecv
+};
+
+// The kernel's channel, or null after failing the kernel with why it is gone.
+std::shared_ptr<Channel> channel_or_fail(TF_OpKernelContext* ctx, std::int64_t id) {
+  auto channel = find_channel(id);
+  if (!channel) {
+    fail(ctx, TF_FAILED_PRECONDITION,
+         "tarantella's point-to-point channel " + std::to_string(id) +
+             " is gone (its backend was closed); trace the function again");
+  }
+  return channel;
+}
+
+void* p2p_create(TF_OpKernelConstruction* ctx) {
+  auto* k = new P2pKernel;
+  TF_Status* status = TF_NewStatus();
+  TF_OpKernelConstruction_GetAttrInt64(ctx, "channel", &k->channel, status);
+  if (TF_GetCode(status) == TF_OK) TF_OpKernelConstruction_GetAttrInt64(ctx, "peer", &k->peer, status);
+  if (TF_GetCode(status) == TF_OK) TF_OpKernelConstruction_GetAttrInt64(ctx, "tag", &k->tag, status);
+  if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
+  TF_DeleteStatus(status);
+  return k;
+}
+
+void* recv_create(TF_OpKernelConstruction* ctx) {
+  auto* k = static_cast<P2pKernel*>(p2p_create(ctx));
+  TF_Status* status = TF_NewStatus();
+  TF_OpKernelConstruction_GetAttrType(ctx, "dtype", &k->dtype, status);
+  if (TF_GetCode(status) == TF_OK) k->shape = int_list_attr(ctx, "shape", status);
+  if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
+  TF_DeleteStatus(status);
+  return k;
+}
+
+void p2p_delete(void* kernel) { delete static_cast<P2pKernel*>(kernel); }
+
+void send_compute(void* kernel, TF_OpKernelContext* ctx) {
+  auto* k = static_cast<P2pKernel*>(kernel);
+  auto channel = channel_or_fail(ctx, k->channel);
+  if (!channel) return;
+  TF_Status* status = TF_NewStatus();
+  TF_Tensor* input = nullptr;
+  TF_GetInput(ctx, 0, &input, status);
+  if (TF_GetCode(status) != TF_OK) {
+    TF_OpKernelContext_Failure(ctx, status);
+    TF_DeleteStatus(status);
+    return;
+  }
+  std::int64_t token = 0;
+  // the input (a reference to the tensor's buffer) lives until the backend has sent it
+  const std::string error = channel->send(
+      TF_TensorData(input), static_cast<std::int64_t>(TF_TensorByteSize(input)),
+      static_cast<std::int32_t>(k->peer), k->tag, [input] { TF_DeleteTensor(input); }, &token);
+  if (!error.empty()) {
+    TF_DeleteStatus(status);
+    fail(ctx, TF_ABORTED, error);
+    return;
+  }
+  TF_Tensor* out = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, sizeof(std::int64_t), status);
+  if (TF_GetCode(status) == TF_OK) {
+    *static_cast<std::int64_t*>(TF_TensorData(out)) = token;
+  } else {
+    TF_OpKernelContext_Failure(ctx, status);
+  }
+  if (out != nullptr) TF_DeleteTensor(out);
+  TF_DeleteStatus(status);
+}
+
+void recv_compute(void* kernel, TF_OpKernelContext* ctx) {
+  auto* k = static_cast<P2pKernel*>(kernel);
+  auto channel = channel_or_fail(ctx, k->channel);
+  if (!channel) return;
+  std::int64_t count = 1;
+  for (auto d : k->shape) count *= d;
+  const std::size_t bytes = static_cast<std::size_t>(count) * TF_DataTypeSize(k->dtype);
+  std::shared_ptr<Buffer> buffer;
+  try {
+    buffer = std::make_shared<Buffer>(bytes, /*zeroed=*/false);
+  } catch (const std::bad_alloc&) {
+    fail(ctx, TF_RESOURCE_EXHAUSTED, "TntRecv: out of memory for " + std::to_string(bytes) + " bytes");
+    return;
+  }
+  const std::string error = channel->recv(buffer, static_cast<std::int32_t>(k->peer), k->tag);
+  if (!error.empty()) {
+    fail(ctx, TF_ABORTED, error);
+    return;
+  }
+  TF_Status* status = TF_NewStatus();
+  // the tensor keeps the receive buffer alive
+  TF_Tensor* t = TF_NewTensor(k->dtype, k->shape.data(), static_cast<int>(k->shape.size()),
+                              buffer->data(), bytes, &release_buffer,
+                              new std::shared_ptr<Buffer>(buffer));
+  TF_SetOutput(ctx, 0, t, status);
+  TF_DeleteTensor(t);
+  if (TF_GetCode(status) != TF_OK) TF_OpKernelContext_Failure(ctx, status);
+  TF_DeleteStatus(status);
+}
+
+void* wait_create(TF_OpKernelConstruction* ctx) {
+  auto* k = new P2pKernel;
+  TF_Status* status = TF_NewStatus();
+  TF_OpKernelConstruction_GetAttrInt64(ctx, "channel", &k->channel, status);
+  if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
+  TF_DeleteStatus(status);
+  return k;
+}
+
+void wait_compute(void* kernel, TF_OpKernelContext* ctx) {
+  auto* k = static_cast<P2pKernel*>(kernel);
+  auto channel = channel_or_fail(ctx, k->channel);
+  if (!channel) return;
+  TF_Status* status = TF_NewStatus();
+  std::vector<std::int64_t> tokens;
+  const int n = TF_NumInputs(ctx);
+  for (int i = 0; i < n; ++i) {
+    TF_Tensor* t = nullptr;
+    TF_GetInput(ctx, i, &t, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TF_OpKernelContext_Failure(ctx, status);
+      TF_DeleteStatus(status);
+      return;
+    }
+    const auto* values = static_cast<const std::int64_t*>(TF_TensorData(t));
+    tokens.insert(tokens.end(), values, values + TF_TensorElementCount(t));
+    TF_DeleteTensor(t);
+  }
+  const std::string error = channel->wait_sends(tokens);
+  if (!error.empty()) {
+    TF_DeleteStatus(status);
+    fail(ctx, TF_ABORTED, error);
+    return;
+  }
+  TF_Tensor* out = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, sizeof(std::int64_t), status);
+  if (TF_GetCode(status) == TF_OK) {
+    *static_cast<std::int64_t*>(TF_TensorData(out)) = static_cast<std::int64_t>(tokens.size());
+  } else {
+    TF_OpKernelContext_Failure(ctx, status);
+  }
+  if (out != nullptr) TF_DeleteTensor(out);
+  TF_DeleteStatus(status);
+}
+
 // -- registration ---------------------------------------------------------------------------
 
 void scalar_shape(TF_ShapeInferenceContext* ctx, TF_Status* status) {
@@ -276,6 +440,56 @@ __attribute__((constructor)) void register_ops() {
   TF_OpDefinitionBuilderSetIsStateful(finish, true);
   TF_RegisterOpDefinition(finish, status);
   check(status, "TntFinishReduce");
+
+  // point-to-point moves bytes: any fixed-size type
+  const char* p2p_types = "{half, bfloat16, float, double, int8, uint8, int16, uint16, int32, "
+                          "uint32, int64, uint64, bool, complex64, complex128}";
+  TF_OpDefinitionBuilder* send = TF_NewOpDefinitionBuilder("TntSend");
+  TF_OpDefinitionBuilderAddInput(send, "tensor: T");
+  TF_OpDefinitionBuilderAddOutput(send, "token: int64");
+  TF_OpDefinitionBuilderAddAttr(send, (std::string("T: ") + p2p_types).c_str());
+  TF_OpDefinitionBuilderAddAttr(send, "channel: int");
+  TF_OpDefinitionBuilderAddAttr(send, "peer: int");
+  TF_OpDefinitionBuilderAddAttr(send, "tag: int");
+  TF_OpDefinitionBuilderSetIsStateful(send, true);
+  TF_OpDefinitionBuilderSetShapeInferenceFunction(send, &scalar_shape);
+  TF_RegisterOpDefinition(send, status);
+  check(status, "TntSend");
+
+  TF_OpDefinitionBuilder* recv = TF_NewOpDefinitionBuilder("TntRecv");
+  TF_OpDefinitionBuilderAddOutput(recv, "tensor: dtype");
+  TF_OpDefinitionBuilderAddAttr(recv, (std::string("dtype: ") + p2p_types).c_str());
+  TF_OpDefinitionBuilderAddAttr(recv, "shape: list(int)");
+  TF_OpDefinitionBuilderAddAttr(recv, "channel: int");
+  TF_OpDefinitionBuilderAddAttr(recv, "peer: int");
+  TF_OpDefinitionBuilderAddAttr(recv, "tag: int");
+  TF_OpDefinitionBuilderSetIsStateful(recv, true);
+  TF_RegisterOpDefinition(recv, status);
+  check(status, "TntRecv");
+
+  TF_OpDefinitionBuilder* wait = TF_NewOpDefinitionBuilder("TntWaitSends");
+  TF_OpDefinitionBuilderAddInput(wait, "tokens: N * int64");
+  TF_OpDefinitionBuilderAddOutput(wait, "count: int64");
+  TF_OpDefinitionBuilderAddAttr(wait, "N: int >= 1");
+  TF_OpDefinitionBuilderAddAttr(wait, "channel: int");
+  TF_OpDefinitionBuilderSetIsStateful(wait, true);
+  TF_OpDefinitionBuilderSetShapeInferenceFunction(wait, &scalar_shape);
+  TF_RegisterOpDefinition(wait, status);
+  check(status, "TntWaitSends");
+
+  struct {
+    const char* name;
+    void* (*create)(TF_OpKernelConstruction*);
+    void (*compute)(void*, TF_OpKernelContext*);
+  } p2p_kernels[] = {{"TntSend", &p2p_create, &send_compute},
+                     {"TntRecv", &recv_create, &recv_compute},
+                     {"TntWaitSends", &wait_create, &wait_compute}};
+  for (const auto& kernel : p2p_kernels) {
+    TF_KernelBuilder* builder =
+        TF_NewKernelBuilder(kernel.name, "CPU", kernel.create, kernel.compute, &p2p_delete);
+    TF_RegisterKernelBuilder(kernel.name, builder, status);
+    check(status, kernel.name);
+  }
 
   TF_KernelBuilder* push_kernel =
       TF_NewKernelBuilder("TntPushBucket", "CPU", &push_create, &push_compute, &push_delete);
@@ -330,6 +544,42 @@ __attribute__((visibility("default"))) std::int64_t tnt_reducer_create(
     std::snprintf(err, static_cast<std::size_t>(errlen), "%s", e.what());
     return 0;
   }
+}
+
+// A point-to-point channel over `comm` (a backend's checked native table); its id (> 0), or
+// 0 with the reason in err (a table without point-to-point: ABI 1).
+__attribute__((visibility("default"))) std::int64_t tnt_channel_create(
+    const tnt_native_comm* comm, double timeout_s,
+    void (*failed)(void*, const char*, char*, std::int64_t), void* hook_arg, char* err,
+    std::int64_t errlen) {
+  using namespace tnt_keras;
+  try {
+    if (comm == nullptr || !tnt_native_comm_has_p2p(comm)) {
+      std::snprintf(err, static_cast<std::size_t>(errlen),
+                    "the backend's native table is ABI %u (%u bytes): it has no point-to-point "
+                    "(ABI %d)", comm ? comm->abi_version : 0u, comm ? comm->struct_size : 0u,
+                    TNT_NATIVE_COMM_ABI_P2P);
+      return 0;
+    }
+    PythonHooks hooks;
+    hooks.failed = failed;
+    hooks.arg = hook_arg;
+    auto channel = std::make_shared<Channel>(comm, timeout_s, hooks);
+    std::lock_guard<std::mutex> lock(registry_mu);
+    const std::int64_t id = next_id++;
+    channels.emplace(id, std::move(channel));
+    return id;
+  } catch (const std::exception& e) {
+    std::snprintf(err, static_cast<std::size_t>(errlen), "%s", e.what());
+    return 0;
+  }
+}
+
+// Forget a channel; kernels that still name it fail with a message. In-flight sends and
+// receives keep it alive until they complete.
+__attribute__((visibility("default"))) void tnt_channel_destroy(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(tnt_keras::registry_mu);
+  tnt_keras::channels.erase(id);
 }
 
 // Forget a reducer; kernels that still name it fail with a message. In-flight allreduces

@@ -1,6 +1,8 @@
 """The native gradient path (tarantella's TensorFlow ops over the backend's native table)
 gives the Python path's bits, for DATA's step and for a pipeline stage's replicas (a group
-of the job), and a failing or hung peer ends it as it ends the Python path.
+of the job), and a failing or hung peer ends it as it ends the Python path. The
+point-to-point ops move every dtype bit for bit, and a receive from a dead peer fails with
+CommError.
 
 Runs on the launchable backends that offer the native hand-off (gloo); with none, the
 module is skipped and says why.
@@ -8,6 +10,7 @@ module is skipped and says why.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -127,3 +130,31 @@ def test_ranks_with_different_bucket_plans_both_raise_the_mismatch(tmp_path):
         text = (tmp_path / f"mismatch-rank{rank}.txt").read_text()
         assert text.startswith("CollectiveMismatchError: "), text
         assert "fused allreduce plan" in text, text
+
+
+def test_point_to_point_ops_move_the_bits_and_a_dead_peer_fails_the_receive(tmp_path):
+    """One 2-rank job: tensors of 8 dtypes (random bits, NaN payloads included) and shapes
+    (a scalar, an empty one, 600 KB) both ways inside one tf.function, called twice; then a
+    receive from a rank that SIGKILLs itself raises CommError, long before TNT_TIMEOUT_S."""
+    timeout_s = 60
+    result = launch_ranks([str(WORKERS / "native_worker.py"), str(tmp_path), "p2p"], 2,
+                          backend=NATIVE[0], timeout=300, tnt_timeout_s=timeout_s, env=QUIET)
+    assert not result.timed_out, result.describe()
+    rank0, rank1 = result.ranks
+    assert rank1.returncode == -9, result.describe()
+    assert rank0.returncode == 0, result.describe()
+    got = {r: dict(np.load(tmp_path / f"p2p-rank{r}.npz")) for r in (0, 1)}
+    for r in (0, 1):
+        assert got[r]["traces"].tolist() == 1
+        sent_keys = sorted(k for k in got[r] if k.startswith("sent_"))
+        assert len(sent_keys) == 2 * 10
+        for key in sent_keys:
+            received = got[1 - r][key.replace("sent_", "got_")]
+            np.testing.assert_array_equal(received, got[r][key], err_msg=f"rank {r}'s {key}")
+            assert got[r][key].size or "_4" in key  # only the empty int64 case has no bytes
+    dtypes = {str(got[0][f"dtype_0_{i}"]) for i in range(10)}
+    assert dtypes == {"float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool"}
+    dead = json.loads((tmp_path / "p2p-dead-peer.json").read_text())
+    assert dead["type"] == "CommError", dead
+    assert "native recv from 1 tag 999" in dead["message"], dead
+    assert dead["seconds"] < timeout_s / 2, dead

@@ -10,6 +10,10 @@ the conformance suite uses; a framework's op library calls it from C. With the t
 gets the job's stall ledger (``include/tnt_stall_ledger.h``, :attr:`NativeComm.ledger`),
 in which it numbers the allreduces it starts and marks its waits, so that the stall
 inspector sees them as it sees the Python path's.
+
+ABI versions only append fields (the header says which version added what): ABI 1 has
+``allreduce_async``, ABI 2 adds point-to-point (``send_async``, ``recv_async``, ``abort``).
+A table of either is accepted; :attr:`NativeComm.has_p2p` says whether it has the second.
 """
 
 from __future__ import annotations
@@ -26,11 +30,16 @@ from .backend import REDUCE_OPS, SUPPORTED_DTYPES, check_op
 from .errors import TntError
 from .stall import Ledger
 
-__all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "OP_CODES", "NativeComm", "include_dir",
-           "native_comm"]
+__all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "MAX_TAG", "OP_CODES", "P2P_ABI_VERSION",
+           "NativeComm", "include_dir", "native_comm"]
 
 CAPSULE_NAME = "tnt_native_comm"
-ABI_VERSION = 1
+#: the version this tnt-core writes and reads (``TNT_NATIVE_COMM_ABI_VERSION``)
+ABI_VERSION = 2
+#: the first version with point-to-point (``TNT_NATIVE_COMM_ABI_P2P``)
+P2P_ABI_VERSION = 2
+#: the largest point-to-point tag of the table (``TNT_NATIVE_MAX_TAG``)
+MAX_TAG = 2**31 - 1
 #: ``tnt_native_dtype``: tnt_core.SUPPORTED_DTYPES numbered from 1
 DTYPE_CODES: dict[np.dtype, int] = {d: i + 1 for i, d in enumerate(SUPPORTED_DTYPES)}
 #: ``tnt_native_op``: tnt_core.REDUCE_OPS numbered from 0
@@ -42,10 +51,25 @@ _ALLREDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_
                                  ctypes.c_char_p, ctypes.c_int64)
 
 
-class _Table(ctypes.Structure):
+_SEND_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                            ctypes.c_int32, ctypes.c_int64, DONE_FN, ctypes.c_void_p,
+                            ctypes.c_char_p, ctypes.c_int64)
+_RECV_FN = _SEND_FN
+_ABORT_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
+
+
+class _TableV1(ctypes.Structure):
+    """ABI 1: what every version starts with."""
+
     _fields_ = [("abi_version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
                 ("self", ctypes.c_void_p), ("rank", ctypes.c_int32), ("size", ctypes.c_int32),
                 ("allreduce_async", _ALLREDUCE_FN)]
+
+
+class _Table(_TableV1):
+    """ABI 2: point-to-point appended (read only when :attr:`NativeComm.has_p2p`)."""
+
+    _fields_ = [("send_async", _SEND_FN), ("recv_async", _RECV_FN), ("abort", _ABORT_FN)]
 
 
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -77,8 +101,14 @@ class NativeComm:
         #: 0 when there is none (one rank, or a backend the runtime did not wrap)
         self.ledger: int = ledger.address if ledger is not None else 0
         self.address: int = _get_pointer(capsule, CAPSULE_NAME.encode())
-        self._table = _Table.from_address(self.address)
-        self.rank, self.size = int(self._table.rank), int(self._table.size)
+        head = _TableV1.from_address(self.address)
+        #: the producer's ABI version and struct size
+        self.abi_version, self.struct_size = int(head.abi_version), int(head.struct_size)
+        #: whether the table has point-to-point (ABI 2: send_async, recv_async, abort)
+        self.has_p2p = (self.abi_version >= P2P_ABI_VERSION
+                        and self.struct_size >= ctypes.sizeof(_Table))
+        self._table = _Table.from_address(self.address) if self.has_p2p else head
+        self.rank, self.size = int(head.rank), int(head.size)
         self._pending: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._next = 0
@@ -97,17 +127,7 @@ class NativeComm:
         if code is None:
             raise TypeError(f"the native allreduce takes {', '.join(map(str, SUPPORTED_DTYPES))}, "
                             f"not {buf.dtype}")
-        with self._lock:
-            key, self._next = self._next, self._next + 1
-
-        def finished(_arg: Any, error: bytes | None) -> None:
-            with self._lock:
-                self._pending.pop(key, None)
-            done(None if error is None else error.decode(errors="replace"))
-
-        callback = DONE_FN(finished)
-        with self._lock:
-            self._pending[key] = (buf, callback)  # alive until the backend is done with them
+        key, callback = self._keep(buf, done)  # alive until the backend is done with them
         err = ctypes.create_string_buffer(512)
         if self._ledger is not None:
             self._ledger.enter()
@@ -119,13 +139,68 @@ class NativeComm:
             raise TntError(f"the {self.backend_name!r} backend refused a native allreduce: "
                            f"{err.value.decode(errors='replace') or f'code {rc}'}")
 
+    def _keep(self, buf: np.ndarray, done: Callable[[str | None], None]) -> tuple[int, Any]:
+        """A C callback that runs ``done`` and keeps ``buf`` and itself alive until then."""
+        with self._lock:
+            key, self._next = self._next, self._next + 1
+
+        def finished(_arg: Any, error: bytes | None) -> None:
+            with self._lock:
+                self._pending.pop(key, None)
+            done(None if error is None else error.decode(errors="replace"))
+
+        callback = DONE_FN(finished)
+        with self._lock:
+            self._pending[key] = (buf, callback)
+        return key, callback
+
+    def _p2p(self, which: str, buf: np.ndarray, peer: int, tag: int,
+             done: Callable[[str | None], None]) -> None:
+        if not self.has_p2p:
+            raise TntError(f"the {self.backend_name!r} backend's native table is ABI "
+                           f"{self.abi_version}: it has no point-to-point (ABI {P2P_ABI_VERSION})")
+        send = which == "send"
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous \
+                or not (send or buf.flags.writeable):
+            raise TypeError(f"the native {which} takes a {'' if send else 'writable '}"
+                            "C-contiguous numpy array")
+        key, callback = self._keep(buf, done)
+        err = ctypes.create_string_buffer(512)
+        entry = self._table.send_async if send else self._table.recv_async
+        rc = entry(self._table.self, buf.ctypes.data, buf.nbytes, peer, tag, callback, None, err,
+                   len(err))
+        if rc != 0:
+            with self._lock:
+                self._pending.pop(key, None)
+            raise TntError(f"the {self.backend_name!r} backend refused a native {which}: "
+                           f"{err.value.decode(errors='replace') or f'code {rc}'}")
+
+    def send_async(self, buf: np.ndarray, peer: int, tag: int,
+                   done: Callable[[str | None], None]) -> None:
+        """Call the table's ``send_async`` on ``buf`` (kept alive until ``done``). For tests
+        and tools, as :meth:`allreduce_async`; raises TntError without point-to-point."""
+        self._p2p("send", buf, peer, tag, done)
+
+    def recv_async(self, buf: np.ndarray, peer: int, tag: int,
+                   done: Callable[[str | None], None]) -> None:
+        """Call the table's ``recv_async`` into ``buf`` (kept alive until ``done``)."""
+        self._p2p("recv", buf, peer, tag, done)
+
+    def abort(self, reason: str) -> None:
+        """Call the table's ``abort``: the communicator fails with ``reason``."""
+        if not self.has_p2p:
+            raise TntError(f"the {self.backend_name!r} backend's native table is ABI "
+                           f"{self.abi_version}: it has no abort (ABI {P2P_ABI_VERSION})")
+        self._table.abort(self._table.self, reason.encode(errors="replace"))
+
 
 def native_comm(backend: Any) -> NativeComm | None:
     """The backend's native table, checked against this ABI, or None when it offers none.
+    A table of ABI 1 (no point-to-point) is accepted: :attr:`NativeComm.has_p2p` is False.
 
-    Raises :class:`~tnt_core.TntError` for a capsule this ABI cannot use (another name or
-    major version, ranks that are not the backend's): that is the backend's bug, and the
-    Python path would hide it.
+    Raises :class:`~tnt_core.TntError` for a capsule this ABI cannot use (another name, a
+    version or size below ABI 1's, ranks that are not the backend's): that is the backend's
+    bug, and the Python path would hide it.
     """
     method = getattr(backend, "native_comm", None)
     capsule = method() if callable(method) else None
@@ -137,11 +212,10 @@ def native_comm(backend: Any) -> NativeComm | None:
                        f"not a PyCapsule named {CAPSULE_NAME!r}")
     ledger = getattr(backend, "ledger", None)  # a WatchedBackend's: the stall inspector's
     table = NativeComm(capsule, name, ledger if isinstance(ledger, Ledger) else None)
-    raw = table._table  # noqa: SLF001 - read once here, the checks of this function
-    if raw.abi_version != ABI_VERSION or raw.struct_size < ctypes.sizeof(_Table):
-        raise TntError(f"the {name!r} backend's native table is ABI {raw.abi_version} "
-                       f"({raw.struct_size} bytes); this tnt-core takes ABI {ABI_VERSION} "
-                       f"(at least {ctypes.sizeof(_Table)} bytes): upgrade one to match the other")
+    if table.abi_version < 1 or table.struct_size < ctypes.sizeof(_TableV1):
+        raise TntError(f"the {name!r} backend's native table is ABI {table.abi_version} "
+                       f"({table.struct_size} bytes); this tnt-core takes ABI 1 to {ABI_VERSION} "
+                       f"(at least {ctypes.sizeof(_TableV1)} bytes): upgrade one to match the other")
     if (table.rank, table.size) != (backend.rank, backend.size):
         raise TntError(f"the {name!r} backend's native table says rank {table.rank} of "
                        f"{table.size}, the backend rank {backend.rank} of {backend.size}")

@@ -18,6 +18,16 @@ its waits there (``tnt_stall_ledger.h``, given with the table).
 Where the backend offers no table (a third-party backend, the loopback example, MPI), or
 ``TNT_NATIVE_OPS=false``, or the library cannot load, :mod:`tarantella.gradients` keeps the
 ``numpy_function`` path and logs once why.
+
+Point-to-point (:func:`point_to_point`, for the pipeline's stages): three more ops over the
+table's ``send_async``/``recv_async`` (ABI 2). ``TntSend`` starts sending a tensor and
+returns a token at once (the op keeps the tensor until it is sent), ``TntRecv`` receives a
+tensor of a given dtype and shape (blocking its TensorFlow thread until it is there, the
+peer is known dead, or ``TNT_TIMEOUT_S`` passed), ``TntWaitSends`` waits for sends by their
+tokens. Their messages are the backend's ``send_async``/``recv_async`` messages: one stream
+per (peer, tag) whichever path sends or receives, tags in ``[0, 2**31)``, apart from every
+collective's traffic. A table of ABI 1 has no point-to-point: :func:`point_to_point` returns
+None and the caller keeps its Python path.
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ import tnt_core
 
 from .log import logger
 
-__all__ = ["NativeReducer", "native_table", "unavailable_reason"]
+__all__ = ["NativeReducer", "PointToPoint", "native_table", "p2p_unavailable_reason",
+           "point_to_point", "unavailable_reason"]
 
 _LIBRARY_NAME = "_tnt_tf_ops"
 _AGREE_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
@@ -94,6 +105,11 @@ def _load() -> tuple[Any, ctypes.CDLL] | None:
         lib.tnt_reducer_times.restype = ctypes.c_int32
         lib.tnt_reducer_times.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_double),
                                           ctypes.c_int32]
+        lib.tnt_channel_create.restype = ctypes.c_int64
+        lib.tnt_channel_create.argtypes = [ctypes.c_void_p, ctypes.c_double, _FAILED_FN,
+                                           ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
+        lib.tnt_channel_destroy.restype = None
+        lib.tnt_channel_destroy.argtypes = [ctypes.c_int64]
         _loaded = (ops, lib)
         return _loaded
 
@@ -126,11 +142,11 @@ def native_table(backend: tnt_core.CommBackend) -> tnt_core.NativeComm | None:
     return _tables[backend]
 
 
-def tell_once(why: str | None) -> None:
-    """One log line per process saying which path the gradients take, and why."""
-    line = ("gradients take the native path (tarantella's TensorFlow ops, no Python in the step)"
-            if why is None else
-            f"gradients take the Python path (one tf.numpy_function per bucket): {why}")
+def tell_once(why: str | None, *, what: str = "gradients",
+              python_path: str = "one tf.numpy_function per bucket") -> None:
+    """One log line per process saying which path ``what`` takes, and why."""
+    line = (f"{what} take the native path (tarantella's TensorFlow ops, no Python in the step)"
+            if why is None else f"{what} take the Python path ({python_path}): {why}")
     if line not in _told:
         _told.add(line)
         # the backend's or the install's shortfall costs speed: said where users see it;
@@ -170,6 +186,24 @@ def _write(out: int, size: int, text: str) -> None:
     ctypes.memmove(out, data, len(data))
 
 
+def _failure_hook(backend: tnt_core.CommBackend) -> Any:
+    """The C hook through which the op library reports a communication failure: it becomes
+    the process's CommError (with the stall inspector's diagnosis when a wait is marked),
+    recorded for :func:`original`, and its wording goes back to C."""
+
+    def failed(_arg: Any, message: bytes, out: int, outlen: int) -> None:
+        text = message.decode(errors="replace")
+        exc = tnt_core.CommError(text)  # the process's first CommError names the culprit
+        if isinstance(backend, tnt_core.WatchedBackend):
+            # a failed wait is still marked in the ledger: the stall inspector says who
+            # did not arrive, here and in the launcher's last line
+            exc = backend.explained(exc)
+        _recorded.append(exc)
+        _write(out, outlen, str(exc))
+
+    return _FAILED_FN(failed)
+
+
 class NativeReducer:
     """One bucket plan on the native path: the C reducer and the graph ops that feed it.
 
@@ -203,17 +237,7 @@ class NativeReducer:
                 _write(err, errlen, str(exc))
                 return 1
 
-        def failed(_arg: Any, message: bytes, out: int, outlen: int) -> None:
-            text = message.decode(errors="replace")
-            exc = tnt_core.CommError(text)  # the process's first CommError names the culprit
-            if isinstance(backend, tnt_core.WatchedBackend):
-                # a failed wait is still marked in the ledger: the stall inspector says who
-                # did not arrive, here and in the launcher's last line
-                exc = backend.explained(exc)
-            _recorded.append(exc)
-            _write(out, outlen, str(exc))
-
-        self._hooks = (_AGREE_FN(agree), _FAILED_FN(failed))  # alive as long as the reducer
+        self._hooks = (_AGREE_FN(agree), _failure_hook(backend))  # alive as long as the reducer
         buckets = plan.buckets
         dtypes = (ctypes.c_int32 * len(buckets))(*[tnt_core.native.DTYPE_CODES[b.dtype] for b in buckets])
         sizes = (ctypes.c_int64 * len(buckets))(*[b.size for b in buckets])
@@ -269,3 +293,137 @@ class NativeReducer:
                               times[3 * i + 2] or time.perf_counter(), bytes=bucket.nbytes,
                               dtype=str(bucket.dtype), tensors=len(bucket.tensor_ids))
         return max(times[3 * i + 2] for i in range(len(self.plan.buckets)))
+
+
+# -- point-to-point ---------------------------------------------------------------------------
+
+#: the dtypes the point-to-point ops move (``TntSend``/``TntRecv``: bytes of any fixed size)
+P2P_DTYPES = frozenset(tf.as_dtype(d) for d in (
+    "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
+    "uint32", "int64", "uint64", "bool", "complex64", "complex128"))
+
+
+def p2p_unavailable_reason(runtime: tnt_core.Runtime,
+                           backend: tnt_core.CommBackend | None = None) -> str | None:
+    """Why sends and receives over ``backend`` (the job's by default, or a group of it)
+    cannot take the native ops, or None when they can."""
+    backend = runtime.backend if backend is None else backend
+    why = unavailable_reason(runtime, backend)
+    if why is not None:
+        return why
+    table = native_table(backend)
+    if table is not None and not table.has_p2p:
+        return (f"the {backend.name!r} backend's native hand-off is ABI {table.abi_version}, "
+                f"without point-to-point (ABI {tnt_core.native.P2P_ABI_VERSION})")
+    return None
+
+
+#: backend -> its channel, made once (weak, as the tables)
+_channels: weakref.WeakKeyDictionary[Any, PointToPoint] = weakref.WeakKeyDictionary()
+
+
+def point_to_point(runtime: tnt_core.Runtime,
+                   backend: tnt_core.CommBackend | None = None) -> PointToPoint | None:
+    """Sends and receives over ``backend`` (the job's by default, or a group of it) as
+    TensorFlow ops, or None when they cannot take the native path: then the caller keeps
+    its Python path, and one log line per process says why."""
+    backend = runtime.backend if backend is None else backend
+    channel = _channels.get(backend)
+    if channel is None:
+        why = p2p_unavailable_reason(runtime, backend)
+        tell_once(why, what="sends and receives between stages",
+                  python_path="send_async/recv_async on numpy arrays")
+        if why is not None:
+            return None
+        channel = _channels[backend] = PointToPoint(runtime, backend)
+    return channel
+
+
+class PointToPoint:
+    """Sends and receives over a backend's native table as graph ops: no Python, no GIL
+    and no copy into numpy on the way. Use :func:`point_to_point` (None where the backend
+    cannot). Inside a ``tf.function`` the ops run when their inputs exist, in no order of
+    their own: order a receive after the sends its peer waits for (control dependencies on
+    their tokens; a send returns at once), and messages of one (peer, tag) in the order
+    they must match. A receive blocks the TensorFlow thread it runs on until its message is
+    there (TensorFlow's C API has no asynchronous kernel that can finish after it returned),
+    so receives scheduled before the sends that feed their peers could hold every thread of
+    TensorFlow's pool.
+
+    Failures (a dead peer, a message of another size, ``TNT_TIMEOUT_S``) fail the op with
+    the process's ``CommError`` as its message; :func:`original` maps TensorFlow's
+    exception back to it (Keras' methods of tarantella's models raise it).
+    """
+
+    def __init__(self, runtime: tnt_core.Runtime, backend: tnt_core.CommBackend) -> None:
+        loaded = _load()
+        table = native_table(backend)
+        if loaded is None or table is None or not table.has_p2p:
+            raise tnt_core.TntError(p2p_unavailable_reason(runtime, backend)
+                                    or "native point-to-point is unavailable")
+        self._ops, self._lib = loaded
+        self.backend = backend
+        self._table = table  # keeps the backend's capsule, and so its communicator, alive
+        self._hook = _failure_hook(backend)
+        err = ctypes.create_string_buffer(1024)
+        self.id = int(self._lib.tnt_channel_create(table.address,
+                                                   float(runtime.config.timeout_s or 0.0),
+                                                   self._hook, None, err, len(err)))
+        if self.id == 0:
+            raise tnt_core.TntError(f"could not make the native point-to-point channel: "
+                                    f"{err.value.decode()}")
+        self._destroy = self._lib.tnt_channel_destroy
+
+    def __del__(self) -> None:
+        destroy = getattr(self, "_destroy", None)
+        if destroy is not None:
+            destroy(self.id)
+
+    def _check(self, operation: str, peer: int, tag: int) -> tuple[int, int]:
+        peer, tag = tnt_core.check_peer(peer, self.backend.size, operation, tag)
+        if tag > tnt_core.native.MAX_TAG:
+            raise ValueError(f"{operation}: tag must be <= {tnt_core.native.MAX_TAG}, got {tag}")
+        return peer, tag
+
+    def _dtype(self, operation: str, dtype: Any) -> tf.DType:
+        try:
+            dtype = tf.as_dtype(dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in P2P_DTYPES:
+            raise TypeError(f"{operation}: the dtype must be one of "
+                            f"{sorted(d.name for d in P2P_DTYPES)}, got {dtype!r}")
+        return dtype
+
+    def send(self, tensor: Any, peer: int, tag: int) -> tf.Tensor:
+        """Start sending ``tensor`` to rank ``peer`` of the backend with ``tag``; returns
+        at once an int64 scalar token for :meth:`wait`. Messages to one (peer, tag) arrive
+        in the order sent."""
+        peer, tag = self._check("send", peer, tag)
+        tensor = tf.convert_to_tensor(tensor)
+        self._dtype("send", tensor.dtype)
+        return self._ops.tnt_send(tensor, channel=self.id, peer=peer, tag=tag,
+                                  name=f"tnt_send_to_{peer}_tag_{tag}")
+
+    def recv(self, shape: Sequence[int], dtype: Any, peer: int, tag: int) -> tf.Tensor:
+        """Receive the next message from rank ``peer`` with ``tag`` as a tensor of
+        ``shape`` and ``dtype`` (a message of another byte size fails it). Blocks its
+        TensorFlow thread until the message is there."""
+        peer, tag = self._check("recv", peer, tag)
+        dtype = self._dtype("recv", dtype)
+        dims = tf.TensorShape(shape)
+        if not dims.is_fully_defined():
+            raise ValueError(f"recv: the shape must be fully known, got {dims}")
+        out = self._ops.tnt_recv(dtype=dtype, shape=dims.as_list(), channel=self.id, peer=peer,
+                                 tag=tag, name=f"tnt_recv_from_{peer}_tag_{tag}")
+        out.set_shape(dims)
+        return out
+
+    def wait(self, tokens: Sequence[tf.Tensor]) -> tf.Tensor:
+        """Block until the sends of ``tokens`` (from :meth:`send`) are done, or raise their
+        failure: before a step returns, when a send's failure must be that step's. Returns
+        their number (an int64 scalar, for control dependencies)."""
+        tokens = [tf.convert_to_tensor(t, tf.int64) for t in tokens]
+        if not tokens:
+            return tf.constant(0, tf.int64)
+        return self._ops.tnt_wait_sends(tokens, channel=self.id, name="tnt_wait_sends")

@@ -18,10 +18,17 @@ Run on every rank of a launched job: ``python native_worker.py OUT_DIR CASE``.
 * ``mismatch``: the ranks are given different fusion thresholds (an operator's mistake), so
   their bucket plans differ: every rank must raise CollectiveMismatchError before any
   gradient moves, and write what it raised to ``OUT_DIR/mismatch-rank<r>.txt``.
+* ``p2p`` (2 ranks): tensors of several dtypes and shapes, random bits, sent both ways with
+  the point-to-point graph ops (``native_ops.point_to_point``) inside one ``tf.function``
+  called twice, two of them on one tag in order; each rank saves what it sent and received
+  as bytes (``OUT_DIR/p2p-rank<r>.npz``). Then rank 1 SIGKILLs itself while rank 0 waits in
+  a receive from it: rank 0 saves what that receive raised and when
+  (``OUT_DIR/p2p-dead-peer.json``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -33,9 +40,11 @@ if sys.argv[2:3] == ["mismatch"] and os.environ.get("TNT_RANK") == "1":
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tarantella as tnt
 import tnt_core
+from tarantella import native_ops
 from tarantella.gradients import GradientReducer
 from tarantella.native_ops import NativeReducer
 from tarantella.partition import partition
@@ -144,5 +153,99 @@ def mismatch(out: Path) -> None:
     raise SystemExit("fit ran with different bucket plans on the ranks")
 
 
+#: (dtype, shape) of the tensors the ``p2p`` case exchanges
+P2P_CASES = [("float32", (3, 5)), ("float16", (17,)), ("bfloat16", (2, 3, 4)), ("float64", ()),
+             ("int64", (0,)), ("int32", (512, 300)), ("uint8", (4099,)), ("bool", (9,))]
+
+
+def _p2p_tensors(rank: int, round_: int) -> tuple[list, list]:
+    """The tensors rank ``rank`` sends in round ``round_``: random bits of each case's size
+    (NaN payloads and all), as TensorFlow tensors, and the same as bytes."""
+    rng = np.random.default_rng(100 * rank + round_)
+    tensors, raw = [], []
+    for dtype, shape in P2P_CASES:
+        width = 1 if dtype == "bool" else tf.as_dtype(dtype).size
+        n = int(np.prod(shape, dtype=np.int64))
+        if dtype == "bool":
+            t = tf.constant(rng.integers(0, 2, size=shape).astype(bool))
+        else:
+            bits = rng.integers(0, 256, size=n * width, dtype=np.uint8).view(f"u{width}").reshape(shape)
+            t = tf.constant(bits) if dtype == "uint8" else tf.bitcast(tf.constant(bits), tf.as_dtype(dtype))
+        tensors.append(t)
+        raw.append(_bytes_of(t))
+    return tensors, raw
+
+
+def _bytes_of(t) -> np.ndarray:
+    if t.dtype == tf.bool:
+        return tf.cast(t, tf.uint8).numpy().ravel().view(np.uint8)
+    width = t.dtype.size
+    unsigned = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32, 8: tf.uint64}[width]
+    return np.ascontiguousarray(tf.bitcast(t, unsigned).numpy()).ravel().view(np.uint8)
+
+
+def p2p(out: Path) -> None:
+    runtime = tnt_core.init()
+    rank, peer = runtime.rank, 1 - runtime.rank
+    pp = native_ops.point_to_point(runtime)
+    assert pp is not None, native_ops.p2p_unavailable_reason(runtime)
+    traces = []
+
+    @tf.function
+    def exchange(tensors, first, second):
+        traces.append(1)
+        tokens = [pp.send(t, peer, 100 + i) for i, t in enumerate(tensors)]
+        # two messages on one tag: the sends (and the receives) ordered in the graph
+        tokens.append(pp.send(first, peer, 7))
+        with tf.control_dependencies(tokens[-1:]):
+            tokens.append(pp.send(second, peer, 7))
+        # the receives after the sends: each blocks a TensorFlow thread while it waits, and
+        # the peer's receives wait for these sends
+        with tf.control_dependencies(tokens):
+            got = [pp.recv(shape, dtype, peer, 100 + i) for i, (dtype, shape) in enumerate(P2P_CASES)]
+            a = pp.recv(first.shape, first.dtype, peer, 7)
+        with tf.control_dependencies([a]):
+            b = pp.recv(second.shape, second.dtype, peer, 7)
+        with tf.control_dependencies([pp.wait(tokens)]):
+            return [tf.identity(g) for g in got] + [tf.identity(a), tf.identity(b)]
+
+    saved = {}
+    for round_ in range(2):
+        tensors, raw = _p2p_tensors(rank, round_)
+        first = tf.fill([1000], tf.constant(rank + 10 * round_, tf.int64))
+        second = tf.fill([3], tf.constant(-rank - 10 * round_, tf.int64))
+        got = exchange(tensors, first, second)
+        for i, (t, sent) in enumerate(zip(got, raw + [_bytes_of(first), _bytes_of(second)])):
+            saved[f"sent_{round_}_{i}"] = sent
+            saved[f"got_{round_}_{i}"] = _bytes_of(t)
+            saved[f"dtype_{round_}_{i}"] = np.array(t.dtype.name)
+            saved[f"shape_{round_}_{i}"] = np.array(t.shape.as_list(), np.int64)
+    saved["traces"] = np.array(len(traces))
+    np.savez(out / f"p2p-rank{rank}.npz", **saved)
+
+    @tf.function
+    def receive_from_the_dead():
+        return pp.recv((4,), tf.float32, peer, 999)
+
+    done = tf.function(lambda: pp.wait([pp.send(tf.zeros(1), peer, 998)]))
+    done()  # both ranks are here
+    pp.recv((1,), tf.float32, peer, 998)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 is waiting in its receive by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    report: dict = {}
+    try:
+        receive_from_the_dead()
+    except tf.errors.OpError as exc:
+        raised = native_ops.original(exc) or exc
+        report = {"type": type(raised).__name__, "message": str(raised),
+                  "seconds": time.monotonic() - t0}
+    else:
+        report = {"type": None, "seconds": time.monotonic() - t0}
+    (out / "p2p-dead-peer.json").write_text(json.dumps(report))
+
+
 if __name__ == "__main__":
-    {"train": train, "kill": kill, "hang": hang, "mismatch": mismatch}[sys.argv[2]](Path(sys.argv[1]))
+    {"train": train, "kill": kill, "hang": hang, "mismatch": mismatch,
+     "p2p": p2p}[sys.argv[2]](Path(sys.argv[1]))
