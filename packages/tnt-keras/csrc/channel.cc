@@ -113,10 +113,14 @@ std::string Channel::recv(const std::shared_ptr<Buffer>& buffer, std::int32_t pe
     delete arg;
     return failed(err[0] ? err : "the backend refused the receive");
   }
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout_);
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline =
+      started + std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout_);
   std::unique_lock<std::mutex> lock(mu_);
-  if (!recv_cv_.wait_until(lock, deadline, [&] { return state->done; })) {
+  const bool arrived = recv_cv_.wait_until(lock, deadline, [&] { return state->done; });
+  waited_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - started).count();
+  if (!arrived) {
     lock.unlock();
     std::ostringstream msg;
     msg << "rank " << comm_->rank << ": the receive from rank " << peer << " (tag " << tag

@@ -14,6 +14,7 @@
 // Python path does: the message it gave up on cannot be matched any more.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -52,6 +53,10 @@ class Channel : public std::enable_shared_from_this<Channel> {
 
   std::int32_t rank() const { return comm_->rank; }
 
+  // Seconds receives have spent blocked since the channel was made (what a stage's step
+  // waited for its neighbours: the pipeline benchmark reads it).
+  double waited_s() const { return static_cast<double>(waited_ns_.load()) * 1e-9; }
+
  private:
   struct SendDone;
   struct RecvDone;
@@ -68,6 +73,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::condition_variable send_cv_, recv_cv_;
   std::int64_t next_token_ = 1;
   std::set<std::int64_t> sending_;                 // tokens of sends not done yet
+  std::atomic<std::int64_t> waited_ns_{0};
   std::map<std::int64_t, std::string> send_errors_;  // tokens of sends that failed
 };
 

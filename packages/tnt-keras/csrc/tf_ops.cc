@@ -582,6 +582,13 @@ __attribute__((visibility("default"))) void tnt_channel_destroy(std::int64_t id)
   tnt_keras::channels.erase(id);
 }
 
+// Seconds the channel's receives have spent blocked (0 for an unknown id).
+__attribute__((visibility("default"))) double tnt_channel_waited(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(tnt_keras::registry_mu);
+  const auto found = tnt_keras::channels.find(id);
+  return found == tnt_keras::channels.end() ? 0.0 : found->second->waited_s();
+}
+
 // Forget a reducer; kernels that still name it fail with a message. In-flight allreduces
 // keep it alive until they complete.
 __attribute__((visibility("default"))) void tnt_reducer_destroy(std::int64_t id) {

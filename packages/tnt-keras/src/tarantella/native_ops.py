@@ -110,6 +110,8 @@ def _load() -> tuple[Any, ctypes.CDLL] | None:
                                            ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
         lib.tnt_channel_destroy.restype = None
         lib.tnt_channel_destroy.argtypes = [ctypes.c_int64]
+        lib.tnt_channel_waited.restype = ctypes.c_double
+        lib.tnt_channel_waited.argtypes = [ctypes.c_int64]
         _loaded = (ops, lib)
         return _loaded
 
@@ -418,6 +420,11 @@ class PointToPoint:
                                  tag=tag, name=f"tnt_recv_from_{peer}_tag_{tag}")
         out.set_shape(dims)
         return out
+
+    @property
+    def waited(self) -> float:
+        """Seconds this channel's receives have spent blocked since it was made."""
+        return float(self._lib.tnt_channel_waited(self.id))
 
     def wait(self, tokens: Sequence[tf.Tensor]) -> tf.Tensor:
         """Block until the sends of ``tokens`` (from :meth:`send`) are done, or raise their

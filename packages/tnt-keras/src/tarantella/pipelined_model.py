@@ -38,7 +38,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, arguments, losses, randomness, timeline
+from . import _keras_compat, arguments, losses, native_ops, randomness, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError
 from .files import writes_locally
@@ -267,7 +267,8 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             GradientReducer(state.runtime, f"stage{state.stage}_replicas", state.replicas)
         return StageStep(state.parts, state.stage, state.pipe, loss=loss, optimizer=optimizer,
                          num_micro_batches=state.num_micro_batches, replicas=replicas,
-                         regularise=state.replica == 0, timeline=timeline.get(state.runtime))
+                         regularise=state.replica == 0, timeline=timeline.get(state.runtime),
+                         native=native_ops.point_to_point(state.runtime, state.pipe))
 
     # -- the steps -------------------------------------------------------------------------------
 
