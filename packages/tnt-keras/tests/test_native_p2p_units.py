@@ -170,3 +170,24 @@ def test_a_receive_that_never_completes_fails_at_the_timeout_and_aborts(library)
     error = native_ops.original(raised.value)
     assert isinstance(error, tnt_core.CommError) and str(error) == want
     np.testing.assert_array_equal(got.numpy(), [[0, 1, 2], [3, 4, 5]])  # still its own buffer
+
+
+def test_an_op_library_older_than_the_module_falls_back_in_one_line(monkeypatch):
+    """A stale build (a symbol this module declares is missing) is a reason to keep the
+    Python path, said once, not an AttributeError from deep inside the first step."""
+
+    class Stale:
+        def __getattr__(self, name):
+            if name == "tnt_channel_create":
+                raise AttributeError(f"_tnt_tf_ops.so: undefined symbol: {name}")
+            return SimpleNamespace()
+
+    monkeypatch.setattr(native_ops, "_loaded", None)
+    monkeypatch.setattr(native_ops, "_load_error", None)
+    monkeypatch.setattr(native_ops.tf, "load_op_library", lambda path: object())
+    monkeypatch.setattr(native_ops.ctypes, "CDLL", lambda path: Stale())
+    monkeypatch.setattr(native_ops, "_library_path", lambda: native_ops.Path("/x/_tnt_tf_ops.so"))
+    assert native_ops._load() is None
+    assert native_ops._load_error.startswith("_tnt_tf_ops.so is older than this tarantella")
+    assert "undefined symbol: tnt_channel_create" in native_ops._load_error
+    assert "reinstall tnt-keras" in native_ops._load_error

@@ -95,25 +95,35 @@ def _load() -> tuple[Any, ctypes.CDLL] | None:
         except (tf.errors.OpError, OSError) as exc:
             _load_error = f"TensorFlow {tf.__version__} could not load {path.name}: {exc}"
             return None
-        lib.tnt_reducer_create.restype = ctypes.c_int64
-        lib.tnt_reducer_create.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
-            ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32, ctypes.c_double,
-            _AGREE_FN, _FAILED_FN, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
-        lib.tnt_reducer_destroy.restype = None
-        lib.tnt_reducer_destroy.argtypes = [ctypes.c_int64]
-        lib.tnt_reducer_times.restype = ctypes.c_int32
-        lib.tnt_reducer_times.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_double),
-                                          ctypes.c_int32]
-        lib.tnt_channel_create.restype = ctypes.c_int64
-        lib.tnt_channel_create.argtypes = [ctypes.c_void_p, ctypes.c_double, _FAILED_FN,
-                                           ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
-        lib.tnt_channel_destroy.restype = None
-        lib.tnt_channel_destroy.argtypes = [ctypes.c_int64]
-        lib.tnt_channel_waited.restype = ctypes.c_double
-        lib.tnt_channel_waited.argtypes = [ctypes.c_int64]
+        try:
+            _declare(lib)
+        except AttributeError as exc:  # a library built from older sources than this module
+            _load_error = (f"{path.name} is older than this tarantella ({exc}): reinstall "
+                           "tnt-keras so that its op library is rebuilt")
+            return None
         _loaded = (ops, lib)
         return _loaded
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C functions' signatures (an AttributeError names a missing one)."""
+    lib.tnt_reducer_create.restype = ctypes.c_int64
+    lib.tnt_reducer_create.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, ctypes.c_int32, ctypes.c_double,
+        _AGREE_FN, _FAILED_FN, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
+    lib.tnt_reducer_destroy.restype = None
+    lib.tnt_reducer_destroy.argtypes = [ctypes.c_int64]
+    lib.tnt_reducer_times.restype = ctypes.c_int32
+    lib.tnt_reducer_times.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_double),
+                                      ctypes.c_int32]
+    lib.tnt_channel_create.restype = ctypes.c_int64
+    lib.tnt_channel_create.argtypes = [ctypes.c_void_p, ctypes.c_double, _FAILED_FN,
+                                       ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
+    lib.tnt_channel_destroy.restype = None
+    lib.tnt_channel_destroy.argtypes = [ctypes.c_int64]
+    lib.tnt_channel_waited.restype = ctypes.c_double
+    lib.tnt_channel_waited.argtypes = [ctypes.c_int64]
 
 
 def unavailable_reason(runtime: tnt_core.Runtime,
