@@ -68,8 +68,9 @@ void Channel::on_send_done(void* arg, const char* error) {
 }
 
 std::string Channel::wait_sends(const std::vector<std::int64_t>& tokens) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout_);
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline =
+      started + std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout_);
   std::unique_lock<std::mutex> lock(mu_);
   auto pending = [&] {
     for (auto t : tokens) {
@@ -77,7 +78,10 @@ std::string Channel::wait_sends(const std::vector<std::int64_t>& tokens) {
     }
     return std::int64_t{0};
   };
-  if (!send_cv_.wait_until(lock, deadline, [&] { return pending() == 0; })) {
+  const bool sent = send_cv_.wait_until(lock, deadline, [&] { return pending() == 0; });
+  waited_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - started).count();
+  if (!sent) {
     std::ostringstream msg;
     msg << "rank " << comm_->rank << ": a native send (token " << pending()
         << ") did not complete within " << timeout_.count()

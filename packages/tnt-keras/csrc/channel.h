@@ -53,8 +53,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
 
   std::int32_t rank() const { return comm_->rank; }
 
-  // Seconds receives have spent blocked since the channel was made (what a stage's step
-  // waited for its neighbours: the pipeline benchmark reads it).
+  // Seconds receives and waits for sends have spent blocked since the channel was made
+  // (what a stage's step waited for its neighbours: the pipeline benchmark reads it).
   double waited_s() const { return static_cast<double>(waited_ns_.load()) * 1e-9; }
 
  private:

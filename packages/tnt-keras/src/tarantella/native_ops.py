@@ -433,7 +433,8 @@ class PointToPoint:
 
     @property
     def waited(self) -> float:
-        """Seconds this channel's receives have spent blocked since it was made."""
+        """Seconds this channel's receives and waits for sends have spent blocked since
+        it was made."""
         return float(self._lib.tnt_channel_waited(self.id))
 
     def wait(self, tokens: Sequence[tf.Tensor]) -> tf.Tensor:

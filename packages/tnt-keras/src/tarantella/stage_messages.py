@@ -59,8 +59,9 @@ class StageMessages:
 
     @property
     def waited(self) -> float:
-        """Seconds receives have spent waiting since made (what the pipeline benchmark
-        reads; on the native path the op library counts them)."""
+        """Seconds receives and the wait for the step's sends have spent blocked since
+        made (what the pipeline benchmark reads; on the native path the op library counts
+        them)."""
         return self._waited + (self.native.waited if self.native is not None else 0.0)
 
     def begin(self) -> None:
@@ -170,7 +171,9 @@ class StageMessages:
         def wait(*_after: Any) -> np.int64:
             handles = [h for h, _ in pending]
             pending.clear()
+            start = time.perf_counter()
             tnt_core.wait_all(handles)
+            self._waited += time.perf_counter() - start
             return np.int64(0)
 
         return self._in_order(lambda: tf.numpy_function(wait, list(after), tf.int64,
