@@ -29,11 +29,12 @@ samples/s. Rows:
   it with ``vs 1 CPU``.
 
 The columns after ``step`` say where a pipelined step goes, per rank (median ms per step;
-``StageStep.train`` and ``StageStep._receive`` are wrapped with timers, the training is
-unchanged): ``stage`` is the time in the stage's own step (all micro-batches' forward and
-backward passes, the optimizer), ``wait`` the part of it blocked on a receive (the bubble
-and the neighbour's transfer), ``work`` = stage - wait (this rank's own compute, its sends,
-the eager per-op Python), ``loop`` = step - stage (Keras' loop, the check that all ranks
+``StageStep.train`` is wrapped with a timer, the training is unchanged): ``stage`` is the
+time in the stage's own step (one compiled graph: all micro-batches' forward and backward
+passes, the optimizer), ``wait`` the part of it blocked on a receive or on its sends'
+completion (the bubble and the neighbour's transfer; counted by the step's message ops, in
+the op library on the native path), ``work`` = stage - wait (this rank's own compute and
+what posting its messages costs), ``loop`` = step - stage (Keras' loop, the check that all ranks
 read the same batch, the broadcast of the outputs for the metrics, the loss allreduce).
 ``bound`` is the throughput if a step cost only the slower rank's ``work`` (no bubble, no
 wait, no loop) as a ratio to serial: the compute-only bound. ``of bound`` = measured /
