@@ -55,7 +55,7 @@ against the target 1/S + 0.15 (a rank trains 1/S of the model; the rest is what 
 process pays, TensorFlow's own buffers and the batch).
 
 **3. A model larger than one rank** (``--no-big`` skips it): ``--big-layers`` Dense layers
-of ``--big-width`` units (by default 54 x 1536, 127 M parameters) on 3 ranks, built without
+of ``--big-width`` units (by default 72 x 1536, 170 M parameters) on 3 ranks, built without
 values, ``--big-micro-batches`` 1 (a stage then holds one gradient of its weights; each
 further micro-batch adds the one being accumulated), through the same phases, then
 ``resume``: a new model built without values resumes from the backup (``BackupAndRestore``)
@@ -639,7 +639,7 @@ def main() -> int:
     p.add_argument("--load", help=argparse.SUPPRESS)
     p.add_argument("--big-width", type=int, default=1536,
                    help="the model larger than one rank: its width (--mem-io in and out)")
-    p.add_argument("--big-layers", type=int, default=54, help="... and its Dense layers")
+    p.add_argument("--big-layers", type=int, default=72, help="... and its Dense layers")
     p.add_argument("--big-micro-batches", type=int, default=1,
                    help="... and its micro-batches (each one more adds a gradient per stage)")
     p.add_argument("--no-big", action="store_true", help="skip the model larger than one rank")

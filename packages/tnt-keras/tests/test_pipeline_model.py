@@ -156,10 +156,12 @@ def test_a_model_built_without_values_trains_checkpoints_saves_and_loads_as_seri
         for a, b in zip(loaded.optimizer.variables, theirs.optimizer.variables):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
                                        err_msg=f"{name}: {b.path}")
-    for name in ("final.weights.h5", "best.weights.h5"):
+    every = sorted(p.name for p in files.glob("all.rank*.weights.h5"))  # tnt_save_all_devices
+    assert every == [f"all.rank{r}.weights.h5" for r in range(ranks)], every
+    for name in ("final.weights.h5", "best.weights.h5", *every):
         model, reference = build(partitions), build(partitions)
         model.load_weights(files / name)
-        reference.load_weights(serial_files / name)
+        reference.load_weights(serial_files / ("final.weights.h5" if name.startswith("all.") else name))
         for a, b in zip(model.get_weights(), reference.get_weights()):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
 

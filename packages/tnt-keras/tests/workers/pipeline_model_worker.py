@@ -90,6 +90,8 @@ def stage_memory(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> dict
     weights = model.get_weights()
     model.save(str(out / "final.keras"))
     model.save_weights(str(out / "final.weights.h5"))
+    if args.mode == "pipeline":  # every rank writes in turn, served by its pipeline's stages
+        model.save_weights(str(out / f"all.rank{tnt.get_rank()}.weights.h5"), tnt_save_all_devices=True)
     result = {f"memory_initial{i}": w for i, w in enumerate(initial)}
     result.update({f"memory_w{i}": w for i, w in enumerate(weights)})
     result.update({f"memory_history_{k}": np.array(v) for k, v in history.history.items()})
