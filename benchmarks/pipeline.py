@@ -43,7 +43,7 @@ before and again after the pipelined job; each serial row is the faster of the t
 machine shared with other work only slows a run down), and their ratio is printed.
 
 **2. Memory** (``big``: ``--mem-layers`` Dense layers of ``--mem-width`` units, ``--mem-io``
-in and out, Adam; by default 12 x 2048, 50.4 M parameters, 2 micro-batches): one plain Keras process
+in and out, Adam; by default 12 x 2048, 50.4 M parameters, 1 micro-batch): one plain Keras process
 (``jit_compile=False`` and 1 intra-op thread, as a stage runs; the model built as usual),
 then the pipelined model on S = 2 and S = 3 ranks, built without values
 (``tnt.deferred_build()``). Each process resets its peak RSS (``/proc/self/clear_refs``
@@ -633,7 +633,7 @@ def main() -> int:
     p.add_argument("--mem-io", type=int, default=2048, help="input and output width of the big model")
     p.add_argument("--mem-batch", type=int, default=32)
     p.add_argument("--mem-steps", type=int, default=3)
-    p.add_argument("--mem-micro-batches", type=int, default=2)
+    p.add_argument("--mem-micro-batches", type=int, default=1)
     p.add_argument("--mem-stages", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--mem-resume", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--load", help=argparse.SUPPRESS)
