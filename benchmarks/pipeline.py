@@ -1,12 +1,12 @@
 """Pipelining (``tnt.ParallelStrategy.PIPELINING``) against serial Keras, side by side in one run:
-throughput and the bubble, then memory, then a memory cap.
+throughput and the bubble, then memory per phase, a model larger than one rank, a memory cap.
 
-    python benchmarks/pipeline.py [--backend gloo|mpi] [--batch 256] [--rounds 5] [--no-cap]
-                                  [--only throughput|memory]
+    python benchmarks/pipeline.py [--backend gloo|mpi] [--batch 256] [--rounds 5] [--no-big]
+                                  [--cap] [--only throughput|memory]
 
-Two ranks (one per partition, ``tnt run -n 2``) against one plain Keras process, on the
-same model and the same global batch; about 5 minutes on 2 cores. Machines are noisy:
-compare the ratios of one run, read absolute numbers only as context.
+Ranks (one per partition, ``tnt run -n S``) against one plain Keras process, on the same
+model and the same global batch; about 10 minutes on 2 cores. Machines are noisy: compare
+the ratios of one run, read absolute numbers only as context.
 
 **1. Throughput** (``mlp``: ``--layers`` Dense layers of ``--width`` units, one SplitLayer
 in the middle, so both partitions hold the same compute; Adam, MSE). Every configuration
@@ -43,26 +43,42 @@ a rank's work at the smallest M with half the serial step on 1 CPU. The serial p
 before and again after the pipelined job; each serial row is the faster of the two (a
 machine shared with other work only slows a run down), and their ratio is printed.
 
-**2. Memory** (``big``: ``--mem-layers`` Dense layers of ``--mem-width`` units, hundreds of MB
-of float32 weights, Adam): the RSS of a plain Keras process (``jit_compile=False`` and 1
-intra-op thread, as a stage runs) and of each rank, after import, after building the model,
-after compile, its peak (``VmHWM``) at the last batch's end and after ``fit`` returned, and
-its peak virtual size (``VmPeak``). ``trains``: the parameters the process trains;
-``4W+12L``: 4 bytes for each of the whole model's W parameters (every rank builds the whole
-model: the user's script does) and 12 (2 Adam slots and a gradient) for each of the L
-parameters it trains.
+**2. Memory** (``big``: ``--mem-layers`` Dense layers of ``--mem-width`` units, ``--mem-io``
+in and out, Adam; by default 12 x 2048, 50.4 M parameters, 1 micro-batch): one plain Keras process
+(``jit_compile=False`` and 1 intra-op thread, as a stage runs; the model built as usual),
+then the pipelined model on S = 2 and S = 3 ranks, built without values
+(``tnt.deferred_build()``). Each process resets its peak RSS (``/proc/self/clear_refs``
+"5") before each phase and reads ``VmHWM`` after it: ``fit`` (``--mem-steps`` steps),
+``checkpoint`` (one more epoch through ``ModelCheckpoint(.keras)`` and
+``BackupAndRestore``), ``save`` (``model.save(.keras)``). A phase's growth is its peak
+over the process's RSS after the imports; the ratio is to serial's growth in the same phase,
+against the target 1/S + 0.15 (a rank trains 1/S of the model; the rest is what every
+process pays, TensorFlow's own buffers and the batch).
 
-**3. Memory cap** (``--no-cap`` skips it): the big model again under an address-space
-limit per process (``RLIMIT_AS``, what ``ulimit -v`` sets; on each rank for the pipelined
-job), bisected on a ``--cap-step`` MB grid for serial and for the pipeline, every run
-printed: is there a cap under which serial training fails and pipelined training
-succeeds? ``MALLOC_ARENA_MAX=2`` in parts 2 and 3: glibc's per-thread 64 MB arenas would
-otherwise decide where threads fail under the cap, more than the model does.
+**3. A model larger than one rank** (``--no-big`` skips it): ``--big-layers`` Dense layers
+of ``--big-width`` units (by default 72 x 1536, 170 M parameters) on 3 ranks, built without
+values, ``--big-micro-batches`` 1 (a stage then holds one gradient of its weights; each
+further micro-batch adds the one being accumulated), through the same phases, then
+``resume``: a new model built without values resumes from the backup (``BackupAndRestore``)
+and saves again. Its weights and Adam state (12 bytes per parameter) are compared with twice
+the largest per-rank peak growth of the run; then a plain Keras process (no ``tnt.Model``;
+``tarantella`` imported for its registered ``SplitLayer``) loads the saved file, and the
+SHA-256 digests of its weights are compared with ``get_weights()`` of the pipelined model.
+
+**4. Memory cap** (``--cap``): the big model under an address-space limit per process
+(``RLIMIT_AS``, what ``ulimit -v`` sets; on each rank for the pipelined job on 2 ranks),
+bisected on a ``--cap-step`` MB grid for serial and for the pipeline, every run printed: is
+there a cap under which serial training fails and pipelined training succeeds?
+``MALLOC_ARENA_MAX=2`` in parts 2 to 4: glibc's per-thread 64 MB arenas would otherwise
+decide where threads fail under the cap, more than the model does.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
+import hashlib
 import json
 import os
 import resource
@@ -233,13 +249,44 @@ def worker_throughput(args: argparse.Namespace) -> None:
     Path(args.out, f"{args.role}.rank{rank}.json").write_text(json.dumps(result))
 
 
+def reset_peak() -> bool:
+    """Reset this process's VmHWM to its current RSS (``/proc/self/clear_refs`` "5"); False
+    where the kernel does not allow it (the peaks are then since the process started)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def mem_build(keras: Any, args: argparse.Namespace, stages: int) -> Any:
+    """The memory model: ``--mem-layers`` Dense layers of ``--mem-width`` units (``--mem-io``
+    in and out), cut into ``stages`` partitions of equal layer counts."""
+    keras.utils.set_random_seed(7)
+    w, d, n = args.mem_width, args.mem_io, args.mem_layers
+    inp = keras.Input((d,), name="x")
+    h = inp
+    for i in range(n):
+        if stages > 1 and i and i % (n // stages) == 0 and i // (n // stages) < stages:
+            import tarantella as tnt
+
+            h = tnt.keras.layers.SplitLayer(name=f"cut{i}")(h)
+        last = i == n - 1
+        h = keras.layers.Dense(d if last else w, activation=None if last else "relu", name=f"d{i}")(h)
+    return keras.Model(inp, h, name="big")
+
+
 def worker_memory(args: argparse.Namespace) -> None:
-    """Train the ``big`` model a few steps; report RSS along the way and the peaks at the end."""
+    """Peak RSS growth per phase (fit; fit through ModelCheckpoint and BackupAndRestore;
+    save; with ``--mem-resume`` a new model resuming from the backup): VmHWM is reset before
+    each phase and read after it, the growth is over the RSS after the imports."""
     marks = {"start": proc_status()}
     import keras
+    import numpy as np
     import tensorflow as tf
 
     pipeline = args.role == "mem-pipe"
+    stages = args.mem_stages if pipeline else 1
     rank = 0
     if pipeline:
         import tarantella as tnt
@@ -248,33 +295,78 @@ def worker_memory(args: argparse.Namespace) -> None:
     else:  # the threads of a rank (tnt run gives each of 2 ranks on 2 cores 1 intra-op thread)
         tf.config.threading.set_intra_op_parallelism_threads(1)
     marks["imported"] = proc_status()
-    w, d = args.mem_width, args.mem_io
-    model = build(keras, w, args.mem_layers, d, d, pipeline)
-    params = int(model.count_params())
-    local = params
-    if pipeline:
-        model = tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                          num_micro_batches=args.mem_micro_batches)
-        local = int(model.local_param_count)
-    marks["built"] = proc_status()
-    if pipeline:
-        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
-    else:
-        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=False)
-    marks["compiled"] = proc_status()
+    resets = []
+    out = Path(args.out) / f"files-{args.role}-{stages}"
+    out.mkdir(exist_ok=True)
+    d = args.mem_io
     x, y = data(args.mem_batch * args.mem_steps, d, d)
 
-    class _LastBatch(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            marks["last batch"] = proc_status()  # before fit's end-of-epoch and end-of-training work
+    def make() -> Any:
+        if pipeline:
+            with tnt.deferred_build():  # no value on any rank until tnt.Model gives them
+                model = mem_build(keras, args, stages)
+            model = tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                              num_micro_batches=args.mem_micro_batches)
+            model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+        else:
+            model = mem_build(keras, args, 1)
+            model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=False)
+        return model
 
-    history = model.fit(x, y, batch_size=args.mem_batch, epochs=1, shuffle=False, verbose=0,
-                        callbacks=[_LastBatch()])
-    marks["trained"] = proc_status()
-    result = {"rank": rank, "params": params, "local_params": local, "marks": marks,
-              "loss": float(history.history["loss"][-1]),
-              "threads": tf.config.threading.get_intra_op_parallelism_threads()}
-    Path(args.out, f"{args.role}.rank{rank}.json").write_text(json.dumps(result))
+    def phase(name: str, run: Any) -> Any:
+        resets.append(reset_peak())
+        t0 = time.perf_counter()
+        result = run()
+        marks[name] = {**proc_status(), "seconds": time.perf_counter() - t0}
+        return result
+
+    model = phase("build", make)
+    params = int(model.count_params())
+    local = int(model.local_param_count) if pipeline else params
+    fit = {"batch_size": args.mem_batch, "shuffle": False, "verbose": 0}
+    history = phase("fit", lambda: model.fit(x, y, epochs=1, **fit))
+    checkpoints = [keras.callbacks.ModelCheckpoint(str(out / "checkpoint.keras")),
+                   keras.callbacks.BackupAndRestore(str(out / "backup"), delete_checkpoint=False)]
+    phase("checkpoint", lambda: model.fit(x, y, epochs=1, callbacks=checkpoints, **fit))
+    phase("save", lambda: model.save(str(out / "saved.keras")))
+    result: dict[str, Any] = {"rank": rank, "params": params, "local_params": local,
+                              "stages": stages, "loss": float(history.history["loss"][-1])}
+    if args.mem_resume:
+        del model, checkpoints, history  # (History holds the model)
+        gc.collect()
+
+        def resume() -> Any:
+            again = make()  # a new model, built without values, resuming from the backup
+            again.fit(x, y, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(
+                str(out / "backup"))], **fit)
+            again.save(str(out / "final.keras"))
+            return again
+
+        model = phase("resume", resume)
+        result["final"] = str(out / "final.keras")
+        weights = model.get_weights()  # the explicit gather, after every measurement
+        result["digests"] = [hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()
+                             for w in weights]
+        del weights
+    result.update(marks=marks, peaks_reset=all(resets),
+                  threads=tf.config.threading.get_intra_op_parallelism_threads())
+    Path(args.out, f"{args.role}-{stages}.rank{rank}.json").write_text(json.dumps(result))
+
+
+def worker_load(args: argparse.Namespace) -> None:
+    """Plain Keras loads a saved file (``keras.saving.load_model``, in a process that makes no
+    tnt.Model; SplitLayer is a registered Keras layer, so tarantella must be importable, as
+    for any custom layer): the digests of its weights."""
+    import keras
+    import numpy as np
+
+    import tarantella.keras.layers  # noqa: F401 - registers SplitLayer with Keras
+
+    model = keras.saving.load_model(args.load)
+    digests = [hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()
+               for w in model.get_weights()]
+    Path(args.out, "load.json").write_text(json.dumps({"digests": digests,
+                                                       "params": int(model.count_params())}))
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -287,7 +379,9 @@ def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
             "--all-micro-batches", str(args.all_micro_batches),
             "--mem-width", str(args.mem_width), "--mem-layers", str(args.mem_layers),
             "--mem-io", str(args.mem_io), "--mem-batch", str(args.mem_batch),
-            "--mem-steps", str(args.mem_steps), "--mem-micro-batches", str(args.mem_micro_batches)]
+            "--mem-steps", str(args.mem_steps), "--mem-micro-batches", str(args.mem_micro_batches),
+            "--mem-stages", str(args.mem_stages), *(["--mem-resume"] if args.mem_resume else []),
+            *(["--load", args.load] if args.load else [])]
 
 
 def launch(args: argparse.Namespace, role: str, out: Path, ranks: int,
@@ -318,14 +412,14 @@ def launch(args: argparse.Namespace, role: str, out: Path, ranks: int,
     return p.returncode, p.stdout + p.stderr
 
 
-def results(out: Path, role: str, n: int) -> list[dict]:
-    files = [out / f"{role}.rank{r}.json" for r in range(n)]
+def results(out: Path, role: str, n: int, tag: str = "") -> list[dict]:
+    files = [out / f"{role}{tag}.rank{r}.json" for r in range(n)]
     return [json.loads(f.read_text()) for f in files if f.exists()]
 
 
-def run(args: argparse.Namespace, role: str, out: Path, ranks: int) -> list[dict]:
+def run(args: argparse.Namespace, role: str, out: Path, ranks: int, tag: str = "") -> list[dict]:
     rc, output = launch(args, role, out, ranks)
-    got = results(out, role, max(ranks, 1))
+    got = results(out, role, max(ranks, 1), tag)
     if rc != 0 or len(got) != max(ranks, 1):
         raise SystemExit(f"{role} failed (exit {rc}):\n{output[-4000:]}")
     return got
@@ -341,7 +435,7 @@ def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, rank
     base1 = b / serial1["configs"]["keras fit"]["step"]
     print(f"\n1. Throughput: mlp, {args.layers} Dense layers of {args.width} units "
           f"({serial['params'] / 1e6:.1f} M params, cut after layer {args.layers // 2}), global batch {b}, "
-          f"Adam, {args.backend}; {args.rounds} rounds x {args.steps} steps, median step")
+          f"Adam, {args.backend}, {P} stages; {args.rounds} rounds x {args.steps} steps, median step")
     schedule = ranks[0]["configs"][f"M={args.micro_batches[0]}"]["schedule"]
     print(f"   serial: 1 process, TensorFlow's default threads (both cores), and held to 1 CPU with 1 "
           f"intra-op thread; pipeline: {P} ranks, {ranks[0]['threads']} intra-op thread each, "
@@ -399,53 +493,89 @@ def print_all(args: argparse.Namespace, every: list[dict], ranks: list[dict]) ->
           f"PIPELINING {P} at M={m}: {ratio}")
 
 
-def print_memory(args: argparse.Namespace, serial: dict, ranks: list[dict]) -> None:
+PHASES = ("fit", "checkpoint", "save")
+
+
+def growth(r: dict, phase: str) -> int:
+    """A process's peak RSS in ``phase`` over its RSS after the imports."""
+    return r["marks"][phase]["VmHWM"] - r["marks"]["imported"]["VmRSS"]
+
+
+def print_memory(args: argparse.Namespace, serial: dict, runs: dict[int, list[dict]]) -> None:
     params = serial["params"]
+    state = 16 * params  # float32 weights, Adam's two slots, a gradient
     print(f"\n2. Memory: big, {args.mem_layers} Dense layers of {args.mem_width} units "
-          f"({params / 1e6:.1f} M params = {mb(4 * params)} MB of float32 weights), Adam, batch "
-          f"{args.mem_batch}, M={args.mem_micro_batches}, {args.mem_steps} steps; MB (2^20 bytes)")
-    print("   RSS after import / after building the model / after compile; peak RSS (VmHWM) at the last "
-          "batch's end and after fit returned (fit's end-of-training work included)")
-    rows = [("serial", serial)] + [(f"pipeline rank {r['rank']}", r) for r in ranks]
-    print(f"{'':16s} {'trains':>8s} {'4W+12L':>7s} {'imported':>8s} {'built':>6s} {'compiled':>8s} "
-          f"{'peak in fit':>11s} {'vs serial':>9s} {'peak after':>10s} {'vs serial':>9s} {'VmPeak':>7s}")
-    s_in = serial["marks"]["last batch"]["VmHWM"]
-    s_after = serial["marks"]["trained"]["VmHWM"]
-    for name, r in rows:
-        k = r["marks"]
-        peak_in, peak_after = k["last batch"]["VmHWM"], k["trained"]["VmHWM"]
-        # weights of the whole model (W params), Adam's 2 slots and a gradient for the L it trains
-        expected = 4 * r["params"] + 3 * 4 * r["local_params"]
-        print(f"{name:16s} {r['local_params'] / 1e6:6.1f} M {mb(expected):>7s} "
-              f"{mb(k['imported']['VmRSS']):>8s} {mb(k['built']['VmRSS']):>6s} "
-              f"{mb(k['compiled']['VmRSS']):>8s} {mb(peak_in):>11s} {peak_in / s_in:9.2f} "
-              f"{mb(peak_after):>10s} {peak_after / s_after:9.2f} {mb(k['trained']['VmPeak']):>7s}")
-    saved = s_in - max(r["marks"]["last batch"]["VmHWM"] for r in ranks)
-    other = 3 * 4 * (params - min(r["local_params"] for r in ranks))
-    print(f"   peak RSS in fit, serial minus the larger rank: {mb(saved)} MB; the other partition's Adam "
-          f"slots and gradient (3 x 4 B x its params): {mb(other)} MB; the whole model's weights, "
-          f"held by every rank: {mb(4 * params)} MB")
+          f"({params / 1e6:.1f} M params: {mb(4 * params)} MB of float32 weights, {mb(12 * params)} MB "
+          f"with Adam's state), batch {args.mem_batch}, {args.mem_steps} steps per fit, "
+          f"M={args.mem_micro_batches}; pipelined models built without values "
+          f"(tnt.deferred_build), serial as usual; MB (2^20 bytes)")
+    print("   peak RSS growth (VmHWM, reset before each phase, over the RSS after the imports) in "
+          "fit, in a fit through ModelCheckpoint(.keras) + BackupAndRestore, and in model.save(.keras); "
+          "ratio to serial's growth in the same phase; target 1/S + 0.15")
+    print(f"{'':22s} {'trains':>8s} {'16 B x trains':>13s} "
+          + " ".join(f"{p:>10s} {'ratio':>6s}" for p in PHASES) + f" {'target':>6s}  within")
+    print(f"{'serial':22s} {params / 1e6:6.1f} M {mb(state):>13s} "
+          + " ".join(f"{mb(growth(serial, p)):>10s} {'':>6s}" for p in PHASES))
+    verdicts = []
+    for stages, ranks in runs.items():
+        target = 1 / stages + 0.15
+        for r in ranks:
+            ratios = [growth(r, p) / growth(serial, p) for p in PHASES]
+            ok = all(q <= target for q in ratios)
+            verdicts.append(ok)
+            name = f"S={stages} rank {r['rank']}"
+            print(f"{name:22s} {r['local_params'] / 1e6:6.1f} M "
+                  f"{mb(16 * r['local_params']):>13s} "
+                  + " ".join(f"{mb(growth(r, p)):>10s} {q:6.2f}" for p, q in zip(PHASES, ratios))
+                  + f" {target:6.2f}  {'yes' if ok else 'NO'}")
+    if not all(r["peaks_reset"] for rs in runs.values() for r in [serial, *rs]):
+        print("   (VmHWM could not be reset here: each peak is since the process started)")
+    print(f"   every rank within its target in every phase: {'yes' if all(verdicts) else 'NO'}")
+
+
+def print_larger(args: argparse.Namespace, ranks: list[dict], loaded: dict) -> None:
+    params = ranks[0]["params"]
+    state = 12 * params  # float32 weights and Adam's two slots
+    phases = (*PHASES, "resume")
+    worst = max(growth(r, p) for r in ranks for p in phases)
+    print(f"\n3. A model larger than one rank: {args.big_layers} Dense layers of {args.big_width} "
+          f"units ({params / 1e6:.1f} M params), {len(ranks)} stages, M={args.big_micro_batches}, "
+          "built without values; it "
+          "trains, checkpoints (ModelCheckpoint + BackupAndRestore), saves, and a new model resumes "
+          "from the backup and saves again; MB")
+    print(f"{'':10s} {'trains':>8s} " + " ".join(f"{p:>10s}" for p in phases) + f" {'seconds':>8s}")
+    for r in ranks:
+        seconds = sum(r["marks"][p]["seconds"] for p in phases)
+        print(f"{'rank ' + str(r['rank']):10s} {r['local_params'] / 1e6:6.1f} M "
+              + " ".join(f"{mb(growth(r, p)):>10s}" for p in phases) + f" {seconds:8.1f}")
+    print(f"   weights + Adam state: {mb(state)} MB; 2 x the largest per-rank peak growth: "
+          f"{mb(2 * worst)} MB: {'larger' if state > 2 * worst else 'NOT larger'} "
+          f"({state / worst:.2f} x the largest growth)")
+    same = loaded["digests"] == ranks[0]["digests"] and loaded["params"] == params
+    print(f"   plain Keras (keras.saving.load_model in a process without tnt.Model) loads the saved file: "
+          f"{len(loaded['digests'])} weights, {'all bitwise equal to' if same else 'NOT equal to'} "
+          "get_weights() of the pipelined model")
 
 
 def cap_experiment(args: argparse.Namespace, out: Path, serial: dict, ranks: list[dict]) -> None:
     """Bisect, for serial and for the pipelined job, the lowest RLIMIT_AS (per process) under
     which the big model trains, on a grid of ``--cap-step`` MB; print every run."""
     step = args.cap_step * 2**20
-    lo = max(r["marks"]["last batch"]["VmHWM"] for r in ranks) // step * step  # below any RSS peak
-    top = max(r["marks"]["trained"]["VmPeak"] for r in [serial, *ranks])
+    lo = max(r["marks"]["fit"]["VmHWM"] for r in ranks) // step * step  # below any RSS peak
+    top = max(r["marks"]["save"]["VmPeak"] for r in [serial, *ranks])
     hi = -(-top // step) * step + step  # above every peak virtual size measured in part 2
     tried: dict[tuple[str, int], str] = {}
 
     def attempt(role: str, cap: int) -> bool:
-        n = P if role == "mem-pipe" else 0
+        n = args.mem_stages if role == "mem-pipe" else 0
         cap_out = out / f"cap-{role}-{cap}"
         cap_out.mkdir()
         rc, output = launch(args, role, cap_out, n, as_limit=cap)
-        got = results(cap_out, role, max(n, 1))
+        got = results(cap_out, role, max(n, 1), f"-{max(n, 1)}")
         ok = rc == 0 and len(got) == max(n, 1)
         if ok:
             tried[role, cap] = "trained (peak RSS " + " / ".join(
-                mb(r["marks"]["trained"]["VmHWM"]) for r in got) + ")"
+                mb(max(r["marks"][p]["VmHWM"] for p in PHASES)) for r in got) + ")"
         else:
             kinds = [k for k in ("ResourceExhaustedError", "MemoryError", "bad_alloc", "SIGABRT",
                                  "Resource temporarily unavailable") if k in output]
@@ -522,13 +652,22 @@ def main() -> int:
     p.add_argument("--all-micro-batches", type=int, default=4,
                    help="M of the ALL row (2 pipelines x P stages on 2P ranks)")
     p.add_argument("--no-all", action="store_true", help="skip the ALL row")
-    p.add_argument("--mem-width", type=int, default=4096)
-    p.add_argument("--mem-layers", type=int, default=6)
-    p.add_argument("--mem-io", type=int, default=1024, help="input and output width of the big model")
+    p.add_argument("--mem-width", type=int, default=2048)
+    p.add_argument("--mem-layers", type=int, default=12)
+    p.add_argument("--mem-io", type=int, default=2048, help="input and output width of the big model")
     p.add_argument("--mem-batch", type=int, default=32)
     p.add_argument("--mem-steps", type=int, default=3)
-    p.add_argument("--mem-micro-batches", type=int, default=2)
-    p.add_argument("--no-cap", action="store_true", help="skip the memory-cap experiment")
+    p.add_argument("--mem-micro-batches", type=int, default=1)
+    p.add_argument("--mem-stages", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--mem-resume", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--load", help=argparse.SUPPRESS)
+    p.add_argument("--big-width", type=int, default=1536,
+                   help="the model larger than one rank: its width (--mem-io in and out)")
+    p.add_argument("--big-layers", type=int, default=72, help="... and its Dense layers")
+    p.add_argument("--big-micro-batches", type=int, default=1,
+                   help="... and its micro-batches (each one more adds a gradient per stage)")
+    p.add_argument("--no-big", action="store_true", help="skip the model larger than one rank")
+    p.add_argument("--cap", action="store_true", help="run the memory-cap experiment (2 stages)")
     p.add_argument("--cap-step", type=int, default=128, help="MB: the grid of the cap bisection")
     p.add_argument("--only", choices=["throughput", "memory"], help="run one part only")
     p.add_argument("--timeout", type=float, default=300, help="seconds per launched process or job")
@@ -542,8 +681,11 @@ def main() -> int:
     if args.role in ("mem-serial", "mem-pipe"):
         worker_memory(args)
         return 0
+    if args.role == "mem-load":
+        worker_load(args)
+        return 0
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    print(f"pipeline benchmark, {os.cpu_count()} CPUs, backend {args.backend}, {P} stages, "
+    print(f"pipeline benchmark, {os.cpu_count()} CPUs, backend {args.backend}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, tarantella {source_version()}",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -567,11 +709,30 @@ def main() -> int:
             if not args.no_all:
                 print_all(args, run(args, "pipe-all", out, 2 * P), ranks)
         if args.only != "throughput":
-            mserial = run(args, "mem-serial", out, 0)[0]
-            mranks = run(args, "mem-pipe", out, P)
-            print_memory(args, mserial, mranks)
-            if not args.no_cap:
-                cap_experiment(args, out, mserial, mranks)
+            mserial = run(args, "mem-serial", out, 0, "-1")[0]
+            runs = {}
+            for stages in (2, 3):
+                staged = copy.copy(args)
+                staged.mem_stages = stages
+                runs[stages] = run(staged, "mem-pipe", out, stages, f"-{stages}")
+            print_memory(args, mserial, runs)
+            if not args.no_big:
+                big = copy.copy(args)
+                big.mem_stages, big.mem_resume = 3, True
+                big.mem_width, big.mem_layers, big.mem_io = args.big_width, args.big_layers, args.big_width
+                big.mem_micro_batches = args.big_micro_batches
+                (out / "big").mkdir()
+                ranks = run(big, "mem-pipe", out / "big", 3, "-3")
+                big.mem_resume, big.load = False, ranks[0]["final"]
+                rc, output = launch(big, "mem-load", out / "big", 0)
+                if rc != 0:
+                    raise SystemExit(f"plain Keras failed to load {big.load}:\n{output[-4000:]}")
+                loaded = json.loads((out / "big" / "load.json").read_text())
+                print_larger(args, ranks, loaded)
+            if args.cap:
+                two = copy.copy(args)
+                two.mem_stages = 2
+                cap_experiment(two, out, mserial, runs[2])
     left = sorted(set(os.listdir("/dev/shm")) - shm_before) if shm_before or os.path.isdir("/dev/shm") else []
     if left:
         print(f"\nnote: new entries in /dev/shm during the run (this run's or other jobs'): {left}")

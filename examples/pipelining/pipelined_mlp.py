@@ -112,12 +112,14 @@ def main() -> None:
         how = (f"pipelined ({args.stages} stages x {args.pipelines} pipeline(s), "
                f"{args.micro_batches} micro-batches)" if tnt.get_size() > 1 else "whole")
         print(f"{how}: test accuracy {accuracy:.4f} (training {seconds:.1f} s)")
+    # every rank: each holds its own partition, get_weights() gathers the whole model
+    weights = model.get_weights() if args.compare_serial else []
     if args.compare_serial and tnt.is_master_rank():
         keras.utils.set_random_seed(args.seed)  # the same initial weights and shuffle
         serial = mlp(args.stages)               # plain Keras
         serial_accuracy, serial_seconds = train(serial, args, train_data, test_data)
         diff = max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
-                   for a, b in zip(model.get_weights(), serial.get_weights()))
+                   for a, b in zip(weights, serial.get_weights()))
         print(f"serial (1 process): test accuracy {serial_accuracy:.4f} "
               f"(training {serial_seconds:.1f} s)")
         print(f"largest relative weight difference, pipelined vs serial: {diff:.2e}")

@@ -132,6 +132,29 @@ def test_compiled_losses_weigh_and_sum_the_outputs_losses_and_track_each():
     assert [m.name for m in own.metrics] == ["a_loss", "b_loss"] and own is not made
 
 
+def test_variables_without_values_are_made_initialised_forgotten_and_released():
+    keras.utils.set_random_seed(2)
+    expected = keras.layers.Dense(3, name="normal")
+    expected.build((None, 4))
+    keras.utils.set_random_seed(2)
+    with keras.StatelessScope(initialize_variables=False):
+        assert _keras_compat.in_stateless_scope()
+        layer = keras.layers.Dense(3, name="deferred")
+        layer.build((None, 4))
+    assert not _keras_compat.in_stateless_scope()
+    kernel, bias = _keras_compat.own_variables(layer)
+    assert [v.path for v in (kernel, bias)] == ["deferred/kernel", "deferred/bias"]
+    assert not _keras_compat.has_value(kernel)
+    _keras_compat.initialize_deferred(kernel)  # its own initializer and seed
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(expected.kernel))
+    _keras_compat.forget_uninitialized([kernel, bias])
+    with keras.StatelessScope():  # the exit initialises what waits: no longer these two
+        pass
+    assert not _keras_compat.has_value(bias)
+    _keras_compat.release_value(kernel, lambda shape, dtype=None: np.full(shape, 7.0, dtype))
+    assert not _keras_compat.has_value(kernel) and float(np.asarray(kernel)[0, 0]) == 7.0
+
+
 def test_get_keras_mask_reads_a_layers_output_mask():
     x = np.array([[[1.0], [0.0]], [[0.0], [0.0]]], "float32")
     out = keras.layers.Masking(mask_value=0.0)(x)

@@ -28,6 +28,7 @@ from .errors import DatasetError, NotSupportedError, PartitionError, TntKerasErr
 from .loop_data import DistributedDataset, distribute_dataset, set_batch_share  # noqa: E402
 from .loop_gradients import DistributedGradientTape, DistributedOptimizer  # noqa: E402
 from .model import Model, ParallelStrategy  # noqa: E402
+from .stage_variables import deferred_build  # noqa: E402
 from .user_collectives import (  # noqa: E402
     Barrier,
     Group,
@@ -54,6 +55,7 @@ __all__ = [
     "NotSupportedError",
     "ParallelStrategy",
     "PartitionError",
+    "deferred_build",
     "TntKerasError",
     "get_master_rank",
     "get_rank",

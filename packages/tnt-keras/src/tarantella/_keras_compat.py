@@ -22,6 +22,11 @@ from typing import Any
 
 import keras
 
+# global_state: where Keras keeps the variables made inside a StatelessScope that wait for a
+# value ("uninitialized_variables", which the next scope exit initialises). Checked on Keras
+# 3.15.1.
+from keras.src.backend.common import global_state
+
 # get_keras_mask: where Keras keeps an output's mask (an attribute, or a side table for
 # tensors that take no attributes); the loss normaliser counts what the mask keeps.
 # Checked on Keras 3.14.1, 3.15.1.
@@ -32,6 +37,9 @@ from keras.src.backend.common.masking import get_keras_mask
 # model's last stage differentiates one made alike (new_compiled_loss). Checked on Keras
 # 3.15.1.
 from keras.src.trainers.compile_utils import CompileLoss
+# in_stateless_scope: whether a StatelessScope is open (a variable cannot get its value
+# there). Checked on Keras 3.15.1.
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 # get_data_adapter: the adapter Keras' fit() itself uses, so tarantella's global batches,
 # shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
@@ -42,11 +50,17 @@ __all__ = [
     "batch_norm_moments",
     "compile_owner",
     "compiled_loss",
+    "forget_uninitialized",
     "get_data_adapter",
     "get_keras_mask",
+    "has_value",
+    "in_stateless_scope",
+    "initialize_deferred",
     "is_fit_validation",
     "new_compiled_loss",
+    "own_variables",
     "producer",
+    "release_value",
     "symbolic_build",
 ]
 
@@ -116,3 +130,44 @@ def new_compiled_loss(model: keras.Model, loss: Any, loss_weights: Any) -> keras
     """A ``CompileLoss`` made as ``model.compile(loss=loss, loss_weights=loss_weights)``
     makes the model's (its own trackers, which nobody reads). Checked on Keras 3.15.1."""
     return CompileLoss(loss, loss_weights, output_names=getattr(model, "output_names", None))
+# -- variables without a value (a model built in ``keras.StatelessScope(initialize_variables=
+# False)``; tarantella.stage_variables). Checked on Keras 3.15.1.
+
+_UNINITIALIZED = "uninitialized_variables"
+
+
+def has_value(variable: keras.Variable) -> bool:
+    """Whether ``variable`` holds a value: False for a variable made inside a
+    ``StatelessScope`` and not initialised since (``Variable._value``)."""
+    return variable._value is not None  # noqa: SLF001
+
+
+def initialize_deferred(variable: keras.Variable) -> None:
+    """Give a variable made inside a ``StatelessScope`` its value from its own initializer
+    (with its seed): what the scope's exit does to every such variable
+    (``Variable._deferred_initialize``), for this one only."""
+    variable._deferred_initialize()  # noqa: SLF001
+
+
+def forget_uninitialized(variables: list[keras.Variable]) -> None:
+    """Take ``variables`` off Keras' list of variables that the next ``StatelessScope`` exit
+    initialises (``global_state`` "uninitialized_variables")."""
+    waiting = global_state.get_global_attribute(_UNINITIALIZED)
+    if not waiting:
+        return
+    drop = {id(v) for v in variables}
+    global_state.set_global_attribute(_UNINITIALIZED, [v for v in waiting if id(v) not in drop])
+
+
+def release_value(variable: keras.Variable, placeholder: Any) -> None:
+    """Drop ``variable``'s value (its memory is freed when nothing else holds it) and make
+    it read as a variable without one: ``placeholder(shape, dtype)`` is what reading it
+    then calls (``Variable._value``, ``Variable._initializer``)."""
+    variable._value = None  # noqa: SLF001
+    variable._initializer = placeholder  # noqa: SLF001
+
+
+def own_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
+    """The variables ``layer`` itself saves and loads (``Layer.save_own_variables`` writes
+    ``_trainable_variables + _non_trainable_variables``), not those of its sub-layers."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)  # noqa: SLF001

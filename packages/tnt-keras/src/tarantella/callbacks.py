@@ -11,7 +11,10 @@ on the master only.
 
 Every callback gets the model itself (``self.model``). Saving from it is a collective
 (``tarantella.files``); inside a master-only callback it writes on the master alone, still
-atomically, since the other ranks are not there to wait.
+atomically, since the other ranks are not there to wait. Each hook of a master-only
+callback that may save runs through the model's ``DistributedState.master_writes`` on every
+rank: for DATA that is the master running it alone; a pipelined model's other stages take
+part in the master's saves there (they hold the other partitions).
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ _WRITERS = (
     keras.callbacks.ModelCheckpoint,
     keras.callbacks.CSVLogger,
     keras.callbacks.RemoteMonitor,
+)
+#: master-only callbacks that never save the model: the other ranks need not wait in their
+#: hooks (any other master-only callback may save, e.g. a user's; see ``master_writes``)
+_NOT_SAVING = (
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.RemoteMonitor,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.History,
 )
 
 
@@ -145,7 +157,12 @@ def _local_logs(callback: Callback, hook: str, logs: dict | None) -> dict | None
 
 def _make_hook(name: str):
     def hook(self: Callback, *args: Any, **kwargs: Any) -> None:
+        state = getattr(self.model, "_tnt", None)
+        served = (not self.run_on_all_ranks and name not in self._everywhere and state is not None
+                  and not isinstance(self.keras_callback, _NOT_SAVING))
         if not self._runs(name):
+            if served and state is not None:  # the master's saves may need this rank (pipelining)
+                state.master_writes(self.model, None)
             return
         if not self.aggregate_logs and name in _LOG_KIND:
             if "logs" in kwargs:
@@ -154,6 +171,8 @@ def _make_hook(name: str):
                 args = (*args[:-1], _local_logs(self, name, args[-1]))
         if self.run_on_all_ranks:
             getattr(self.keras_callback, name)(*args, **kwargs)
+        elif served and state is not None:
+            state.master_writes(self.model, lambda: getattr(self.keras_callback, name)(*args, **kwargs))
         else:  # the other ranks do not run this hook: nothing it writes may wait for them
             with local_writes():
                 getattr(self.keras_callback, name)(*args, **kwargs)

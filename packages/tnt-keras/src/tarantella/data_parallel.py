@@ -39,6 +39,7 @@ from .errors import NotSupportedError
 from .gradients import GradientReducer
 from .losses import normaliser, summed_terms, weigh_backward
 from .model import DistributedState, Model, ParallelStrategy
+from .stage_variables import initialize_whole
 from .steps import current_step, gradient_factor
 from .tracebacks import user_facing
 from .weights import broadcast_model_state
@@ -78,6 +79,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
                         num_micro_batches: Any, num_pipeline_stages: Any = None) -> Model:
+        initialize_whole(model)  # built without values (tnt.deferred_build): trained whole
         distributed = cls._tnt_adopt(model, DataParallelState(tnt_core.init(), strategy))
         if getattr(distributed, "compiled", False):
             distributed._tnt_check_compiled()  # noqa: SLF001 (the model is this class's now)

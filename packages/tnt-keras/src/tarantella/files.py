@@ -24,7 +24,7 @@ import numpy as np
 
 import tnt_core
 
-__all__ = ["local_writes", "write_collectively", "writes_locally"]
+__all__ = ["agree", "attempt_write", "local_writes", "write_collectively", "writes_locally"]
 
 _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
 _local = threading.local()
@@ -82,6 +82,29 @@ def _write_atomically(write: Callable[[str], None], path: str) -> None:
         raise
 
 
+def attempt_write(write: Callable[[str], None], path: str, *, overwrite: bool = True) -> BaseException | None:
+    """``write`` atomically to ``path`` (a temporary path renamed into place); the error, if
+    any, returned instead of raised, so that the caller first reaches :func:`agree` with the
+    other ranks."""
+    if not overwrite and os.path.exists(path):
+        return FileExistsError(f"{path} exists and overwrite=False")
+    try:
+        _write_atomically(write, path)
+    except BaseException as exc:  # noqa: BLE001 (every rank must still reach the agreement)
+        return exc
+    return None
+
+
+def agree(runtime: tnt_core.Runtime, error: BaseException | None, path: str) -> None:
+    """After a collective write: raise ``error`` here, and on every rank when any rank's
+    write failed (a collective: also a barrier)."""
+    failed = _any_rank(runtime, error is not None) if runtime.size > 1 else False
+    if error is not None:
+        raise error
+    if failed:
+        raise OSError(f"writing {path} failed on another rank (its error is in its output)")
+
+
 def write_collectively(write: Callable[[str], None], filepath: Any, *, overwrite: bool = True,
                        all_devices: bool = False, runtime: tnt_core.Runtime | None = None) -> None:
     """Run ``write(path)`` on the master (or every rank), atomically, then wait for it.
@@ -94,22 +117,12 @@ def write_collectively(write: Callable[[str], None], filepath: Any, *, overwrite
     local = writes_locally()
     error: BaseException | None = None
     if local or all_devices or runtime.is_master:
-        if not overwrite and os.path.exists(path):
-            error = FileExistsError(f"{path} exists and overwrite=False")
-        else:
-            try:
-                _write_atomically(write, path)
-            except BaseException as exc:  # noqa: BLE001 (every rank must still reach the agreement)
-                error = exc
-    if local or runtime.size == 1:
+        error = attempt_write(write, path, overwrite=overwrite)
+    if local:
         if error is not None:
             raise error
         return
-    failed = _any_rank(runtime, error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise OSError(f"writing {path} failed on another rank (its error is in its output)")
+    agree(runtime, error, path)
 
 
 def _any_rank(runtime: tnt_core.Runtime, flag: bool) -> bool:

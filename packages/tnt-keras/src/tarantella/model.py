@@ -28,7 +28,7 @@ import enum
 import errno
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import keras
@@ -96,6 +96,15 @@ class DistributedState:
         #: the master's weights must reach every rank before the next step
         self.needs_broadcast = True
         self._local = {"train": LocalIncrements(), "test": LocalIncrements()}
+
+    def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
+        """Run a hook of a master-only callback that may save (``run``: on the master; None
+        on the other ranks): its writes happen on the master alone. A strategy whose other
+        ranks take part in the master's saves (pipelining: they hold the other partitions)
+        overrides this."""
+        if run is not None:
+            with files.local_writes():
+                run()
 
     def local_increments(self, kind: str) -> LocalIncrements:
         """This rank's own metric increments (what callbacks with ``aggregate_logs=False``

@@ -11,16 +11,19 @@ StageStep`). The last stage differentiates a loss made as ``compile`` makes the 
 (every output's loss, weighted by ``loss_weights``, summed). After each step the last
 stage's outputs (all of the model's outputs) are broadcast, so that every rank runs Keras'
 compiled loss and metrics on the same values: the per-output losses, metrics, logs and
-History of every rank equal serial Keras'. The model stays whole: at the end of every epoch
-and of ``fit``, each weight is broadcast from the stage that trains it, so ``get_weights``,
-``save_weights`` and callbacks at epoch end see the whole trained model on every rank.
+History of every rank equal serial Keras'.
 
-``save``/``save_weights`` (and ``ModelCheckpoint`` at epoch ends) write what serial Keras
-writes: the whole model with one optimizer holding every stage's state, gathered from the
-stages. What is not supported yet is refused with a message saying what to do: a custom
-``train_step``, checkpoints and backups in the middle of an epoch. ``load_weights`` (and so
-``BackupAndRestore``) gives each stage its own part of a saved optimizer state. Callbacks
-otherwise run as for DATA: writers on the master only.
+A rank holds only its own partition (:mod:`tarantella.stage_variables`): a model built
+without values (``keras.StatelessScope(initialize_variables=False)``) gets values for this
+rank's partition only; a model built the ordinary way loses the other partitions' values.
+Nothing gathers the whole model behind the user's back: ``save``, ``save_weights`` and the
+checkpoint callbacks (``ModelCheckpoint``, ``BackupAndRestore``, at any ``save_freq``) write
+what serial Keras writes, streamed from the stages to the master (:mod:`tarantella.
+stage_saving`); ``load_weights`` (and so ``BackupAndRestore``) reads each rank's own layers
+and optimizer slots. ``get_weights``/``set_weights`` are whole-model, the one explicit gather.
+What is not supported yet is refused with a message saying what to do: a custom
+``train_step``. Callbacks otherwise run as for DATA: writers on the master only (the other
+stages serve the master's saves during their hooks).
 
 :class:`PipelinedModel` is the sibling of :class:`~tarantella.data_parallel.DataParallelModel`
 over the base :class:`tarantella.model.Model` (identity, saving, the class swap); both run
@@ -29,7 +32,7 @@ the argument checks of :mod:`tarantella.arguments` before their loops.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -38,14 +41,15 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, arguments, losses, native_ops, randomness, timeline
+from . import _keras_compat, arguments, files, losses, native_ops, randomness, stage_saving, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError
-from .files import writes_locally
 from .gradients import GradientReducer
 from .model import DistributedState, Model, ParallelStrategy
 from .partition import Partitioning, partition, split_layers
 from .pipeline import StageStep, check_stage_model
+from .stage_saving import StageSaving
+from .stage_variables import Ownership, hold_own_partition
 from .tracebacks import user_facing
 
 __all__ = ["PipelinedModel"]
@@ -88,7 +92,7 @@ class _PipelineState(DistributedState):
     each stage's replicas sum their gradients in the group ``replicas``."""
 
     def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,
-                 strategy: ParallelStrategy) -> None:
+                 strategy: ParallelStrategy, ownership: Ownership) -> None:
         super().__init__(runtime, strategy)
         stages = parts.num_partitions
         self.parts = parts
@@ -110,35 +114,30 @@ class _PipelineState(DistributedState):
         self.step: StageStep | None = None
         #: the model's compiled loss as a traced step runs it (for the logs; set by compile)
         self.logged_loss: _TracedLoss | None = None
-        #: on the writing rank(s): the optimizer over the whole model holding every stage's
-        #: state (what save/save_weights write), gathered since the last step, else None
-        self.whole_optimizer: keras.optimizers.Optimizer | None = None
-        self.gathered = False
-        #: which rank trains each of the model's weights (the stage whose partition holds it)
-        self.owners: dict[int, int] = {id(w): p for p in range(parts.num_partitions)
-                                       for w in parts.models[p].weights}
+        #: which stage holds each weight and each layer's variables (positions, no variables)
+        self.ownership = ownership
+        self.saving = StageSaving(backend, runtime.rank, stages, ownership)
 
-    def forget_whole_optimizer(self) -> None:
-        """Free the gathered optimizer (the size of the serial one): a step makes it stale."""
-        self.whole_optimizer, self.gathered = None, False
-
-
-class _WeightSync(keras.callbacks.Callback):
-    """The whole model on every rank: every weight (and, before a checkpoint callback and
-    when training ends, every stage's optimizer state) from its stage, at each epoch's end
-    before the user's callbacks see it."""
-
-    def __init__(self, model: PipelinedModel, checkpoints: bool) -> None:
-        super().__init__()
-        self._model = model
-        self._checkpoints = checkpoints
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._model._tnt_gather(optimizer=self._checkpoints)  # noqa: SLF001 - its own helper
-
-    def on_train_end(self, logs: Any = None) -> None:
-        self._model._tnt_gather(optimizer=False)  # noqa: SLF001
-        self._model._tnt.forget_whole_optimizer()  # noqa: SLF001
+    def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
+        """A master-only callback's hook: the master runs it, writing alone, while the other
+        stages of its pipeline serve its saves until it ends the hook (if it raised, they
+        raise too, instead of waiting for it at the next step)."""
+        saving = self.saving
+        master = tnt_core.get_master_rank()
+        if self.runtime.rank == master:
+            failed = True
+            saving.serving = True
+            try:
+                if run is not None:
+                    with files.local_writes():
+                        run()
+                failed = False
+            finally:
+                saving.serving = False
+                saving.end(saving.peers(master), failed)
+        elif self.runtime.rank in saving.peers(master) and saving.serve(model, master):
+            raise NotSupportedError(  # the master's own error is in its output
+                    "a callback that runs on the master rank failed there; stopping this rank too")
 
 
 class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStrategy.ALL)):
@@ -194,11 +193,15 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             raise NotSupportedError(
                 f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
                 "backend does not provide; use one that does (gloo, mpi)")
-        check_stage_model(parts.models[runtime.rank % stages], runtime.rank % stages)
-        state = _PipelineState(runtime, parts, num_micro_batches, strategy)
+        stage = runtime.rank % stages
+        check_stage_model(parts.models[stage], stage)
+        # this rank's partition gets its values (a model built without them), the others
+        # lose theirs (a model built with them): stage_variables
+        ownership = hold_own_partition(model, [list(m.variables) for m in parts.models], stage)
+        state = _PipelineState(runtime, parts, num_micro_batches, strategy, ownership)
         # the replicas of a stage draw their own Dropout masks, for their own samples, as the
         # ranks of DATA do (pipeline 0 keeps the serial stream)
-        randomness.fold_rank_into_seeds(model, state.replica)
+        randomness.fold_rank_into_seeds(parts.models[stage], state.replica)
         pipelined = cls._tnt_adopt(model, state)
         pipelined.run_eagerly = True  # predict before compile too: the steps talk to the neighbours
         return pipelined
@@ -260,6 +263,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         self._tnt.step = self._tnt_stage_step(
             _keras_compat.new_compiled_loss(self, loss, loss_weights), self.optimizer)
         self._tnt.logged_loss = _TracedLoss(_keras_compat.compiled_loss(self))
+        if not self.optimizer.built:  # over this stage's weights only, before any callback
+            self.optimizer.build(self._tnt.step.weights)  # (BackupAndRestore) builds it whole
+        stage_saving.whole_optimizer_paths(self.optimizer, list(self.trainable_variables))  # savable
 
     def _tnt_stage_step(self, loss: keras.losses.Loss, optimizer: Any) -> StageStep:
         state = self._tnt
@@ -335,7 +341,6 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         assert state.step is not None, "compile() makes the stage's step"
         x, y, sample_weight, batch = self._tnt_batch(data)
         share = self._tnt_share(batch)
-        state.forget_whole_optimizer()
         part = state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
                                 self._tnt_rows(sample_weight, share), global_batch=batch)
         return self._tnt_logs(x, y, sample_weight, batch, 0.0, loss=self._tnt_sum(part))
@@ -381,119 +386,24 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     # -- the loops ---------------------------------------------------------------------------
 
-    def _tnt_gather(self, optimizer: bool, everywhere: bool = False) -> None:
-        """The whole model: every weight on every rank, and with ``optimizer`` the
-        optimizer state on the master (on every rank with ``everywhere``). A collective of
-        all ranks."""
-        self._tnt_gather_weights()
-        if optimizer:
-            self._tnt.whole_optimizer = self._tnt_whole_optimizer(everywhere)
-            self._tnt.gathered = True
-
-    def _tnt_whole_optimizer(self, everywhere: bool) -> keras.optimizers.Optimizer | None:
-        """The optimizer a serial run would hold, on the master (with ``everywhere`` on
-        every rank; None elsewhere): built over all trainable weights, each variable (a
-        slot, the iteration count) the value of the stage that holds it. Keras names a
-        slot after its weight (``adam/dense_kernel_momentum``), so a stage's variable is
-        the whole optimizer's of the same path.
-
-        Only the rank that writes builds it: it is as large as the serial optimizer, which
-        is what a pipelined rank saves memory on. The stages send it their variables
-        point-to-point; with ``everywhere`` they are broadcast instead."""
-        stage_optimizer = getattr(self, "optimizer", None)
-        if stage_optimizer is None or not stage_optimizer.built:
-            return None
-        state = self._tnt
-        backend = state.runtime.backend
-        mine = {v.path: v for v in stage_optimizer.variables}
-        if everywhere:
-            whole = _whole_like(stage_optimizer, self.trainable_variables)
-            holds = np.array([state.stage + 1 if v.path in mine and state.replica == 0 else 0
-                              for v in whole.variables], np.int64)
-            owners = backend.allreduce(holds, "max") - 1  # the owning stage is rank `stage`
-            for v, owner in zip(whole.variables, owners):
-                if owner < 0:
-                    raise tnt_core.CommError(f"no stage holds optimizer variable {v.path!r}")
-                if v.path in mine:
-                    v.assign(mine[v.path])
-            _broadcast_variables(backend, list(whole.variables), [int(o) for o in owners])
-            return whole
-        rank, stages = state.runtime.rank, state.parts.num_partitions
-        if rank != 0:
-            if state.replica == 0:  # a stage of the first pipeline: its state to the master
-                _send_variables(backend, list(stage_optimizer.variables), 0)
-            return None
-        whole = _whole_like(stage_optimizer, self.trainable_variables)
-        by_path = {v.path: v for v in whole.variables}
-        received = dict(mine)
-        for stage in range(1, stages):
-            received.update(_receive_variables(backend, stage))
-        missing = [path for path in by_path if path not in received]
-        if missing:
-            raise tnt_core.CommError(f"no stage holds optimizer variables {missing[:3]}")
-        for path, v in by_path.items():
-            v.assign(np.asarray(keras.ops.convert_to_numpy(received[path])).reshape(tuple(v.shape)))
-        return whole
-
-    def _tnt_as_whole(self, write: Any, everywhere: bool = False) -> None:
-        """Run ``write`` (Keras' save or save_weights) with the whole model's optimizer in
-        place of this stage's, gathering it first if training ran since the last gather."""
-        state = self._tnt
-        if not state.gathered or everywhere:
-            if writes_locally():
-                raise NotSupportedError(
-                    "saving a pipelined model from a master-only callback in the middle of an "
-                    "epoch: the stages' state is gathered at each epoch's end; save there "
-                    "(save_freq='epoch')")
-            self._tnt_gather(optimizer=True, everywhere=everywhere)
-        stage_optimizer = getattr(self, "optimizer", None)
-        whole = state.whole_optimizer
-        if whole is not None:
-            self.optimizer = whole
-        try:
-            write()
-        finally:
-            if whole is not None:
-                self.optimizer = stage_optimizer
-            if not writes_locally():  # kept for the other checkpoints of this epoch's end
-                state.forget_whole_optimizer()
-
-    def _tnt_gather_weights(self) -> None:
-        """Each weight from the rank whose stage trains it, to every rank (seed states
-        stay each rank's own: ``tarantella.randomness``)."""
-        state = self._tnt
-        owned = [(w, state.owners[id(w)]) for w in self.weights
-                 if id(w) in state.owners and not randomness.is_seed_state(w)]
-        _broadcast_variables(state.runtime.backend, [w for w, _ in owned], [o for _, o in owned])
-
     def _tnt_start(self) -> None:
-        """Before a loop: weights set on the master (set_weights, load_weights) go to all."""
-        if self._tnt.needs_broadcast:
-            weights = [w for w in self.weights if not randomness.is_seed_state(w)]
-            _broadcast_variables(self._tnt.runtime.backend, weights, [0] * len(weights))
-            self._tnt.needs_broadcast = False
+        """Before a loop: after compile, set_weights or load_weights, the replicas of a stage
+        (ALL) take replica 0's weights of their partition."""
+        state = self._tnt
+        if state.needs_broadcast:
+            if state.replicas is not None:
+                weights = [w for w in state.parts.models[state.stage].weights
+                           if not randomness.is_seed_state(w)]
+                _broadcast_variables(state.replicas, weights, [0] * len(weights))
+            state.needs_broadcast = False
 
-    def _tnt_loop_callbacks(self, callbacks: Any, *, train: bool) -> list[Any]:
-        """The user's callbacks as DATA runs them (writers on the master only, tnt
-        Callback wrappers honoured, a master's stop request stops every rank), after the
-        weight gathering; what would write stale or partial state is refused."""
+    def _tnt_loop_callbacks(self, callbacks: Any) -> list[Any]:
+        """The user's callbacks as DATA runs them (writers on the master only, the other
+        stages serving their saves; tnt Callback wrappers honoured; a master's stop request
+        stops every rank)."""
         callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                          else callbacks or [])
-        checkpoints = False
-        for cb in callbacks:
-            inner = getattr(cb, "keras_callback", cb)
-            if not isinstance(inner, (keras.callbacks.BackupAndRestore,
-                                      keras.callbacks.ModelCheckpoint)):
-                continue
-            if inner.save_freq != "epoch":
-                raise NotSupportedError(
-                    f"{type(inner).__name__}(save_freq={inner.save_freq!r}) with a pipelined "
-                    "model: the whole model is gathered from the stages at each epoch's end; "
-                    "use save_freq='epoch'")
-            checkpoints = True
-        runtime = self._tnt.runtime
-        wrapped = distribute_callbacks(callbacks, self, runtime, broadcast_weights=False)
-        return ([_WeightSync(self, checkpoints)] if train else []) + wrapped
+        return distribute_callbacks(callbacks, self, self._tnt.runtime, broadcast_weights=False)
 
     @user_facing
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
@@ -522,7 +432,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         master = self._tnt.runtime.is_master
         return super().fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
-            callbacks=self._tnt_loop_callbacks(callbacks, train=True),
+            callbacks=self._tnt_loop_callbacks(callbacks),
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -543,7 +453,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 self, x=x, y=y, sample_weight=sample_weight, callbacks=callbacks,
                 batch_size=batch_size, steps=steps)
             self._tnt_start()
-            callbacks = self._tnt_loop_callbacks(callbacks, train=False)
+            callbacks = self._tnt_loop_callbacks(callbacks)
             verbose = verbose if self._tnt.runtime.is_master else 0
         return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
                                 sample_weight=sample_weight, steps=steps, callbacks=callbacks,
@@ -563,21 +473,16 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         self._tnt_start()
         return super().predict(x, batch_size=batch_size,
                                verbose=verbose if self._tnt.runtime.is_master else 0,
-                               steps=steps, callbacks=self._tnt_loop_callbacks(callbacks, train=False))
+                               steps=steps, callbacks=self._tnt_loop_callbacks(callbacks))
 
     @user_facing
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:
-        """``keras.Model.train_on_batch`` of the pipeline, on the global batch. The whole
-        model is gathered after it (every weight from its stage, as at the end of ``fit``),
-        so ``get_weights`` between calls sees it: a loop of these costs one broadcast of the
-        weights per step, which ``fit`` spares."""
+        """``keras.Model.train_on_batch`` of the pipeline, on the global batch."""
         arguments.check_compiled(self, "train_on_batch")
         self._tnt_start()
-        logs = super().train_on_batch(x, y, sample_weight=sample_weight,
+        return super().train_on_batch(x, y, sample_weight=sample_weight,
                                       class_weight=class_weight, return_dict=return_dict)
-        self._tnt_gather(optimizer=False)
-        return logs
 
     @user_facing
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
@@ -593,55 +498,100 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         self._tnt_start()
         return super().predict_on_batch(x)
 
+    # -- weights, saving (stage_saving) ------------------------------------------------------
+
+    @user_facing
+    def get_weights(self) -> list[np.ndarray]:
+        """The whole model's weights, as serial Keras returns them, on every rank: each from
+        the stage that holds it. The one explicit gather of a pipelined model: the list
+        holds the whole model on every rank for as long as it is kept. Call on every rank."""
+        state = self._tnt
+        return stage_saving.gather_weights(state.pipe, list(self.weights), state.ownership.weights,
+                                           state.stage)
+
+    @user_facing
+    def set_weights(self, weights: list) -> None:
+        """The whole model's weights, as ``get_weights`` returns them: each rank takes its
+        own partition's from the list (the replicas of a stage take replica 0's)."""
+        mine = list(self.weights)
+        weights = list(weights)
+        if len(weights) != len(mine):
+            raise ValueError(f"set_weights(weights): model {self.name!r} has {len(mine)} weights, "
+                             f"the list has {len(weights)}")
+        for i, (v, value) in enumerate(zip(mine, weights)):
+            if tuple(np.shape(value)) != tuple(v.shape):
+                raise ValueError(f"set_weights(weights): weights[{i}] has shape "
+                                 f"{tuple(np.shape(value))}, {v.path!r} has {tuple(v.shape)}")
+        for i, (v, value) in enumerate(zip(mine, weights)):
+            if self._tnt.ownership.owns(i):
+                v.assign(value)
+        self._tnt.needs_broadcast = True
+
+    def _tnt_write(self, method: str, write: Callable[[str], None], filepath: Any,
+                   overwrite: bool, all_devices: bool) -> None:
+        path = str(filepath)
+        if path.endswith((".h5", ".hdf5")) and not path.endswith(".weights.h5"):
+            raise NotSupportedError(
+                f"{method}({path!r}): the legacy HDF5 format reads every weight on the writing rank, "
+                "which a pipelined rank does not hold; use a .keras file (or .weights.h5)")
+        self._tnt.saving.write_collectively(self, write, filepath, overwrite=overwrite,
+                                            all_devices=all_devices, runtime=self._tnt.runtime)
+
     @user_facing
     def save(self, filepath: Any, overwrite: bool = True, zipped: Any = None, *,
              tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
-        """Save the whole model as plain Keras would (one ``.keras`` file with every
-        weight and the optimizer state of every stage, which plain Keras loads). Call on
-        every rank, as for DATA: the stages' state is gathered, the master writes."""
-        parent = super().save
-        self._tnt_as_whole(lambda: parent(filepath, overwrite=overwrite, zipped=zipped,
-                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs),
-                           everywhere=tnt_save_all_devices)
+        """Save the whole model as plain Keras would: one ``.keras`` file with every weight
+        and the optimizer state of every stage, which plain Keras loads. Call on every rank:
+        the master writes, each stage sends it its layers one at a time, so no rank holds
+        the whole model (``tnt_save_all_devices=True``: every rank writes, in turn)."""
+        keras_save = super(Model, self).save
+        arguments.check_save_path("save", filepath,
+                                  {**kwargs, **({} if zipped is None else {"zipped": zipped})})
+        hub = str(filepath).startswith("hf://")
 
-    @user_facing
-    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
-        """As Keras (every rank reads the file): the whole model's weights, and from a
-        ``.weights.h5`` with optimizer state (what :meth:`save_weights` and
-        ``BackupAndRestore`` write) each stage's own slots, so training resumes as serial
-        training would."""
-        stage_optimizer = getattr(self, "optimizer", None)
-        if stage_optimizer is None or str(filepath).endswith(".keras"):
-            super().load_weights(filepath, *args, **kwargs)
-            return
-        state = self._tnt
-        if not stage_optimizer.built and state.step is not None:
-            stage_optimizer.build(state.step.weights)
-        whole = _whole_like(stage_optimizer, self.trainable_variables)  # freed on return
-        self.optimizer = whole
-        try:
-            super().load_weights(filepath, *args, **kwargs)
-        finally:
-            self.optimizer = stage_optimizer
-        loaded = {v.path: v for v in whole.variables}
-        for v in stage_optimizer.variables:
-            if v.path in loaded:
-                v.assign(loaded[v.path])
-        state.forget_whole_optimizer()
+        def write(path: str) -> None:
+            if zipped is False or hub or not path.endswith(".keras"):
+                keras_save(path, overwrite=True, zipped=zipped, **kwargs)
+            else:  # Keras' zipped writer would hold the whole weights file in memory
+                stage_saving.zip_directory(
+                    lambda folder: keras_save(folder, overwrite=True, zipped=False, **kwargs), path)
+
+        self._tnt_write("save", write, filepath, overwrite, tnt_save_all_devices)
 
     @user_facing
     def save_weights(self, filepath: Any, overwrite: bool = True, *,
                      tnt_save_all_devices: bool = False, **kwargs: Any) -> None:
-        """The whole model's weights and optimizer state (``.weights.h5``), as serial Keras
-        writes them; call on every rank."""
-        parent = super().save_weights
-        self._tnt_as_whole(lambda: parent(filepath, overwrite=overwrite,
-                                          tnt_save_all_devices=tnt_save_all_devices, **kwargs),
-                           everywhere=tnt_save_all_devices)
+        """The whole model's weights and optimizer state (``.weights.h5``, or sharded
+        ``.weights.json`` with ``max_shard_size``), as serial Keras writes them; call on
+        every rank (the master writes, streamed from the stages, as :meth:`save`)."""
+        keras_save_weights = super(Model, self).save_weights
+        arguments.check_save_path("save_weights", filepath, kwargs)
+        self._tnt_write("save_weights", lambda path: keras_save_weights(path, overwrite=True, **kwargs),
+                        filepath, overwrite, tnt_save_all_devices)
 
+    @user_facing
+    def load_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        """As Keras (every rank reads the file, a ``.keras``, ``.weights.h5`` or
+        ``.weights.json``): each rank reads only its own partition's layers and, from a file
+        with optimizer state (``save_weights``, ``BackupAndRestore``, ``save``), its own
+        stage's slots, so training resumes as serial training would."""
+        path = str(filepath)
+        if path.endswith((".h5", ".hdf5")) and not path.endswith(".weights.h5"):
+            raise NotSupportedError(
+                f"load_weights({path!r}): a pipelined model reads .keras, .weights.h5 and "
+                ".weights.json files; load the legacy HDF5 file into the plain Keras model and "
+                "save it as .weights.h5 first")
+        with self._tnt.saving.reading(self):
+            super().load_weights(filepath, *args, **kwargs)
 
-#: tags of the optimizer-state messages to the master (apart from the pipeline's 0, 1, ...)
-_META_TAG, _VALUE_TAG = 30001, 30002
+    @user_facing
+    def export(self, filepath: Any, *args: Any, tnt_save_all_devices: bool = False,
+               **kwargs: Any) -> None:
+        """Refused: an export traces the whole model, which no pipelined rank holds."""
+        raise NotSupportedError(
+            "export(...) of a pipelined model: no rank holds the whole model. Save it "
+            "(model.save('m.keras')), load it with keras.saving.load_model in one process, and "
+            "export that model")
 
 
 def _checksum(tensor: Any) -> int:
@@ -661,39 +611,6 @@ def _checksum(tensor: Any) -> int:
     else:  # 4, 8 or 16 bytes: whole int32 words
         words = t if t.dtype == tf.int32 else tf.bitcast(t, tf.int32)
     return int(tf.reduce_sum(words))
-
-
-def _whole_like(optimizer: keras.optimizers.Optimizer, variables: list[Any]) -> Any:
-    """A new optimizer configured as ``optimizer``, built over ``variables``."""
-    whole = type(optimizer).from_config(optimizer.get_config())
-    whole.build(variables)
-    return whole
-
-
-def _send_variables(backend: tnt_core.CommBackend, variables: list[Any], dest: int) -> None:
-    """``variables`` to ``dest``: their paths, shapes and dtypes (JSON, as int32 words),
-    then each value (see :func:`_receive_variables`)."""
-    values = [np.array(keras.ops.convert_to_numpy(v), order="C").reshape(-1) for v in variables]
-    meta = json.dumps([[v.path, str(a.dtype), a.size] for v, a in zip(variables, values)]).encode()
-    words = np.frombuffer(meta + b" " * (-len(meta) % 4), dtype=np.int32).copy()
-    handles = [backend.send_async(np.array([words.size], np.int64), dest, _META_TAG),
-               backend.send_async(words, dest, _META_TAG)]
-    handles += [backend.send_async(a, dest, _VALUE_TAG) for a in values]
-    tnt_core.wait_all(handles)
-
-
-def _receive_variables(backend: tnt_core.CommBackend, src: int) -> dict[str, np.ndarray]:
-    """What :func:`_send_variables` sent from ``src``: path -> value (flat)."""
-    count = np.zeros(1, np.int64)
-    backend.recv_async(count, src, _META_TAG).wait()
-    words = np.zeros(int(count[0]), np.int32)
-    backend.recv_async(words, src, _META_TAG).wait()
-    meta = json.loads(words.tobytes().decode().rstrip())
-    out = {}
-    for path, dtype, size in meta:
-        buf = np.zeros(int(size), np.dtype(dtype))
-        out[path] = backend.recv_async(buf, src, _VALUE_TAG).wait()
-    return out
 
 
 def _broadcast_variables(backend: tnt_core.CommBackend, variables: list[Any],

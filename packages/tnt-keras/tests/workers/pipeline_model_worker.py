@@ -30,16 +30,19 @@ class Interrupt(keras.callbacks.Callback):
 
 
 def resume(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
-    """Serial: 3 epochs straight. Pipelined: interrupted after epoch 2 with a
-    BackupAndRestore, then a new model resumes from the backup to epoch 3."""
+    """Serial: 3 epochs straight. Pipelined (built without values): interrupted after
+    epoch 2 with a BackupAndRestore, then a new model resumes from the backup to epoch 3."""
     def fresh():
-        model = build(args.partitions)
-        if args.mode == "pipeline":
+        if args.mode == "pipeline":  # built without values: tarantella's alias of Keras' scope
             import tarantella as tnt
 
+            with tnt.deferred_build():
+                model = build(args.partitions)
             strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
                         else tnt.ParallelStrategy.ALL)
             model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
+        else:
+            model = build(args.partitions)
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         return model
 
@@ -59,6 +62,69 @@ def resume(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.nd
                         callbacks=[keras.callbacks.BackupAndRestore(str(args.out / "backup"))])
     assert len(history.history["loss"]) == 1, f"resumed at the wrong epoch: {history.history}"
     return model.get_weights()
+
+
+def stage_memory(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """A model built without values (Keras' own StatelessScope; serial: built as usual, same
+    seed), Adam, checkpoints in the middle of epochs and at their ends, then save and
+    save_weights: the initial and trained weights (get_weights) and the History. Every
+    rank then loads the saved weights from a copy in which every value it does not hold is
+    NaN: it must read only its own layers and optimizer slots."""
+    out = args.out / f"memory-{args.mode}"
+    out.mkdir(exist_ok=True)
+    if args.mode == "pipeline":
+        import tarantella as tnt
+
+        with keras.StatelessScope(initialize_variables=False):
+            model = build(args.partitions)
+        strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
+                    else tnt.ParallelStrategy.ALL)
+        model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
+    else:
+        model = build(args.partitions)
+    initial = model.get_weights()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(out / "batch.keras"), save_freq=2),
+        keras.callbacks.ModelCheckpoint(str(out / "best.weights.h5"), monitor="loss",
+                                        save_best_only=True, save_weights_only=True)])
+    weights = model.get_weights()
+    model.save(str(out / "final.keras"))
+    model.save_weights(str(out / "final.weights.h5"))
+    if args.mode == "pipeline":  # every rank writes in turn, served by its pipeline's stages
+        model.save_weights(str(out / f"all.rank{tnt.get_rank()}.weights.h5"), tnt_save_all_devices=True)
+    result = {f"memory_initial{i}": w for i, w in enumerate(initial)}
+    result.update({f"memory_w{i}": w for i, w in enumerate(weights)})
+    result.update({f"memory_history_{k}": np.array(v) for k, v in history.history.items()})
+    if args.mode == "pipeline":
+        import h5py
+
+        import tarantella as tnt
+
+        held = []
+        for v in model.weights + model.optimizer.variables:
+            try:
+                held.append(np.asarray(v))
+            except tnt.NotSupportedError:  # another partition's: this rank holds no value
+                pass
+        slots = [np.asarray(v) for v in model.optimizer.variables]
+        poisoned = out / f"poisoned.rank{tnt.get_rank()}.weights.h5"
+        poisoned.write_bytes((out / "final.weights.h5").read_bytes())
+        with h5py.File(poisoned, "r+") as f:
+            def poison(name, item):
+                if isinstance(item, h5py.Dataset) and item.dtype.kind == "f" and \
+                        not any(h.shape == item.shape and np.array_equal(h, item[()]) for h in held):
+                    item[...] = np.nan
+            f.visititems(poison)
+        model.load_weights(poisoned)
+        result["memory_poisoned_loaded"] = np.array([
+            all(np.array_equal(a, b) for a, b in zip(model.get_weights(), weights)) and
+            all(np.array_equal(np.asarray(v), s) for v, s in zip(model.optimizer.variables, slots))])
+        result["memory_held"] = np.array([len(held)])
+    else:  # serial Keras holds every value and reads the whole file
+        result["memory_poisoned_loaded"] = np.array([True])
+        result["memory_held"] = np.array([len(model.weights) + len(model.optimizer.variables)])
+    return result
 
 
 def dict_inputs(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
@@ -156,11 +222,8 @@ def main() -> int:
 
         refused = {}
         for name, call in {
-            "backup_batches": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
-                keras.callbacks.BackupAndRestore(str(args.out / "b"), save_freq=3)]),
-            "checkpoint_batches": lambda: model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
-                keras.callbacks.ModelCheckpoint(str(args.out / "c.weights.h5"),
-                                                save_weights_only=True, save_freq=2)]),
+            "export": lambda: model.export(str(args.out / "exported")),
+            "legacy_h5": lambda: model.save(str(args.out / "legacy.h5")),
             "micro_batch_size": lambda: model.fit(x, y, tnt_micro_batch_size=4, verbose=0),
             "summed_loss": lambda: model.compile(
                 optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum")),
@@ -179,6 +242,7 @@ def main() -> int:
         extra["refused"] = refused
         model.save_weights(str(args.out / "w.weights.h5"))
     resumed = resume(args, x, y)
+    memory = stage_memory(args, x, y)
     named = dict_inputs(args, x, y)
     workflow = keras_workflow(args, x)
     pipeline_graph_worker.run(args, x, y)  # skips, late inputs, several outputs, automatic cuts
@@ -188,6 +252,7 @@ def main() -> int:
              **{f"resumed{i}": w for i, w in enumerate(resumed)},
              **{f"named{i}": w for i, w in enumerate(named)},
              **{f"workflow_{k}": v for k, v in workflow.items()})
+    np.savez(args.out / f"{tag}.memory.npz", **memory)
     (args.out / f"{tag}.json").write_text(json.dumps({
         "history": history.history, "evaluate": evaluation, "count": model.count_params(),
         **extra}))

@@ -1,0 +1,98 @@
+"""The pieces of "models larger than one rank" that one process shows, against plain Keras:
+a model built without values (``keras.StatelessScope(initialize_variables=False)``) under
+DATA, the layout of the whole model's optimizer learnt without values, the ``.keras`` file
+zipped from Keras' own directory format, and values of any dtype on the wire. The
+pipelined runs themselves are in test_pipeline_model.py (one launch per layout).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from ml_dtypes import bfloat16
+
+import tarantella as tnt
+from tarantella import _keras_compat, stage_saving
+
+
+def _net(seed: int = 4) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((5,))
+    h = keras.layers.Dense(7, activation="tanh", name="hidden")(inp)
+    h = keras.layers.Dropout(0.1, name="drop")(h)
+    return keras.Model(inp, keras.layers.Dense(3, bias_initializer="random_normal", name="out")(h))
+
+
+def test_under_data_a_model_built_without_values_gets_the_values_of_a_normal_build():
+    expected = _net().get_weights()
+    with tnt.deferred_build():
+        model = _net()
+    assert not any(_keras_compat.has_value(v) for v in model.variables)
+    model = tnt.Model(model)
+    for a, b in zip(model.get_weights(), expected):
+        np.testing.assert_array_equal(a, b)
+    with keras.StatelessScope():  # its exit initialises what waits: none of the model's
+        pass
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 5), "float32"), np.ones((8, 3), "float32"), verbose=0)
+
+
+def test_tnt_model_inside_the_scope_says_to_call_it_after():
+    with keras.StatelessScope(initialize_variables=False):
+        model = _net()
+        with pytest.raises(tnt.NotSupportedError, match=r"inside keras\.StatelessScope: .* after "
+                           r"the `with` block"):
+            tnt.Model(model)
+
+
+@pytest.mark.parametrize("optimizer", [
+    keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.1, momentum=0.9),
+    keras.optimizers.AdamW(use_ema=True), keras.optimizers.RMSprop(gradient_accumulation_steps=2)],
+    ids=lambda o: type(o).__name__)
+def test_the_whole_optimizers_layout_is_learnt_without_values(optimizer):
+    with tnt.deferred_build():
+        model = _net()
+    paths = stage_saving.whole_optimizer_paths(optimizer, list(model.trainable_variables))
+    assert not any(_keras_compat.has_value(v) for v in model.variables), "a value was made"
+    _keras_compat.forget_uninitialized(list(model.variables))
+    serial = _net()
+    serial.compile(optimizer=type(optimizer).from_config(optimizer.get_config()), loss="mse")
+    serial.optimizer.build(serial.trainable_variables)
+    assert paths == [v.path for v in serial.optimizer.variables]
+
+
+def test_an_optimizer_whose_variables_share_paths_is_refused():
+    with tnt.deferred_build():
+        model = _net()
+    with pytest.raises(tnt.NotSupportedError, match=r"Adafactor with a pipelined model: several "
+                       r"of its variables share a path \('adafactor/kernel'\)"):
+        stage_saving.whole_optimizer_paths(keras.optimizers.Adafactor(), list(model.trainable_variables))
+    _keras_compat.forget_uninitialized(list(model.variables))
+
+
+def test_a_keras_file_zipped_from_the_directory_format_loads_in_plain_keras(tmp_path):
+    model = _net()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 5), "float32"), np.ones((8, 3), "float32"), verbose=0)
+    path = str(tmp_path / "m.keras")
+    stage_saving.zip_directory(lambda folder: model.save(folder, zipped=False), path)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.keras"]  # the directory is gone
+    loaded = keras.saving.load_model(path)
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", bfloat16, "int8", "bool"], ids=str)
+def test_values_of_any_dtype_cross_the_wire(dtype):
+    value = (np.arange(7 * 3) % 5 - 2).reshape(7, 3).astype(dtype)
+    wire = stage_saving.to_wire(value)
+    assert wire.dtype in (np.float32, np.int64, np.int32)
+    buf = stage_saving.wire_buffer(value.shape, value.dtype)
+    assert buf.shape == wire.shape and buf.dtype == wire.dtype
+    buf[...] = wire
+    back = stage_saving.from_wire(buf, value.shape, value.dtype)
+    assert back.dtype == value.dtype
+    np.testing.assert_array_equal(back, value)
