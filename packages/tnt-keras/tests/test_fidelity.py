@@ -129,13 +129,16 @@ def test_errors_name_the_users_path(facts):
 
 
 def test_what_cannot_equal_serial_is_refused_naming_it(facts):
-    """A metric state that is not a sum (a maximum, a recomputed ratio) and an add_loss term
-    that is neither a mean nor a sum over the samples: refused on every rank, in one line
-    naming the state or the layer (on one rank too: the state handling is the same)."""
+    """A metric state that is not a sum (a maximum, a recomputed ratio) or whose increment
+    pairs every sample with every other (Keras' guide's CategoricalTruePositives compares
+    (n,) labels with (n, 1) predictions), and an add_loss term that is neither a mean nor a
+    sum over the samples: refused on every rank, in one line naming the state or the layer
+    (on one rank too: the state handling is the same)."""
     ranks, _ = facts
     for f in ranks:
         for key, named in (("metric_max", "metric state 'running_max/peak'"),
                            ("metric_ratio", "metric state 'ratio/rate'"),
+                           ("metric_pairs", "metric state 'categorical_true_positives/ctp'"),
                            ("added_loss_square", "layer 'squared_mean' adds a loss with add_loss()")):
             assert f[key].startswith(named), f"{key}: {f[key]}"
             assert "\n" not in f[key]

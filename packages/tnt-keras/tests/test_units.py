@@ -19,8 +19,8 @@ import tensorflow as tf
 
 import tarantella as tnt
 import tnt_core
+from tarantella import batch_scaling, datasets, environment, steps, xla
 from tarantella import callbacks as tcb
-from tarantella import datasets, environment, steps, xla
 
 
 def _ids(ds) -> list[list[int]]:
@@ -265,6 +265,37 @@ def test_unsupported_uses_raise_with_advice():
         tnt.Model(_mlp(), num_stages=2)
     with pytest.raises(tnt.NotSupportedError, match=r"not a parallel strategy; use .*ParallelStrategy\.DATA"):
         tnt.Model(_mlp(), parallel_strategy="tensor")
+
+
+#: Keras' built-in losses that reduce per-sample terms (Dice and Tversky: one ratio per batch)
+PER_SAMPLE_LOSSES = ("BinaryCrossentropy", "BinaryFocalCrossentropy", "CategoricalCrossentropy",
+                     "CategoricalFocalCrossentropy", "CategoricalHinge", "CosineSimilarity", "Hinge",
+                     "Huber", "KLDivergence", "LogCosh", "MeanAbsoluteError",
+                     "MeanAbsolutePercentageError", "MeanSquaredError", "MeanSquaredLogarithmicError",
+                     "Poisson", "SparseCategoricalCrossentropy", "SquaredHinge")
+
+
+@pytest.mark.parametrize("weighted", (False, True))
+def test_keras_loss_objects_added_with_add_loss_are_means(weighted):
+    """A Loss object's default reduction divides by the size it reads from the shape: a
+    mean over the samples (the guide's LogisticEndpoint); a loss over the whole batch (Dice,
+    unweighted: weighted, its rows mix samples, which is not read, see points_to_consider)
+    is not."""
+    kinds = {}
+    for name in PER_SAMPLE_LOSSES + (() if weighted else ("Dice",)):
+        loss = getattr(keras.losses, name)()
+
+        @tf.function
+        def step(y, p, w, loss=loss, name=name):
+            target = tf.cast(tf.argmax(p, -1), p.dtype) if name.startswith("Sparse") else y
+            kinds[name] = batch_scaling.scaling(loss(target, p, w if weighted else None), [y, p, w])
+            return p
+
+        step.get_concrete_function(tf.TensorSpec((None, 4, 3)), tf.TensorSpec((None, 4, 3)),
+                                   tf.TensorSpec((None,)))
+    if not weighted:
+        assert kinds.pop("Dice") is batch_scaling.Scaling.OTHER
+    assert set(kinds.values()) == {batch_scaling.Scaling.MEAN}, kinds
 
 
 def test_custom_steps_and_single_batches_run():

@@ -13,8 +13,11 @@ added with ``add_loss`` is, so :func:`scaling` reads it from the graph: it walks
 the value to the reductions that remove the batch axis (a tensor that depends on the
 micro-batch and whose first dimension is the batch's), through the operations that keep
 the kind (a cast, a product with a constant, a sum of terms of one kind, a division of a
-sum by the batch size, which makes it a mean). Whatever else it meets is :attr:`Scaling.OTHER`:
-the caller refuses it rather than guess.
+sum by the batch size, which makes it a mean). The batch size may be read from a shape as
+Keras' ``Loss`` objects read it (``sum_over_batch_size``: the sum over all elements divided
+by the product of the dimensions, the batch's times per-sample ones the ranks share, since
+they split one global batch). Whatever else it meets is :attr:`Scaling.OTHER`: the caller
+refuses it rather than guess.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["Scaling", "scaling"]
+__all__ = ["Scaling", "pairing", "scaling"]
 
 
 class Scaling(enum.Enum):
@@ -37,9 +40,12 @@ class Scaling(enum.Enum):
     OTHER = "other"
 
 
-# internal kinds: a tensor with one row per sample, and the batch size
+# internal kinds: a tensor with one row per sample; the batch size (times per-sample
+# dimensions); a shape vector with the batch size in one entry; a per-sample dimension
 _ROWS = "rows"
 _SIZE = "size"
+_SHAPE = "shape"
+_DIM = "dim"
 
 #: operations that pass the kind of their first input on unchanged
 _KEEP = frozenset({"Identity", "Cast", "Neg", "Squeeze", "ExpandDims", "Reshape", "StopGradient",
@@ -49,6 +55,13 @@ _SELECT = frozenset({"Where", "GatherV2", "GatherNd", "DynamicPartition", "Uniqu
                      "UniqueV2", "BooleanMask", "SparseSegmentMean", "RaggedGather"})
 _ADD = frozenset({"AddV2", "Add", "Sub", "AddN"})
 _DIV = frozenset({"RealDiv", "Div", "DivNoNan", "TrueDiv"})
+#: element-wise operations that broadcast their inputs against each other
+_BROADCAST = _ADD | _DIV | frozenset({
+    "Mul", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "Maximum",
+    "Minimum", "LogicalAnd", "LogicalOr", "SquaredDifference", "Pow", "FloorDiv", "FloorMod",
+    "SelectV2"})
+#: operations whose output depends on the shape of their input, not on its values
+_SHAPE_OF = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 def _key(t: tf.Tensor) -> tuple[str, int]:
@@ -62,24 +75,29 @@ class _Walk:
         dims = {t.shape[0] if t.shape.rank else None for t in tensors}
         self.n = dims.pop() if len(dims) == 1 else None
         self.depends: dict[tuple[str, int], bool] = {}
+        self.depends_on_values: dict[tuple[str, int], bool] = {}
         self.kinds: dict[tuple[str, int], Any] = {}
 
-    def depends_on_batch(self, t: tf.Tensor) -> bool:
-        """Whether ``t`` is computed from the micro-batch (iteratively: graphs are deep)."""
+    def depends_on_batch(self, t: tf.Tensor, values: bool = False) -> bool:
+        """Whether ``t`` is computed from the micro-batch (iteratively: graphs are deep);
+        ``values``: from the values of its samples, not only from its shape."""
+        depends = self.depends if not values else self.depends_on_values
         stack = [(t, False)]
         while stack:
             x, expanded = stack.pop()
             k = _key(x)
-            if k in self.depends:
+            if k in depends:
                 continue
             if k in self.batch:
-                self.depends[k] = True
+                depends[k] = True
+            elif values and x.op.type in _SHAPE_OF:
+                depends[k] = False
             elif expanded:
-                self.depends[k] = any(self.depends.get(_key(i), False) for i in x.op.inputs)
+                depends[k] = any(depends.get(_key(i), False) for i in x.op.inputs)
             else:
                 stack.append((x, True))
-                stack.extend((i, False) for i in x.op.inputs if _key(i) not in self.depends)
-        return self.depends[_key(t)]
+                stack.extend((i, False) for i in x.op.inputs if _key(i) not in depends)
+        return depends[_key(t)]
 
     def rows(self, t: tf.Tensor) -> bool:
         """One row per sample of the micro-batch: depends on it, and its first dimension is
@@ -88,6 +106,30 @@ class _Walk:
         if shape.rank is None or shape.rank == 0 or not self.depends_on_batch(t):
             return False
         return shape[0] is None if self.n is None else shape[0] == self.n
+
+    def sample_rows(self, t: tf.Tensor) -> bool:
+        """Rows computed from the values of the samples (not, say, a range over a dimension)."""
+        return self.rows(t) and self.depends_on_batch(t, values=True)
+
+    def pairing(self, t: tf.Tensor) -> tf.Operation | None:
+        """The first operation ``t`` is computed with that broadcasts rows of samples of one
+        rank against rows of another: ``(n, 1)`` against ``(n,)`` is ``(n, n)``, each
+        sample paired with every other one, which grows as the square of the batch. (The
+        walk goes on below an operation found, so the error names where the pairs begin.)"""
+        seen: set[tuple[str, int]] = set()
+        found = None
+        stack = [t]
+        while stack:
+            x = stack.pop()
+            if _key(x) in seen or not self.depends_on_batch(x, values=True):
+                continue
+            seen.add(_key(x))
+            if x.op.type in _BROADCAST:
+                ranks = {i.shape.rank for i in x.op.inputs if self.sample_rows(i)}
+                if len(ranks) > 1:
+                    found, stack = x.op, []
+            stack.extend(x.op.inputs)
+        return found
 
     def selected(self, t: tf.Tensor) -> bool:
         """Whether a tensor of rows came from selecting rows by the data."""
@@ -125,13 +167,26 @@ class _Walk:
                 return Scaling.OTHER if self.selected(inputs[0]) else Scaling.MEAN
             return inner if inner in (Scaling.MEAN, Scaling.SUM) else Scaling.OTHER
         if kind in ("Shape", "Size"):
-            return _SIZE if self.rows(inputs[0]) else Scaling.OTHER
-        if kind == "StridedSlice" and self.kind(inputs[0]) is _SIZE:
-            return _SIZE
+            if not self.rows(inputs[0]):
+                return Scaling.OTHER
+            return _SHAPE if kind == "Shape" else _SIZE
+        if kind == "StridedSlice":
+            return self._slice(op) if self.kind(inputs[0]) is _SHAPE else Scaling.OTHER
         if kind in _KEEP:
             inner = self.kind(inputs[0])
             return inner if inner is not _ROWS else Scaling.OTHER
         kinds = [self.kind(i) for i in inputs]
+        if kind in ("Pack", "ConcatV2"):  # dimensions gathered into a shape vector
+            parts = kinds[:-1] if kind == "ConcatV2" else kinds
+            if not all(k in (Scaling.CONSTANT, _DIM, _SIZE, _SHAPE) for k in parts):
+                return Scaling.OTHER
+            batch = sum(k in (_SIZE, _SHAPE) for k in parts)
+            if (kind == "Pack" and _SHAPE in parts) or batch > 1:
+                return Scaling.OTHER
+            return _SHAPE if batch else _DIM
+        if kind == "Prod" and kinds[0] in (_SHAPE, _DIM) and kinds[1] is Scaling.CONSTANT \
+                and op.get_attr("keep_dims") is False and inputs[0].shape.rank == 1:
+            return _SIZE if kinds[0] is _SHAPE else _DIM
         if kind in _ADD:
             moving = {k for k in kinds if k is not Scaling.CONSTANT}
             if moving == {Scaling.MEAN}:
@@ -139,9 +194,12 @@ class _Walk:
             if moving == {Scaling.SUM} and Scaling.CONSTANT not in kinds:
                 return Scaling.SUM  # a constant next to a sum would be added once per rank
             return Scaling.OTHER
+        if kind == "Mul" and len(kinds) == 2 and _SIZE in kinds \
+                and set(kinds) <= {_SIZE, _DIM, Scaling.CONSTANT} and kinds.count(_SIZE) == 1:
+            return _SIZE  # the batch size times per-sample dimensions
         if kind == "Mul" and len(kinds) == 2 and Scaling.CONSTANT in kinds:
             other = kinds[1] if kinds[0] is Scaling.CONSTANT else kinds[0]
-            return other if other in (Scaling.MEAN, Scaling.SUM, _SIZE) else Scaling.OTHER
+            return other if other in (Scaling.MEAN, Scaling.SUM, _SIZE, _DIM) else Scaling.OTHER
         if kind in _DIV and len(kinds) == 2:
             top, bottom = kinds
             if top is Scaling.SUM and bottom is _SIZE:
@@ -153,6 +211,25 @@ class _Walk:
                     return Scaling.MEAN  # divided by the (static) batch size
                 return top
         return Scaling.OTHER
+
+    def _slice(self, op: tf.Operation) -> Any:
+        """A slice of a shape vector: the batch size, a shape vector holding it, or per-sample
+        dimensions; OTHER when the slice is not static."""
+        shape, begin, end, strides = op.inputs
+        rank = shape.shape[0]
+        values = [tf.get_static_value(t) for t in (begin, end, strides)]
+        if rank is None or any(v is None or v.shape != (1,) for v in values) \
+                or op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+            return Scaling.OTHER
+        b, e, s = (int(v[0]) for v in values)
+        index = list(range(rank))
+        if op.get_attr("shrink_axis_mask") & 1:
+            if not -rank <= b < rank:
+                return Scaling.OTHER
+            return _SIZE if index[b] == 0 else _DIM
+        picked = index[slice(None if op.get_attr("begin_mask") & 1 else b,
+                             None if op.get_attr("end_mask") & 1 else e, s)]
+        return _SHAPE if 0 in picked else _DIM
 
 
 def scaling(value: Any, batch: Sequence[Any]) -> Scaling | None:
@@ -168,3 +245,12 @@ def scaling(value: Any, batch: Sequence[Any]) -> Scaling | None:
     if kind is _ROWS:
         return Scaling.SUM  # Keras sums a term with one entry per sample
     return kind if isinstance(kind, Scaling) else Scaling.OTHER
+
+
+def pairing(value: Any, batch: Sequence[Any]) -> tf.Operation | None:
+    """The operation of the traced step that pairs each sample of the micro-batch (whose
+    tensors are ``batch``) with every other one on the way to ``value``, or None: a sum over
+    such pairs is no sum over the samples, the ranks' parts miss the pairs across ranks."""
+    if not tf.is_tensor(value) or tf.executing_eagerly() or not hasattr(value, "graph"):
+        return None
+    return _Walk(batch).pairing(value)

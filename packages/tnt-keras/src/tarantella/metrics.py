@@ -38,7 +38,10 @@ What a step's own code does with the metrics is recorded while Keras traces it
 * **States that are not additive.** An ``update_state`` that sets a state to anything but
   the state plus an increment (a maximum, a ratio recomputed from other states) would give
   another number than serial Keras once increments are summed; the writes its trace made
-  are read (:func:`check_additive`) and such a metric is refused, naming the state.
+  are read (:func:`check_additive`) and such a metric is refused, naming the state. So is
+  an increment that pairs every sample with every other (``(n, 1) == (n,)`` broadcast to
+  ``(n, n)``, ``tarantella.batch_scaling.pairing``): its ranks' parts miss the pairs
+  across ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from .batch_scaling import pairing
 from .errors import NotSupportedError
 from .overrides import instance_attributes
 
@@ -156,12 +160,26 @@ def _state_name(metric: keras.metrics.Metric, resource: tf.Tensor) -> str:
     return f"a state of metric {metric.name!r}"
 
 
-def check_additive(metric: keras.metrics.Metric, ops: Sequence[tf.Operation]) -> None:
+def check_additive(metric: keras.metrics.Metric, ops: Sequence[tf.Operation],
+                   batch: Sequence[Any] = ()) -> None:
     """Refuse ``metric`` if one of the ``ops`` its ``update_state`` traced writes a state
-    other than by adding an increment to it (see the module docstring)."""
+    other than by adding an increment to it, or by an increment that pairs the samples of
+    ``batch`` (the tensors it was given) with each other (see the module docstring)."""
     for op in ops:
-        if op.type in _WRITES and not _adds_to_itself(op):
-            state = _state_name(metric, op.inputs[0])
+        if op.type not in _WRITES:
+            continue
+        state = _state_name(metric, op.inputs[0])
+        paired = pairing(op.inputs[1], batch) if batch else None
+        if paired is not None:
+            shapes = " against ".join(str(tuple(i.shape)) for i in paired.inputs)
+            raise NotSupportedError(
+                f"{state} is incremented by update_state with a term that pairs every sample "
+                f"of the batch with every other ({paired.type} of {shapes}): "
+                "tarantella adds up the ranks' increments, which misses the pairs across ranks. "
+                "Give both operands the same shape so each sample adds its own term, or compute "
+                "this metric from predict()'s outputs"
+            )
+        if not _adds_to_itself(op):
             raise NotSupportedError(
                 f"{state} is set by update_state to something other than the state plus an "
                 "increment (a maximum, a ratio, ...): "
@@ -211,7 +229,8 @@ class MetricCalls:
             graph = tf.compat.v1.get_default_graph()
             before = len(graph.get_operations())
             result = update(*args, **kwargs)
-            check_additive(metric, graph.get_operations()[before:])
+            check_additive(metric, graph.get_operations()[before:],
+                           keras.tree.flatten([args, kwargs]))
             return result
 
         return update_state

@@ -335,6 +335,13 @@ def main(argv: list[str] | None = None) -> None:
                     self.add_loss(0.1 * ops.mean(ops.sum(ops.square(inputs), axis=-1)))
                     return inputs
 
+            class LossObjects(L.Layer):  # Keras' Loss objects (the guide's LogisticEndpoint)
+                def call(self, inputs):
+                    self.add_loss(0.05 * keras.losses.MeanSquaredError()(ops.zeros_like(inputs), inputs))
+                    self.add_loss(keras.losses.BinaryCrossentropy(from_logits=True)(
+                        ops.ones_like(inputs[:, :1]), inputs[:, 1:2], sample_weight=ops.abs(inputs[:, 0])))
+                    return inputs
+
             class MeanAbsOutput(keras.metrics.Metric):  # sums and counts; the ratio in result()
                 def __init__(self, name="mean_abs_output", **kw):
                     super().__init__(name=name, **kw)
@@ -352,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
             model = keras.Sequential([
                 keras.Input((6,)),
                 L.Dense(8, activation="relu", activity_regularizer=keras.regularizers.L2(0.01)),
-                ActivityRegularization(), Spread(), L.Dense(3, activation="softmax")])
+                ActivityRegularization(), Spread(), LossObjects(), L.Dense(3, activation="softmax")])
             m = compiled(model, metrics=("accuracy", MeanAbsOutput()))
             h = m.fit(xm, ym, batch_size=7, epochs=2, verbose=0, shuffle=False,
                       validation_data=(xm[:11], ym[:11]), validation_batch_size=4)
@@ -460,15 +467,32 @@ def _refusals(tnt, keras) -> dict:
         def result(self):
             return self.rate
 
+    class CategoricalTruePositives(keras.metrics.Metric):  # Keras' guide, as written there
+        def __init__(self, name="categorical_true_positives", **kw):
+            super().__init__(name=name, **kw)
+            self.true_positives = self.add_variable(shape=(), name="ctp", initializer="zeros")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            y_pred = ops.reshape(ops.argmax(y_pred, axis=1), (-1, 1))
+            values = ops.cast(y_true, "int32") == ops.cast(y_pred, "int32")  # (n,) vs (n, 1)
+            values = ops.cast(values, "float32")
+            if sample_weight is not None:
+                values = ops.multiply(values, ops.cast(sample_weight, "float32"))
+            self.true_positives.assign_add(ops.sum(values))
+
+        def result(self):
+            return self.true_positives
+
     class SquaredMean(L.Layer):  # neither a mean nor a sum over the samples
         def call(self, inputs):
             self.add_loss(ops.square(ops.mean(inputs)))
             return inputs
 
-    x, y = np.zeros((8, 4)), np.zeros((8, 1))
+    x, y = np.zeros((8, 4)), np.zeros((8,))
     out = {}
     for key, layers, metrics in (("metric_max", [], [RunningMax()]),
                                  ("metric_ratio", [], [Ratio()]),
+                                 ("metric_pairs", [], [CategoricalTruePositives()]),
                                  ("added_loss_square", [SquaredMean()], [])):
         m = tnt.Model(keras.Sequential([keras.Input((4,)), *layers, L.Dense(1)]))
         m.compile(optimizer="sgd", loss="mse", metrics=metrics)
