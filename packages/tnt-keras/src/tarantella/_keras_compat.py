@@ -32,14 +32,15 @@ from keras.src.backend.common import global_state
 # Checked on Keras 3.14.1, 3.15.1.
 from keras.src.backend.common.masking import get_keras_mask
 
+# in_stateless_scope: whether a StatelessScope is open (a variable cannot get its value
+# there). Checked on Keras 3.15.1.
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+
 # CompileLoss: the loss compile() makes of its loss= and loss_weights= (each output's loss,
 # weighted, summed; a Mean tracker per output's loss when there are several). A pipelined
 # model's last stage differentiates one made alike (new_compiled_loss). Checked on Keras
 # 3.15.1.
 from keras.src.trainers.compile_utils import CompileLoss
-# in_stateless_scope: whether a StatelessScope is open (a variable cannot get its value
-# there). Checked on Keras 3.15.1.
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 # get_data_adapter: the adapter Keras' fit() itself uses, so tarantella's global batches,
 # shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
