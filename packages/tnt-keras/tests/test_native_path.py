@@ -59,14 +59,15 @@ def test_native_and_python_paths_train_the_same_bits(trained, dtype):
 
 
 def test_a_pipeline_stages_replicas_sum_through_the_same_reducer(trained):
-    """The stage's gradients go through DATA's reducer over a group of the job: on the path
-    asked for, traced once, the same bits on both paths and ranks, and the weights of plain
-    Keras."""
+    """The stage's gradients go through DATA's reducer over a group of the job, inside the
+    stage's compiled step: on the path asked for, the step traced once per batch size, the
+    same bits on both paths and ranks, and the weights of plain Keras."""
     keys = sorted(k for k in trained[("native", 0)] if re.fullmatch(r"stage_\d+", k))
     assert len(keys) == 6
     for (path, rank), got in trained.items():
         assert got["stage_native"].tolist() == [path == "native"]
-        assert got["stage_traces"].tolist() == [1]
+        traces, signatures = got["stage_traces"].tolist()
+        assert traces == signatures, f"the step traced {traces} times for {signatures} sizes"
         for key in keys:
             np.testing.assert_array_equal(got[key], trained[("native", 0)][key], err_msg=key)
             serial = got[key.replace("stage_", "serial_")]

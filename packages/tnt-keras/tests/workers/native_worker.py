@@ -97,16 +97,19 @@ def _stage_replicas() -> dict[str, np.ndarray]:
     step = StageStep(partition(_functional()), 0, group, loss=keras.losses.MeanSquaredError(),
                      optimizer=keras.optimizers.SGD(0.05, momentum=0.9), num_micro_batches=2,
                      replicas=reducer)
+    signatures = set()  # the compiled step traces once per (local, global) batch size
     for _ in range(2):
         for start in range(0, len(x), 7):
             bx, by = x[start:start + 7], y[start:start + 7]
             share = tnt_core.micro_batch_slice(len(bx), rank, size, allow_empty=True)
             step.train(bx[share], by[share], global_batch=len(bx))
+            signatures.add((share.stop - share.start, len(bx)))
     saved = {f"stage_{i}": w for i, w in enumerate(step.model.get_weights())}
     saved.update({f"serial_{i}": w for i, w in enumerate(plain.get_weights())})
     saved.update({f"initial_{i}": w for i, w in enumerate(_functional().get_weights())})
     saved["stage_native"] = np.array([isinstance(p, NativeReducer) for p in reducer._plans.values()])
-    saved["stage_traces"] = np.array([step._replicas_sum.experimental_get_tracing_count()])
+    saved["stage_traces"] = np.array([step._train_fn.experimental_get_tracing_count(),
+                                      len(signatures)])
     return saved
 
 
