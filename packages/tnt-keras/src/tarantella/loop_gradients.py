@@ -33,6 +33,7 @@ import tensorflow as tf
 import tnt_core
 
 from . import graph_order, native_ops
+from .class_swap import disguised_subclass
 from .gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
 from .loop_data import batch_share
 from .steps import current_step
@@ -202,25 +203,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return super().apply(reduced, variables)
 
 
-_CLASSES: dict[type, type] = {}
-
-
-def _distributed_class(cls: type) -> type:
-    """``Distributed<cls>(DistributedOptimizer, cls)``, made once per class; it reports
-    ``cls`` as its ``__class__``, so Keras serializes it as the plain optimizer."""
-    sub = _CLASSES.get(cls)
-    if sub is None:
-        namespace = {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
-            "_tnt_base": cls,
-        }
-        sub = _CLASSES[cls] = type(cls.__name__, (DistributedOptimizer, cls), namespace)
-    return sub
-
-
 @user_facing
 def distribute_optimizer(optimizer: Any, reduction: GradientReduction, where: str) -> Any:
     """``optimizer`` made to reduce its gradients with ``reduction`` (in place)."""
@@ -232,6 +214,6 @@ def distribute_optimizer(optimizer: Any, reduction: GradientReduction, where: st
         raise TypeError(f"{where} wraps a Keras optimizer instance (e.g. "
                         f"keras.optimizers.Adam(1e-3)); got {type(optimizer).__name__}")
     if not isinstance(optimizer, DistributedOptimizer):
-        object.__setattr__(optimizer, "__class__", _distributed_class(type(optimizer)))
+        object.__setattr__(optimizer, "__class__", disguised_subclass(DistributedOptimizer, type(optimizer)))
     object.__setattr__(optimizer, "_tnt_reduction", reduction)
     return optimizer

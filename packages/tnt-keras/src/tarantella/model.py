@@ -37,6 +37,7 @@ import tnt_core
 from tnt_core import TntError
 
 from . import arguments, files
+from .class_swap import disguised_subclass
 from .errors import NotSupportedError
 from .steps import LocalIncrements
 from .tracebacks import user_facing
@@ -110,25 +111,6 @@ class DistributedState:
         """This rank's own metric increments (what callbacks with ``aggregate_logs=False``
         show); the data-parallel steps record them."""
         return self._local.setdefault(kind, LocalIncrements())
-
-
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _distributed_class(sibling: type, cls: type) -> type:
-    """``<cls>(sibling, cls)``, made once per pair. It reports ``cls`` as its ``__class__``
-    so that Keras serializes its instances as plain ``cls`` objects."""
-    sub = _CLASSES.get((sibling, cls))
-    if sub is None:
-        namespace = {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-            "__class__": property(lambda self: cls, doc="The user's class (what Keras saves)."),
-            "_tnt_base": cls,
-        }
-        sub = _CLASSES[(sibling, cls)] = type(cls.__name__, (sibling, cls), namespace)
-    return sub
 
 
 def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None,
@@ -222,7 +204,7 @@ class Model(keras.Model):
     def _tnt_adopt(cls, model: keras.Model, state: DistributedState) -> Any:
         """The class swap: ``model`` becomes an instance of ``<its class>(cls, its class)``
         holding ``state``."""
-        object.__setattr__(model, "__class__", _distributed_class(cls, type(model)))
+        object.__setattr__(model, "__class__", disguised_subclass(cls, type(model)))
         object.__setattr__(model, "_tnt", state)
         return model
 
