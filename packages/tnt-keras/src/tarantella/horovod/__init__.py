@@ -1,6 +1,7 @@
 """Horovod's TensorFlow 2 API on tarantella: ``import tarantella.horovod as hvd`` in place of
 ``import horovod.tensorflow as hvd`` (``tarantella.horovod.keras`` for
-``horovod.tensorflow.keras``), and the script runs with ``tnt run -n N -- script.py``.
+``horovod.tensorflow.keras``), and the script runs with ``tnt run -n N -- script.py``;
+``import tarantella.horovod as horovod`` gives ``horovod.run`` (its ranks started by ``tnt run``).
 
 The names keep Horovod's meaning: ``hvd.DistributedGradientTape`` and
 ``hvd.DistributedOptimizer`` average the gradients (``op=hvd.Sum`` sums them), through
@@ -25,6 +26,7 @@ from ._collectives import (
     broadcast,
     broadcast_variables,
 )
+from ._launch import run
 from ._runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 from ._training import DistributedGradientTape, DistributedOptimizer
 
@@ -49,6 +51,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "rank",
+    "run",
     "shutdown",
     "size",
 ]
