@@ -104,6 +104,19 @@ void fail(TF_OpKernelContext* ctx, TF_Code code, const std::string& message) {
   TF_DeleteStatus(status);
 }
 
+// Output 0 of an op whose result is one int64 (a token or a count).
+void output_int64(TF_OpKernelContext* ctx, std::int64_t value) {
+  TF_Status* status = TF_NewStatus();
+  TF_Tensor* out = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, sizeof(std::int64_t), status);
+  if (TF_GetCode(status) == TF_OK) {
+    *static_cast<std::int64_t*>(TF_TensorData(out)) = value;
+  } else {
+    TF_OpKernelContext_Failure(ctx, status);
+  }
+  if (out != nullptr) TF_DeleteTensor(out);
+  TF_DeleteStatus(status);
+}
+
 std::vector<std::int64_t> int_list_attr(TF_OpKernelConstruction* ctx, const char* name,
                                         TF_Status* status) {
   std::int32_t list_size = 0, total_size = 0;
@@ -173,14 +186,8 @@ void push_compute(void* kernel, TF_OpKernelContext* ctx) {
     fail(ctx, TF_ABORTED, error);
     return;
   }
-  TF_Tensor* token = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, sizeof(std::int64_t), status);
-  if (TF_GetCode(status) == TF_OK) {
-    *static_cast<std::int64_t*>(TF_TensorData(token)) = k->bucket;
-  } else {
-    TF_OpKernelContext_Failure(ctx, status);
-  }
-  if (token != nullptr) TF_DeleteTensor(token);
   TF_DeleteStatus(status);
+  output_int64(ctx, k->bucket);
 }
 
 // -- TntFinishReduce ----------------------------------------------------------------------
@@ -311,14 +318,8 @@ void send_compute(void* kernel, TF_OpKernelContext* ctx) {
     fail(ctx, TF_ABORTED, error);
     return;
   }
-  TF_Tensor* out = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, sizeof(std::int64_t), status);
-  if (TF_GetCode(status) == TF_OK) {
-    *static_cast<std::int64_t*>(TF_TensorData(out)) = token;
-  } else {
-    TF_OpKernelContext_Failure(ctx, status);
-  }
-  if (out != nullptr) TF_DeleteTensor(out);
   TF_DeleteStatus(status);
+  output_int64(ctx, token);
 }
 
 void recv_compute(void* kernel, TF_OpKernelContext* ctx) {
@@ -385,14 +386,8 @@ void wait_compute(void* kernel, TF_OpKernelContext* ctx) {
     fail(ctx, TF_ABORTED, error);
     return;
   }
-  TF_Tensor* out = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, sizeof(std::int64_t), status);
-  if (TF_GetCode(status) == TF_OK) {
-    *static_cast<std::int64_t*>(TF_TensorData(out)) = static_cast<std::int64_t>(tokens.size());
-  } else {
-    TF_OpKernelContext_Failure(ctx, status);
-  }
-  if (out != nullptr) TF_DeleteTensor(out);
   TF_DeleteStatus(status);
+  output_int64(ctx, static_cast<std::int64_t>(tokens.size()));
 }
 
 // -- registration ---------------------------------------------------------------------------
