@@ -336,6 +336,16 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def _tnt_loss_tracker(self) -> Any:
         return next((m for m in self.metrics if m.name == "loss"), None)
 
+    def _tnt_logs_read_outputs(self) -> bool:
+        """Whether a training step's logs need the whole batch's outputs on every rank:
+        for compiled metrics, for the loss of each of several outputs (``out1_loss``), or
+        for a ``compute_metrics`` of the model's own. Else the step's loss is all they
+        need, and the outputs stay on the last stage."""
+        several = len(keras.tree.flatten(self._tnt.parts.output_structure)) > 1
+        own = type(self).compute_metrics is not keras.Model.compute_metrics
+        others = any(m is not self._tnt_loss_tracker() for m in self.metrics)
+        return several or own or others
+
     def train_step(self, data: Any) -> Any:
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
@@ -373,12 +383,15 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         (:class:`_TracedLoss`): it updates the per-output loss trackers (``out1_loss``, ...)
         and gives the loss (plus the stages' ``regularisation``) unless the step's own sum
         ``loss`` is given."""
-        if y_pred is None:
-            y_pred = self._tnt_outputs(batch)
-        assert self._tnt.logged_loss is not None, "compile() makes it"
-        compiled = self._tnt.logged_loss(y, y_pred, sample_weight)
-        if loss is None:
-            loss = float(compiled) + regularisation
+        if loss is not None and not self._tnt_logs_read_outputs():
+            y_pred = None  # nothing reads them: no broadcast of the batch's outputs
+        else:
+            if y_pred is None:
+                y_pred = self._tnt_outputs(batch)
+            assert self._tnt.logged_loss is not None, "compile() makes it"
+            compiled = self._tnt.logged_loss(y, y_pred, sample_weight)
+            if loss is None:
+                loss = float(compiled) + regularisation
         tracker = self._tnt_loss_tracker()
         if tracker is not None:
             tracker.update_state(loss, sample_weight=batch)
