@@ -26,7 +26,12 @@ samples/s. Rows:
   ``m`` micro-batches, the default schedule of ``tnt.Model`` (printed). ``ideal`` is the
   speed-up over one stage's processor that GPipe's bubble allows, ``P * M / (M + P - 1)``,
   with the efficiency ``M / (M + P - 1)`` in brackets (1F1B has the same bubble): compare
-  it with ``vs 1 CPU``.
+  it with ``vs 1 CPU``;
+- not in the table: serial Keras on 1 CPU training ``m`` micro-batches of ``batch / m`` per
+  optimizer step in one graph (Keras' ``gradient_accumulation_steps`` and
+  ``steps_per_execution``), for each ``m``: the compute of the micro-batches with no
+  message, whose slope over ``m`` (printed after the table, and per stage) is what smaller
+  matrix products and per-micro-batch ops cost by themselves.
 
 The columns after ``step`` say where a pipelined step goes, per rank (median ms per step;
 ``StageStep.train`` is wrapped with a timer, the training is unchanged): ``stage`` is the
@@ -93,6 +98,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 P = 2  # pipeline stages = ranks
+#: serial Keras on 1 CPU training M micro-batches per optimizer step in one graph
+#: (``gradient_accumulation_steps=M``, ``steps_per_execution=M``): the compute of M
+#: micro-batches without any message, whose slope over M is the compute's own fixed cost
+ACCUMULATED = "keras, accumulated"
 
 
 # -- the worker side: one process (serial) or one rank (pipeline) ------------------------------
@@ -218,11 +227,21 @@ def worker_throughput(args: argparse.Namespace) -> None:
             model = build(keras, args.width, args.layers, args.width, args.width, False)
             model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", **kwargs)
             configs[name] = model
+        if args.role == "serial-1cpu":  # the compute's own cost of M micro-batches, no messages
+            for m in args.micro_batches:
+                model = build(keras, args.width, args.layers, args.width, args.width, False)
+                accumulate = {"gradient_accumulation_steps": m} if m > 1 else {}  # Keras wants >= 2
+                model.compile(optimizer=keras.optimizers.Adam(1e-4, **accumulate),
+                              loss="mse", jit_compile=False, steps_per_execution=m)
+                configs[f"{ACCUMULATED} M={m}"] = model
     timers = {name: Timers() for name in configs}
+    def micro(name: str) -> int:  # the fit's batch: a micro-batch for the accumulated rows
+        return b // int(name.split("M=")[1]) if name.startswith(ACCUMULATED) else b
+
     for name, model in configs.items():  # warm-up: tracing, XLA, the optimizer's slots
         ACTIVE[:] = [timers[name]]
-        model.fit(x[:b * args.warmup], y[:b * args.warmup], batch_size=b, epochs=1, shuffle=False,
-                  verbose=0)
+        model.fit(x[:b * args.warmup], y[:b * args.warmup], batch_size=micro(name), epochs=1,
+                  shuffle=False, verbose=0)
     result: dict[str, Any] = {"rank": rank, "threads": tf.config.threading.get_intra_op_parallelism_threads(),
                               "params": int(next(iter(configs.values())).count_params()), "configs": {}}
     for t in timers.values():
@@ -230,7 +249,7 @@ def worker_throughput(args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         for name, model in configs.items():
             ACTIVE[:] = [timers[name]]
-            model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0,
+            model.fit(x, y, batch_size=micro(name), epochs=1, shuffle=False, verbose=0,
                       callbacks=[timers[name].callback(keras)])
     for name, model in configs.items():
         t = timers[name]
@@ -446,6 +465,8 @@ def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, rank
           f"{'of bound':>8s}")
     for tag, ser in (("", serial), (", 1 CPU", serial1)):
         for name, c in ser["configs"].items():
+            if name.startswith(ACCUMULATED):
+                continue
             rate = b / c["step"]
             print(f"{name + tag:26s} {rate:9.0f} {rate / base:9.2f} {rate / base1:8.2f} {'':12s} "
                   f"{c['step'] * 1e3:6.1f}")
@@ -473,6 +494,14 @@ def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, rank
                           / sum((m - mean_m) ** 2 for m in ms))
         print("   fixed cost per extra micro-batch (slope of a rank's work over M): "
               + " / ".join(f"{sl * 1e3:.2f} ms" for sl in slopes))
+        steps = [serial1["configs"][f"{ACCUMULATED} M={m}"]["step"] for m in ms]
+        mean_s = statistics.mean(steps)
+        own = sum((m - mean_m) * (s - mean_s) for m, s in zip(ms, steps)) \
+            / sum((m - mean_m) ** 2 for m in ms)
+        print(f"   the compute's own cost of micro-batches: serial Keras on 1 CPU, M micro-batches "
+              f"of {b}/M accumulated in one graph (no messages), ms per step for M = "
+              f"{', '.join(map(str, ms))}: {', '.join(f'{s * 1e3:.1f}' for s in steps)}; slope "
+              f"{own * 1e3:.2f} ms per micro-batch, {own * 1e3 / P:.2f} ms per stage")
     half = {name: c["step"] * 1e3 / P for name, c in serial1["configs"].items()}
     m1 = [r["configs"][f"M={args.micro_batches[0]}"] for r in ranks]
     print(f"   half the serial step on 1 CPU: fit {half['keras fit']:.1f} ms, eager "
