@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotSupportedError, TntKerasError
+from ..errors import NotSupportedError
 
 __all__ = ["run"]
 
@@ -66,7 +66,8 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
         hosts: str | None = None, hostfile: str | None = None, use_gloo: bool | None = None,
         use_mpi: bool | None = None, env: dict[str, str] | None = None, **launcher: Any) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``np`` ranks (``hosts`` as horovodrun's ``-H``, or a
-    ``hostfile`` with ``slots=``) and return each rank's result, in rank order."""
+    ``hostfile`` with ``slots=``) and return each rank's result, in rank order; a failed
+    rank raises ``RuntimeError`` here, as in Horovod."""
     unknown = sorted(set(launcher) - _LAUNCHER_TUNING)
     if unknown:
         raise TypeError(f"horovod.run() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
@@ -92,7 +93,7 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
         command += ["--", sys.executable, "-m", "tarantella.horovod._rank_call", str(job)]
         ended = subprocess.run(command, check=False)
         if ended.returncode != 0:
-            raise TntKerasError(
+            raise RuntimeError(  # as Horovod's run raises it
                 f"horovod.run: the job of {np} rank(s) failed with exit code {ended.returncode} "
                 "(the failing rank's output is above)"
             )
