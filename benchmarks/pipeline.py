@@ -2,7 +2,7 @@
 throughput and the bubble, then memory per phase, a model larger than one rank, a memory cap.
 
     python benchmarks/pipeline.py [--backend gloo|mpi] [--batch 256] [--rounds 5] [--no-big]
-                                  [--cap] [--only throughput|memory]
+                                  [--cap] [--only throughput|memory|larger]
 
 Ranks (one per partition, ``tnt run -n S``) against one plain Keras process, on the same
 model and the same global batch; about 10 minutes on 2 cores. Machines are noisy: compare
@@ -64,11 +64,17 @@ process pays, TensorFlow's own buffers and the batch).
 of ``--big-width`` units (by default 72 x 1536, 170 M parameters) on 3 ranks, built without
 values, ``--big-micro-batches`` 1 (a stage then holds one gradient of its weights; each
 further micro-batch adds the one being accumulated), through the same phases, then
-``resume``: a new model built without values resumes from the backup (``BackupAndRestore``)
-and saves again. Its weights and Adam state (12 bytes per parameter) are compared with twice
-the largest per-rank peak growth of the run; then a plain Keras process (no ``tnt.Model``;
+``resume``: the model is deleted (``gc.collect()``; ``released`` is the RSS growth left
+after it) and a new model built without values resumes from the backup
+(``BackupAndRestore``) and saves again, in the same processes; then ``resume, new job``: a
+second job does the same from a copy of the same backup, as a restart after a crash would.
+Its weights and Adam state (12 bytes per parameter) are compared with twice the largest
+per-rank peak growth of the run (every phase, both resumes), and ``fit B/param`` is a
+rank's fit growth per parameter it trains; then a plain Keras process (no ``tnt.Model``;
 ``tarantella`` imported for its registered ``SplitLayer``) loads the saved file, and the
-SHA-256 digests of its weights are compared with ``get_weights()`` of the pipelined model.
+SHA-256 digests of its weights are compared with ``get_weights()`` of the pipelined model
+(and those of the two resumed models with each other). ``--only larger`` runs this part
+alone.
 
 **4. Memory cap** (``--cap``): the big model under an address-space limit per process
 (``RLIMIT_AS``, what ``ulimit -v`` sets; on each rank for the pipelined job on 2 ranks),
@@ -297,14 +303,15 @@ def mem_build(keras: Any, args: argparse.Namespace, stages: int) -> Any:
 
 def worker_memory(args: argparse.Namespace) -> None:
     """Peak RSS growth per phase (fit; fit through ModelCheckpoint and BackupAndRestore;
-    save; with ``--mem-resume`` a new model resuming from the backup): VmHWM is reset before
-    each phase and read after it, the growth is over the RSS after the imports."""
+    save; with ``--mem-resume`` a new model resuming from the backup in the same process;
+    with ``--mem-backup`` only that, from the given backup, in a new job): VmHWM is reset
+    before each phase and read after it, the growth is over the RSS after the imports."""
     marks = {"start": proc_status()}
     import keras
     import numpy as np
     import tensorflow as tf
 
-    pipeline = args.role == "mem-pipe"
+    pipeline = args.role in ("mem-pipe", "mem-resume")
     stages = args.mem_stages if pipeline else 1
     rank = 0
     if pipeline:
@@ -319,6 +326,7 @@ def worker_memory(args: argparse.Namespace) -> None:
     out.mkdir(exist_ok=True)
     d = args.mem_io
     x, y = data(args.mem_batch * args.mem_steps, d, d)
+    fit = {"batch_size": args.mem_batch, "shuffle": False, "verbose": 0}
 
     def make() -> Any:
         if pipeline:
@@ -339,10 +347,27 @@ def worker_memory(args: argparse.Namespace) -> None:
         marks[name] = {**proc_status(), "seconds": time.perf_counter() - t0}
         return result
 
+    def resume(backup: str) -> Any:
+        again = make()  # a new model, built without values, resuming from the backup
+        again.fit(x, y, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup)], **fit)
+        again.save(str(out / "final.keras"))
+        return again
+
+    def digests(model: Any) -> list[str]:
+        weights = model.get_weights()  # the explicit gather, after every measurement
+        return [hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest() for w in weights]
+
+    if args.mem_backup:  # a new job resumes from another job's backup
+        model = phase("resume", lambda: resume(args.mem_backup))
+        resumed = {"rank": rank, "params": int(model.count_params()), "digests": digests(model),
+                   "local_params": int(model.local_param_count), "stages": stages,
+                   "marks": marks, "peaks_reset": all(resets)}
+        Path(args.out, f"{args.role}-{stages}.rank{rank}.json").write_text(json.dumps(resumed))
+        return
+
     model = phase("build", make)
     params = int(model.count_params())
     local = int(model.local_param_count) if pipeline else params
-    fit = {"batch_size": args.mem_batch, "shuffle": False, "verbose": 0}
     history = phase("fit", lambda: model.fit(x, y, epochs=1, **fit))
     checkpoints = [keras.callbacks.ModelCheckpoint(str(out / "checkpoint.keras")),
                    keras.callbacks.BackupAndRestore(str(out / "backup"), delete_checkpoint=False)]
@@ -353,20 +378,13 @@ def worker_memory(args: argparse.Namespace) -> None:
     if args.mem_resume:
         del model, checkpoints, history  # (History holds the model)
         gc.collect()
-
-        def resume() -> Any:
-            again = make()  # a new model, built without values, resuming from the backup
-            again.fit(x, y, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(
-                str(out / "backup"))], **fit)
-            again.save(str(out / "final.keras"))
-            return again
-
-        model = phase("resume", resume)
+        marks["released"] = proc_status()
+        if rank == 0:  # the same backup for a new job (this resume moves it on)
+            shutil.copytree(out / "backup", out / "backup-for-new-job")
+        result["backup"] = str(out / "backup-for-new-job")
+        model = phase("resume", lambda: resume(str(out / "backup")))
         result["final"] = str(out / "final.keras")
-        weights = model.get_weights()  # the explicit gather, after every measurement
-        result["digests"] = [hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()
-                             for w in weights]
-        del weights
+        result["digests"] = digests(model)
     result.update(marks=marks, peaks_reset=all(resets),
                   threads=tf.config.threading.get_intra_op_parallelism_threads())
     Path(args.out, f"{args.role}-{stages}.rank{rank}.json").write_text(json.dumps(result))
@@ -400,6 +418,7 @@ def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
             "--mem-io", str(args.mem_io), "--mem-batch", str(args.mem_batch),
             "--mem-steps", str(args.mem_steps), "--mem-micro-batches", str(args.mem_micro_batches),
             "--mem-stages", str(args.mem_stages), *(["--mem-resume"] if args.mem_resume else []),
+            *(["--mem-backup", args.mem_backup] if args.mem_backup else []),
             *(["--load", args.load] if args.load else [])]
 
 
@@ -562,21 +581,31 @@ def print_memory(args: argparse.Namespace, serial: dict, runs: dict[int, list[di
     print(f"   every rank within its target in every phase: {'yes' if all(verdicts) else 'NO'}")
 
 
-def print_larger(args: argparse.Namespace, ranks: list[dict], loaded: dict) -> None:
+def print_larger(args: argparse.Namespace, ranks: list[dict], resumed: list[dict],
+                 loaded: dict) -> None:
     params = ranks[0]["params"]
     state = 12 * params  # float32 weights and Adam's two slots
     phases = (*PHASES, "resume")
-    worst = max(growth(r, p) for r in ranks for p in phases)
+    new = {r["rank"]: r for r in resumed}
+    worst = max([growth(r, p) for r in ranks for p in phases]
+                + [growth(r, "resume") for r in resumed])
     print(f"\n3. A model larger than one rank: {args.big_layers} Dense layers of {args.big_width} "
           f"units ({params / 1e6:.1f} M params), {len(ranks)} stages, M={args.big_micro_batches}, "
           "built without values; it "
           "trains, checkpoints (ModelCheckpoint + BackupAndRestore), saves, and a new model resumes "
-          "from the backup and saves again; MB")
-    print(f"{'':10s} {'trains':>8s} " + " ".join(f"{p:>10s}" for p in phases) + f" {'seconds':>8s}")
+          "from the backup and saves again, in the same processes and in a new job; peak RSS "
+          "growth, MB")
+    print(f"{'':10s} {'trains':>8s} " + " ".join(f"{p:>10s}" for p in PHASES)
+          + f" {'released':>9s} {'resume':>7s} {'resume, new job':>16s} {'seconds':>8s} "
+          f"{'fit B/param':>11s}")
     for r in ranks:
         seconds = sum(r["marks"][p]["seconds"] for p in phases)
+        released = r["marks"]["released"]["VmRSS"] - r["marks"]["imported"]["VmRSS"]
         print(f"{'rank ' + str(r['rank']):10s} {r['local_params'] / 1e6:6.1f} M "
-              + " ".join(f"{mb(growth(r, p)):>10s}" for p in phases) + f" {seconds:8.1f}")
+              + " ".join(f"{mb(growth(r, p)):>10s}" for p in PHASES)
+              + f" {mb(released):>9s} {mb(growth(r, 'resume')):>7s}"
+              f" {mb(growth(new[r['rank']], 'resume')):>16s} {seconds:8.1f}"
+              f" {growth(r, 'fit') / r['local_params']:11.1f}")
     print(f"   weights + Adam state: {mb(state)} MB; 2 x the largest per-rank peak growth: "
           f"{mb(2 * worst)} MB: {'larger' if state > 2 * worst else 'NOT larger'} "
           f"({state / worst:.2f} x the largest growth)")
@@ -584,6 +613,9 @@ def print_larger(args: argparse.Namespace, ranks: list[dict], loaded: dict) -> N
     print(f"   plain Keras (keras.saving.load_model in a process without tnt.Model) loads the saved file: "
           f"{len(loaded['digests'])} weights, {'all bitwise equal to' if same else 'NOT equal to'} "
           "get_weights() of the pipelined model")
+    twins = resumed[0]["digests"] == ranks[0]["digests"]
+    print(f"   the new job's resumed weights are {'bitwise equal to' if twins else 'NOT equal to'} "
+          "those of the model resumed in the same processes")
 
 
 def cap_experiment(args: argparse.Namespace, out: Path, serial: dict, ranks: list[dict]) -> None:
@@ -689,6 +721,7 @@ def main() -> int:
     p.add_argument("--mem-micro-batches", type=int, default=1)
     p.add_argument("--mem-stages", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--mem-resume", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mem-backup", help=argparse.SUPPRESS)
     p.add_argument("--load", help=argparse.SUPPRESS)
     p.add_argument("--big-width", type=int, default=1536,
                    help="the model larger than one rank: its width (--mem-io in and out)")
@@ -698,7 +731,8 @@ def main() -> int:
     p.add_argument("--no-big", action="store_true", help="skip the model larger than one rank")
     p.add_argument("--cap", action="store_true", help="run the memory-cap experiment (2 stages)")
     p.add_argument("--cap-step", type=int, default=128, help="MB: the grid of the cap bisection")
-    p.add_argument("--only", choices=["throughput", "memory"], help="run one part only")
+    p.add_argument("--only", choices=["throughput", "memory", "larger"],
+                   help="run one part only (larger: the model larger than one rank)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per launched process or job")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -707,7 +741,7 @@ def main() -> int:
     if args.role in ("serial", "serial-1cpu", "pipe", "pipe-all"):
         worker_throughput(args)
         return 0
-    if args.role in ("mem-serial", "mem-pipe"):
+    if args.role in ("mem-serial", "mem-pipe", "mem-resume"):
         worker_memory(args)
         return 0
     if args.role == "mem-load":
@@ -719,7 +753,7 @@ def main() -> int:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp_name:
         out = Path(tmp_name)
-        if args.only != "memory":
+        if args.only not in ("memory", "larger"):
             serial = run(args, "serial", out, 0)[0]
             serial1 = run(args, "serial-1cpu", out, 0)[0]
             ranks = run(args, "pipe", out, P)
@@ -737,7 +771,7 @@ def main() -> int:
                   "after / before step time: " + ", ".join(drifts))
             if not args.no_all:
                 print_all(args, run(args, "pipe-all", out, 2 * P), ranks)
-        if args.only != "throughput":
+        if args.only == "memory" or args.only is None:
             mserial = run(args, "mem-serial", out, 0, "-1")[0]
             runs = {}
             for stages in (2, 3):
@@ -745,23 +779,26 @@ def main() -> int:
                 staged.mem_stages = stages
                 runs[stages] = run(staged, "mem-pipe", out, stages, f"-{stages}")
             print_memory(args, mserial, runs)
-            if not args.no_big:
-                big = copy.copy(args)
-                big.mem_stages, big.mem_resume = 3, True
-                big.mem_width, big.mem_layers, big.mem_io = args.big_width, args.big_layers, args.big_width
-                big.mem_micro_batches = args.big_micro_batches
-                (out / "big").mkdir()
-                ranks = run(big, "mem-pipe", out / "big", 3, "-3")
-                big.mem_resume, big.load = False, ranks[0]["final"]
-                rc, output = launch(big, "mem-load", out / "big", 0)
-                if rc != 0:
-                    raise SystemExit(f"plain Keras failed to load {big.load}:\n{output[-4000:]}")
-                loaded = json.loads((out / "big" / "load.json").read_text())
-                print_larger(args, ranks, loaded)
-            if args.cap:
-                two = copy.copy(args)
-                two.mem_stages = 2
-                cap_experiment(two, out, mserial, runs[2])
+        if args.only == "larger" or (args.only != "throughput" and not args.no_big):
+            big = copy.copy(args)
+            big.mem_stages, big.mem_resume = 3, True
+            big.mem_width, big.mem_layers, big.mem_io = args.big_width, args.big_layers, args.big_width
+            big.mem_micro_batches = args.big_micro_batches
+            (out / "big").mkdir()
+            ranks = run(big, "mem-pipe", out / "big", 3, "-3")
+            again = copy.copy(big)
+            again.mem_resume, again.mem_backup = False, ranks[0]["backup"]
+            resumed = run(again, "mem-resume", out / "big", 3, "-3")
+            big.mem_resume, big.load = False, ranks[0]["final"]
+            rc, output = launch(big, "mem-load", out / "big", 0)
+            if rc != 0:
+                raise SystemExit(f"plain Keras failed to load {big.load}:\n{output[-4000:]}")
+            loaded = json.loads((out / "big" / "load.json").read_text())
+            print_larger(args, ranks, resumed, loaded)
+        if args.cap and args.only in (None, "memory"):
+            two = copy.copy(args)
+            two.mem_stages = 2
+            cap_experiment(two, out, mserial, runs[2])
     left = sorted(set(os.listdir("/dev/shm")) - shm_before) if shm_before or os.path.isdir("/dev/shm") else []
     if left:
         print(f"\nnote: new entries in /dev/shm during the run (this run's or other jobs'): {left}")

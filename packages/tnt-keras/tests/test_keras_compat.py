@@ -9,6 +9,9 @@ compile check) are compared with plain Keras running the same calls, in one proc
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
 from pathlib import Path
 
 import keras
@@ -153,6 +156,27 @@ def test_variables_without_values_are_made_initialised_forgotten_and_released():
     assert not _keras_compat.has_value(bias)
     _keras_compat.release_value(kernel, lambda shape, dtype=None: np.full(shape, 7.0, dtype))
     assert not _keras_compat.has_value(kernel) and float(np.asarray(kernel)[0, 0]) == 7.0
+
+
+def test_forgetting_custom_gradients_lets_a_traced_graph_and_its_variables_go():
+    def trace(forget: bool) -> weakref.ref:
+        v = tf.Variable(tf.ones((3,)))
+
+        @tf.custom_gradient
+        def double(x):
+            return 2 * x, lambda dy: 2 * dy
+
+        def step():
+            with _keras_compat.forgetting_custom_gradients() if forget else contextlib.nullcontext():
+                return double(v * 1.0)
+
+        tf.function(step)()
+        return weakref.ref(v.handle)
+
+    kept, freed = trace(forget=False), trace(forget=True)
+    gc.collect()
+    assert kept() is not None, "TensorFlow no longer keeps a traced custom gradient: drop the entry"
+    assert freed() is None
 
 
 def test_get_keras_mask_reads_a_layers_output_mask():

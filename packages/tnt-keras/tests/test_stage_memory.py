@@ -1,11 +1,15 @@
 """The pieces of "models larger than one rank" that one process shows, against plain Keras:
 a model built without values (``keras.StatelessScope(initialize_variables=False)``) under
 DATA, the layout of the whole model's optimizer learnt without values, the ``.keras`` file
-zipped from Keras' own directory format, and values of any dtype on the wire. The
-pipelined runs themselves are in test_pipeline_model.py (one launch per layout).
+zipped from Keras' own directory format, values of any dtype on the wire, and a stage that
+trained being freed with its model. The pipelined runs themselves are in
+test_pipeline_model.py (one launch per layout).
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import keras
 import numpy as np
@@ -13,7 +17,10 @@ import pytest
 from ml_dtypes import bfloat16
 
 import tarantella as tnt
+import tnt_core
 from tarantella import _keras_compat, stage_saving
+from tarantella.partition import partition
+from tarantella.pipeline import StageStep
 
 
 def _net(seed: int = 4) -> keras.Model:
@@ -96,3 +103,20 @@ def test_values_of_any_dtype_cross_the_wire(dtype):
     back = stage_saving.from_wire(buf, value.shape, value.dtype)
     assert back.dtype == value.dtype
     np.testing.assert_array_equal(back, value)
+
+
+def test_a_stage_that_trained_is_freed_with_its_model():
+    """A deleted model's stage gives its memory back, so that a model made after it (one
+    that resumes from a backup in the same process) can reuse it: no process-wide registry
+    of TensorFlow keeps the traced step, and through its captures every weight and
+    optimizer slot, alive (Keras' optimizer traced in a replica context registered one)."""
+    model = _net()
+    step = StageStep(partition(model), 0, tnt_core.LocalBackend(tnt_core.Config()),
+                     loss=keras.losses.MeanSquaredError(), optimizer=keras.optimizers.Adam(),
+                     num_micro_batches=2)
+    step.train(np.ones((8, 5), "float32"), np.ones((8, 3), "float32"))
+    assert step.optimizer.iterations.numpy() == 1
+    held = {v.path: weakref.ref(v.value.handle) for v in [*step.weights, *step.optimizer.variables]}
+    del model, step
+    gc.collect()
+    assert [path for path, handle in held.items() if handle() is not None] == []

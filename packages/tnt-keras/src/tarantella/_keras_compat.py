@@ -17,7 +17,8 @@ here: ``compiled`` for ``_assert_compile_called``, the class-weight map and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import keras
@@ -46,12 +47,18 @@ from keras.src.trainers.compile_utils import CompileLoss
 # shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
 from keras.src.trainers.data_adapters import get_data_adapter
 
+# ops._gradient_registry: TensorFlow's process-wide table of gradient functions, where a
+# graph-mode tf.custom_gradient registers its own under a fresh "CustomGradient-<uid>" name
+# and never removes it (forgetting_custom_gradients). Checked on TensorFlow 2.21.0.
+from tensorflow.python.framework import ops as tf_ops
+
 __all__ = [
     "all_layers",
     "batch_norm_moments",
     "compile_owner",
     "compiled_loss",
     "forget_uninitialized",
+    "forgetting_custom_gradients",
     "get_data_adapter",
     "get_keras_mask",
     "has_value",
@@ -166,6 +173,23 @@ def release_value(variable: keras.Variable, placeholder: Any) -> None:
     then calls (``Variable._value``, ``Variable._initializer``)."""
     variable._value = None  # noqa: SLF001
     variable._initializer = placeholder  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def forgetting_custom_gradients() -> Iterator[None]:
+    """Unregister, on exit, the gradient functions of the graph-mode custom gradients
+    traced inside. TensorFlow keeps each for the rest of the process, and its closure holds
+    the traced graph's tensors, so the graph and every variable it captured stay allocated
+    after their model is deleted. Only for graph code that nothing differentiates (an
+    optimizer's update)."""
+    registry = tf_ops._gradient_registry._registry  # noqa: SLF001
+    before = set(registry)
+    try:
+        yield
+    finally:
+        for name in set(registry) - before:
+            if name.startswith("CustomGradient-"):
+                registry.pop(name, None)
 
 
 def own_variables(layer: keras.layers.Layer) -> list[keras.Variable]:

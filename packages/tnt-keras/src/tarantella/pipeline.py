@@ -49,7 +49,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from ._keras_compat import all_layers
+from ._keras_compat import all_layers, forgetting_custom_gradients
 from .errors import NotSupportedError
 from .gradients import GradientReducer, dense_gradient
 from .partition import COMPUTED, Partitioning
@@ -323,17 +323,32 @@ class StageStep:
             grads = self._clip_by_global_norm(grads, clipnorm)
             self.optimizer.global_clipnorm = None  # read when traced: clipped once, above
             try:
-                self.optimizer.apply(grads, self.weights)
+                self._apply(grads)
             finally:
                 self.optimizer.global_clipnorm = clipnorm
         else:
-            self.optimizer.apply(grads, self.weights)
+            self._apply(grads)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
         total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float32)
         with tf.control_dependencies([done]):
             total = tf.identity(total)
         joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
         return total, joined
+
+    def _apply(self, grads: list[tf.Tensor]) -> None:
+        """The stage's optimizer applies ``grads`` to its weights.
+
+        Why the wrapper: traced in a replica context (a stage's step is), Keras' optimizer
+        first sums the gradients over ``tf.distribute``'s replicas (one here: tarantella
+        sums over a stage's replicas itself), and that sum is a graph-mode
+        ``tf.custom_gradient``, whose gradient function TensorFlow registers process-wide
+        and never removes. The registry then held the step's graph and, through its
+        captures, every weight and optimizer slot of the stage, so a deleted pipelined
+        model's stage stayed allocated (and a second model in the same process, one that
+        resumes, added its own on top: docs/pipelining.md, "Models larger than one rank").
+        Nothing differentiates the update, so the registrations are dropped once traced."""
+        with forgetting_custom_gradients():
+            self.optimizer.apply(grads, self.weights)
 
     def order(self, count: int) -> list[tuple[str, int]]:
         """This stage's passes over ``count`` micro-batches, in the order it runs them.

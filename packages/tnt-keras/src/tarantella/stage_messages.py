@@ -16,7 +16,10 @@ Two paths, one interface:
 - Python (any other backend with point-to-point): each op is a ``tf.numpy_function`` that
   posts the backend's ``send_async`` (keeping the buffer alive until :meth:`complete`) or
   waits on its ``recv_async``; the GIL is held only while a message is posted or handed
-  over.
+  over. TensorFlow keeps every ``numpy_function`` traced inside a ``tf.function`` for the
+  rest of the process (on its global graph), so these functions capture what they use and
+  never this object, which holds the traced graph's tensors (and through the graph, every
+  weight of the stage).
 """
 
 from __future__ import annotations
@@ -31,6 +34,14 @@ import tensorflow as tf
 import tnt_core
 
 __all__ = ["StageMessages"]
+
+
+class _Waits:
+    """Seconds the Python path's receives and send completions spent blocked: the one
+    thing its ops update, shared with them without sharing the :class:`StageMessages`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
 
 
 class StageMessages:
@@ -52,7 +63,7 @@ class StageMessages:
         self._last: tf.Tensor | None = None
         self._tokens: list[tf.Tensor] = []
         self.timeline, self.lane = timeline, lane
-        self._waited = 0.0
+        self._waits = _Waits()
         self._starts: dict[str, float] = {}
         #: sends posted in the current step, with their buffers, until :meth:`complete`
         self._pending: list[tuple[tnt_core.Handle, np.ndarray]] = []
@@ -62,7 +73,7 @@ class StageMessages:
         """Seconds receives and the wait for the step's sends have spent blocked since
         made (what the pipeline benchmark reads; on the native path the op library counts
         them)."""
-        return self._waited + (self.native.waited if self.native is not None else 0.0)
+        return self._waits.seconds + (self.native.waited if self.native is not None else 0.0)
 
     def begin(self) -> None:
         """A new graph is being traced: its first message depends on nothing before it."""
@@ -108,7 +119,8 @@ class StageMessages:
         return out
 
     def _wait(self, shape: tuple[int, ...], dtype: tf.DType, stage: int, tag: int) -> tf.Tensor:
-        backend, peer = self.backend, self.ranks[stage]
+        backend, peer, waits = self.backend, self.ranks[stage], self._waits
+        timeline, lane = self.timeline, f"{self.lane}: waits"
         np_dtype = tf.as_dtype(dtype).as_numpy_dtype
         what = "receive activations" if tag % 2 == 0 else "receive gradients"
 
@@ -116,9 +128,9 @@ class StageMessages:
             start = time.perf_counter()
             out = np.asarray(backend.recv_async(np.empty(shape, np_dtype), peer, tag).wait())
             end = time.perf_counter()
-            self._waited += end - start
-            if self.timeline is not None:
-                self.timeline.complete(what, f"{self.lane}: waits", start, end)
+            waits.seconds += end - start
+            if timeline is not None:
+                timeline.complete(what, lane, start, end)
             return out
 
         out = tf.numpy_function(wait, [], tf.as_dtype(dtype), stateful=True,
@@ -166,14 +178,14 @@ class StageMessages:
         if self.native is not None:
             with tf.control_dependencies(list(after)):
                 return self._in_order(lambda: self.native.wait(self._tokens))
-        pending = self._pending
+        pending, waits = self._pending, self._waits
 
         def wait(*_after: Any) -> np.int64:
             handles = [h for h, _ in pending]
             pending.clear()
             start = time.perf_counter()
             tnt_core.wait_all(handles)
-            self._waited += time.perf_counter() - start
+            waits.seconds += time.perf_counter() - start
             return np.int64(0)
 
         return self._in_order(lambda: tf.numpy_function(wait, list(after), tf.int64,
