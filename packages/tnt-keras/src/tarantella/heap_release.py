@@ -9,7 +9,7 @@ size (9 MB and up) come from the heap, and a chunk freed below a live one cannot
 by the usual trim of the heap's top. ``malloc_trim(0)`` returns the free pages of every
 arena to the operating system. Measured on a 170 M-parameter model on 3 stages (the
 benchmark in docs/pipelining.md), it lowered each rank's peak in its saves and resumes by
-10 to 30 MB, for 1 to 5 ms per trim (about 15 ms per save on the writer).
+10 to 30 MB (one run each way), for 1 to 5 ms per trim (about 15 ms per save on the writer).
 
 Only the saving and loading path trims, at a bounded rate (once per :data:`EVERY_BYTES`
 streamed, and when a save or load that streamed anything ends): glibc's settings for the
