@@ -69,8 +69,9 @@ after it) and a new model built without values resumes from the backup
 (``BackupAndRestore``) and saves again, in the same processes; then ``resume, new job``: a
 second job does the same from a copy of the same backup, as a restart after a crash would.
 Its weights and Adam state (12 bytes per parameter) are compared with twice the largest
-per-rank peak growth of the run (every phase, both resumes), and ``fit B/param`` is a
-rank's fit growth per parameter it trains; then a plain Keras process (no ``tnt.Model``;
+per-rank peak growth of the run (every phase, both resumes), ``seconds`` is the time of
+fit, checkpoint, save and resume together, ``save s`` that of ``save`` alone, and
+``fit B/param`` is a rank's fit growth per parameter it trains; then a plain Keras process (no ``tnt.Model``;
 ``tarantella`` imported for its registered ``SplitLayer``) loads the saved file, and the
 SHA-256 digests of its weights are compared with ``get_weights()`` of the pipelined model
 (and those of the two resumed models with each other). ``--only larger`` runs this part
@@ -597,7 +598,7 @@ def print_larger(args: argparse.Namespace, ranks: list[dict], resumed: list[dict
           "growth, MB")
     print(f"{'':10s} {'trains':>8s} " + " ".join(f"{p:>10s}" for p in PHASES)
           + f" {'released':>9s} {'resume':>7s} {'resume, new job':>16s} {'seconds':>8s} "
-          f"{'fit B/param':>11s}")
+          f"{'save s':>6s} {'fit B/param':>11s}")
     for r in ranks:
         seconds = sum(r["marks"][p]["seconds"] for p in phases)
         released = r["marks"]["released"]["VmRSS"] - r["marks"]["imported"]["VmRSS"]
@@ -605,6 +606,7 @@ def print_larger(args: argparse.Namespace, ranks: list[dict], resumed: list[dict
               + " ".join(f"{mb(growth(r, p)):>10s}" for p in PHASES)
               + f" {mb(released):>9s} {mb(growth(r, 'resume')):>7s}"
               f" {mb(growth(new[r['rank']], 'resume')):>16s} {seconds:8.1f}"
+              f" {r['marks']['save']['seconds']:6.1f}"
               f" {growth(r, 'fit') / r['local_params']:11.1f}")
     print(f"   weights + Adam state: {mb(state)} MB; 2 x the largest per-rank peak growth: "
           f"{mb(2 * worst)} MB: {'larger' if state > 2 * worst else 'NOT larger'} "
