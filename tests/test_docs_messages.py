@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -178,19 +179,28 @@ def test_dead_and_hung_peers_with_gloo(scripts):
             time.sleep(30)
         rt.backend.allreduce(np.ones(4, dtype=np.float32))
     """))
+    gloo = [_bin("tnt"), "run", "-n", "2", "--backend", "gloo"]
     # one host: the allreduce goes through shared memory; TNT_GLOO_SHM=0: Gloo's TCP
+    jobs = {**{("dead", shm): [*gloo, "-x", f"TNT_GLOO_SHM={shm}", "--", "dead.py"]
+               for shm in ("auto", "0")},
+            **{("hang", shm): [*gloo, "--timeout", "5", "-x", f"TNT_GLOO_SHM={shm}", "--", "hang.py"]
+               for shm in ("auto", "0")},
+            ("hang", "no stall inspector"): [*gloo, "--timeout", "5", "-x", "TNT_STALL_WARN_S=0",
+                                             "--", "hang.py"]}
+    # independent jobs that mostly wait (for a dead or a sleeping peer): side by side
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        runs = {key: pool.submit(run, argv, scripts) for key, argv in jobs.items()}
+        results = {key: job.result() for key, job in runs.items()}
     for shm, first in (("auto", r"rank 1 \(pid \d+\) exited during the shared-memory allreduce"),
                        ("0", r"transport error")):
-        dead = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "-x", f"TNT_GLOO_SHM={shm}",
-                    "--", "dead.py"], scripts)
+        dead = results["dead", shm]
         assert dead.returncode == 1
         assert_quoted(dead.stdout, rf"^tnt_core.errors.CommError: \[rank 0: allreduce #2\] {first}")
         assert_quoted(dead.stdout, r"an earlier collective failed")
         # rank 1 exited with 0: rank 0, which then raised SystemExit(1), is the failure
         assert dead.stderr.splitlines()[-1].startswith("tnt run: rank 0 on localhost failed: "
                                                        "exited with code 1")
-        hung = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "--timeout", "5",
-                    "-x", f"TNT_GLOO_SHM={shm}", "--", "hang.py"], scripts)
+        hung = results["hang", shm]
         assert hung.returncode == 1
         # whichever notices first: the backend's wait or the transport's (all quoted)
         # the launcher names the hung rank with the stall inspector's diagnosis
@@ -204,8 +214,7 @@ def test_dead_and_hung_peers_with_gloo(scripts):
                       r"^tnt_core.errors.CommError: .*(Timed out waiting 5000ms|"
                       r"did not complete within 5s|did not arrive within 5s)")
     # without the stall inspector, the launcher names the rank still running
-    hung = run([_bin("tnt"), "run", "-n", "2", "--backend", "gloo", "--timeout", "5",
-                "-x", "TNT_STALL_WARN_S=0", "--", "hang.py"], scripts)
+    hung = results["hang", "no stall inspector"]
     assert hung.returncode == 1
     assert_quoted(hung.stderr, r"^tnt run: rank 1 on localhost did not take part in a collective")
 

@@ -5,8 +5,11 @@ Makes ``tnt_keras_helpers`` and the worker scripts importable under
 fixtures: TensorFlow costs seconds per process, so all multi-rank checks of one (backend,
 number of ranks) come from a single launch of ``workers/suite_worker.py``, and all serial
 references from one plain process; the test modules compare their files. The launches are
-``tnt_keras_helpers.SUITE_LAUNCHES``: 1 rank; 3 on gloo; 2 on store. The serial process and
-the 1-rank launch, one process each, run side by side.
+``tnt_keras_helpers.SUITE_LAUNCHES``: 1 rank; 3 on gloo; 2 on store.
+
+A session starts every run its tests need at the first test that asks for one, up to three
+side by side (``SuiteRuns.start_needed``): the tests of one launch then find the others under
+way or done, and the two cores work while a launch waits on its peers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import pytest  # noqa: E402
 
 from tnt_core.testing import LaunchResult  # noqa: E402
 from tnt_keras_helpers import (  # noqa: E402
+    NATIVE_PATH,
     ONE_RANK,
+    PYTHON_PATH,
     SUITE_LAUNCHES,
     SuiteLaunch,
     launch_params,
@@ -32,21 +37,47 @@ from tnt_keras_helpers import (  # noqa: E402
     run_workers,
 )
 
+#: the order the runs start in, three side by side: the longest first (the 3-rank launch; the
+#: Python path's, whose ranks mostly wait on the store's round trips and so cost the others
+#: little), the one-process runs as cores free up. All at once would hold seven TensorFlow
+#: processes in memory.
+START_ORDER: tuple[SuiteLaunch | str, ...] = (NATIVE_PATH, PYTHON_PATH, "serial", ONE_RANK)
+SIDE_BY_SIDE = 3
+
 
 class SuiteRuns:
-    """Each launch's results, launched once per session (in a thread of its own, so that a
-    launch can run beside another process) and kept, a failure too: tests of several
-    modules, parametrized in several ways, share one launch."""
+    """Each launch's results and the serial run's, each run once per session in a thread of
+    its own and kept, a failure too: tests of several modules, parametrized in several ways,
+    share one launch."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp = tmp_path_factory
-        self._pool = ThreadPoolExecutor(max_workers=len(SUITE_LAUNCHES), thread_name_prefix="suite-launch")
-        self._runs: dict[SuiteLaunch, Future[tuple[Path, int, LaunchResult]]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=SIDE_BY_SIDE, thread_name_prefix="suite-launch")
+        self._runs: dict[SuiteLaunch | str, Future] = {}
 
-    def start(self, launch: SuiteLaunch) -> None:
-        """Start ``launch`` now unless it was started before."""
-        if launch not in self._runs:
-            self._runs[launch] = self._pool.submit(self._launch, launch, self._tmp.mktemp(launch.id))
+    def start(self, run: SuiteLaunch | str) -> None:
+        """Start ``run`` (a launch, or ``"serial"``) unless it was started before."""
+        if run not in self._runs:
+            if run == "serial":
+                self._runs[run] = self._pool.submit(self._serial, self._tmp.mktemp("serial"))
+            else:
+                assert isinstance(run, SuiteLaunch)
+                self._runs[run] = self._pool.submit(self._launch, run, self._tmp.mktemp(run.id))
+
+    def start_needed(self, items: list[pytest.Item]) -> None:
+        """Start, in ``START_ORDER``, every run that one of ``items`` (the session's tests)
+        asks for: a launch as a parameter, the serial run through ``serial_suite``."""
+        needed: set[SuiteLaunch | str] = set()
+        for item in items:
+            callspec = getattr(item, "callspec", None)
+            if callspec is not None:
+                needed |= {v for v in callspec.params.values()
+                           if isinstance(v, SuiteLaunch) and v.backend is not None}
+            if "serial_suite" in getattr(item, "fixturenames", ()):
+                needed.add("serial")
+        for run in START_ORDER:
+            if run in needed:
+                self.start(run)
 
     def get(self, launch: SuiteLaunch) -> tuple[Path, int, LaunchResult]:
         """``(out, nprocs, launch result)``, waiting for the launch: the workers' files are
@@ -55,6 +86,11 @@ class SuiteRuns:
         rank's output, in every test that asks for it."""
         self.start(launch)
         return self._runs[launch].result()
+
+    def serial(self) -> Path:
+        """The folder of the serial run's files (``suite_worker.py --mode serial``)."""
+        self.start("serial")
+        return self._runs["serial"].result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -67,22 +103,25 @@ class SuiteRuns:
         return out, launch.nprocs, run_workers("suite_worker.py", args, launch.nprocs, launch.backend,
                                                timeout=1200)
 
+    @staticmethod
+    def _serial(out: Path) -> Path:
+        run_serial("suite_worker.py", ["--mode", "serial", "--out", str(out)], timeout=1200)
+        return out
+
 
 @pytest.fixture(scope="session")
-def suite_runs(tmp_path_factory):
+def suite_runs(request, tmp_path_factory):
+    """The session's ``SuiteRuns``; every run its tests need starts now."""
     runs = SuiteRuns(tmp_path_factory)
+    runs.start_needed(request.session.items)
     yield runs
     runs.close()
 
 
 @pytest.fixture(scope="session")
-def serial_suite(tmp_path_factory, suite_runs) -> Path:
-    """Every worker's reference results from one plain process (plain Keras, no tarantella).
-    The 1-rank launch, one process too, runs beside it: both cores of a small machine busy."""
-    suite_runs.start(ONE_RANK)
-    out = tmp_path_factory.mktemp("serial")
-    run_serial("suite_worker.py", ["--mode", "serial", "--out", str(out)])
-    return out
+def serial_suite(suite_runs) -> Path:
+    """Every worker's reference results from one plain process (plain Keras, no tarantella)."""
+    return suite_runs.serial()
 
 
 @pytest.fixture(scope="session", params=launch_params(SUITE_LAUNCHES))

@@ -16,6 +16,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -88,21 +90,40 @@ def test_a_peer_killed_mid_training_ends_the_job_with_its_failure(tmp_path):
     assert not (tmp_path / "finished-rank0").exists()
 
 
-def test_a_rank_that_never_reaches_a_gradient_allreduce_is_named(tmp_path):
-    """Rank 1 stops before step 3's gradients; rank 0 waits in the op library's finish.
-    The stall inspector sees that wait (the op library numbers its allreduces in the
-    ledger and marks the wait, tnt_stall_ledger.h): it warns, and when the wait fails,
-    tnt run's last line names rank 1, as on the Python path (tnt-cli's
-    test_the_hung_rank_is_named)."""
+def _hang(out: Path) -> subprocess.CompletedProcess:
+    """``tnt run`` of 2 ranks whose rank 1 stops before step 3's gradients."""
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent))
     assert tnt, "the tnt command (tnt-cli) is not installed"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
     env.update(QUIET)
     # 20 s: room for the ranks' TensorFlow start-ups and first traces to differ
-    proc = subprocess.run([tnt, "run", "-n", "2", "--backend", NATIVE[0], "--timeout", "20",
+    return subprocess.run([tnt, "run", "-n", "2", "--backend", NATIVE[0], "--timeout", "20",
                            "-x", "TNT_STALL_WARN_S=2", "--", str(WORKERS / "native_worker.py"),
-                           str(tmp_path), "hang"], env=env, cwd=tmp_path, capture_output=True,
+                           str(out), "hang"], env=env, cwd=out, capture_output=True,
                           text=True, timeout=300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hang_job(request, tmp_path_factory) -> Iterator[tuple[Path, Future | None]]:
+    """The hung-rank job, started with the module's first test when the session runs its
+    test: most of its time is rank 0 waiting out the 20 s timeout, which the other tests'
+    launches use."""
+    out = tmp_path_factory.mktemp("hang")
+    wanted = any(item.name == "test_a_rank_that_never_reaches_a_gradient_allreduce_is_named"
+                 for item in request.session.items)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hang") as pool:
+        yield out, pool.submit(_hang, out) if wanted else None
+
+
+def test_a_rank_that_never_reaches_a_gradient_allreduce_is_named(hang_job):
+    """Rank 1 stops before step 3's gradients; rank 0 waits in the op library's finish.
+    The stall inspector sees that wait (the op library numbers its allreduces in the
+    ledger and marks the wait, tnt_stall_ledger.h): it warns, and when the wait fails,
+    tnt run's last line names rank 1, as on the Python path (tnt-cli's
+    test_the_hung_rank_is_named)."""
+    tmp_path, job = hang_job
+    assert job is not None, "started with the module's first test"
+    proc = job.result()
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stderr[-4000:]
     verdict = re.match(r"tnt run: rank 1 did not arrive at allreduce #(\d+) within 20s \(hung or "

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import keras
@@ -32,15 +34,33 @@ TOLERANCE = 1e-5
 BACKEND = "gloo" if "gloo" in BACKENDS else "store"
 
 
-@pytest.fixture(scope="module", params=[(3, "pipelining", 3), (2, "all", 4)],
-                ids=["3-stages", "2-stages-x-2-pipelines"])
-def runs(request, tmp_path_factory) -> tuple[int, Path]:
-    stages, strategy, ranks = request.param
-    out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")
-    args = ["--partitions", str(stages), "--out", str(out)]
-    run_serial("pipeline_model_worker.py", ["--mode", "serial", *args])
-    run_workers("pipeline_model_worker.py", ["--mode", "pipeline", "--strategy", strategy, *args],
-                ranks, BACKEND, timeout=400)
+#: layout -> (stages, strategy, ranks)
+LAYOUTS = {"3-stages": (3, "pipelining", 3), "2-stages-x-2-pipelines": (2, "all", 4)}
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory) -> Iterator[dict[str, tuple[int, int, Path, list[Future]]]]:
+    """Every layout's serial run and launch, all started at the first test that needs one: a
+    pipeline's stages wait on each other much of the time, so the four runs side by side
+    take little longer than the longest alone."""
+    with ThreadPoolExecutor(max_workers=2 * len(LAYOUTS), thread_name_prefix="pipelined") as pool:
+        started = {}
+        for layout, (stages, strategy, ranks) in LAYOUTS.items():
+            out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")
+            args = ["--partitions", str(stages), "--out", str(out)]
+            started[layout] = (ranks, stages, out, [
+                pool.submit(run_workers, "pipeline_model_worker.py",
+                            ["--mode", "pipeline", "--strategy", strategy, *args], ranks, BACKEND,
+                            timeout=400),
+                pool.submit(run_serial, "pipeline_model_worker.py", ["--mode", "serial", *args])])
+        yield started
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def runs(request, started) -> tuple[int, int, Path]:
+    ranks, stages, out, futures = started[request.param]
+    for future in futures:
+        future.result()
     return ranks, stages, out
 
 

@@ -11,6 +11,8 @@ the same batches within float round-off. Single-process: what the step refuses.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import keras
@@ -29,19 +31,33 @@ pytestmark = pytest.mark.timeout(600)
 TOLERANCE = 1e-5
 
 
+STAGES = 3
+
+
 @pytest.fixture(scope="module")
-def serial(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("pipeline-serial")
-    run_serial("pipeline_worker.py", ["--mode", "serial", "--out", str(out)])
-    return out
+def started(tmp_path_factory) -> Iterator[tuple[Path, Path, list[Future]]]:
+    """The serial run and the launch, side by side (the stages wait on each other much of the
+    time): ``(serial out, pipelined out, futures)``."""
+    serial_out = tmp_path_factory.mktemp("pipeline-serial")
+    pipelined_out = tmp_path_factory.mktemp(f"pipeline-{STAGES}")
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="pipeline-step") as pool:
+        yield serial_out, pipelined_out, [
+            pool.submit(run_serial, "pipeline_worker.py", ["--mode", "serial", "--out", str(serial_out)]),
+            pool.submit(run_workers, "pipeline_worker.py", ["--mode", "pipeline", "--out",
+                                                            str(pipelined_out)], STAGES, "store",
+                        timeout=300)]
 
 
-@pytest.fixture(scope="module", params=[3], ids=["3-stages"])
-def pipelined(request, tmp_path_factory) -> tuple[int, Path]:
-    out = tmp_path_factory.mktemp(f"pipeline-{request.param}")
-    run_workers("pipeline_worker.py", ["--mode", "pipeline", "--out", str(out)], request.param,
-                "store", timeout=300)
-    return request.param, out
+@pytest.fixture(scope="module")
+def serial(started) -> Path:
+    started[2][0].result()
+    return started[0]
+
+
+@pytest.fixture(scope="module", params=[STAGES], ids=[f"{STAGES}-stages"])
+def pipelined(request, started) -> tuple[int, Path]:
+    started[2][1].result()
+    return request.param, started[1]
 
 
 def test_every_stage_ends_with_the_serial_weights_and_losses(serial, pipelined):

@@ -16,15 +16,15 @@ import json
 
 import pytest
 
-from tnt_keras_helpers import NATIVE_PATH
+from tnt_keras_helpers import NATIVE_PATH, launch_params
 
 RTOL = 1e-9
 pytestmark = pytest.mark.timeout(1500)  # it may start the launch and wait for it
 
 
-@pytest.mark.skipif(NATIVE_PATH.backend is None, reason="no installed backend can serve launched ranks")
-def test_global_batch_of_one_equals_plain_keras(suite_runs):
-    out, nprocs, _ = suite_runs.get(NATIVE_PATH)
+@pytest.mark.parametrize("launch", launch_params([NATIVE_PATH]))
+def test_global_batch_of_one_equals_plain_keras(launch, suite_runs):
+    out, nprocs, _ = suite_runs.get(launch)
     for rank in range(nprocs):
         result = json.loads((out / "small_batches" / f"rank{rank}.json").read_text())
         assert result["size"] == nprocs

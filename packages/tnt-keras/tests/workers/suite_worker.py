@@ -16,6 +16,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,11 +46,13 @@ def main() -> None:
     for name, worker in (("data", dataset_worker), ("train", train_worker),
                          ("fidelity", fidelity_worker), ("loops", loop_worker), ("xla", xla_worker),
                          ("features", features_worker)):
+        start = time.monotonic()
         worker.main(["--mode", args.mode, "--out", os.path.join(out, name)])
-        print(f"suite: {name} done", flush=True)
+        print(f"suite: {name} done in {time.monotonic() - start:.1f} s", flush=True)
     for name in also:
+        start = time.monotonic()
         importlib.import_module(ALSO[name]).main(["--out", os.path.join(out, name)])
-        print(f"suite: {name} done", flush=True)
+        print(f"suite: {name} done in {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
