@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from launch import rank_reports
 
 #: float32 elements per message: 4 B, 4 KB, 256 KB, 4 MB, 32 MB
 SIZES = (1, 1024, 65536, 1 << 20, 1 << 23)
@@ -156,15 +155,9 @@ def main() -> int:
     if args.rank_main:
         rank_main(args)
         return 0
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
-    env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
-    tnt = Path(sys.executable).with_name("tnt")
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run([str(tnt), "run", "-n", "2", "--backend", "gloo", "--", __file__,
-                        "--rank-main", "--out", out, "--rounds", str(args.rounds),
-                        "--max-bytes", str(args.max_bytes)], env=env,
-                       check=True, timeout=3600)
-        report = json.loads(Path(out, "rank0.json").read_text())
+    report = rank_reports(__file__, 2, ["--rounds", str(args.rounds), "--max-bytes",
+                                        str(args.max_bytes)],
+                          options=["--backend", "gloo"], timeout=3600)[0]
     print(f"2 ranks, gloo over loopback; medians per round trip ({CHAIN} per call), rank 0")
     print(f"{'bytes':>7} {'way':>15} {'round trip us':>14} {'one-way us':>11} {'GB/s':>7}")
     for nbytes, ways in report.items():

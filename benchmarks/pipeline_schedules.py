@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from launch import rank_reports
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -85,15 +84,9 @@ def main() -> int:
     if args.rank_main:
         rank_main(args)
         return 0
-    with tempfile.TemporaryDirectory() as out:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
-        env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
-        tnt = Path(sys.executable).with_name("tnt")
-        subprocess.run([str(tnt), "run", "-n", "2", "--", __file__, "--rank-main", "--out", out,
-                        "--micro-batches", str(args.micro_batches), "--batch-size",
-                        str(args.batch_size), "--steps", str(args.steps)],
-                       env=env, check=True, timeout=900)
-        reports = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    reports = rank_reports(__file__, 2, ["--micro-batches", str(args.micro_batches),
+                                         "--batch-size", str(args.batch_size), "--steps",
+                                         str(args.steps)], timeout=900)
     print(f"2 stages, {args.micro_batches} micro-batches, batch {args.batch_size}, "
           f"median of {args.steps} alternating steps")
     print(f"{'schedule':8} {'rank':>4} {'step ms':>8} {'held micro-batches':>19} {'held MB':>8}")

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from launch import rank_reports
 
 #: gradient sets: a small MLP's (1.4 KB), 8 x 256 x 256 layers (2.1 MB), 4 x 1024 x 1024 (16.8 MB)
 CASES = {"1.4 KB": [(6, 12), (12,), (6, 4), (4,), (16, 10), (10,), (10, 8), (8,), (8, 3), (3,)],
@@ -76,17 +75,12 @@ def main() -> int:
     if args.rank_main:
         rank_main(args)
         return 0
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
-    env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
-    tnt = Path(sys.executable).with_name("tnt")
     print(f"2 ranks, gloo; medians of {args.calls} alternating calls (rank 0)")
     print(f"{'path':7} {'gradients':>9} {'way':>12} {'wall ms':>8} {'CPU ms':>7}")
     for native in ("true", "false"):
-        with tempfile.TemporaryDirectory() as out:
-            subprocess.run([str(tnt), "run", "-n", "2", "--backend", "gloo", "-x",
-                            f"TNT_NATIVE_OPS={native}", "--", __file__, "--rank-main", "--out",
-                            out, "--calls", str(args.calls)], env=env, check=True, timeout=1800)
-            report = json.loads(Path(out, "rank0.json").read_text())
+        report = rank_reports(__file__, 2, ["--calls", str(args.calls)],
+                              options=["--backend", "gloo", "-x", f"TNT_NATIVE_OPS={native}"],
+                              timeout=1800)[0]
         path = "native" if native == "true" else "Python"
         for case, ways in report.items():
             for way, (wall, cpu) in ways.items():
