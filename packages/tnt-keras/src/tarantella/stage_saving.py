@@ -326,6 +326,22 @@ class StageSaving:
             raise tnt_core.CommError(f"no stage holds optimizer variables {missing[:3]}")
 
     @contextlib.contextmanager
+    def _serving(self, model: keras.Model, overrides: list[tuple[object, str, Any]], method: str,
+                 optimizer_handler: Any) -> Iterator[None]:
+        """``overrides`` in place, plus the model's built optimizer's ``method`` handled by
+        ``optimizer_handler(model, optimizer, store)``, while Keras saves or loads; then what
+        the stream left on the heap goes back to the OS."""
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            overrides = [*overrides, (optimizer, method,
+                                      functools.partial(optimizer_handler, model, optimizer))]
+        try:
+            with instance_attributes(overrides):
+                yield
+        finally:
+            self.release.done()
+
+    @contextlib.contextmanager
     def writing(self, model: keras.Model) -> Iterator[None]:
         """While Keras saves ``model`` on this rank: the other partitions' layers and the
         optimizer save what the stages that hold them send."""
@@ -339,15 +355,8 @@ class StageSaving:
             elif owner == own.stage:
                 overrides.append((layer, "save_own_variables",
                                   functools.partial(self._save_own_layer, layer)))
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
-            overrides.append((optimizer, "save_own_variables",
-                              functools.partial(self._save_optimizer, model, optimizer)))
-        try:
-            with instance_attributes(overrides):
-                yield
-        finally:
-            self.release.done()
+        with self._serving(model, overrides, "save_own_variables", self._save_optimizer):
+            yield
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -382,15 +391,8 @@ class StageSaving:
             (layer, "load_own_variables",
              functools.partial(self._load_own_layer, layer) if own.layers[j] == own.stage else _skip)
             for j, layer in enumerate(all_layers(model)) if own.layers[j] != -1]
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
-            overrides.append((optimizer, "load_own_variables",
-                              functools.partial(self._load_optimizer, model, optimizer)))
-        try:
-            with instance_attributes(overrides):
-                yield
-        finally:
-            self.release.done()
+        with self._serving(model, overrides, "load_own_variables", self._load_optimizer):
+            yield
 
     # -- a collective write ------------------------------------------------------------------
 
