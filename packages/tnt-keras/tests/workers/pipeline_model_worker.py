@@ -29,20 +29,27 @@ class Interrupt(keras.callbacks.Callback):
             raise RuntimeError("preempted")
 
 
+def built(args: argparse.Namespace, scope: str) -> keras.Model:
+    """Serial: the model built as usual. Pipelined: built without values, inside
+    ``tnt.deferred_build()`` (``scope="tnt"``) or Keras' own
+    ``StatelessScope(initialize_variables=False)`` (``"keras"``), then ``tnt.Model`` with
+    the run's strategy."""
+    if args.mode != "pipeline":
+        return build(args.partitions)
+    import tarantella as tnt
+
+    with tnt.deferred_build() if scope == "tnt" else keras.StatelessScope(initialize_variables=False):
+        model = build(args.partitions)
+    strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
+                else tnt.ParallelStrategy.ALL)
+    return tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
+
+
 def resume(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
     """Serial: 3 epochs straight. Pipelined (built without values): interrupted after
     epoch 2 with a BackupAndRestore, then a new model resumes from the backup to epoch 3."""
     def fresh():
-        if args.mode == "pipeline":  # built without values: tarantella's alias of Keras' scope
-            import tarantella as tnt
-
-            with tnt.deferred_build():
-                model = build(args.partitions)
-            strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
-                        else tnt.ParallelStrategy.ALL)
-            model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
-        else:
-            model = build(args.partitions)
+        model = built(args, "tnt")  # pipelined: tarantella's alias of Keras' scope
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         return model
 
@@ -72,16 +79,7 @@ def stage_memory(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> dict
     NaN: it must read only its own layers and optimizer slots."""
     out = args.out / f"memory-{args.mode}"
     out.mkdir(exist_ok=True)
-    if args.mode == "pipeline":
-        import tarantella as tnt
-
-        with keras.StatelessScope(initialize_variables=False):
-            model = build(args.partitions)
-        strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
-                    else tnt.ParallelStrategy.ALL)
-        model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
-    else:
-        model = build(args.partitions)
+    model = built(args, "keras")
     initial = model.get_weights()
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[
@@ -92,6 +90,8 @@ def stage_memory(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> dict
     model.save(str(out / "final.keras"))
     model.save_weights(str(out / "final.weights.h5"))
     if args.mode == "pipeline":  # every rank writes in turn, served by its pipeline's stages
+        import tarantella as tnt
+
         model.save_weights(str(out / f"all.rank{tnt.get_rank()}.weights.h5"), tnt_save_all_devices=True)
     result = {f"memory_initial{i}": w for i, w in enumerate(initial)}
     result.update({f"memory_w{i}": w for i, w in enumerate(weights)})
