@@ -79,9 +79,16 @@ def test_a_pipeline_stages_replicas_sum_through_the_same_reducer(trained):
         "the model did not train"
 
 
+def _killed_ranks_env(tmp: Path) -> dict[str, str]:
+    """The ranks of a job that ends by a kill: their temporary files (TensorFlow's autograph
+    writes one per converted function and removes it at exit, which a killed rank or one
+    ending with ``os._exit`` never reaches) go to the test's folder, not /tmp."""
+    return {**QUIET, "TMPDIR": str(tmp)}
+
+
 def test_a_peer_killed_mid_training_ends_the_job_with_its_failure(tmp_path):
     result = launch_ranks([str(WORKERS / "native_worker.py"), str(tmp_path), "kill"], 2,
-                          backend=NATIVE[0], timeout=300, tnt_timeout_s=60, env=QUIET)
+                          backend=NATIVE[0], timeout=300, tnt_timeout_s=60, env=_killed_ranks_env(tmp_path))
     assert not result.timed_out, result.describe()
     rank0, rank1 = result.ranks
     assert rank1.returncode == -9, result.describe()
@@ -95,7 +102,7 @@ def _hang(out: Path) -> subprocess.CompletedProcess:
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent))
     assert tnt, "the tnt command (tnt-cli) is not installed"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
-    env.update(QUIET)
+    env.update(_killed_ranks_env(out))
     # 20 s: room for the ranks' TensorFlow start-ups and first traces to differ
     return subprocess.run([tnt, "run", "-n", "2", "--backend", NATIVE[0], "--timeout", "20",
                            "-x", "TNT_STALL_WARN_S=2", "--", str(WORKERS / "native_worker.py"),
@@ -160,7 +167,8 @@ def test_point_to_point_ops_move_the_bits_and_a_dead_peer_fails_the_receive(tmp_
     receive from a rank that SIGKILLs itself raises CommError, long before TNT_TIMEOUT_S."""
     timeout_s = 60
     result = launch_ranks([str(WORKERS / "native_worker.py"), str(tmp_path), "p2p"], 2,
-                          backend=NATIVE[0], timeout=300, tnt_timeout_s=timeout_s, env=QUIET)
+                          backend=NATIVE[0], timeout=300, tnt_timeout_s=timeout_s,
+                          env=_killed_ranks_env(tmp_path))
     assert not result.timed_out, result.describe()
     rank0, rank1 = result.ranks
     assert rank1.returncode == -9, result.describe()
