@@ -19,6 +19,7 @@ from ml_dtypes import bfloat16
 import tarantella as tnt
 import tnt_core
 from tarantella import _keras_compat, heap_release, stage_saving
+from tarantella.comm.wire import from_wire, to_wire, wire_buffer
 from tarantella.partition import partition
 from tarantella.pipeline import StageStep
 
@@ -95,12 +96,12 @@ def test_a_keras_file_zipped_from_the_directory_format_loads_in_plain_keras(tmp_
 @pytest.mark.parametrize("dtype", ["float32", "int64", bfloat16, "int8", "bool"], ids=str)
 def test_values_of_any_dtype_cross_the_wire(dtype):
     value = (np.arange(7 * 3) % 5 - 2).reshape(7, 3).astype(dtype)
-    wire = stage_saving.to_wire(value)
+    wire = to_wire(value)
     assert wire.dtype in (np.float32, np.int64, np.int32)
-    buf = stage_saving.wire_buffer(value.shape, value.dtype)
+    buf = wire_buffer(value.shape, value.dtype)
     assert buf.shape == wire.shape and buf.dtype == wire.dtype
     buf[...] = wire
-    back = stage_saving.from_wire(buf, value.shape, value.dtype)
+    back = from_wire(buf, value.shape, value.dtype)
     assert back.dtype == value.dtype
     np.testing.assert_array_equal(back, value)
 

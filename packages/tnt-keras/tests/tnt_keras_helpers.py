@@ -114,10 +114,10 @@ ONE_RANK = SuiteLaunch("local", 1)
 #: path; 3 ranks divide none of the global batches, and with a global batch of one, two
 #: ranks hold no sample.
 NATIVE_PATH = SuiteLaunch(_NATIVE_BACKENDS[0] if _NATIVE_BACKENDS else None, 3,
-                          also=("small_batches", "collectives"))
+                          also=("channel", "small_batches", "collectives"))
 #: 2 ranks on ``store``, tnt-core's reference backend (``launch_ranks`` registers it in the
 #: ranks it starts): no native hand-off, so the Python gradient path.
-PYTHON_PATH = SuiteLaunch("store", 2, also=("collectives",))
+PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "collectives"))
 SUITE_LAUNCHES = (ONE_RANK, NATIVE_PATH, PYTHON_PATH)
 
 

@@ -9,10 +9,10 @@ output depends on every rank's input, one allreduce of their gradients in the ba
 The result is serial training's, statistics and gradients alike. A rank without a sample
 (``n = 0``, a stand-in) contributes nothing.
 
-Ordering: the forward collectives are chained in the order the layers are traced, the
-backward ones in the order the gradient is traced; the step then waits for the whole
-backward pass before it pushes gradient buckets (no overlap for such models), so every rank
-issues the same collectives in the same order.
+Ordering: the collectives go through the channel's one chain, the forward ones in the order
+the layers are traced, the backward ones after them in the order the gradient is traced; the
+step then waits for the whole backward pass before it pushes gradient buckets (no overlap for
+such models), so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from ._keras_compat import batch_norm_moments
 from .collectives import allreduce_sum
+from .comm import Channel
 from .errors import NotSupportedError
 from .overrides import instance_attributes
 
@@ -37,25 +38,22 @@ def synchronized_layers(layers: list[keras.layers.Layer]) -> list[keras.layers.B
             if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "synchronized", False)]
 
 
-def _summed(vector: tf.Tensor, step: Any, runtime: Any, name: str) -> tf.Tensor:
+def _summed(vector: tf.Tensor, channel: Channel, name: str) -> tf.Tensor:
     """Allreduce-sum with its gradient (the allreduce-sum of the upstream gradients)."""
 
     @tf.custom_gradient
     def summed(v: tf.Tensor) -> Any:
-        out = allreduce_sum(v, runtime, after=step.last, name=f"{name}_forward")
-        step.last = [out]
+        out = allreduce_sum(v, channel, name=f"{name}_forward")
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            back = allreduce_sum(dy, runtime, after=step.backward_last, name=f"{name}_backward")
-            step.backward_last = [back]
-            return back
+            return allreduce_sum(dy, channel, name=f"{name}_backward")
 
         return out, grad
 
     return summed(vector)
 
 
-def _moments(layer: keras.layers.BatchNormalization, step: Any, runtime: Any,
+def _moments(layer: keras.layers.BatchNormalization, step: Any, channel: Channel,
              inputs: tf.Tensor, mask: Any) -> tuple[tf.Tensor, tf.Tensor]:
     if mask is not None:
         raise NotSupportedError(
@@ -74,7 +72,7 @@ def _moments(layer: keras.layers.BatchNormalization, step: Any, runtime: Any,
     per_channel = tf.cast(tf.size(x) // tf.size(local_sum), x.dtype) * has_data
     flat = tf.concat([tf.reshape(local_sum, [-1]), tf.reshape(local_squares, [-1]),
                       tf.reshape(per_channel, [1])], axis=0)
-    total = tf.cast(_summed(tf.cast(flat, tf.float64), step, runtime, f"tnt_bn_{layer.name}"), x.dtype)
+    total = tf.cast(_summed(tf.cast(flat, tf.float64), channel, f"tnt_bn_{layer.name}"), x.dtype)
     channels = tf.size(local_sum)
     count = total[2 * channels]
     mean = tf.math.divide_no_nan(tf.reshape(total[:channels], tf.shape(local_sum)), count)
@@ -87,12 +85,12 @@ def _moments(layer: keras.layers.BatchNormalization, step: Any, runtime: Any,
 
 
 def global_moments(layers: list[keras.layers.BatchNormalization], step: Any,
-                   runtime: Any) -> contextlib.AbstractContextManager[None]:
+                   channel: Channel) -> contextlib.AbstractContextManager[None]:
     """While a train step is traced, ``layers`` normalise with the global batch's moments."""
 
     def moments_of(layer: keras.layers.BatchNormalization) -> Any:
         def moments(inputs: tf.Tensor, mask: Any = None) -> tuple[tf.Tensor, tf.Tensor]:
-            return _moments(layer, step, runtime, inputs, mask)
+            return _moments(layer, step, channel, inputs, mask)
 
         return moments
 

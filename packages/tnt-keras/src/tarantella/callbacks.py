@@ -28,6 +28,7 @@ import numpy as np
 
 import tnt_core
 
+from . import comm
 from .files import local_writes
 from .weights import broadcast_model_state
 
@@ -282,7 +283,7 @@ class _Coordinator(keras.callbacks.Callback):
 
     def _sync_stop(self) -> None:
         flag = np.array([1 if getattr(self.model, "stop_training", False) else 0], dtype=np.int32)
-        self.runtime.backend.allreduce(flag, "max")
+        comm.world(self.runtime).backend.allreduce(flag, "max")
         if flag[0]:
             self.model.stop_training = True
 

@@ -1,8 +1,9 @@
-"""Small collectives as graph ops: summed metric states and logs, gathered predictions.
+"""Small collectives as graph ops: summed metric states and logs, gathered predictions and
+sparse gradients.
 
-Each is one stateful ``tf.numpy_function`` that calls the comm backend. ``after`` orders
-it behind the collective issued before it in the same step, so every rank issues its
-collectives in the same order whatever order TensorFlow's executor would pick.
+Each goes through the channel (:mod:`tarantella.comm`): ordered behind the collective
+traced before it in the same graph, native where the channel's communicator offers the
+hand-off and nothing needs Python, else one stateful ``tf.numpy_function``.
 """
 
 from __future__ import annotations
@@ -14,62 +15,59 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import native_ops
+from .comm import Channel, previous, record
 
 __all__ = ["allreduce_sum", "gather_rows", "gather_slices"]
 
 
-def allreduce_sum(vector: tf.Tensor, runtime: tnt_core.Runtime, *, after: Sequence[tf.Tensor] = (),
-                  name: str = "tnt_allreduce",
+def allreduce_sum(vector: tf.Tensor, channel: Channel, *, name: str = "tnt_allreduce",
                   local: Callable[[np.ndarray], None] | None = None) -> tf.Tensor:
-    """Graph op: the sum over ranks of a float64 vector. ``local`` sees this rank's own
-    vector first (rank-local logs).
+    """Graph op: the sum over the channel's ranks of a float64 vector, after the graph's
+    previous collective. ``local`` sees this rank's own vector first (rank-local logs).
 
     Where nothing needs Python it needs no ``numpy_function``: one rank returns the vector
-    itself; with the native path (``tarantella.native_ops``) the vector goes to the backend
-    as a one-bucket plan agreed on once, like the gradients, with no header per step.
+    itself; with the native path the vector goes to the backend as a one-bucket plan agreed
+    on once, like the gradients, with no header per step.
     """
-    backend = runtime.backend
-    single = runtime.size == 1
+    single = channel.size == 1
     if local is None and (single or (vector.shape.is_fully_defined()
-                                     and native_ops.unavailable_reason(runtime) is None)):
-        with tf.control_dependencies(list(after)):
+                                     and channel.native_reason() is None)):
+        with tf.control_dependencies(previous()):
             vector = tf.identity(vector)
         if single:
+            record([vector])
             return vector
-        reducer = native_ops.vector_reducer(runtime, name, int(vector.shape[0]))
-        return reducer.reduce([vector], tf.constant(1.0, tf.float64))[0]
+        reducer = channel.vector_reducer(name, int(vector.shape[0]))
+        out = channel.reduce_native(reducer, [vector], tf.constant(1.0, tf.float64))[0]
+        record([out])
+        return out
 
-    def run(v: np.ndarray) -> np.ndarray:
+    def run(backend: tnt_core.CommBackend, v: np.ndarray) -> np.ndarray:
         if local is not None:
             local(v)
-        if single:
+        if backend.size == 1:
             return v
-        buf = np.array(v, dtype=np.float64, copy=True)
-        return backend.allreduce(buf)
+        return backend.allreduce(np.array(v, dtype=np.float64, copy=True))
 
-    with tf.control_dependencies(list(after)):
-        vector = tf.identity(vector)
-    out = tf.numpy_function(run, [vector], tf.float64, stateful=True, name=name)
+    out = channel.host_op(run, [vector], tf.float64, name=name)
     out.set_shape(vector.shape)
     return out
 
 
 def gather_rows(flat: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
-                runtime: tnt_core.Runtime) -> list[tf.Tensor]:
+                channel: Channel) -> list[tf.Tensor]:
     """Graph op: the first ``n`` rows of every tensor of every rank, concatenated in rank
     order (the predictions of the global batch ``b``); with ``b < 0`` (data the user
     distributed) this rank's own rows."""
-    backend = runtime.backend
-    size = runtime.size
-    if size == 1:  # one rank's micro-batch is the global batch (no Python in its step: Keras
-        return list(flat)  # may compile it whole with XLA, see tarantella.xla)
+    if channel.size == 1:  # one rank's micro-batch is the global batch (no Python in its step:
+        return list(flat)  # Keras may compile it whole with XLA, see tarantella.xla)
 
-    def gather(*args: np.ndarray) -> list[np.ndarray]:
+    def gather(backend: tnt_core.CommBackend, *args: np.ndarray) -> list[np.ndarray]:
         *arrays, n_arg, b_arg = args
         n, b = int(n_arg), int(b_arg)
         if b < 0:
             return [a[:n] for a in arrays]
+        size = backend.size
         sizes = tnt_core.micro_batch_sizes(b, size, allow_empty=True)
         rows = sizes[0]  # the largest micro-batch
         out = []
@@ -80,8 +78,8 @@ def gather_rows(flat: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
             out.append(np.concatenate([every[k, :sizes[k]] for k in range(size)], axis=0))
         return out
 
-    outs = tf.numpy_function(gather, [*flat, n, b], [t.dtype for t in flat], stateful=True,
-                             name="tnt_gather_predictions")
+    outs = channel.host_op(gather, [*flat, n, b], [t.dtype for t in flat],
+                           name="tnt_gather_predictions")
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     for out, t in zip(outs, flat):
@@ -89,20 +87,19 @@ def gather_rows(flat: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
     return list(outs)
 
 
-def gather_slices(indices: tf.Tensor, values: tf.Tensor, keep: tf.Tensor,
-                  runtime: tnt_core.Runtime, *, after: Sequence[tf.Tensor] = (),
+def gather_slices(indices: tf.Tensor, values: tf.Tensor, keep: tf.Tensor, channel: Channel, *,
                   name: str = "tnt_gather_slices") -> tuple[tf.Tensor, tf.Tensor]:
-    """Graph op: a sparse gradient (``tf.IndexedSlices``) of every rank, concatenated in
-    rank order, as the serial step has it (rank ``r``'s rows when ``keep`` is true there).
+    """Graph op: a sparse gradient (``tf.IndexedSlices``) of every rank, concatenated in rank
+    order, as the serial step has it (rank ``r``'s rows when ``keep`` is true there).
 
     Keras' optimizers treat a sparse gradient row by row (Adam squares each row before
     adding duplicates up), so summing it densely would change the update.
     """
-    backend = runtime.backend
-    if runtime.size == 1:  # one rank always has samples (keep); no Python in its step
+    if channel.size == 1:  # one rank always has samples (keep); no Python in its step
         return indices, values
 
-    def run(idx: np.ndarray, vals: np.ndarray, keep_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def run(backend: tnt_core.CommBackend, idx: np.ndarray, vals: np.ndarray,
+            keep_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not bool(keep_):
             idx, vals = idx[:0], vals[:0]
         counts = backend.allgather(np.array([idx.shape[0]], dtype=np.int64))[:, 0]
@@ -115,10 +112,8 @@ def gather_slices(indices: tf.Tensor, values: tf.Tensor, keep: tf.Tensor,
         return (np.concatenate([every_i[k, :counts[k]] for k in range(len(counts))]),
                 np.concatenate([every_v[k, :counts[k]] for k in range(len(counts))]))
 
-    with tf.control_dependencies(list(after)):
-        keep = tf.identity(keep)
-    out_i, out_v = tf.numpy_function(run, [indices, values, keep], [indices.dtype, values.dtype],
-                                     stateful=True, name=name)
+    out_i, out_v = channel.host_op(run, [indices, values, keep], [indices.dtype, values.dtype],
+                                   name=name)
     out_i.set_shape([None])
     out_v.set_shape(tf.TensorShape([None]).concatenate(values.shape[1:]))
     return out_i, out_v

@@ -67,7 +67,7 @@ class DataParallelState(DistributedState):
     def gradient_reducer(self, name: str) -> GradientReducer:
         reducer = self._reducers.get(name)
         if reducer is None:
-            reducer = self._reducers[name] = GradientReducer(self.runtime, name)
+            reducer = self._reducers[name] = GradientReducer(self.channel, name)
         return reducer
 
 

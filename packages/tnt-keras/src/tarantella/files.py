@@ -24,6 +24,8 @@ import numpy as np
 
 import tnt_core
 
+from . import comm
+
 __all__ = ["agree", "attempt_write", "local_writes", "write_collectively", "writes_locally"]
 
 _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
@@ -128,5 +130,5 @@ def write_collectively(write: Callable[[str], None], filepath: Any, *, overwrite
 def _any_rank(runtime: tnt_core.Runtime, flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any (also a barrier)."""
     buf = np.array([1 if flag else 0], dtype=np.int32)
-    runtime.backend.allreduce(buf, "max")
+    comm.world(runtime).backend.allreduce(buf, "max")
     return bool(buf[0])

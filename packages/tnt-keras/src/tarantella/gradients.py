@@ -35,6 +35,7 @@ import tnt_core
 from . import native_ops
 from . import timeline as _timeline
 from .collectives import gather_slices
+from .comm import Channel, count, previous, record
 from .native_ops import NativeReducer
 
 __all__ = ["NO_COMPRESSION", "Compression", "GradientReducer", "NoCompression", "dense_gradient",
@@ -83,19 +84,17 @@ NO_COMPRESSION: Compression = NoCompression()
 
 
 def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weight: tf.Tensor,
-                    reducer: Callable[[], GradientReducer], runtime: tnt_core.Runtime, *,
+                    reducer: Callable[[], GradientReducer], channel: Channel, *,
                     keep: tf.Tensor,
-                    previous: Callable[[], list[tf.Tensor]],
-                    record: Callable[[list[tf.Tensor]], None],
                     dense_after: Callable[[list[tf.Tensor]], list[tf.Tensor]] | None = None,
                     compression: Compression = NO_COMPRESSION, copy: bool = False) -> list[Any]:
     """``sum_r weight_r g_r`` for each gradient (None stays None): the one reduction of
     ``fit``'s step and of a custom loop. Dense gradients go to ``reducer()`` in backward order
-    (the last layer's exist first), after ``previous()`` (and ``dense_after(dense)``);
-    sparse ones (``tf.IndexedSlices``) are gathered row by row, as the serial step has them
-    (Adam squares rows), keeping this rank's rows where ``keep``. ``record`` is handed the
-    output each collective leaves for the next to wait for; ``copy`` copies the results out
-    of reused buckets (for callers that hand them to user code).
+    (the last layer's exist first), after the graph's previous collective (and
+    ``dense_after(dense)``); sparse ones (``tf.IndexedSlices``) are gathered row by row, as the
+    serial step has them (Adam squares rows), keeping this rank's rows where ``keep``.
+    ``copy`` copies the results out of reused buckets (for callers that hand them to user
+    code).
 
     :param variables: the variables of ``grads`` (None where a static shape is unknown).
     """
@@ -116,8 +115,7 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
     for i in sparse_ids:
         g = grads[i]
         values = g.values * tf.cast(weight, g.values.dtype)
-        indices, values = gather_slices(g.indices, values, keep, runtime, after=previous())
-        record([indices])
+        indices, values = gather_slices(g.indices, values, keep, channel)
         out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
     return out
 
@@ -148,18 +146,17 @@ def _spec(t: tf.Tensor) -> tnt_core.TensorSpec:
 class GradientReducer:
     """Pushes one step's gradients into a fused allreducer from graph ops; finishes it.
 
-    The one gradient reducer of tarantella: DATA's step sums over the job's communicator,
-    and a pipeline stage under ALL over its replicas (``backend``, a group of
-    ``CommBackend.split``), through the same plan, the same path (native where that
-    communicator offers the hand-off, else ``numpy_function``) and the same overlap.
+    The one gradient reducer of tarantella: DATA's step sums over the job's channel, and a
+    pipeline stage under ALL over its replicas' (a group's channel), through the same plan,
+    the same path (native where that communicator offers the hand-off, else
+    ``numpy_function``) and the same overlap.
 
-    :param backend: the communicator the gradients are summed over; the job's by default.
+    :param channel: the channel whose ranks the gradients are summed over.
     """
 
-    def __init__(self, runtime: tnt_core.Runtime, name: str,
-                 backend: tnt_core.CommBackend | None = None) -> None:
-        self.runtime = runtime
-        self.backend = runtime.backend if backend is None else backend
+    def __init__(self, channel: Channel, name: str) -> None:
+        self.channel = channel
+        self.runtime = runtime = channel.runtime
         self.name = name
         self.threshold_bytes = runtime.config.fusion_threshold_bytes
         self.overlap = runtime.config.overlap
@@ -171,20 +168,25 @@ class GradientReducer:
         self._plans: dict[tuple, tnt_core.FusedAllreducer | NativeReducer] = {}
         self._native: NativeReducer | None = None  # the plan of the last trace, when native
         self._zeros: dict[tuple[int, int], np.ndarray] = {}
+        channel.on_bind(self._forget_plans)
+
+    def _forget_plans(self, _channel: Channel) -> None:
+        """A new communicator: the plans of the old one go (the next trace makes new ones)."""
+        self._plans.clear()
+        self._native = None
 
     def _reducer_for(self, tensors: Sequence[tf.Tensor]) -> tnt_core.FusedAllreducer | NativeReducer:
         specs = tuple(_spec(t) for t in tensors)
         reducer = self._plans.get(specs)
         if reducer is None:
             plan = tnt_core.plan_buckets(specs, self.threshold_bytes, align_bytes=_ALIGN)
-            why = native_ops.unavailable_reason(self.runtime, self.backend)
+            why = self.channel.native_reason()
             native_ops.tell_once(why)
             if why is None:
-                reducer = NativeReducer(self.runtime, plan, backend=self.backend,
-                                        overlap=self.overlap, name=self.name)
+                reducer = self.channel.native_reducer(plan, name=self.name, overlap=self.overlap)
             else:
-                reducer = tnt_core.FusedAllreducer(self.backend, plan, overlap=self.overlap,
-                                                   timeline=self.timeline)
+                reducer = tnt_core.FusedAllreducer(self.channel.backend, plan,
+                                                   overlap=self.overlap, timeline=self.timeline)
             self._plans[specs] = reducer
         return reducer
 
@@ -200,7 +202,7 @@ class GradientReducer:
         factor64 = tf.cast(factor, tf.float64)
         with tf.control_dependencies(list(after)):
             factor64 = tf.identity(factor64)
-        if self.backend.size == 1:
+        if self.channel.size == 1:
             # one rank: the sum over ranks is this rank's scaled gradient, no collective;
             # its factor is 1 for a mean loss (n = B), and then nothing is computed
             grads = list(grads)
@@ -209,11 +211,13 @@ class GradientReducer:
         reducer = self._reducer_for(grads)
         if isinstance(reducer, NativeReducer):
             self._native = reducer
-            return reducer.reduce(grads, factor64)
+            return self.channel.reduce_native(reducer, grads, factor64)
         tokens = [self._push_bucket(reducer, bucket.tensor_ids,
                                     [grads[i] for i in bucket.tensor_ids], factor64)
                   for bucket in reducer.plan.buckets]
-        return self._finish(reducer, tokens, grads)
+        outs = self._finish(reducer, tokens, grads)
+        count(*tokens, outs[0])
+        return outs
 
     def _push_bucket(self, reducer: tnt_core.FusedAllreducer, ids: Sequence[int],
                      tensors: Sequence[tf.Tensor], scale: tf.Tensor) -> tf.Tensor:

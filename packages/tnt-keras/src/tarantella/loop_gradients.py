@@ -30,10 +30,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-import tnt_core
-
-from . import graph_order, native_ops
+from . import comm
 from .class_swap import disguised_subclass
+from .comm import Channel
 from .gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
 from .loop_data import batch_share
 from .steps import current_step
@@ -70,20 +69,20 @@ BATCH_SHARE = GradientReduction(_batch_share_weight)
 #: one reducer per call site of a traced graph (the i-th reduction of a graph uses the i-th),
 #: shared by every graph and by eager calls: reductions of one graph are ordered, different
 #: graphs run one after the other, and each reducer keeps a plan per set of tensor shapes
-_reducers: dict[tuple[int, int], tuple[tnt_core.Runtime, GradientReducer]] = {}
+_reducers: dict[tuple[int, int], tuple[Channel, GradientReducer]] = {}
 _calls: weakref.WeakKeyDictionary[tf.Graph, int] = weakref.WeakKeyDictionary()
 
 
-def _reducer(runtime: tnt_core.Runtime) -> GradientReducer:
+def _reducer(channel: Channel) -> GradientReducer:
     index = 0
     if not tf.executing_eagerly():
         graph = tf.compat.v1.get_default_graph()
         index = _calls.get(graph, 0)
         _calls[graph] = index + 1
-    key = (id(runtime), index)
+    key = (id(channel), index)
     entry = _reducers.get(key)
     if entry is None:
-        entry = _reducers[key] = (runtime, GradientReducer(runtime, f"loop_{index}"))
+        entry = _reducers[key] = (channel, GradientReducer(channel, f"loop_{index}"))
     return entry[1]
 
 
@@ -100,7 +99,7 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
     grads = list(grads)
     if current_step() is not None:  # inside tnt.Model's step: it reduces what is applied
         return grads
-    runtime = tnt_core.init()
+    channel = comm.world()
     if reduction.sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     present = [i for i, g in enumerate(grads) if g is not None]
@@ -108,10 +107,9 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
         return grads
     weight = tf.cast(reduction.weight(), tf.float64)
     like = None if variables is None else [v if _has_shape(v) else None for v in variables]
-    copy = keep_outputs and runtime.size > 1 and native_ops.unavailable_reason(runtime) is not None
-    return reduce_weighted(grads, like, weight, lambda: _reducer(runtime), runtime,
-                           keep=tf.not_equal(weight, 0.0), previous=graph_order.previous,
-                           record=graph_order.record, compression=reduction.compression,
+    copy = keep_outputs and channel.size > 1 and channel.native_reason() is not None
+    return reduce_weighted(grads, like, weight, lambda: _reducer(channel), channel,
+                           keep=tf.not_equal(weight, 0.0), compression=reduction.compression,
                            copy=copy)
 
 

@@ -36,7 +36,7 @@ import keras
 import tnt_core
 from tnt_core import TntError
 
-from . import arguments, files
+from . import arguments, comm, files
 from .class_swap import disguised_subclass
 from .errors import NotSupportedError
 from .steps import LocalIncrements
@@ -93,6 +93,8 @@ class DistributedState:
 
     def __init__(self, runtime: tnt_core.Runtime, strategy: ParallelStrategy) -> None:
         self.runtime = runtime
+        #: the job's channel: every collective of the model's steps goes through it
+        self.channel = comm.world(runtime)
         self.strategy = strategy
         #: the master's weights must reach every rank before the next step
         self.needs_broadcast = True
@@ -206,7 +208,14 @@ class Model(keras.Model):
         holding ``state``."""
         object.__setattr__(model, "__class__", disguised_subclass(cls, type(model)))
         object.__setattr__(model, "_tnt", state)
+        state.channel.on_bind(model._tnt_rebound)  # noqa: SLF001 (the model just adopted)
         return model
+
+    def _tnt_rebound(self, channel: comm.Channel) -> None:
+        """A new communicator was bound to the job's channel: what Keras traced for the old
+        one goes, and the next step traces anew (weights, optimizer state, metrics and the
+        step counter stay as they are)."""
+        self.train_function = self.test_function = self.predict_function = None
 
     # -- identity ---------------------------------------------------------------------------
 

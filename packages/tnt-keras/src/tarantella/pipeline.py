@@ -50,6 +50,7 @@ import tensorflow as tf
 import tnt_core
 
 from ._keras_compat import all_layers, forgetting_custom_gradients
+from .comm import Channel
 from .errors import NotSupportedError
 from .gradients import GradientReducer, dense_gradient
 from .partition import COMPUTED, Partitioning
@@ -131,15 +132,15 @@ class StageStep:
     :param schedule: the order of the passes (:meth:`order`), ``"1f1b"`` or ``"gpipe"``.
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
-    :param native: the native point-to-point ops over ``backend``
-        (``native_ops.point_to_point``), or None for the Python path.
     """
 
-    def __init__(self, parts: Partitioning, stage: int, backend: tnt_core.CommBackend, *,
+    def __init__(self, parts: Partitioning, stage: int, backend: tnt_core.CommBackend | Channel, *,
                  loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
                  ranks: Sequence[int] | None = None, replicas: GradientReducer | None = None,
                  regularise: bool = True, timeline: tnt_core.Timeline | None = None,
-                 schedule: str = "1f1b", native: Any = None) -> None:
+                 schedule: str = "1f1b") -> None:
+        channel = backend if isinstance(backend, Channel) else Channel(tnt_core.init(), backend)
+        backend = channel.backend
         if not backend.supports("p2p"):
             raise NotSupportedError(
                 f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
@@ -165,8 +166,7 @@ class StageStep:
             raise ValueError(f"schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
         self.schedule = schedule
         self._lane = f"stage {stage}"
-        self.messages = StageMessages(backend, self.ranks, native=native, timeline=timeline,
-                                      lane=self._lane)
+        self.messages = StageMessages(channel, self.ranks, timeline=timeline, lane=self._lane)
         self.weights = list(self.model.trainable_weights)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None

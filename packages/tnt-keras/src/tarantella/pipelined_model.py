@@ -41,7 +41,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, arguments, files, losses, native_ops, randomness, stage_saving, timeline
+from . import _keras_compat, arguments, comm, files, losses, randomness, stage_saving, timeline
 from .callbacks import distribute_callbacks
 from .errors import NotSupportedError
 from .gradients import GradientReducer
@@ -270,11 +270,14 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def _tnt_stage_step(self, loss: keras.losses.Loss, optimizer: Any) -> StageStep:
         state = self._tnt
         replicas = None if state.replicas is None else \
-            GradientReducer(state.runtime, f"stage{state.stage}_replicas", state.replicas)
-        return StageStep(state.parts, state.stage, state.pipe, loss=loss, optimizer=optimizer,
+            GradientReducer(comm.Channel(state.runtime, state.replicas, name="replicas"),
+                            f"stage{state.stage}_replicas")
+        pipe = state.channel if state.pipe is state.runtime.backend else \
+            comm.Channel(state.runtime, state.pipe, name="pipe")
+        return StageStep(state.parts, state.stage, pipe,
+                         loss=loss, optimizer=optimizer,
                          num_micro_batches=state.num_micro_batches, replicas=replicas,
-                         regularise=state.replica == 0, timeline=timeline.get(state.runtime),
-                         native=native_ops.point_to_point(state.runtime, state.pipe))
+                         regularise=state.replica == 0, timeline=timeline.get(state.runtime))
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -519,8 +522,8 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         the stage that holds it. The one explicit gather of a pipelined model: the list
         holds the whole model on every rank for as long as it is kept. Call on every rank."""
         state = self._tnt
-        return stage_saving.gather_weights(state.pipe, list(self.weights), state.ownership.weights,
-                                           state.stage)
+        return stage_saving.gather_weights(comm.Channel(state.runtime, state.pipe), list(self.weights),
+                                           state.ownership.weights, state.stage)
 
     @user_facing
     def set_weights(self, weights: list) -> None:

@@ -7,19 +7,21 @@ chained with control dependencies, each after the one before it in the step as w
 so they run in the schedule's order: two neighbours, following the same schedule, post
 matching sends and receives, and a receive never holds a thread while a send its peer
 waits for is still to be posted. The compute between them runs as the dataflow allows.
+The chain is the channel's (:mod:`tarantella.comm`), the one every collective of the graph
+is on.
 
 Two paths, one interface:
 
-- native (the backend's hand-off table offers point-to-point,
-  :func:`tarantella.native_ops.point_to_point`): the op library's send and receive kernels,
-  no Python and no GIL;
+- native (the channel's communicator offers point-to-point in its hand-off table,
+  :meth:`tarantella.comm.Channel.point_to_point`): the op library's send and receive
+  kernels, no Python and no GIL;
 - Python (any other backend with point-to-point): each op is a ``tf.numpy_function`` that
   posts the backend's ``send_async`` (keeping the buffer alive until :meth:`complete`) or
   waits on its ``recv_async``; the GIL is held only while a message is posted or handed
   over. TensorFlow keeps every ``numpy_function`` traced inside a ``tf.function`` for the
-  rest of the process (on its global graph), so these functions capture what they use and
-  never this object, which holds the traced graph's tensors (and through the graph, every
-  weight of the stage).
+  rest of the process (on its global graph), so these functions capture what they use (the
+  channel's link to its communicator) and never this object, which holds the traced graph's
+  tensors (and through the graph, every weight of the stage).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import numpy as np
 import tensorflow as tf
 
 import tnt_core
+
+from .comm import Channel, count, previous, record
 
 __all__ = ["StageMessages"]
 
@@ -47,20 +51,16 @@ class _Waits:
 class StageMessages:
     """Sends and receives between the stages of one pipeline, as graph ops.
 
-    :param backend: the pipeline's communicator (point-to-point).
+    :param channel: the pipeline's channel (point-to-point); its native sends and receives
+        are used where it offers them.
     :param ranks: the communicator rank of each stage.
-    :param native: the native ops over ``backend`` (``native_ops.point_to_point``), or
-        None for the Python path.
     """
 
-    def __init__(self, backend: tnt_core.CommBackend, ranks: Sequence[int], *,
-                 native: Any = None, timeline: tnt_core.Timeline | None = None,
-                 lane: str = "") -> None:
-        self.backend = backend
+    def __init__(self, channel: Channel, ranks: Sequence[int], *,
+                 timeline: tnt_core.Timeline | None = None, lane: str = "") -> None:
+        self.channel = channel
         self.ranks = list(ranks)
-        self.native = native
-        #: the last message op of the graph being traced (the next one runs after it)
-        self._last: tf.Tensor | None = None
+        self.native = channel.point_to_point()
         self._tokens: list[tf.Tensor] = []
         self.timeline, self.lane = timeline, lane
         self._waits = _Waits()
@@ -76,14 +76,18 @@ class StageMessages:
         return self._waits.seconds + (self.native.waited if self.native is not None else 0.0)
 
     def begin(self) -> None:
-        """A new graph is being traced: its first message depends on nothing before it."""
-        self._last, self._tokens = None, []
+        """A new graph is being traced (its chain starts with it): no send pending yet."""
+        self._tokens = []
 
-    def _in_order(self, make: Any) -> tf.Tensor:
-        """The op ``make()`` builds, after the previous message op (see the module doc)."""
-        with tf.control_dependencies([] if self._last is None else [self._last]):
+    @staticmethod
+    def _in_order(make: Any, *, message: bool = True) -> tf.Tensor:
+        """The op ``make()`` builds, after the graph's previous collective or message (see the
+        module doc); counted on the channel when it is a ``message`` (not a timeline mark)."""
+        with tf.control_dependencies(previous()):
             out = make()
-        self._last = out
+        if message:
+            count(out)
+        record([out])
         return out
 
     def send(self, tensor: tf.Tensor, stage: int, tag: int) -> tf.Tensor:
@@ -95,11 +99,11 @@ class StageMessages:
         return self._in_order(lambda: self._post(tensor, stage, tag))
 
     def _post(self, tensor: tf.Tensor, stage: int, tag: int) -> tf.Tensor:
-        backend, peer, pending = self.backend, self.ranks[stage], self._pending
+        link, peer, pending = self.channel.link, self.ranks[stage], self._pending
 
         def post(array: np.ndarray) -> np.int64:
             buf = np.ascontiguousarray(array)
-            pending.append((backend.send_async(buf, peer, tag), buf))
+            pending.append((link.backend.send_async(buf, peer, tag), buf))
             return np.int64(0)
 
         return tf.numpy_function(post, [tensor], tf.int64, stateful=True,
@@ -112,21 +116,23 @@ class StageMessages:
             return self._in_order(lambda: self._wait(shape, dtype, stage, tag))
         what = "receive activations" if tag % 2 == 0 else "receive gradients"
         if self.timeline is not None:
-            self._in_order(lambda: self.mark([], what, begin=True, lane=f"{self.lane}: waits"))
+            self._in_order(lambda: self.mark([], what, begin=True, lane=f"{self.lane}: waits"),
+                           message=False)
         out = self._in_order(lambda: self.native.recv(shape, dtype, self.ranks[stage], tag))
         if self.timeline is not None:
-            self._in_order(lambda: self.mark([out], what, begin=False, lane=f"{self.lane}: waits"))
+            self._in_order(lambda: self.mark([out], what, begin=False, lane=f"{self.lane}: waits"),
+                           message=False)
         return out
 
     def _wait(self, shape: tuple[int, ...], dtype: tf.DType, stage: int, tag: int) -> tf.Tensor:
-        backend, peer, waits = self.backend, self.ranks[stage], self._waits
+        link, peer, waits = self.channel.link, self.ranks[stage], self._waits
         timeline, lane = self.timeline, f"{self.lane}: waits"
         np_dtype = tf.as_dtype(dtype).as_numpy_dtype
         what = "receive activations" if tag % 2 == 0 else "receive gradients"
 
         def wait() -> np.ndarray:
             start = time.perf_counter()
-            out = np.asarray(backend.recv_async(np.empty(shape, np_dtype), peer, tag).wait())
+            out = np.asarray(link.backend.recv_async(np.empty(shape, np_dtype), peer, tag).wait())
             end = time.perf_counter()
             waits.seconds += end - start
             if timeline is not None:
@@ -160,10 +166,10 @@ class StageMessages:
     def allreduce_sum(self, value: tf.Tensor) -> tf.Tensor:
         """Graph op: the sum over the pipeline's stages of the float64 scalar ``value``
         (in the messages' program order, so no stage waits for it out of turn)."""
-        backend = self.backend
+        link = self.channel.link
 
         def run(v: np.ndarray) -> np.ndarray:
-            return np.asarray(backend.allreduce(np.array([v], np.float64))[0], np.float64)
+            return np.asarray(link.backend.allreduce(np.array([v], np.float64))[0], np.float64)
 
         def make() -> tf.Tensor:
             out = tf.numpy_function(run, [value], tf.float64, stateful=True,

@@ -57,6 +57,8 @@ import tnt_core
 
 from . import files
 from ._keras_compat import all_layers, own_variables
+from .comm import Channel
+from .comm.wire import from_wire, to_wire, wire_buffer
 from .errors import NotSupportedError
 from .heap_release import HeapRelease
 from .overrides import instance_attributes
@@ -67,38 +69,6 @@ __all__ = ["StageSaving", "gather_weights", "whole_optimizer_paths", "zip_direct
 #: tags of the saving messages (the pipeline's are 0, 1, ...)
 _REQUEST, _VALUE = 30011, 30012
 LAYER, OPTIMIZER, END, OPTIMIZER_VARIABLE = 1, 2, 3, 4
-
-
-# -- values on the wire -------------------------------------------------------------------------
-
-def to_wire(value: Any) -> np.ndarray:
-    """``value`` as a flat array a backend carries: itself for the dtypes backends move,
-    else its bytes as int32 words (bfloat16, int8, bool...)."""
-    array = np.ascontiguousarray(np.asarray(value)).reshape(-1)
-    if array.dtype in tnt_core.SUPPORTED_DTYPES:
-        return array
-    raw = array.view(np.uint8)
-    padded = np.zeros(-(-raw.size // 4) * 4, np.uint8)
-    padded[:raw.size] = raw
-    return padded.view(np.int32)
-
-
-def wire_buffer(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An empty buffer for a value of ``shape`` and ``dtype`` sent by :func:`to_wire`."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
-    if dtype in tnt_core.SUPPORTED_DTYPES:
-        return np.empty(count, dtype)
-    return np.empty(-(-count * dtype.itemsize // 4), np.int32)
-
-
-def from_wire(buf: np.ndarray, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """The value :func:`to_wire` sent (a view of ``buf`` where it can be)."""
-    dtype = np.dtype(dtype)
-    if dtype in tnt_core.SUPPORTED_DTYPES:
-        return buf.reshape(shape)
-    count = int(np.prod(shape, dtype=np.int64))
-    return buf.view(np.uint8)[:count * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def _numpy_dtype(variable: Any) -> np.dtype:
@@ -150,28 +120,14 @@ def whole_optimizer_paths(optimizer: keras.optimizers.Optimizer, trainable: list
 
 # -- the explicit gather ---------------------------------------------------------------------------
 
-def gather_weights(backend: tnt_core.CommBackend, weights: list[Any], owners: tuple[int, ...],
+def gather_weights(channel: Channel, weights: list[Any], owners: tuple[int, ...],
                    stage: int) -> list[np.ndarray]:
-    """Every weight's value on every rank of ``backend`` (a pipeline: rank ``p`` is stage
-    ``p``), each from its owner: one broadcast per (owner, dtype on the wire)."""
-    groups: dict[tuple[int, str], list[int]] = {}
-    for i, w in enumerate(weights):
-        wire = wire_buffer((1,), _numpy_dtype(w)).dtype
-        groups.setdefault((owners[i], wire.str), []).append(i)
-    out: list[Any] = [None] * len(weights)
-    for (owner, wire_dtype), members in sorted(groups.items()):
-        sizes = [wire_buffer(tuple(weights[i].shape), _numpy_dtype(weights[i])).size for i in members]
-        if owner == stage:
-            flat = np.concatenate([to_wire(_value(weights[i])) for i in members]) if members \
-                else np.zeros(0, wire_dtype)
-        else:
-            flat = np.empty(sum(sizes), np.dtype(wire_dtype))
-        flat = backend.broadcast(flat, root=owner)
-        offset = 0
-        for i, size in zip(members, sizes):
-            out[i] = from_wire(flat[offset:offset + size], tuple(weights[i].shape), _numpy_dtype(weights[i]))
-            offset += size
-    return out
+    """Every weight's value on every rank of ``channel`` (a pipeline: rank ``p`` is stage
+    ``p``), each from its owner (the channel's broadcast: one per owner and wire dtype)."""
+    sent = [to_wire(_value(w)) if owner == stage else wire_buffer(tuple(w.shape), _numpy_dtype(w))
+            for w, owner in zip(weights, owners)]
+    received = channel.broadcast_arrays(sent, list(owners))
+    return [from_wire(buf, tuple(w.shape), _numpy_dtype(w)) for buf, w in zip(received, weights)]
 
 
 # -- .keras: a directory zipped entry by entry --------------------------------------------------

@@ -35,6 +35,7 @@ import tnt_core
 from ._keras_compat import all_layers
 from .batchnorm import global_moments
 from .collectives import allreduce_sum, gather_rows
+from .comm import record
 from .errors import DatasetError, NotSupportedError
 from .gradients import reduce_weighted
 from .losses import Normaliser, per_sample, summed_terms
@@ -129,13 +130,9 @@ class StepContext:
         self.loss: tf.Tensor | None = None
         self.returned_loss: tf.Tensor | None = None
         self.normaliser: Normaliser | None = None
-        #: the output of the last collective traced: the next one waits for it
-        self.last: list[tf.Tensor] = []
         self.applies = 0
         #: True once compute_loss weighted the loss itself: the gradients are then summed
         self.prescaled = False
-        #: the last collective of the backward pass (synchronized BatchNormalization)
-        self.backward_last: list[tf.Tensor] = []
         #: the model has synchronized BatchNormalization layers: no overlap (see batchnorm)
         self.sync_bn = False
         #: the step's body is being traced into an XLA function (``tarantella.xla``): no
@@ -193,17 +190,12 @@ def reduce_gradients(step: StepContext, optimizer: keras.optimizers.Optimizer, g
     reducer = state.gradient_reducer(f"{step.kind}_{optimizer.name}_{step.applies}")
     step.applies += 1
 
-    def record(outputs: list[tf.Tensor]) -> None:
-        step.last = outputs
-
     def sync_bn_first(dense: list[tf.Tensor]) -> list[tf.Tensor]:
-        # the backward pass's collectives first, on every rank
-        return step.backward_last + dense if step.sync_bn else []
+        # the backward pass's collectives (chained before) first, no overlap with them
+        return dense if step.sync_bn else []
 
-    out = reduce_weighted(grads, variables, factor, lambda: reducer, state.runtime,
-                          keep=step.has_data,
-                          previous=lambda: list(step.last), record=record,
-                          dense_after=sync_bn_first)
+    out = reduce_weighted(grads, variables, factor, lambda: reducer, state.channel,
+                          keep=step.has_data, dense_after=sync_bn_first)
     return out, reducer
 
 
@@ -244,7 +236,7 @@ def gradient_factor(step: StepContext, state: Any) -> tf.Tensor:
     divisor = tf.where(step.has_data, weights.divisor, tf.zeros_like(weights.divisor))
 
     def summed() -> tf.Tensor:
-        return allreduce_sum(tf.reshape(divisor, [1]), state.runtime, after=step.last,
+        return allreduce_sum(tf.reshape(divisor, [1]), state.channel,
                              name=f"tnt_{step.kind}_loss_normaliser")[0]
 
     if weights.total is None:
@@ -252,7 +244,7 @@ def gradient_factor(step: StepContext, state: Any) -> tf.Tensor:
     else:  # the global batch size; -1 for data the user distributed: then sum
         known = weights.total
         total = tf.cond(known >= 0, lambda: known, summed)
-    step.last = [total]
+    record([total])  # computed in a branch: the chain goes on from the cond's output
     return scale / tf.maximum(total, 1e-300)
 
 
@@ -340,7 +332,7 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
         if logs is None and kind == "train":
             step.sync_bn = bool(state.synchronized_bn)
             with _reducing_gradients(model, step, state), \
-                    global_moments(state.synchronized_bn, step, state.runtime):
+                    global_moments(state.synchronized_bn, step, state.channel):
                 logs = run(batch)
         elif logs is None:
             logs = run(batch)
@@ -418,10 +410,9 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, ca
         at_loss = vector.add(weights.scale * has_data * own)
         at_divisor = vector.add(weights.divisor * has_data)
     local = state.local_increments(step.kind)
-    total = allreduce_sum(tf.concat(vector.parts, axis=0), state.runtime, after=step.last,
+    total = allreduce_sum(tf.concat(vector.parts, axis=0), state.channel,
                           name=f"tnt_{step.kind}_metrics",
                           local=(lambda v: local.add(v, size)) if local.enabled else None)
-    step.last = [total]
     summed = total[:size]
     samples = tf.maximum(total[at_samples][0], 1.0)
     if at_per_step is not None:  # the global batch's value, with weight 1 per update
@@ -474,5 +465,5 @@ def predict_step(model: keras.Model, data: Any, run: Callable[[Any], Any], state
         if y_pred is None:
             y_pred = run(batch)
     flat = keras.tree.flatten(y_pred)
-    gathered = gather_rows(flat, n, b, state.runtime)
+    gathered = gather_rows(flat, n, b, state.channel)
     return keras.tree.pack_sequence_as(y_pred, gathered)

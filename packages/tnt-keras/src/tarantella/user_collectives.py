@@ -29,6 +29,8 @@ import tensorflow as tf
 
 import tnt_core
 
+from . import comm
+from .comm import Channel
 from .errors import NotSupportedError
 from .tracebacks import user_facing
 
@@ -117,20 +119,23 @@ class Group:
     """
 
     _ranks: tuple[int, ...]
-    _backend: tnt_core.CommBackend | None
+    _channel: Channel | None
 
     @user_facing
     def __init__(self, ranks: Sequence[int] | None = None) -> None:
         runtime = _runtime()
-        world = runtime.backend
+        world = comm.world(runtime)
         if ranks is None:
-            self._ranks, self._backend = tuple(range(runtime.size)), world
+            self._ranks, self._channel = tuple(range(runtime.size)), world
             return
         wanted = _check_ranks(ranks, runtime.size)
         self._ranks = wanted
-        self._backend = _split(world, wanted, runtime.size, runtime.rank)
-        if self._backend is not None and self._backend is not world:
-            weakref.finalize(self, self._backend.close)
+        backend = _split(world.backend, wanted, runtime.size, runtime.rank)
+        if backend is None or backend is world.backend:
+            self._channel = None if backend is None else world
+        else:
+            self._channel = Channel(runtime, backend, name=f"group{list(wanted)}")
+            weakref.finalize(self, backend.close)
 
     @property
     def ranks(self) -> list[int]:
@@ -189,14 +194,14 @@ class Group:
     def __repr__(self) -> str:
         return f"tnt.Group({list(self._ranks)})"
 
-    def _member_backend(self, where: str) -> tnt_core.CommBackend:
-        if self._backend is None:
+    def _member_channel(self, where: str) -> Channel:
+        if self._channel is None:
             raise ValueError(
                 f"{where}(group={self!r}): rank {_runtime().rank} is not a member of the group; "
                 "only its members call its collectives (guard them with "
                 "`if group.contains(tnt.get_rank()):`)"
             )
-        return self._backend
+        return self._channel
 
 
 def _split(world: tnt_core.CommBackend, wanted: tuple[int, ...], size: int,
@@ -522,7 +527,7 @@ class TensorAllreducer(_StartAndWait):
                         f"{s.dtype.name}, whose average would be rounded; cast it to a float "
                         "dtype, or use ReductionOp.SUM and divide"
                     )
-        self._backend = self.group._member_backend(where)  # noqa: SLF001 (this module's class)
+        self._channel = self.group._member_channel(where)  # noqa: SLF001 (this module's class)
         self._pending: _Pending | None = None
 
     @user_facing
@@ -536,7 +541,7 @@ class TensorAllreducer(_StartAndWait):
         where = "TensorAllreducer.allreduce(inputs=...)"
         tree, values, specs = _flatten(inputs, where)
         _same_form(specs, tree, self._specs, self._tree, where)
-        backend, size = self._backend, self.group.size
+        backend, size = self._channel.backend, self.group.size
         op = self.reduction_op
         wire_op = "sum" if op is ReductionOp.AVERAGE else op.value
         if len(specs) > 1 and size > 1:
@@ -603,7 +608,7 @@ class TensorBroadcaster(_StartAndWait):
         self.root_rank = int(root_rank)
         self._inputs = inputs
         self._tree, _, self._specs = _flatten(inputs, f"{where}(inputs=...)")
-        self._backend = self.group._member_backend(where)  # noqa: SLF001 (this module's class)
+        self._channel = self.group._member_channel(where)  # noqa: SLF001 (this module's class)
         self._pending: _Pending | None = None
 
     @property
@@ -628,7 +633,7 @@ class TensorBroadcaster(_StartAndWait):
         else:
             tree, values, specs = _flatten(inputs, where)
             _same_form(specs, tree, self._specs, self._tree, where)
-        backend, size = self._backend, self.group.size
+        backend, size = self._channel.backend, self.group.size
         if len(specs) > 1 and size > 1:
             _agree(backend, _fingerprint(tree, specs, f"broadcast:{self.root_rank}"), where, specs)
         results: list[Any] = [None] * len(specs)
@@ -672,7 +677,7 @@ class TensorAllgatherer(_StartAndWait):
         where = "tnt.TensorAllgatherer"
         self.group = _group(group, where)
         self._tree, _, self._specs = _flatten(inputs, f"{where}(inputs=...)")
-        self._backend = self.group._member_backend(where)  # noqa: SLF001 (this module's class)
+        self._channel = self.group._member_channel(where)  # noqa: SLF001 (this module's class)
         self._pending: _Pending | None = None
 
     @user_facing
@@ -687,7 +692,7 @@ class TensorAllgatherer(_StartAndWait):
         where = "TensorAllgatherer.allgather(inputs=...)"
         tree, values, specs = _flatten(inputs, where)
         _same_form(specs, tree, self._specs, self._tree, where, gather=True)
-        backend, size = self._backend, self.group.size
+        backend, size = self._channel.backend, self.group.size
         rows = [s.shape if s.shape else (1,) for s in specs]  # a scalar is one row
         wire = [_as_wire(v, s).reshape(r) for v, s, r in zip(values, specs, rows)]
         if size == 1:
@@ -734,13 +739,13 @@ class Barrier:
     @user_facing
     def __init__(self, group: Group | None = None) -> None:
         self.group = _group(group, "tnt.Barrier")
-        self._backend = self.group._member_backend("tnt.Barrier")  # noqa: SLF001 (this module's class)
+        self._channel = self.group._member_channel("tnt.Barrier")  # noqa: SLF001 (this module's class)
 
     @user_facing
     def execute(self) -> None:
         """Return once every member of the group has called it (a collective of the group)."""
         if self.group.size > 1:
-            self._backend.barrier()
+            self._channel.backend.barrier()
 
     __call__ = execute
 

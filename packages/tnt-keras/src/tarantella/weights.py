@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import graph_order
+from . import comm
 from .randomness import is_seed_state
 from .tracebacks import user_facing
 from .user_collectives import broadcast
@@ -37,29 +37,20 @@ def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None
         seen.add(id(v))
         if np.dtype(v.dtype) in tnt_core.SUPPORTED_DTYPES:  # skips e.g. uint32 RNG states
             variables.append(v)
-    _check_same_model(variables, runtime)
-    by_dtype: dict[np.dtype, list] = {}
-    for v in variables:
-        by_dtype.setdefault(np.dtype(v.dtype), []).append(v)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        group = by_dtype[dtype]
-        values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in group]
-        buf = np.concatenate([a.reshape(-1) for a in values]) if values else np.zeros(0, dtype)
-        buf = np.ascontiguousarray(buf, dtype=dtype)
-        runtime.backend.broadcast(buf, root=tnt_core.get_master_rank())
-        offset = 0
-        for v, a in zip(group, values):
-            v.assign(buf[offset:offset + a.size].reshape(a.shape))
-            offset += a.size
+    channel = comm.world(runtime)
+    _check_same_model(variables, channel)
+    values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
+    for v, value in zip(variables, channel.broadcast_arrays(values, tnt_core.get_master_rank())):
+        v.assign(value)
 
 
-def _check_same_model(variables: list, runtime: tnt_core.Runtime) -> None:
+def _check_same_model(variables: list, channel: comm.Channel) -> None:
     """Refuse models that differ between ranks (layers, shapes, dtypes), before any weight
     moves: the broadcast would otherwise pour one model's numbers into another's."""
     layout = ";".join(f"{tuple(v.shape)}:{np.dtype(v.dtype)}" for v in variables)
     mine = np.array([zlib.crc32(layout.encode()), len(variables),
                      sum(int(np.prod(v.shape)) for v in variables)], dtype=np.int64)
-    every = runtime.backend.allgather(mine)
+    every = channel.backend.allgather(mine)
     master = tnt_core.get_master_rank()
     differing = [r for r in range(len(every)) if not np.array_equal(every[r], every[master])]
     if differing:
@@ -90,7 +81,7 @@ def broadcast_variables(variables: Any, root_rank: int = 0) -> tf.Operation | No
 
     Eagerly it assigns at once and returns None; inside a ``tf.function`` it returns the op
     that does (also run without being used: it is stateful), ordered after the collectives
-    traced before it (``tarantella.graph_order``).
+    traced before it (``tarantella.comm``).
 
     :param variables: Keras or TensorFlow variables, or a nest of them (``model.weights``;
         ``model.variables`` includes the random seed states, which then become the root's
@@ -107,15 +98,13 @@ def broadcast_variables(variables: Any, root_rank: int = 0) -> tf.Operation | No
         return None
     dtypes = [tf.as_dtype(v.dtype) for v in flat]
 
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+    def run(_backend: tnt_core.CommBackend, *arrays: np.ndarray) -> list[np.ndarray]:
         return list(broadcast(list(arrays), root_rank=root_rank))
 
-    with tf.control_dependencies(graph_order.previous()):
-        current = [tf.identity(tf.convert_to_tensor(v)) for v in flat]
-    received = tf.numpy_function(run, current, dtypes, stateful=True, name="tnt_broadcast_variables")
+    current = [tf.convert_to_tensor(v) for v in flat]
+    received = comm.world().host_op(run, current, dtypes, name="tnt_broadcast_variables")
     if not isinstance(received, (list, tuple)):
         received = [received]
-    graph_order.record(list(received[:1]))
     assigns = []
     for v, value in zip(flat, received):
         value.set_shape(v.shape)

@@ -45,6 +45,7 @@ import tensorflow as tf
 import tarantella as tnt
 import tnt_core
 from tarantella import native_ops
+from tarantella.comm import Channel
 from tarantella.gradients import GradientReducer
 from tarantella.native_ops import NativeReducer
 from tarantella.partition import partition
@@ -93,7 +94,7 @@ def _stage_replicas() -> dict[str, np.ndarray]:
     plain.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     plain.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
     group = runtime.backend.split(list(range(size)))
-    reducer = GradientReducer(runtime, "stage0_replicas", group)
+    reducer = GradientReducer(Channel(runtime, group), "stage0_replicas")
     step = StageStep(partition(_functional()), 0, group, loss=keras.losses.MeanSquaredError(),
                      optimizer=keras.optimizers.SGD(0.05, momentum=0.9), num_micro_batches=2,
                      replicas=reducer)

@@ -4,8 +4,8 @@
 They take and return TensorFlow tensors, eagerly or inside a ``tf.function``. The data goes
 through tarantella's user collectives (``tarantella.user_collectives``: every rank checks
 that the others passed the same shapes and dtypes before any data moves); inside a
-``tf.function`` each call is one stateful op, ordered after the collectives traced before it
-(``tarantella.graph_order``). The training gradients do not come here: they take the
+``tf.function`` each call is one stateful op of the channel (``tarantella.comm``), ordered
+after the collectives traced before it. The training gradients do not come here: they take the
 fused, native path (``tarantella.loop_gradients``).
 """
 
@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from .. import graph_order
+from .. import comm
 from ..errors import NotSupportedError
 from ..gradients import NoCompression
 from ..tracebacks import user_facing
@@ -84,13 +84,9 @@ def _on_host(fn: Callable[[list[np.ndarray]], Sequence[np.ndarray]], tensors: Se
     """``fn`` over the tensors' values, eagerly or as one ordered graph op."""
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(a, dtype=d) for a, d in zip(fn([t.numpy() for t in tensors]), dtypes)]
-    with tf.control_dependencies(graph_order.previous()):
-        inputs = [tf.identity(t) for t in tensors]
-    outs = tf.numpy_function(lambda *arrays: list(fn(list(arrays))), inputs, list(dtypes),
-                             stateful=True, name=name)
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    graph_order.record(outs[:1])
-    return outs
+    outs = comm.world().host_op(lambda _backend, *arrays: list(fn(list(arrays))), tensors,
+                                list(dtypes), name=name)
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
 def _gather(tensor: tf.Tensor, name: str) -> tf.Tensor:
