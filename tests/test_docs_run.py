@@ -322,6 +322,7 @@ assert len(plain.get_weights()) == len(model.get_weights()) == 6
         },
         quoted={3: MESSAGE},
     ),
+    "pipelining_results.md": Page(),   # measurements: no code blocks
     "points_to_consider.md": Page(
         prelude=SMALL_CLASSIFIER.format(n=64) + """
 import math
