@@ -362,10 +362,13 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
                 7: "the stall inspector's warning for a hung rank (packages/tnt-core/tests run that case)"},
     ),
     "cli.md": Page(
-        files={"train.py": LAUNCH_SCRIPT, "hosts": "localhost\n"},
+        files={"train.py": LAUNCH_SCRIPT},
         expect={"0:0": r"rank 0 of 4 on gloo; args \['--batch_size=64'\]",
                 "0:1": r"rank 0 of 4 on gloo; args \['--batch_size=64'\]"},
-        skip={"4:0": "-H node1:2,node2:2: two hosts reachable by ssh"},
+        skip={"4:0": "-H node1:2,node2:2: two hosts reachable by ssh",
+              "7:0": "ends every process of this user that runs a train.py, other jobs' too; "
+                     "packages/tnt-cli/tests/test_cli_launch.py runs --cleanup on a script of a "
+                     "unique name and checks this line"},
         known_failures={"1:0": ("the page lists the test-only 'store' backend, which `tnt backends` "
                                 "does not list (issue 39; fixed on branch newcomer)", "store")},
         quoted={5: MESSAGE, 6: MESSAGE},
@@ -697,16 +700,11 @@ class Runs:
         (self.workdir / "harness.py").write_text(HARNESS)
         launches, console = self.plan()
         started = time.perf_counter()
-        # `tnt run --cleanup -- SCRIPT` ends every process running SCRIPT: it runs alone, last
-        alone = [item for item in console if "--cleanup" in item[2]]
-        console = [item for item in console if item not in alone]
         with ThreadPoolExecutor(max_workers=3) as pool:
             jobs = [pool.submit(self._launch, name, units) for name, units in sorted(launches.items())]
             results = list(pool.map(self._command, console))
             for job in jobs:
                 job.result()
-        results += [self._command(item) for item in alone]
-        console += alone
         self.timings.append(("all, side by side", time.perf_counter() - started))
         # a console block's outcome: its commands' together; a text block's: its command's
         by_block: dict[str, list[tuple[str, Outcome]]] = {}
