@@ -667,13 +667,13 @@ class Runs:
         shown_elsewhere = [t.code.splitlines() for t in text_after
                            if self.outcomes.get(t.id, Outcome("")).status == "pending"
                            and self.outcomes[t.id].detail == key]
+        printed = [_norm(line) for line in proc.stdout.splitlines() if line.strip()]
         for want in [shown, *shown_elsewhere]:
             want = [line for line in want if line.strip()]
-            if "..." in [line.strip() for line in want]:
-                want = want[:[line.strip() for line in want].index("...")]
-            got = [_norm(line) for line in proc.stdout.splitlines() if line.strip()][:len(want)] \
-                if "..." in [line.strip() for line in shown] else \
-                [_norm(line) for line in proc.stdout.splitlines() if line.strip()]
+            stripped = [line.strip() for line in want]
+            if "..." in stripped:   # the page shows the first lines only
+                want = want[:stripped.index("...")]
+            got = printed[:len(want)] if "..." in stripped else printed
             if want and got != [_norm(line) for line in want]:
                 problems.append("the page shows\n" + "\n".join(want) + "\nbut the command printed\n"
                                 + proc.stdout)
