@@ -1,9 +1,12 @@
-"""Render the committed benchmark results as Markdown tables for docs/performance_results.md.
+"""Render the committed benchmark results as Markdown tables for the results pages.
 
 Reads ``scaling.json`` (benchmarks/scaling.py) and ``fusion_sweep.json``
 (benchmarks/fusion_sweep.py) from --results (default docs/_static/benchmarks) and replaces
-the part of --page between the ``<!-- BEGIN GENERATED -->`` / ``<!-- END GENERATED -->``
-markers (the hand-written analysis around it stays). ``--print`` only prints the tables.
+the part of --page (docs/performance_results.md) between the ``<!-- BEGIN GENERATED -->`` /
+``<!-- END GENERATED -->`` markers (the hand-written analysis around it stays). The memory
+runs of benchmarks/pipeline.py (its printed output, kept as ``pipeline-memory-*.txt``) go
+the same way into --pipeline-page (docs/pipelining_results.md), one marked part per file:
+``<!-- BEGIN GENERATED pipeline-memory-m1.txt -->``. ``--print`` only prints the tables.
 
     python benchmarks/render_results.py
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,10 +137,64 @@ def timeline_table(results_dir: Path) -> str | None:
                       "|---|---|---:|---:|---:|", *rows])
 
 
+def _value_cells(row: str) -> list[tuple[int, str]]:
+    """(end column, text) of a printed table row's cells after its label; cells are two or
+    more spaces apart, numbers right-aligned under their heading."""
+    cells = [(m.end(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", row)]
+    return cells[1:]
+
+
+def printed_tables(text: str) -> str:
+    """The tables of one printed run of benchmarks/pipeline.py as Markdown: each numbered
+    part's title and notes, its rows under the printed headings, and its closing lines."""
+    lines, parts, i = text.splitlines(), [], 0
+    run = next((line.strip() for line in lines if line.startswith("pipeline benchmark,")), "")
+    while i < len(lines):
+        title = re.match(r"^\d\. (.*)$", lines[i])
+        i += 1
+        if not title:
+            continue
+        notes = []
+        while i < len(lines) and lines[i].startswith("   ") and "  " not in lines[i].strip():
+            notes.append(lines[i].strip())
+            i += 1
+        header, rows = lines[i], []
+        i += 1
+        while i < len(lines) and lines[i].strip() and not lines[i].startswith("   "):
+            rows.append(lines[i])
+            i += 1
+        closing = []
+        while i < len(lines) and lines[i].startswith("   "):
+            closing.append(lines[i].strip())
+            i += 1
+        widest = max(rows, key=lambda r: len(_value_cells(r)))
+        ends = [end for end, _ in _value_cells(widest)]
+        starts = [min(r.index(_value_cells(r)[0][1], len(r.split("  ")[0])) for r in rows)] + ends[:-1]
+        headings = [header[a:b].strip() for a, b in zip(starts, [*ends[:-1], None])]
+        table = ["| | " + " | ".join(headings) + " |", "|---|" + "---:|" * len(headings)]
+        for row in rows:
+            cells = dict(_value_cells(row))
+            label = row[:starts[0]].strip()
+            table.append(f"| {label} | " + " | ".join(cells.get(end, "") for end in ends) + " |")
+        notes_part = ["\n".join(notes), ""] if notes else []
+        parts.append("\n".join([f"**{title.group(1)}**", "", *notes_part, *table, "",
+                                *(f"- {c}" for c in closing)]).strip())
+    return "\n\n".join([f"*{run}*", *parts]) if parts else "(no tables in this output)"
+
+
+def replace_generated(page: str, generated: str, name: str = "") -> str:
+    begin, end = (f"<!-- BEGIN GENERATED {name} -->", f"<!-- END GENERATED {name} -->") if name \
+        else (BEGIN, END)
+    head, rest = page.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n\n{generated}\n\n{end}{tail}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=ROOT / "docs/_static/benchmarks")
     p.add_argument("--page", type=Path, default=ROOT / "docs/performance_results.md")
+    p.add_argument("--pipeline-page", type=Path, default=ROOT / "docs/pipelining_results.md")
     p.add_argument("--print", action="store_true")
     args = p.parse_args()
     parts = []
@@ -150,14 +208,22 @@ def main() -> int:
     if sweep.exists():
         parts.append(sweep_table(json.loads(sweep.read_text())))
     generated = "\n\n".join(parts) or "(no results yet)"
+    pipeline_page = args.pipeline_page.read_text() if args.pipeline_page.exists() else ""
+    printed = {name: printed_tables((args.results / name).read_text())
+               for name in re.findall(r"<!-- BEGIN GENERATED (\S+) -->", pipeline_page)
+               if (args.results / name).exists()}
     if args.print:
         print(generated)
+        for name, tables in printed.items():
+            print(f"\n{name}:\n{tables}")
         return 0
-    page = args.page.read_text()
-    head, rest = page.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    args.page.write_text(f"{head}{BEGIN}\n\n{generated}\n\n{END}{tail}")
+    args.page.write_text(replace_generated(args.page.read_text(), generated))
     print(f"updated {args.page}")
+    for name, tables in printed.items():
+        pipeline_page = replace_generated(pipeline_page, tables, name)
+    if printed:
+        args.pipeline_page.write_text(pipeline_page)
+        print(f"updated {args.pipeline_page}")
     return 0
 
 

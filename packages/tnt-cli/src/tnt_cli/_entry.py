@@ -1,12 +1,12 @@
 """The console scripts ``tnt`` and ``tarantella``: Ctrl+C ends them quietly, always.
 
 The supervisor handles SIGINT while ranks run (first: end them; second: kill them). Before
-it starts (the imports take a few hundred milliseconds) and after it has ended every rank,
+it starts (while the imports run) and after it has ended every rank,
 Python's default would print a ``KeyboardInterrupt`` traceback from wherever the program
 was. This module, the first one the scripts import, replaces that default at once: the
 process exits with 130, as a shell reports Ctrl+C, and nothing of the job is left then
 (the supervisor has not started a rank yet, or has ended them all). Only the interpreter's
-own start, before this module runs (some 50 ms), is left to Python.
+own start, before this module runs, is left to Python.
 """
 
 from __future__ import annotations

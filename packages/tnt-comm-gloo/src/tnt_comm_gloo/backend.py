@@ -26,7 +26,8 @@ Environment (besides the launcher's ``TNT_*`` contract; declared in
     ``auto`` (default), ``ring``, ``bcube`` or ``doubling``: the allreduce algorithm.
 ``TNT_GLOO_BCUBE_MAX_BYTES``
     with ``auto``, buffers up to this size are "small" (bcube or recursive doubling),
-    larger ones take the ring (default :data:`DEFAULT_BCUBE_MAX_BYTES`, measured).
+    larger ones take the ring (default :data:`DEFAULT_BCUBE_MAX_BYTES`, chosen by measurement:
+    the package README).
 ``TNT_GLOO_DOUBLING_MAX_BYTES``
     with ``auto`` on a power-of-two number of ranks, small buffers up to this size use
     recursive doubling instead of bcube (default :data:`DEFAULT_DOUBLING_MAX_BYTES`;

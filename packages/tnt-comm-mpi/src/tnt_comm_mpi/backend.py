@@ -265,8 +265,7 @@ class MpiBackend(CommBackend):
         A writable C-contiguous numpy array of a dtype MPI reduces natively takes the
         shortest path this could be written as: right after a multi-megabyte allreduce has
         flushed the caches, every line of Python between the call and ``MPI_Iallreduce``
-        costs about a microsecond (measured, 8 MiB on 2 ranks: 44 µs from the call to
-        ``MPI_Iallreduce`` through the general path, about 15 µs through this one).
+        is slow (docs/performance_results.md, "Measurements behind the code's choices").
         """
         mpi_op = self._ops.get(op)
         if mpi_op is not None and type(buf) is np.ndarray and buf.dtype in self._native_dtypes:

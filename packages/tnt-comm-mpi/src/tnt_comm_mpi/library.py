@@ -112,7 +112,7 @@ def unlink_shared_memory(maps: str = "/proc/self/maps") -> list[str]:
     """Unlink the MPICH shared-memory segments this process has mapped; their names.
 
     MPICH removes them in MPI_Finalize, which a failing rank skips (it would wait for
-    peers that will not come), so every abnormal end left 2-4 MB in /dev/shm. Unlinking
+    peers that will not come), so every abnormal end would leave them in /dev/shm. Unlinking
     removes only the name: the job's ranks keep their mappings, and the memory is freed
     when the last of them exits. Every failing rank does it; the first one wins.
     """

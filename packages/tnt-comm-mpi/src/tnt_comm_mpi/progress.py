@@ -15,18 +15,18 @@ calls ``MPI_Test`` in a loop of two phases:
    ``spin_max_s``. That is the normal case in training with overlap: a bucket's allreduce
    starts during backprop and waits for the peer's backprop, so the cap is short (1 ms):
    a longer spin burns the core the rank's own backprop (or, with ranks sharing cores, the
-   peer's) needs. Measured in the mlp train step (2 ranks, 2 cores, benchmarks/): a 100 ms
-   cap gave 3,600-5,400 samples/s, a 1 ms cap 8,700-9,400.
+   peer's) needs.
    While a caller is blocked waiting for the result (``waited()``), the rank has nothing
-   else to compute, so the cap is ``spin_waited_max_s`` (default 50 ms) instead: measured
-   on 2 ranks, the 1 ms cap cost 22 % of the bandwidth of an 8 MiB allreduce, whose
-   transfer outlasts it;
+   else to compute, so the cap is ``spin_waited_max_s`` instead: the short cap would cut
+   into a large transfer that outlasts it;
 2. then *back off*: sleep between tests, growing by 25 % from 20 us up to ``max_sleep_s``.
    A rank waiting for a late peer sleeps almost all the time.
 
 While spinning, the thread holds the GIL only between two ``MPI_Test`` calls (mpi4py
-releases it inside each): a caller thread that needs it gets it at once (measured: a
-0.2 ms sleep of the caller took 0.29 ms median while the thread spun).
+releases it inside each): a caller thread that needs it gets it at once.
+
+The measurements behind these caps: docs/performance_results.md, "Measurements behind the
+code's choices".
 
 A wait past the timeout, a failure reported by another thread (``Handle.wait`` timed out)
 or a close all end the loop with :class:`tnt_core.CommError`.

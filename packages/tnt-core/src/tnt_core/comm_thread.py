@@ -5,9 +5,9 @@ collective on one thread, in submission order: that keeps the contract's "same o
 every rank" and lets MPI progress non-blocking operations inside its own calls.
 ``Handle.wait`` blocks on a condition variable (a futex), so a waiting rank burns no core.
 
-Handing an operation to another thread and its result back costs two thread wake-ups;
-on a virtual machine each one takes 30 µs or more (measured here: a null operation took
-83 µs from submit to the end of wait). So, with ``run_in_waiter=True``:
+Handing an operation to another thread and its result back costs two thread wake-ups,
+which are slow on a virtual machine (docs/performance_results.md, "Measurements behind the
+code's choices"). So, with ``run_in_waiter=True``:
 
 * a thread that waits for an operation nobody has started yet has nothing else to do: it
   runs the queued operations up to its own itself, in order, whenever none is running,
@@ -18,7 +18,7 @@ on a virtual machine each one takes 30 µs or more (measured here: a null operat
   the caller's thread, and the communication thread is never woken. Waking it for an
   operation the caller then runs itself is not free either: the woken thread takes the
   GIL that the caller released inside the library call, and the caller sleeps until it
-  gets it back (measured with MPI on 2 ranks: 20-90 µs per 1-8 MiB allreduce).
+  gets it back.
 
 At most one operation runs at a time and the order stays the submission order, so a
 backend whose library allows calls from any thread, one at a time

@@ -13,7 +13,8 @@ executor runs it as soon as the bucket's last gradient exists: the copy into the
 happens, and its allreduce starts, while backprop of earlier layers goes on. One finishing
 ``numpy_function`` waits for all buckets and returns the reduced tensors; the optimizer
 runs only after it. One call per bucket rather than per tensor: every call into Python
-from the step costs ~50 µs, and a bucket cannot start before its last tensor anyway.
+from the step has a fixed cost (docs/performance_results.md), and a bucket cannot start
+before its last tensor anyway.
 
 Weighting (see ``tarantella.losses``): rank ``r`` pushes ``factor_r * g_r`` with
 ``factor_r = scale_r / sum_r divisor_r``; the sum over ranks is the serial gradient. For

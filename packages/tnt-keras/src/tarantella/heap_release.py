@@ -5,11 +5,10 @@ Why: a pipelined model is saved and loaded one layer (and one optimizer variable
 (Keras' ``convert_to_numpy`` before HDF5 writes them, the buffer a stage's values arrive in,
 the array HDF5 reads before ``assign``). Each is freed at once, yet glibc keeps freed chunks
 resident: after a freed mmapped chunk raises its dynamic mmap threshold, copies of a layer's
-size (9 MB and up) come from the heap, and a chunk freed below a live one cannot be returned
+size come from the heap, and a chunk freed below a live one cannot be returned
 by the usual trim of the heap's top. ``malloc_trim(0)`` returns the free pages of every
-arena to the operating system. Measured on a 170 M-parameter model on 3 stages (the
-benchmark in docs/pipelining.md), it lowered each rank's peak in its saves and resumes by
-10 to 30 MB (one run each way), for 1 to 5 ms per trim (about 15 ms per save on the writer).
+arena to the operating system, which lowers each rank's peak in its saves and resumes
+(measured in docs/pipelining_results.md, "A model larger than one rank").
 
 Only the saving and loading path trims, at a bounded rate (once per :data:`EVERY_BYTES`
 streamed, and when a save or load that streamed anything ends): glibc's settings for the

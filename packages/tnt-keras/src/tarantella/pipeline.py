@@ -13,10 +13,9 @@ The gradients flow back the same way: the last stage differentiates the loss, ev
 stage its outputs against the gradients ``p + 1`` sent, and each stage accumulates its own
 weights' gradients and applies them once, with its own optimizer, after the last
 micro-batch. The order of the passes is 1F1B by default (a stage runs ``P - 1 - p``
-forward passes ahead, then alternates): measured against GPipe (all forward passes, then
-all backward passes) by ``benchmarks/pipeline_schedules.py``, the step time is the same
-within this machine's noise (1F1B / GPipe 0.84-1.08) while a stage holds at most
-``P - p`` micro-batches' activations instead of all of them (2 instead of 8).
+forward passes ahead, then alternates): against GPipe (all forward passes, then all
+backward passes) a stage holds at most ``P - p`` micro-batches' activations instead of
+all of them, for the same step time (docs/pipelining_results.md).
 
 A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
 a shorter last batch traces once more): every micro-batch's passes unrolled in the

@@ -29,8 +29,7 @@ and shape of each of its optimizer variables; ``OPTIMIZER_VARIABLE k``: the valu
 ``k``-th) or ``END`` (with a flag: the writer failed). Every value is sent on request: a
 message that arrives before its receive is posted is held by the backend in memory of its
 own, so a stage that sent its whole optimizer state at once made the writer hold as much of
-it as had arrived before it was written (measured: up to 240 MB on the writer of a
-170 M-parameter model on 3 stages). A stage serves
+it as had arrived before it was written (docs/pipelining_results.md). A stage serves
 requests until ``END``: during a collective save, and during each hook of a master-only
 callback that may save (``PipelinedState.master_writes``), so ``ModelCheckpoint`` and
 ``BackupAndRestore`` save at any ``save_freq`` and only the master writes files.
