@@ -32,7 +32,7 @@ import numpy as np
 
 def _rank_main(out: str, iters: int) -> None:
     import tnt_core
-    from tnt_core.stall import WatchedBackend
+    from tnt_core import WatchedBackend
 
     runtime = tnt_core.init()
     watched = runtime.backend

@@ -20,8 +20,7 @@ from tnt_cli import agent
 from tnt_cli.launchers.base import ProcessSpec
 from tnt_cli.run import _not_arrived_reader, _watch_rank_failures
 from tnt_cli.supervisor import SETTLE_S, Supervisor, exception_text
-from tnt_core import StoreClient, StoreServer
-from tnt_core.stall import NOT_ARRIVED_KEY
+from tnt_core import NOT_ARRIVED_KEY, StoreClient, StoreServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,7 +115,7 @@ def test_the_rank_that_raised_is_named_not_the_peer_that_exited_first(run_tnt, h
 
 
 def test_the_stall_inspectors_verdict_names_the_ranks_that_did_not_arrive():
-    """What a waiting rank's stall inspector left in the store (tnt_core.stall) is the
+    """What a waiting rank's stall inspector left in the store (tnt_core.NOT_ARRIVED_KEY) is the
     verdict, also where processes cannot tell (mpirun/srun: one process for all ranks)."""
     record = {"ranks": [2], "text": "rank 2 did not arrive at allreduce #7 within 3s (hung or too slow?)",
               "seen": "last seen: rank 2 (epoch 1, step 4, fit; alive, heartbeat 1s ago)"}

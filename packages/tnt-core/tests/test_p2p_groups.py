@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from tnt_core import CommError, LocalBackend, UnsupportedOperationError
+from tnt_core._stall_ledger import Ledger
+from tnt_core._watched_backend import WatchedBackend
 from tnt_core.backend import CommBackend
-from tnt_core.stall import Ledger, WatchedBackend
 
 
 class _CollectivesOnly(CommBackend):

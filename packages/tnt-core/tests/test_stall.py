@@ -14,15 +14,10 @@ import pytest
 
 import tnt_core
 from tnt_core import CommError, Config, Handle, StoreServer
+from tnt_core._stall_inspector import NOT_ARRIVED_KEY, StallInspector, start_inspector
+from tnt_core._stall_ledger import Ledger
+from tnt_core._watched_backend import WatchedBackend, WatchedHandle
 from tnt_core.backend import CommBackend
-from tnt_core.stall import (
-    NOT_ARRIVED_KEY,
-    Ledger,
-    StallInspector,
-    WatchedBackend,
-    WatchedHandle,
-    start_inspector,
-)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,7 +144,7 @@ def test_the_lowest_waiting_rank_names_the_ranks_that_did_not_arrive(store, capl
     try:
         for r in ranks:
             r.ledger.entered = 1
-        tnt_core.stall._ledger = ranks[0].ledger  # where tnt-keras' reports go in rank 0
+        tnt_core._stall_ledger._ledger = ranks[0].ledger  # where tnt-keras' reports go in rank 0
         tnt_core.report_position(epoch=1, step=5, phase="fit")
         waits = []
         for r in ranks[1:]:
@@ -173,7 +168,7 @@ def test_the_lowest_waiting_rank_names_the_ranks_that_did_not_arrive(store, capl
         assert all(getattr(r, "tnt_any_rank", False) for r in caplog.records if "stall:" in r.getMessage())
     finally:
         _stop(*ranks)
-        tnt_core.stall._ledger = Ledger()
+        tnt_core._stall_ledger._ledger = Ledger()
 
 
 def test_a_wait_that_fails_says_who_did_not_arrive_and_tells_the_launcher(store, monkeypatch):

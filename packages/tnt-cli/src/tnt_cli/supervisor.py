@@ -382,7 +382,7 @@ class Supervisor:
 
     def _stall_verdict(self) -> tuple[str, bool, str] | None:
         """``(text, several ranks, where last seen)`` of the stall inspector's record of a
-        failed wait (tnt_core.stall.NOT_ARRIVED_KEY)."""
+        failed wait (tnt_core.NOT_ARRIVED_KEY)."""
         if self.not_arrived is None:
             return None
         try:

@@ -8,6 +8,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._markers import ENTRY_POINT_GROUP, PROJECT_NAME, hookimpl, hookspec
+from ._stall_inspector import NOT_ARRIVED_KEY
+from ._stall_ledger import report_position
+from ._watched_backend import WatchedBackend
 from .addresses import can_bind, is_loopback
 from .backend import (
     REDUCE_OPS,
@@ -83,7 +86,6 @@ from .sharding import (
     micro_batch_sizes,
     micro_batch_slice,
 )
-from .stall import WatchedBackend, report_position
 from .timeline import Timeline, timeline_path
 
 try:
@@ -121,6 +123,7 @@ __all__ = [
     "InstalledSettings",
     "LocalBackend",
     "MpiLaunch",
+    "NOT_ARRIVED_KEY",
     "PluginError",
     "Runtime",
     "SettingGroup",

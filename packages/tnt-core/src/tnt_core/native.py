@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from ._stall_ledger import Ledger
 from .backend import REDUCE_OPS, SUPPORTED_DTYPES, check_op
 from .errors import TntError
-from .stall import Ledger
 
 __all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "MAX_TAG", "OP_CODES", "P2P_ABI_VERSION",
            "NativeComm", "include_dir", "native_comm"]
@@ -90,8 +90,8 @@ class NativeComm:
     alive; :attr:`address` is what a framework's op library is given, with :attr:`ledger`.
 
     :param ledger: the stall ledger the consumer numbers its allreduces and marks its
-        waits in (:class:`tnt_core.stall.Ledger`), kept alive with the table; None when the
-        backend keeps none.
+        waits in (the :class:`~tnt_core.WatchedBackend`'s), kept alive with the table; None
+        when the backend keeps none.
     """
 
     def __init__(self, capsule: Any, backend_name: str, ledger: Ledger | None = None) -> None:

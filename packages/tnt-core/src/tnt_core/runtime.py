@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import pluggy
 
+from ._stall_inspector import StallInspector, start_inspector
+from ._watched_backend import WatchedBackend
 from .backend import BackendSpec, CommBackend
 from .config import Config
 from .errors import ConfigError, PluginError
@@ -19,7 +21,6 @@ from .launch_env import detect_mpi_launch
 from .log import configure_logging, logger
 from .peer_failure import install_excepthook
 from .plugins import get_plugin_manager
-from .stall import StallInspector, WatchedBackend, start_inspector
 
 __all__ = [
     "Runtime",
@@ -105,7 +106,7 @@ class Runtime:
     def __init__(self, config: Config, backend: CommBackend, spec: BackendSpec,
                  plugin_manager: pluggy.PluginManager) -> None:
         self.config = config
-        #: the job's communicator; in a multi-rank job a :class:`~tnt_core.stall.WatchedBackend`
+        #: the job's communicator; in a multi-rank job a :class:`~tnt_core.WatchedBackend`
         #: around the plugin's backend (its ``inner``), which counts collectives for the
         #: stall inspector
         self.backend = backend
