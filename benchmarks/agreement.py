@@ -1,4 +1,4 @@
-"""What the collective agreement (``tnt_core.agreement``) costs: each collective with its
+"""What the collective agreement (docs/architecture.md) costs: each collective with its
 header exchange against the same collective without it, side by side in one run.
 
     python benchmarks/agreement.py [--backend gloo|mpi] [--iters 2000]

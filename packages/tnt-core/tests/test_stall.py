@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 import tnt_core
-from tnt_core import CommError, Config, Handle, StoreServer
+from tnt_core import CommBackend, CommError, Config, Handle, StoreServer
 from tnt_core._stall_inspector import NOT_ARRIVED_KEY, StallInspector, start_inspector
 from tnt_core._stall_ledger import Ledger
 from tnt_core._watched_backend import WatchedBackend, WatchedHandle
-from tnt_core.backend import CommBackend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,14 +171,14 @@ def test_the_lowest_waiting_rank_names_the_ranks_that_did_not_arrive(store, capl
 
 
 def test_a_wait_that_fails_says_who_did_not_arrive_and_tells_the_launcher(store, monkeypatch):
-    monkeypatch.setattr(tnt_core.errors, "_first_comm_error", [])  # a fresh process's
+    monkeypatch.setattr(tnt_core._errors, "_first_comm_error", [])  # a fresh process's
     r0, r1 = (_rank(store, r, 2, warn_s=0.5) for r in range(2))
     try:
         time.sleep(0.8)  # both published a heartbeat: rank 0 is before its first collective
         # failing fast (a peer closed its connection), the backend's error says it all
         with pytest.raises(CommError, match=r"within the timeout$"):
             r1.watched.allreduce_async(np.ones(1)).wait(0.1)
-        tnt_core.errors._first_comm_error.clear()
+        tnt_core._errors._first_comm_error.clear()
         handle = r1.watched.allreduce_async(np.ones(1))
         with pytest.raises(CommError) as info:
             handle.wait(0.6)
@@ -189,7 +188,7 @@ def test_a_wait_that_fails_says_who_did_not_arrive_and_tells_the_launcher(store,
                                   "heartbeat "), message
         assert isinstance(info.value.__cause__, CommError), "the backend's own error is kept"
         # what a rank prints at exit when a framework re-raised the error as its own type
-        assert tnt_core.errors._first_comm_error == [info.value]
+        assert tnt_core._errors._first_comm_error == [info.value]
         verdict = _record(store, NOT_ARRIVED_KEY)
         assert verdict["ranks"] == [0]
         assert verdict["text"] == "rank 0 did not arrive at allreduce #2 within 30s (hung or too slow?)"

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._config import Config
+from ._errors import CommError, TntError
+from ._rendezvous import connect_store
 from ._watched_backend import WatchedBackend
-from .config import Config
-from .errors import CommError, TntError
-from .rendezvous import connect_store
 
 __all__ = ["StallInspector", "start_inspector", "ANY_RANK", "NOT_ARRIVED_KEY"]
 

@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _stall_ledger, errors
+from . import _errors as errors
+from . import _stall_ledger
+from ._agreement import DeferredHandle, Launcher, exchange_words, header, mismatch, plan_header, verdict
+from ._backend import CommBackend, Handle, check_buffer, check_op, check_timeout, wait_all
+from ._errors import CollectiveMismatchError, CommError
 from ._stall_ledger import Ledger
-from .agreement import DeferredHandle, Launcher, exchange_words, header, mismatch, plan_header, verdict
-from .backend import CommBackend, Handle, check_buffer, check_op, check_timeout, wait_all
-from .errors import CollectiveMismatchError, CommError
 
 __all__ = ["WatchedBackend", "WatchedHandle"]
 
@@ -65,7 +66,7 @@ class WatchedHandle(Handle):
 class WatchedBackend(CommBackend):
     """The job's backend as the runtime hands it out: the same collectives, each counted
     in the :class:`Ledger`, checked for agreement between the ranks before data moves
-    (:mod:`tnt_core.agreement`), and a failed wait explained by the :class:`StallInspector`.
+    (``_agreement``), and a failed wait explained by the :class:`StallInspector`.
 
     Attributes the contract does not name (a backend's own extras) are the wrapped
     backend's; :attr:`inner` is the backend itself.
@@ -199,8 +200,8 @@ class WatchedBackend(CommBackend):
 
     def allreduce_async(self, buf: np.ndarray, op: str = "sum") -> Handle:
         """Returns at once, as the contract says, header or not: a call that needs the
-        agreement sends its header asynchronously and the :class:`~tnt_core.agreement.
-        Launcher` starts the allreduce once the header agreed."""
+        agreement sends its header asynchronously and the ``Launcher`` of ``_agreement``
+        starts the allreduce once the header agreed."""
         ledger, launcher = self.ledger, self._launcher
         # the gradient path calls this per bucket: agreed buffers cost a dict lookup here
         if self._needs_header(buf, op):

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .backend import REDUCE_OPS, SUPPORTED_DTYPES, Handle, check_timeout
-from .errors import CollectiveMismatchError, CommError
+from ._backend import REDUCE_OPS, SUPPORTED_DTYPES, Handle, check_timeout
+from ._errors import CollectiveMismatchError, CommError
 
 __all__ = ["HEADER_LEN", "header", "plan_header", "exchange_words", "verdict", "mismatch",
            "disagreement", "DeferredHandle", "Launcher"]

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from ._backend import CommBackend, Handle, check_op, wait_all
+from ._timeline import Timeline
 from ._watched_backend import WatchedBackend
-from .backend import CommBackend, Handle, check_op, wait_all
-from .timeline import Timeline
 
 __all__ = ["TensorSpec", "Bucket", "BucketPlan", "plan_buckets", "FusedAllreducer", "BUFFER_ALIGNMENT"]
 

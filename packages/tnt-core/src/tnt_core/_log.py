@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from .config import Config
+from ._config import Config
 
 __all__ = ["logger", "configure_logging"]
 
