@@ -1,4 +1,4 @@
-"""What the collective agreement (``tnt_core.agreement``) costs: each collective with its
+"""What the collective agreement (docs/architecture.md) costs: each collective with its
 header exchange against the same collective without it, side by side in one run.
 
     python benchmarks/agreement.py [--backend gloo|mpi] [--iters 2000]
@@ -32,7 +32,7 @@ import numpy as np
 
 def _rank_main(out: str, iters: int) -> None:
     import tnt_core
-    from tnt_core.stall import WatchedBackend
+    from tnt_core import WatchedBackend
 
     runtime = tnt_core.init()
     watched = runtime.backend

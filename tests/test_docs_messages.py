@@ -138,16 +138,16 @@ def test_rendezvous_errors(scripts):
             try:
                 StoreClient(*server.address, "wrong", rank=1)
             except CommError as exc:
-                print(f"tnt_core.errors.CommError: {exc}")
+                print(f"tnt_core.CommError: {exc}")
             port = server.address[1]
         try:
             StoreClient("127.0.0.1", port, "x", connect_timeout=1.0, rank=1)
         except CommError as exc:
-            print(f"tnt_core.errors.CommError: {exc}")
+            print(f"tnt_core.CommError: {exc}")
         try:
             micro_batch_sizes(1, 2)
         except Exception as exc:
-            print(f"tnt_core.errors.{type(exc).__name__}: {exc}")
+            print(f"tnt_core.{type(exc).__name__}: {exc}")
     """)
     out = run([sys.executable, "-c", code], scripts).stdout
     assert_quoted(out, r"wrong job key")
@@ -169,7 +169,7 @@ def test_dead_and_hung_peers_with_gloo(scripts):
             try:
                 rt.backend.allreduce(np.ones(1 << 18, dtype=np.float32))
             except tnt_core.CommError as exc:
-                print(f"tnt_core.errors.CommError: {exc}", flush=True)
+                print(f"tnt_core.CommError: {exc}", flush=True)
         raise SystemExit(1)
     """))
     (scripts / "hang.py").write_text(textwrap.dedent("""
@@ -195,7 +195,7 @@ def test_dead_and_hung_peers_with_gloo(scripts):
                        ("0", r"transport error")):
         dead = results["dead", shm]
         assert dead.returncode == 1
-        assert_quoted(dead.stdout, rf"^tnt_core.errors.CommError: \[rank 0: allreduce #2\] {first}")
+        assert_quoted(dead.stdout, rf"^tnt_core.CommError: \[rank 0: allreduce #2\] {first}")
         assert_quoted(dead.stdout, r"an earlier collective failed")
         # rank 1 exited with 0: rank 0, which then raised SystemExit(1), is the failure
         assert dead.stderr.splitlines()[-1].startswith("tnt run: rank 0 on localhost failed: "
@@ -211,7 +211,7 @@ def test_dead_and_hung_peers_with_gloo(scripts):
         assert_quoted(hung.stderr, r"^tnt run: rank 1 did not arrive")
         # (the docs quote each wording once, without the stall diagnosis that follows)
         assert_quoted(re.sub(r"; not arrived: .*$", "", hung.stderr, flags=re.MULTILINE),
-                      r"^tnt_core.errors.CommError: .*(Timed out waiting 5000ms|"
+                      r"^tnt_core.CommError: .*(Timed out waiting 5000ms|"
                       r"did not complete within 5s|did not arrive within 5s)")
     # without the stall inspector, the launcher names the rank still running
     hung = results["hang", "no stall inspector"]
@@ -254,7 +254,7 @@ def test_collectives_the_ranks_disagree_on(scripts):
     """))
     proc = run([_bin("tnt"), "run", "-n", "2", "--", "mismatch.py"], scripts)
     assert proc.returncode == 1
-    assert_quoted(proc.stderr, r"^tnt_core.errors.CollectiveMismatchError: \[rank 0\] collective #1")
+    assert_quoted(proc.stderr, r"^tnt_core.CollectiveMismatchError: \[rank 0\] collective #1")
 
 
 def test_keras_messages(scripts):

@@ -1,4 +1,4 @@
-"""The docs' TNT_* variables against their declarations: tnt-core's (tnt_core.settings) and
+"""The docs' TNT_* variables against their declarations: tnt-core's (tnt_core.VARIABLES) and
 those the installed plugins declare through ``tnt_register_settings``.
 
 * The variable tables of the docs are generated (``{tnt-env-table}``) from the declarations,
@@ -196,7 +196,7 @@ def test_the_variable_tables_of_the_docs_are_generated(page, groups):
 
 def test_architecture_holds_the_contracts():
     text = (DOCS / "architecture.md").read_text()
-    for part in ("### Hook specifications", ".. automodule:: tnt_core.hookspecs",
+    for part in ("### Hook specifications", ".. automodule:: tnt_core._hookspecs",
                  "### The `CommBackend` contract", ".. autoclass:: tnt_core.CommBackend",
                  ".. autoclass:: tnt_core.Handle", "### The launcher contract"):
         assert part in text

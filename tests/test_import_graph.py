@@ -1,12 +1,20 @@
-"""No import circle inside a package, and no import inside a function that hides one.
+"""No import circle inside a package, no import inside a function that hides one, and
+tnt-core used only through its public names.
 
 An import circle works until someone imports its modules in another order; the usual
 "fix" is an import moved into a function, which hides the circle from everyone else.
 So each package's own imports are read statically (``ast``): the module-level graph
 must be acyclic (a cycle is named), no function imports one of the package's own
-modules, and every module imports alone in a fresh interpreter.
+modules, and every module imports alone in a fresh interpreter. Imports made only for
+type checking (``if TYPE_CHECKING:``) count too: a circle among the types is the same
+tangle of modules, kept from failing only by the guard.
 
-A package joins the check by one line in ``PACKAGES``.
+tnt-core is used pluggy's way: through the names ``tnt_core/__init__.py`` exports and the
+``tnt_core.testing`` sub-package; its modules are private. Every other package's sources
+and tests, the repository's tests, benchmarks, examples, CI scripts and the docs'
+extension are read for any other use of it.
+
+A package joins the checks by one line in ``PACKAGES``.
 """
 
 from __future__ import annotations
@@ -55,20 +63,13 @@ def _modules(top: str, src: Path) -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _walk(node: ast.AST, in_function: bool = False):
     """Every import statement under ``node`` with whether a function body holds it.
-    ``if TYPE_CHECKING:`` blocks are skipped: they never run."""
+    Those under ``if TYPE_CHECKING:`` are yielded like any other: they never run, but
+    they tie the modules together all the same."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child, in_function
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for other in child.orelse:
-                yield from _walk(ast.Module(body=[other], type_ignores=[]), in_function)
         else:
             inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
             yield from _walk(child, inner)
@@ -81,7 +82,9 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
     ``a.b.c`` runs ``a.b`` first: the parent packages count as imported too, except the
     importing module's own ancestors, which are already running; but a name other than a
     module taken from an ancestor (``from .. import name``) needs the ancestor's
-    ``__init__`` to have defined it, so that counts."""
+    ``__init__`` to have defined it, so that counts. A compiled module is known by the
+    ``.pyi`` stub beside it (``tnt_comm_gloo._gloo``): importing it needs no ``__init__``
+    name either, and it imports nothing of the package."""
     top = module.split(".")[0]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
@@ -95,7 +98,9 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
                 origin = ".".join(base + ([node.module] if node.module else []))
             else:
                 origin = node.module or ""
-            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
+            targets = [f"{origin}.{alias.name}"
+                       if f"{origin}.{alias.name}" in modules or _is_compiled(origin, alias.name, modules)
+                       else origin
                        for alias in node.names]
         for target in targets:
             if target.split(".")[0] != top:
@@ -108,6 +113,12 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
             if isinstance(node, ast.ImportFrom) and target in ancestors:
                 found.append(Import(module, target, node.lineno, in_function))
     return found
+
+
+def _is_compiled(package: str, name: str, modules: dict[str, Path]) -> bool:
+    """Whether ``package.name`` is a compiled module (a ``.pyi`` stub stands beside it)."""
+    init = modules.get(package)
+    return init is not None and init.name == "__init__.py" and (init.parent / f"{name}.pyi").is_file()
 
 
 def _package_imports(folder: str, top: str) -> tuple[dict[str, Path], list[Import]]:
@@ -146,14 +157,16 @@ def test_find_cycle_names_the_circle():
 
 def test_resolution_of_relative_and_parent_imports(tmp_path):
     """The checker itself: relative levels, ``from . import submodule``, the parent
-    package a submodule import runs, function-level and TYPE_CHECKING imports."""
+    package a submodule import runs, function-level and TYPE_CHECKING imports (the
+    latter count as module-level: the circle test sees them)."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .a import x\n")
     (pkg / "a.py").write_text("from . import b\nfrom .sub.c import y\n"
                               "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\n")
     (pkg / "b.py").write_text("def f():\n    from .sub import c\n")
-    (pkg / "d.py").write_text("")
+    (pkg / "d.py").write_text("from . import _native\n")
+    (pkg / "_native.pyi").write_text("")  # a compiled module's stub: not the package's __init__
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "c.py").write_text("from .. import b\nfrom ..a import x\nfrom .. import thing\n"
                                       "import pkg.d\n")
@@ -161,7 +174,7 @@ def test_resolution_of_relative_and_parent_imports(tmp_path):
     got = {(i.module, i.target, i.in_function) for name, path in modules.items()
            for i in _imports(name, path, modules)}
     assert got == {("pkg", "pkg.a", False), ("pkg.a", "pkg.b", False), ("pkg.a", "pkg.sub", False),
-                   ("pkg.a", "pkg.sub.c", False), ("pkg.b", "pkg.sub", True),
+                   ("pkg.a", "pkg.sub.c", False), ("pkg.a", "pkg.d", False), ("pkg.b", "pkg.sub", True),
                    ("pkg.b", "pkg.sub.c", True), ("pkg.sub.c", "pkg.b", False),
                    ("pkg.sub.c", "pkg.a", False), ("pkg.sub.c", "pkg", False),
                    ("pkg.sub.c", "pkg.d", False)}
@@ -251,3 +264,83 @@ def _parents(name: str) -> list[str]:
     """``a.b.c`` -> ``["a.b", "a"]``: the packages importing ``name`` runs first, nearest first."""
     parts = name.split(".")
     return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+# -- tnt-core through its public names only -------------------------------------------------
+
+#: where code that uses tnt-core lives, besides tnt-core itself (whose own tests may look
+#: inside it): every other package's sources and tests, and the repository's
+OUTSIDE_TNT_CORE = [*(f"packages/{folder}" for folder, _ in PACKAGES if folder != "tnt-core"),
+                    "tests", "benchmarks", "examples", "ci", "docs"]
+_SKIPPED_PARTS = {"build", "_build", "__pycache__"}
+
+
+def _outside_sources() -> list[Path]:
+    found = []
+    for folder in OUTSIDE_TNT_CORE:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT).parts
+            if not any(part in _SKIPPED_PARTS or part.startswith(".") for part in parts):
+                found.append(path)
+    return found
+
+
+def _private_uses(tree: ast.AST, public: set[str]) -> list[tuple[int, str]]:
+    """Where ``tree`` uses tnt-core other than through ``public`` (its ``__all__``) and
+    ``tnt_core.testing``: ``(line, what)``. Reads imports (``import tnt_core.x``, ``from
+    tnt_core.x import y``, ``from tnt_core import y``) and attributes of a name bound to
+    the package (``tnt_core.x``, also when imported under another name)."""
+    def allowed(dotted: str) -> bool:  # a name below tnt_core; dunders are Python's own
+        return dotted == "testing" or dotted.startswith("testing.") or (
+            dotted.startswith("__") and dotted.endswith("__"))
+
+    found = []
+    aliases = {"tnt_core"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "tnt_core":
+                    aliases.add(alias.asname or "tnt_core")
+                elif alias.name.startswith("tnt_core.") and not allowed(alias.name[9:]):
+                    found.append((node.lineno, f"import {alias.name}"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("tnt_core.") and not allowed(node.module[9:]):
+                found.append((node.lineno, f"from {node.module} import ..."))
+            elif node.module == "tnt_core":
+                found += [(node.lineno, f"from tnt_core import {alias.name}")
+                          for alias in node.names if alias.name not in public and not allowed(alias.name)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in aliases and node.attr not in public and not allowed(node.attr):
+            found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+    return sorted(found)
+
+
+def test_the_public_names_checker_finds_every_way_in():
+    """The checker itself: each way of reaching past ``__all__`` is found, the public
+    names and ``tnt_core.testing`` pass."""
+    source = ("import tnt_core\nimport tnt_core as core\nimport tnt_core._backend\n"
+              "import tnt_core.testing.suite\nfrom tnt_core._settings import bad_input\n"
+              "from tnt_core import CommError, _errors, settings\nfrom tnt_core.testing import launch_ranks\n"
+              "x = tnt_core.CommError, tnt_core._native.MAX_TAG, core.native, tnt_core.testing, "
+              "tnt_core.__all__\n")
+    got = _private_uses(ast.parse(source), {"CommError"})
+    assert got == [(3, "import tnt_core._backend"), (5, "from tnt_core._settings import ..."),
+                   (6, "from tnt_core import _errors"), (6, "from tnt_core import settings"),
+                   (8, "core.native"), (8, "tnt_core._native")], got
+
+
+def test_other_packages_use_tnt_core_through_its_public_names_only():
+    """pluggy's way: public names in ``tnt_core/__init__.py``, the modules behind them
+    private; so tnt-core can move code between its modules without breaking anyone."""
+    import tnt_core
+
+    public = set(tnt_core.__all__)
+    sources = _outside_sources()
+    assert len(sources) > 100, "the scan found too few files: has the layout moved?"
+    texts = {path: path.read_text() for path in sources}
+    problems = [f"{path.relative_to(ROOT)}:{line}: {what}" for path, text in texts.items()
+                if "tnt_core" in text  # no other way to reach it: the rest need no parse
+                for line, what in _private_uses(ast.parse(text, str(path)), public)]
+    assert not problems, ("tnt-core used other than through its public names (export the name "
+                          "from tnt_core/__init__.py if it is a contract):\n  " + "\n  ".join(problems))

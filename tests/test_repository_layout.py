@@ -45,17 +45,6 @@ def test_no_package_imports_tensorflow_into_tnt_core():
         assert not re.search(r"^\s*(import|from)\s+(tensorflow|keras)\b", text, re.M), path
 
 
-def test_packages_meet_only_through_public_tnt_core_names():
-    private = re.compile(r"tnt_core\.(?!testing\b)(_\w+|backend|config|fusion|runtime|plugins|rendezvous|"
-                         r"sharding|comm_thread|local_backend|hookspecs|log|errors|setting_registry)\b")
-    for package in PACKAGES[1:]:
-        for path in (ROOT / "packages" / package / "src").rglob("*.py"):
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                if re.match(r"\s*(from|import)\s", line):
-                    assert not private.search(line), \
-                        f"{path}:{n} reaches into tnt_core internals: {line.strip()}"
-
-
 def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]

@@ -7,7 +7,7 @@
 ``{tnt-env-table} GROUP [GROUP ...]`` (MyST)
     The ``TNT_*`` variables of those groups, taken from their declarations (name,
     default, meaning, the ``tnt run`` option that sets it): tnt-core's groups from
-    ``tnt_core.settings``, a plugin's from what it declares through the
+    its declarations (``tnt_core.VARIABLES``), a plugin's from what it declares through the
     ``tnt_register_settings`` hook; the group ``installed`` stands for every installed
     plugin's groups. A table cannot drift from what the code reads. ``:columns:`` picks and
     orders the columns (``variable default meaning`` by default); several groups get a
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 from collections.abc import Callable
@@ -173,15 +174,16 @@ class EnvTable(SphinxDirective):
     option_spec: ClassVar[dict[str, Callable[[str], Any]]] = {"columns": directives.unchanged}
 
     def run(self) -> list[nodes.Node]:
-        from tnt_core import settings
+        from tnt_core import SettingGroup
 
-        self.env.note_dependency(settings.__file__)
+        declarations = inspect.getfile(SettingGroup)  # tnt-core's settings module
+        self.env.note_dependency(declarations)
         columns = self.options.get("columns", "").split() or None
         try:
             lines = env_table(list(self.arguments), columns)
         except ValueError as exc:
             raise self.error(f"tnt-env-table: {exc}") from exc
-        return _parse_markdown(self, lines, settings.__file__, ["tnt-env-table"])
+        return _parse_markdown(self, lines, declarations, ["tnt-env-table"])
 
 
 def _fmt(value: float, digits: int = 2) -> str:

@@ -20,8 +20,7 @@ from tnt_cli import agent
 from tnt_cli.launchers.base import ProcessSpec
 from tnt_cli.run import _not_arrived_reader, _watch_rank_failures
 from tnt_cli.supervisor import SETTLE_S, Supervisor, exception_text
-from tnt_core import StoreClient, StoreServer
-from tnt_core.stall import NOT_ARRIVED_KEY
+from tnt_core import NOT_ARRIVED_KEY, StoreClient, StoreServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +35,7 @@ def test_the_exit_code_for_a_peers_failure_is_the_same_on_both_sides():
 
 @pytest.mark.parametrize(("line", "text"), [
     ("ValueError: boom", "ValueError: boom"),
-    ("[1] tnt_core.errors.CommError: [rank 1: allreduce #2] x", "CommError: [rank 1: allreduce #2] x"),
+    ("[1] tnt_core.CommError: [rank 1: allreduce #2] x", "CommError: [rank 1: allreduce #2] x"),
     ("KeyboardInterrupt", "KeyboardInterrupt"),
     ("  File \"x.py\", line 3, in <module>", None),
     ("Error: not an exception line", None),
@@ -111,12 +110,12 @@ def test_the_rank_that_raised_is_named_not_the_peer_that_exited_first(run_tnt, h
         # the consequence is one line, not a traceback
         assert res.stderr.count("Traceback") == 1, res.stderr
         comm = [line for line in res.stderr.splitlines() if "CommError" in line]
-        assert len(comm) <= 1 and all(line.startswith("tnt_core.errors.CommError: [rank 0: ")
+        assert len(comm) <= 1 and all(line.startswith("tnt_core.CommError: [rank 0: ")
                                       for line in comm), res.stderr
 
 
 def test_the_stall_inspectors_verdict_names_the_ranks_that_did_not_arrive():
-    """What a waiting rank's stall inspector left in the store (tnt_core.stall) is the
+    """What a waiting rank's stall inspector left in the store (tnt_core.NOT_ARRIVED_KEY) is the
     verdict, also where processes cannot tell (mpirun/srun: one process for all ranks)."""
     record = {"ranks": [2], "text": "rank 2 did not arrive at allreduce #7 within 3s (hung or too slow?)",
               "seen": "last seen: rank 2 (epoch 1, step 4, fit; alive, heartbeat 1s ago)"}
@@ -164,7 +163,7 @@ def test_a_hidden_ranks_stall_report_is_shown(run_tnt, h):
     reports = [line for line in res.stderr.splitlines() if "WARNING tnt.stall: stall:" in line]
     assert len(reports) == 1 and reports[0].startswith("[tnt 1] WARNING tnt.stall: stall: rank 1 "
                                                        "has waited "), res.stderr
-    # 3 allreduces done, each after its agreement allreduce (tnt_core.agreement): 6 operations
+    # 3 allreduces done, each after its agreement allreduce (the collective agreement): 6 operations
     assert "not arrived: rank 0 (outside any collective, after #6; alive, heartbeat " in reports[0]
     assert _last(res.stderr).startswith("tnt run: rank 0 did not arrive at allreduce #7 within 4s"), \
         res.stderr
@@ -186,7 +185,7 @@ STALL_RECORD = {"ranks": [1], "text": "rank 1 did not arrive at allreduce #9 wit
 
 @pytest.mark.parametrize(("reports", "stalled", "expected"), [
     # rank 1 hangs: ranks 0 and 2 time out and exit 75, then Hydra ends rank 1 and exits 9
-    ([(2, 75, "[2] tnt_core.errors.CommError: [rank 2: allreduce #9] did not complete")], True,
+    ([(2, 75, "[2] tnt_core.CommError: [rank 2: allreduce #9] did not complete")], True,
      "tnt run: rank 1 did not arrive at allreduce #9 within 10s (hung or too slow?); rank 2 "
      "failed waiting for it; last seen: rank 1 (outside any collective, after #8; alive, "
      "heartbeat 0s ago); ending the other ranks"),

@@ -10,7 +10,7 @@ from tnt_cli.job import Job, Rendezvous, job_settings
 from tnt_cli.options import parse_run_args
 from tnt_cli.placement import place_ranks
 from tnt_cli.run import run_command
-from tnt_core import Config, ConfigError, installed_settings, settings
+from tnt_core import VARIABLES, Config, ConfigError, installed_settings
 
 RDV = Rendezvous("127.0.0.1:4000", "k" * 32)
 
@@ -39,7 +39,7 @@ def test_defaults_come_from_the_declarations(monkeypatch):
     assert "TNT_BACKEND" not in env
     assert (env["TNT_RANK"], env["TNT_SIZE"], env["TNT_LOCAL_RANK"]) == ("1", "2", "1")
     assert env["TNT_NUM_THREADS"] == "4" and env["TNT_RENDEZVOUS_KEY"] == "k" * 32
-    assert Config.from_env(env).fusion_threshold_kb == settings.TNT_FUSION_THRESHOLD_KB.default
+    assert Config.from_env(env).fusion_threshold_kb == VARIABLES["TNT_FUSION_THRESHOLD_KB"].default
 
 
 def test_exported_variables_are_not_overwritten_by_defaults(monkeypatch):

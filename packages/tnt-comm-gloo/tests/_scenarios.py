@@ -635,16 +635,16 @@ class NativeDone:
 
 
 _RAW_CALLBACKS: list[object] = []  # ctypes callbacks the native side may still call
+#: ``tnt_native_done_fn`` of tnt_native_comm.h, declared as a C consumer declares it
+_DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
 
 
 def _raw_native(table, data: int | None, count: int, dtype: int, op: int, done) -> tuple[int, str]:
     """The table's function called with raw arguments (NativeComm checks them first)."""
-    from tnt_core.native import DONE_FN
-
     if done is None:
-        callback = DONE_FN()  # a NULL function pointer
+        callback = _DONE_FN()  # a NULL function pointer
     else:
-        callback = DONE_FN(lambda _arg, error: done(None if error is None else error.decode()))
+        callback = _DONE_FN(lambda _arg, error: done(None if error is None else error.decode()))
     _RAW_CALLBACKS.append(callback)
     err = ctypes.create_string_buffer(256)
     raw = table._table
@@ -733,7 +733,7 @@ def native(report: Report, runtime) -> None:
 
     def point_to_point() -> None:
         # ABI 2: the table's messages are the Python methods' (one stream per peer and tag)
-        assert table.has_p2p and table.abi_version == tnt_core.native.ABI_VERSION
+        assert table.has_p2p and table.abi_version == tnt_core.NativeComm.ABI_VERSION
         right, left = (rank + 1) % size, (rank - 1) % size
         dones = NativeDone()
         sent = [np.arange(n, dtype=np.float64) * (rank + 1) for n in (0, 7, 1 << 16)]
@@ -765,7 +765,7 @@ def native(report: Report, runtime) -> None:
         assert error and f"[rank {rank}: native recv from {left} tag 7 #" in error \
             and "does not match" in error, error
         # refusals, never a done: a peer that is no rank, a tag out of range
-        for peer, tag in ((size, 0), (-1, 0), (right, -1), (right, tnt_core.native.MAX_TAG + 1)):
+        for peer, tag in ((size, 0), (-1, 0), (right, -1), (right, tnt_core.NativeComm.MAX_TAG + 1)):
             try:
                 table.send_async(np.ones(2), peer, tag, dones.callback(30 + len(dones.calls)))
             except tnt_core.TntError as exc:

@@ -57,4 +57,4 @@ def test_its_settings_reach_tnt_core_through_the_hook() -> None:
     assert installed.groups["gloo"] is settings.GLOO
     assert installed.owner("gloo") == "plugin 'gloo' (tnt-comm-gloo)"
     assert set(settings.GLOO.variables) == set(settings.__all__) - {"GLOO"}
-    assert "TNT_GLOO_SHM" not in tnt_core.settings.VARIABLES  # tnt-core keeps its own only
+    assert "TNT_GLOO_SHM" not in tnt_core.VARIABLES  # tnt-core keeps its own only

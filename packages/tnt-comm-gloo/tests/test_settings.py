@@ -98,40 +98,67 @@ def test_a_hostname_that_is_not_this_host_is_named_before_gloo_connects(
         GlooSettings(hostname=hostname).listen_address(cfg)
 
 
+def _fake_network(monkeypatch: pytest.MonkeyPatch, name: str | None, route: str | None) -> list[str]:
+    """This host as name resolution and the kernel's routing table describe it: its name
+    resolves to ``name`` (None: it does not resolve), and a route to any host leaves
+    through ``route`` (None: there is none), as a connected UDP socket reports it. Returns
+    the hosts a route was asked for."""
+    asked: list[str] = []
+    real_socket = socket.socket
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if kwargs.get("type") == socket.SOCK_DGRAM:  # a route probe's target
+            asked.append(host)
+            return [(socket.AF_INET, socket.SOCK_DGRAM, 17, "", (host, port))]
+        if name is None:
+            raise socket.gaierror("Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (name, 0))]
+
+    class RouteProbe:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def connect(self, address):
+            if route is None:
+                raise OSError("Network is unreachable")
+
+        def getsockname(self):
+            return (route, 0)
+
+    def make_socket(family=socket.AF_INET, type=socket.SOCK_STREAM, *args, **kwargs):
+        if type == socket.SOCK_DGRAM:
+            return RouteProbe()
+        return real_socket(family, type, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "socket", make_socket)
+    return asked
+
+
 def test_multi_node_takes_the_route_to_the_rendezvous_host_when_the_name_is_loopback(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import tnt_core.rendezvous as gloo_backend  # the route is asked by tnt_core.reachable_address
-
     cfg = Config(rank=0, size=4, local_rank=0, local_size=2, rendezvous="10.9.8.7:29500")
-    monkeypatch.setattr(socket, "getaddrinfo",
-                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
-    asked = []
-    monkeypatch.setattr(gloo_backend, "address_towards",
-                        lambda host: asked.append(host) or "10.9.8.20")
+    asked = _fake_network(monkeypatch, "127.0.1.1", "10.9.8.20")
     assert GlooSettings().listen_address(cfg) == ("10.9.8.20", "")
     assert asked == ["10.9.8.7"]
     # a name that does not resolve: the same
-    def unresolvable(*a, **k):
-        raise socket.gaierror("Name or service not known")
-    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    _fake_network(monkeypatch, None, "10.9.8.20")
     assert GlooSettings().listen_address(cfg) == ("10.9.8.20", "")
     # a name that resolves to a real address wins
-    monkeypatch.setattr(socket, "getaddrinfo",
-                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("10.1.2.3", 0))])
+    _fake_network(monkeypatch, "10.1.2.3", "10.9.8.20")
     assert GlooSettings().listen_address(cfg) == (socket.gethostname(), "")
 
 
 def test_multi_node_refuses_when_neither_name_nor_route_reaches_other_nodes(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import tnt_core.rendezvous as gloo_backend  # the route is asked by tnt_core.reachable_address
-
-    monkeypatch.setattr(socket, "getaddrinfo",
-                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
-    monkeypatch.setattr(gloo_backend, "address_towards", lambda host: "127.0.0.1")
+    _fake_network(monkeypatch, "127.0.1.1", "127.0.0.1")
     cfg = Config(rank=0, size=4, local_rank=0, local_size=2, rendezvous="10.9.8.7:29500")
     with pytest.raises(ConfigError, match=r"loopback address.*10\.9\.8\.7.*TNT_GLOO_IFACE"):
         GlooSettings().listen_address(cfg)
-    monkeypatch.setattr(gloo_backend, "address_towards", lambda host: None)
+    _fake_network(monkeypatch, "127.0.1.1", None)
     with pytest.raises(ConfigError, match="TNT_GLOO_HOSTNAME"):
         GlooSettings().listen_address(cfg)
     # a file store names no host to route to

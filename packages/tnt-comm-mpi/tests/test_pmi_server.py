@@ -9,9 +9,10 @@ import time
 import pytest
 
 from tnt_comm_mpi.pmi_server import PMI_HANDSHAKE, PmiServer, connect_authenticated, process_mapping
-from tnt_core.handshake import NOT_ADMITTED, WRONG_KEY
 
 KEY = "0123456789abcdef"
+#: the handshake's refusal status bytes, as the wire has them (tnt_core.Handshake)
+WRONG_KEY, NOT_ADMITTED = 1, 2
 
 
 @pytest.mark.parametrize(("hosts", "expected"), [

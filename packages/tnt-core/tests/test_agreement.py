@@ -10,10 +10,19 @@ import sys
 import numpy as np
 import pytest
 
-from tnt_core import CollectiveMismatchError, CommError, FusedAllreducer, Handle, TensorSpec, plan_buckets
-from tnt_core.agreement import HEADER_LEN, disagreement, header, plan_header
-from tnt_core.backend import CommBackend, CompletedHandle
-from tnt_core.stall import Ledger, WatchedBackend
+from tnt_core import (
+    CollectiveMismatchError,
+    CommBackend,
+    CommError,
+    CompletedHandle,
+    FusedAllreducer,
+    Handle,
+    TensorSpec,
+    plan_buckets,
+)
+from tnt_core._agreement import HEADER_LEN, disagreement, header, plan_header
+from tnt_core._stall_ledger import Ledger
+from tnt_core._watched_backend import WatchedBackend
 from tnt_core.testing import agreement_job, launch_ranks
 
 pytestmark = pytest.mark.timeout(120)

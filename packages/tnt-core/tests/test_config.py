@@ -1,7 +1,7 @@
 import pytest
 
 from tnt_core import Config, ConfigError
-from tnt_core.config import DEFAULT_FUSION_THRESHOLD_KB, DEFAULT_TIMEOUT_S
+from tnt_core._config import DEFAULT_FUSION_THRESHOLD_KB, DEFAULT_TIMEOUT_S
 
 
 def test_defaults_describe_a_plain_single_process_run():

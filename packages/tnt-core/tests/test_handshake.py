@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tnt_core import HandshakeError
-from tnt_core.handshake import VERSION, Handshake
+from tnt_core._handshake import VERSION, Handshake
 
 KEY = "job-key"
 SERVICE = Handshake(b"TEST", "test service")

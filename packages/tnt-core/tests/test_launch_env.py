@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tnt_core import MpiLaunch, detect_mpi_launch, expand_tasks_per_node
+from tnt_core import MpiLaunch, detect_mpi_launch
+from tnt_core._launch_env import expand_tasks_per_node
 
 
 @pytest.mark.parametrize(("env", "expected"), [

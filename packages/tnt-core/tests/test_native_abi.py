@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tnt_core
-from tnt_core.native import DONE_FN
+from tnt_core._native import DONE_FN
 
 _ALLREDUCE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_int32, ctypes.c_int32, DONE_FN, ctypes.c_void_p,

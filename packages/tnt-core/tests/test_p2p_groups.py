@@ -5,9 +5,9 @@ are conformance cases (tnt_core.testing.conformance: p2p-*, groups)."""
 import numpy as np
 import pytest
 
-from tnt_core import CommError, LocalBackend, UnsupportedOperationError
-from tnt_core.backend import CommBackend
-from tnt_core.stall import Ledger, WatchedBackend
+from tnt_core import CommBackend, CommError, LocalBackend, UnsupportedOperationError
+from tnt_core._stall_ledger import Ledger
+from tnt_core._watched_backend import WatchedBackend
 
 
 class _CollectivesOnly(CommBackend):

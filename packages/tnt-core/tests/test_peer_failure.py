@@ -10,14 +10,14 @@ import textwrap
 import pytest
 
 from tnt_core import PEER_FAILURE_EXIT_CODE, CommError
-from tnt_core.peer_failure import comm_error_of
+from tnt_core._peer_failure import comm_error_of
 
 pytestmark = pytest.mark.timeout(60)
 
 PRELUDE = """
 import atexit, sys
 from tnt_core import CommError
-from tnt_core.peer_failure import install_excepthook
+from tnt_core._peer_failure import install_excepthook
 install_excepthook()
 atexit.register(lambda: print("at exit", flush=True))
 """
@@ -33,7 +33,7 @@ def test_an_uncaught_comm_error_is_one_line_and_its_own_exit_code():
     res = _run('raise CommError("rank 1 (pid 7) closed its communicator", rank=0, operation="allreduce #2")')
     assert res.returncode == PEER_FAILURE_EXIT_CODE
     assert res.stderr.splitlines() == [
-        "tnt_core.errors.CommError: [rank 0: allreduce #2] rank 1 (pid 7) closed its communicator"]
+        "tnt_core.CommError: [rank 0: allreduce #2] rank 1 (pid 7) closed its communicator"]
     assert res.stdout == "at exit\n"
 
 
@@ -47,7 +47,7 @@ def test_an_exception_after_a_failed_collective_counts_as_its_consequence():
         raise RuntimeError("UnknownError: CommError: peer gone")
     """)
     assert res.returncode == PEER_FAILURE_EXIT_CODE
-    assert res.stderr.splitlines() == ["tnt_core.errors.CommError: [rank 1] peer gone"]
+    assert res.stderr.splitlines() == ["tnt_core.CommError: [rank 1] peer gone"]
 
 
 def test_other_exceptions_keep_their_traceback_and_exit_code():

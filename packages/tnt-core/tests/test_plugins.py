@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 import tnt_core
-from tnt_core import BackendSpec, PluginError, ShardContext, hookspecs
+from tnt_core import BackendSpec, PluginError, ShardContext
+from tnt_core import _hookspecs as hookspecs
 
 HERE = Path(__file__).parent
 
@@ -39,7 +40,7 @@ def test_store_backend_is_test_code_not_loaded_unless_asked(clean_runtime):
     clean_runtime.delenv("TNT_PLUGINS")
     names = {s.name for s in tnt_core.list_backends()}
     assert "local" in names and "store" not in names
-    assert "tnt_core.testing.store_backend" not in tnt_core.plugins.BUILTIN_PLUGINS
+    assert "tnt_core.testing.store_backend" not in tnt_core._plugins.BUILTIN_PLUGINS
     code = "import sys, tnt_core; tnt_core.list_backends(); print('tnt_core.testing' in sys.modules)"
     env = {k: v for k, v in __import__("os").environ.items() if k != "TNT_PLUGINS"}
     out = __import__("subprocess").run([sys.executable, "-c", code], env=env, check=True,
@@ -137,4 +138,4 @@ def test_autoload_off_switch(clean_runtime):
     clean_runtime.setenv("TNT_DISABLE_PLUGIN_AUTOLOAD", "1")
     pm = tnt_core.get_plugin_manager()
     assert {name for name, _ in pm.list_name_plugin()} == {
-        *tnt_core.plugins.BUILTIN_PLUGINS, STORE_PLUGIN}
+        *tnt_core._plugins.BUILTIN_PLUGINS, STORE_PLUGIN}

@@ -135,7 +135,7 @@ def test_address_towards_asks_the_kernel_for_the_route():
 def test_reachable_address_name_then_route_then_a_clear_error(monkeypatch):
     """One answer for every backend: loopback for a loopback store, else the host name if
     other nodes can reach it, else the route to the store host."""
-    import tnt_core.rendezvous as rdv
+    import tnt_core._rendezvous as rdv
     from tnt_core import ConfigError, is_loopback, reachable_address
 
     assert is_loopback("127.0.1.1") and is_loopback("::1") and not is_loopback("10.0.0.1")

@@ -131,6 +131,6 @@ def test_an_uncaught_clash_is_one_line_naming_both_plugins(tmp_path):
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        "tnt_core.errors.PluginError: tnt plugin 'first_plugin' and plugin 'second_plugin' both "
+        "tnt_core.PluginError: tnt plugin 'first_plugin' and plugin 'second_plugin' both "
         "declare settings with the prefix TNT_SAME_; uninstall one, or skip one with "
         "TNT_DISABLE_PLUGINS=second_plugin"], proc.stderr

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import tnt_core
-from tnt_core import Config, ConfigError, installed_settings, read_setting, settings
+from tnt_core import Config, ConfigError, installed_settings, read_setting
+from tnt_core import _settings as settings
 
 PACKAGES = Path(__file__).resolve().parents[2]
 LITERAL = re.compile(r"TNT_[A-Z0-9_]+")
@@ -36,7 +37,7 @@ def _sources() -> list[Path]:
 
 #: the C names of tnt-core's headers (the native hand-off, the stall ledger): identifiers,
 #: not environment variables
-ABI_NAMES = {name for header in Path(tnt_core.native.include_dir()).glob("*.h")
+ABI_NAMES = {name for header in Path(tnt_core.NativeComm.include_dir()).glob("*.h")
              for pair in re.findall(r"#define (TNT_\w+)|\b(TNT_[A-Z0-9_]+) =", header.read_text())
              for name in pair if name}
 
@@ -101,7 +102,6 @@ def test_defaults_come_from_the_declarations():
     assert cfg.fusion_threshold_kb == settings.TNT_FUSION_THRESHOLD_KB.default == 2048
     assert cfg.timeout_s == settings.TNT_TIMEOUT_S.default
     assert cfg.overlap is True and cfg.tensorboard_on_all_devices is False
-    assert tnt_core.DEFAULT_FUSION_THRESHOLD_KB == 2048
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("Yes", True), ("off", False),

@@ -21,7 +21,8 @@ import sys
 import pytest
 
 import tnt_core
-from tnt_core import ConfigError, SettingGroup, Timeline, settings
+from tnt_core import ConfigError, SettingGroup, Timeline
+from tnt_core import _settings as settings
 
 #: variables of a plugin's kind, declared here so that tnt-core's tests need no plugin
 RULES = SettingGroup("rules", "variables of this test", prefix="TNT_RULES_")
@@ -95,7 +96,7 @@ def test_an_uncaught_bad_value_ends_the_process_with_one_line():
     proc = _python(code, TNT_STALL_WARN_S="-1")
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        "tnt_core.errors.ConfigError: TNT_STALL_WARN_S=-1.0 must be >= 0.0"]
+        "tnt_core.ConfigError: TNT_STALL_WARN_S=-1.0 must be >= 0.0"]
     debug = _python(code, TNT_STALL_WARN_S="-1", TNT_LOG_LEVEL="debug")
     assert debug.returncode == 1 and debug.stderr.startswith("Traceback"), debug.stderr
 
@@ -104,7 +105,7 @@ def test_a_plugin_module_that_cannot_be_imported_is_one_line():
     proc = _python("import tnt_core\ntnt_core.init()\n", TNT_PLUGINS="no_such_plugin_module")
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        "tnt_core.errors.PluginError: cannot import plugin module 'no_such_plugin_module' named "
+        "tnt_core.PluginError: cannot import plugin module 'no_such_plugin_module' named "
         "in TNT_PLUGINS: No module named 'no_such_plugin_module'"]
 
 

@@ -13,16 +13,10 @@ import numpy as np
 import pytest
 
 import tnt_core
-from tnt_core import CommError, Config, Handle, StoreServer
-from tnt_core.backend import CommBackend
-from tnt_core.stall import (
-    NOT_ARRIVED_KEY,
-    Ledger,
-    StallInspector,
-    WatchedBackend,
-    WatchedHandle,
-    start_inspector,
-)
+from tnt_core import CommBackend, CommError, Config, Handle, StoreServer
+from tnt_core._stall_inspector import NOT_ARRIVED_KEY, StallInspector, start_inspector
+from tnt_core._stall_ledger import Ledger
+from tnt_core._watched_backend import WatchedBackend, WatchedHandle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,7 +143,7 @@ def test_the_lowest_waiting_rank_names_the_ranks_that_did_not_arrive(store, capl
     try:
         for r in ranks:
             r.ledger.entered = 1
-        tnt_core.stall._ledger = ranks[0].ledger  # where tnt-keras' reports go in rank 0
+        tnt_core._stall_ledger._ledger = ranks[0].ledger  # where tnt-keras' reports go in rank 0
         tnt_core.report_position(epoch=1, step=5, phase="fit")
         waits = []
         for r in ranks[1:]:
@@ -173,18 +167,18 @@ def test_the_lowest_waiting_rank_names_the_ranks_that_did_not_arrive(store, capl
         assert all(getattr(r, "tnt_any_rank", False) for r in caplog.records if "stall:" in r.getMessage())
     finally:
         _stop(*ranks)
-        tnt_core.stall._ledger = Ledger()
+        tnt_core._stall_ledger._ledger = Ledger()
 
 
 def test_a_wait_that_fails_says_who_did_not_arrive_and_tells_the_launcher(store, monkeypatch):
-    monkeypatch.setattr(tnt_core.errors, "_first_comm_error", [])  # a fresh process's
+    monkeypatch.setattr(tnt_core._errors, "_first_comm_error", [])  # a fresh process's
     r0, r1 = (_rank(store, r, 2, warn_s=0.5) for r in range(2))
     try:
         time.sleep(0.8)  # both published a heartbeat: rank 0 is before its first collective
         # failing fast (a peer closed its connection), the backend's error says it all
         with pytest.raises(CommError, match=r"within the timeout$"):
             r1.watched.allreduce_async(np.ones(1)).wait(0.1)
-        tnt_core.errors._first_comm_error.clear()
+        tnt_core._errors._first_comm_error.clear()
         handle = r1.watched.allreduce_async(np.ones(1))
         with pytest.raises(CommError) as info:
             handle.wait(0.6)
@@ -194,7 +188,7 @@ def test_a_wait_that_fails_says_who_did_not_arrive_and_tells_the_launcher(store,
                                   "heartbeat "), message
         assert isinstance(info.value.__cause__, CommError), "the backend's own error is kept"
         # what a rank prints at exit when a framework re-raised the error as its own type
-        assert tnt_core.errors._first_comm_error == [info.value]
+        assert tnt_core._errors._first_comm_error == [info.value]
         verdict = _record(store, NOT_ARRIVED_KEY)
         assert verdict["ranks"] == [0]
         assert verdict["text"] == "rank 0 did not arrive at allreduce #2 within 30s (hung or too slow?)"

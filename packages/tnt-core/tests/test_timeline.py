@@ -3,9 +3,15 @@ import time
 
 import numpy as np
 
-from tnt_core import FusedAllreducer, LocalBackend, Timeline, plan_buckets, timeline_path
-from tnt_core.backend import CompletedHandle
-from tnt_core.config import Config
+from tnt_core import (
+    CompletedHandle,
+    Config,
+    FusedAllreducer,
+    LocalBackend,
+    Timeline,
+    plan_buckets,
+    timeline_path,
+)
 from tnt_core.testing import fused_allreduce
 
 

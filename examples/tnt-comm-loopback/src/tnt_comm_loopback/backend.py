@@ -18,11 +18,11 @@ from tnt_core import (
     CommThread,
     ConfigError,
     Handle,
+    bad_input,
     check_buffer,
     check_op,
     connect_store,
 )
-from tnt_core.settings import bad_input
 
 from .plugin import TNT_LOOPBACK_PORT
 

@@ -313,7 +313,7 @@ class Agent:
 #: is often a rank that failed because a peer failed, the cause comes after it
 FAILURE_KEY = "tnt/launcher/rank-failed"
 
-#: a line of the ``tnt`` logger (tnt_core.log's format) at warning level or above
+#: a line of the ``tnt`` logger (tnt-core's log format) at warning level or above
 LOG_LINE_OF_TNT = re.compile(rb"^\[tnt \d+\] (?:WARNING|ERROR|CRITICAL) ")
 
 

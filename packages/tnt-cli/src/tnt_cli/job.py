@@ -22,7 +22,7 @@ __all__ = ["Job", "Rendezvous", "FORWARDED_VARIABLES", "JOB_VARIABLES", "RANK_VA
 TERMINATE_GRACE_S = 3.0
 #: launcher variables remote ranks get too, so they find the same software
 FORWARDED_VARIABLES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
-#: the launcher contract's variables that differ between ranks (tnt_core.settings)
+#: the launcher contract's variables that differ between ranks (tnt_core.VARIABLES)
 RANK_VARIABLES = ("TNT_RANK", "TNT_LOCAL_RANK", "TNT_LOCAL_SIZE", "TNT_NUM_THREADS")
 #: the launcher contract's variables equal on every rank
 JOB_VARIABLES = tuple(name for name, var in VARIABLES.items()
@@ -44,7 +44,7 @@ EXPORTABLE_VARIABLES = ("TNT_BACKEND", "TNT_FUSION_THRESHOLD_KB", "TNT_LOG_LEVEL
 
 def job_settings(options: RunOptions, size: int, environ: Mapping[str, str]) -> Config:
     """The job-wide settings of the ranks: ``-x NAME=VALUE``, else ``tnt run``'s options,
-    else what the user exported in this shell, else the defaults (tnt_core.settings).
+    else what the user exported in this shell, else the defaults (tnt_core.VARIABLES).
 
     ``-x`` wins because it is written last (as with mpirun). An exported or ``-x`` value
     that is malformed fails here with a :class:`ConfigError` naming the variable, rather

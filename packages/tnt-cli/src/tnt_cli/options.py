@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tnt_core import settings as S
+from tnt_core import VARIABLES, Variable
 
 from . import __version__
 from .errors import USAGE_EXIT_CODE, UsageError
@@ -24,7 +24,7 @@ from .settings_listing import plugin_settings_note
 __all__ = ["RunOptions", "build_parser", "parse_run_args", "LAUNCHER_CHOICES", "LOG_LEVELS"]
 
 LAUNCHER_CHOICES = ("auto", "local", "ssh", "mpirun", "srun")
-LOG_LEVELS = tuple(c for c, _ in S.TNT_LOG_LEVEL.choices)
+LOG_LEVELS = tuple(c for c, _ in VARIABLES["TNT_LOG_LEVEL"].choices)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: a command that starts with a Python (``python train.py``, as horovodrun and mpirun take
 #: it) runs with that Python, as ``--python-interpreter`` would say
@@ -64,7 +64,7 @@ class RunOptions:
         return self.hostfile is not None or self.hosts is not None
 
 
-def _default(var: S.Variable) -> str:
+def _default(var: Variable) -> str:
     """A variable's default in the help, taken from its declaration (never restated)."""
     return var.format(var.default)
 
@@ -223,10 +223,11 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
                            "NAME alone passes on its value here")
     rank.add_argument("--fusion-threshold", dest="fusion_threshold_kb", type=_nonneg_float,
                       metavar="KB", help="tensor fusion threshold in KB (TNT_FUSION_THRESHOLD_KB; "
-                           f"default {_default(S.TNT_FUSION_THRESHOLD_KB)})")
+                           f"default {_default(VARIABLES['TNT_FUSION_THRESHOLD_KB'])})")
     rank.add_argument("--log-level", type=_log_level,
                       metavar="{" + ",".join(LOG_LEVELS) + "}",
-                      help=f"log level of the ranks (TNT_LOG_LEVEL; default {_default(S.TNT_LOG_LEVEL)})")
+                      help="log level of the ranks (TNT_LOG_LEVEL; default "
+                           f"{_default(VARIABLES['TNT_LOG_LEVEL'])})")
     rank.add_argument("--log-on-all-devices", dest="log_all", action="store_true",
                       help="log on every rank, not only on the master rank")
     rank.add_argument("--output-on-all-devices", dest="output_all", action="store_true",
@@ -241,7 +242,7 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
                       help="allocate each rank's memory only on its socket (numactl --membind)")
     rank.add_argument("--timeout", dest="timeout_s", type=_positive_float, metavar="SECONDS",
                       help="seconds a rank waits for a peer (collective, rendezvous) before "
-                           f"failing (TNT_TIMEOUT_S; default {_default(S.TNT_TIMEOUT_S)})")
+                           f"failing (TNT_TIMEOUT_S; default {_default(VARIABLES['TNT_TIMEOUT_S'])})")
 
     ctl = p.add_argument_group("control")
     ctl.add_argument("--dry-run", action="store_true",

@@ -10,8 +10,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tnt_core import Config, ConfigError, StoreClient, StoreServer, TntError, list_backends
-from tnt_core.stall import NOT_ARRIVED_KEY
+from tnt_core import (
+    NOT_ARRIVED_KEY,
+    Config,
+    ConfigError,
+    StoreClient,
+    StoreServer,
+    TntError,
+    list_backends,
+)
 
 from .agent import read_failures
 from .cleanup import WAIT_S, cleanup_host, remove_orphan_segments, shm_segments

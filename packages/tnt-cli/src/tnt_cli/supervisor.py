@@ -5,7 +5,7 @@
 * The exit code is the failing rank's exit code (a rank's own code: agents pass it
   through), 0 when all succeed, 128+N when signal N interrupted the launcher.
 * The rank named is the one that failed first, not the first to exit: a rank that failed
-  because a peer failed exits with ``PEER_FAILURE_EXIT_CODE`` (tnt_core.peer_failure),
+  because a peer failed exits with ``tnt_core.PEER_FAILURE_EXIT_CODE``,
   often before the rank that caused it has finished printing. On such an exit ``tnt run``
   waits up to ``SETTLE_S`` for a rank that fails with another code and names it, with the
   last line of its error output (its exception); if none does, it names the ranks still
@@ -382,7 +382,7 @@ class Supervisor:
 
     def _stall_verdict(self) -> tuple[str, bool, str] | None:
         """``(text, several ranks, where last seen)`` of the stall inspector's record of a
-        failed wait (tnt_core.stall.NOT_ARRIVED_KEY)."""
+        failed wait (tnt_core.NOT_ARRIVED_KEY)."""
         if self.not_arrived is None:
             return None
         try:

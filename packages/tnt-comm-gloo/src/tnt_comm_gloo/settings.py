@@ -9,8 +9,7 @@ but tnt-core: loading the plugin stays cheap.
 
 from __future__ import annotations
 
-from tnt_core import SettingGroup
-from tnt_core.settings import interface_problem, local_address_problem
+from tnt_core import SettingGroup, interface_problem, local_address_problem
 
 __all__ = [
     "GLOO",

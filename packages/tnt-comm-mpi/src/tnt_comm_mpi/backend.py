@@ -128,7 +128,7 @@ class MpiBackend(CommBackend):
         self.rank, self.size, self.local_rank, self.local_size = rank, 0, 0, 0
         # MPI allows calls from any thread, one at a time (checked above), so a caller
         # blocked on an operation nobody started yet runs it itself: two thread hand-offs
-        # fewer (see tnt_core.comm_thread)
+        # fewer (see tnt_core.CommThread)
         self._thread = CommThread("tnt-mpi-comm", rank, config.timeout_s, run_in_waiter=True)
         self._poller = Poller(PollSettings.from_env(environ), rank, self._abort_reason,
                               waited=lambda: self._thread.has_waiters)

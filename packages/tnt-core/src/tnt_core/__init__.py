@@ -1,15 +1,17 @@
 """tnt-core: the contracts Tarantella-NT's packages and third-party plugins meet through.
 
-Knows no deep-learning framework. Public names only come from here.
+Knows no deep-learning framework. Public names only come from here (and from the
+``tnt_core.testing`` sub-package); the modules behind them are private (``_backend``,
+``_runtime``, ...) and may change without notice. A test keeps every other package, the
+tests, benchmarks and examples on these names.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._markers import ENTRY_POINT_GROUP, PROJECT_NAME, hookimpl, hookspec
-from .addresses import can_bind, is_loopback
-from .backend import (
+from ._addresses import can_bind, is_loopback
+from ._backend import (
     REDUCE_OPS,
     SUPPORTED_DTYPES,
     BackendSpec,
@@ -23,15 +25,10 @@ from .backend import (
     check_timeout,
     wait_all,
 )
-from .comm_thread import CommThread, FutureHandle
-from .config import (
-    DEFAULT_FUSION_THRESHOLD_KB,
-    DEFAULT_TIMEOUT_S,
-    Config,
-    env_number,
-    parse_bool,
-)
-from .errors import (
+from ._backend_choice import list_backends, select_backend
+from ._comm_thread import CommThread, FutureHandle
+from ._config import Config
+from ._errors import (
     CollectiveMismatchError,
     CommError,
     ConfigError,
@@ -41,7 +38,7 @@ from .errors import (
     TntError,
     UnsupportedOperationError,
 )
-from .fusion import (
+from ._fusion import (
     BUFFER_ALIGNMENT,
     Bucket,
     BucketPlan,
@@ -49,42 +46,52 @@ from .fusion import (
     TensorSpec,
     plan_buckets,
 )
-from .handshake import HANDSHAKE_TIMEOUT_S, Handshake
-from .launch_env import MpiLaunch, detect_mpi_launch, expand_tasks_per_node
-from .local_backend import LocalBackend
-from .native import NativeComm, native_comm
-from .peer_failure import PEER_FAILURE_EXIT_CODE
-from .plugins import get_plugin_manager, reset_plugin_manager
-from .rendezvous import (
-    StoreClient,
-    StoreServer,
-    address_towards,
-    connect_store,
-    reachable_address,
-)
-from .runtime import (
-    Runtime,
+from ._handshake import HANDSHAKE_TIMEOUT_S, Handshake
+from ._installed_settings import installed_settings, read_setting
+from ._launch_env import MpiLaunch, detect_mpi_launch
+from ._lifecycle import (
     get_master_rank,
     get_rank,
     get_size,
     init,
     is_initialized,
     is_master_rank,
-    list_backends,
-    select_backend,
     shutdown,
 )
-from .setting_registry import InstalledSettings, SettingsRegistry, installed_settings, read_setting
-from .settings import VARIABLES, SettingGroup, Variable
-from .sharding import (
+from ._local_backend import LocalBackend
+from ._markers import ENTRY_POINT_GROUP, hookimpl, hookspec
+from ._native import NativeComm, native_comm
+from ._peer_failure import PEER_FAILURE_EXIT_CODE
+from ._plugins import get_plugin_manager, reset_plugin_manager
+from ._rendezvous import (
+    StoreClient,
+    StoreServer,
+    address_towards,
+    connect_store,
+    reachable_address,
+)
+from ._runtime import Runtime
+from ._setting_registry import InstalledSettings, SettingsRegistry
+from ._settings import (
+    VARIABLES,
+    SettingGroup,
+    Variable,
+    bad_input,
+    directory_problem,
+    interface_problem,
+    local_address_problem,
+)
+from ._sharding import (
     ShardContext,
     micro_batch_offset,
     micro_batch_size,
     micro_batch_sizes,
     micro_batch_slice,
 )
-from .stall import WatchedBackend, report_position
-from .timeline import Timeline, timeline_path
+from ._stall_inspector import NOT_ARRIVED_KEY
+from ._stall_ledger import report_position
+from ._timeline import Timeline, timeline_path
+from ._watched_backend import WatchedBackend
 
 try:
     __version__ = version("tnt-core")
@@ -92,87 +99,100 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
-    "NativeComm",
-    "native_comm",
-    "BUFFER_ALIGNMENT",
-    "DEFAULT_FUSION_THRESHOLD_KB",
-    "DEFAULT_TIMEOUT_S",
-    "HANDSHAKE_TIMEOUT_S",
-    "PEER_FAILURE_EXIT_CODE",
+    # the runtime of a rank
+    "Runtime",
+    "get_master_rank",
+    "get_rank",
+    "get_size",
+    "init",
+    "is_initialized",
+    "is_master_rank",
+    "list_backends",
+    "select_backend",
+    "shutdown",
+    # plugins
     "ENTRY_POINT_GROUP",
-    "PROJECT_NAME",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+    "reset_plugin_manager",
+    # the CommBackend contract, and what backends build on
     "REDUCE_OPS",
     "SUPPORTED_DTYPES",
     "BackendSpec",
-    "Bucket",
-    "BucketPlan",
     "CommBackend",
-    "CollectiveMismatchError",
-    "CommError",
     "CommThread",
     "CompletedHandle",
-    "Config",
-    "ConfigError",
-    "FusedAllreducer",
     "FutureHandle",
     "Handle",
-    "Handshake",
-    "HandshakeError",
-    "InstalledSettings",
     "LocalBackend",
-    "MpiLaunch",
-    "PluginError",
-    "Runtime",
-    "SettingGroup",
-    "SettingsRegistry",
-    "ShardContext",
-    "ShardingError",
-    "StoreClient",
-    "StoreServer",
-    "TensorSpec",
-    "Timeline",
-    "TntError",
-    "UnsupportedOperationError",
-    "VARIABLES",
-    "Variable",
     "WatchedBackend",
-    "address_towards",
-    "can_bind",
     "check_buffer",
     "check_op",
     "check_peer",
     "check_split_ranks",
     "check_timeout",
+    "wait_all",
+    # the native hand-off
+    "NativeComm",
+    "native_comm",
+    # errors
+    "CollectiveMismatchError",
+    "CommError",
+    "ConfigError",
+    "HandshakeError",
+    "PluginError",
+    "ShardingError",
+    "TntError",
+    "UnsupportedOperationError",
+    # settings
+    "VARIABLES",
+    "Config",
+    "InstalledSettings",
+    "SettingGroup",
+    "SettingsRegistry",
+    "Variable",
+    "bad_input",
+    "directory_problem",
+    "installed_settings",
+    "interface_problem",
+    "local_address_problem",
+    "read_setting",
+    # the launcher contract: the store, the handshake, how a rank's end is reported
+    "HANDSHAKE_TIMEOUT_S",
+    "NOT_ARRIVED_KEY",
+    "PEER_FAILURE_EXIT_CODE",
+    "Handshake",
+    "MpiLaunch",
+    "StoreClient",
+    "StoreServer",
+    "address_towards",
+    "can_bind",
     "connect_store",
     "detect_mpi_launch",
-    "env_number",
-    "expand_tasks_per_node",
-    "get_master_rank",
-    "get_plugin_manager",
-    "get_rank",
-    "get_size",
-    "hookimpl",
-    "hookspec",
-    "init",
-    "installed_settings",
-    "is_initialized",
     "is_loopback",
-    "is_master_rank",
-    "list_backends",
+    "reachable_address",
+    # tensor fusion, sharding, the stall inspector's position, the timeline
+    "BUFFER_ALIGNMENT",
+    "Bucket",
+    "BucketPlan",
+    "FusedAllreducer",
+    "TensorSpec",
+    "plan_buckets",
+    "ShardContext",
     "micro_batch_offset",
     "micro_batch_size",
     "micro_batch_sizes",
     "micro_batch_slice",
-    "parse_bool",
-    "plan_buckets",
-    "reachable_address",
-    "read_setting",
     "report_position",
-    "reset_plugin_manager",
-    "select_backend",
-    "settings",
-    "shutdown",
+    "Timeline",
     "timeline_path",
-    "wait_all",
     "__version__",
 ]
+
+# Errors name their public home in tracebacks (``tnt_core.CommError: ...``), not the
+# private module that defines them.
+for _error in (CollectiveMismatchError, CommError, ConfigError, HandshakeError, PluginError,
+               ShardingError, TntError, UnsupportedOperationError):
+    _error.__module__ = __name__
+del _error

@@ -1,5 +1,5 @@
 """The native gradient path: tarantella's TensorFlow ops hand the buckets to the backend's
-native table (``tnt_core.native``), with no Python and no GIL in the step.
+native table (``tnt_core.NativeComm``), with no Python and no GIL in the step.
 
 The op library (``_tnt_tf_ops.so``, built from ``csrc/`` against TensorFlow's stable C API
 only) has two ops: ``TntPushBucket`` copies a bucket's gradients in, scaled by the rank's
@@ -251,12 +251,12 @@ class NativeReducer:
 
         self._hooks = (_AGREE_FN(agree), _failure_hook(backend))  # alive as long as the reducer
         buckets = plan.buckets
-        dtypes = (ctypes.c_int32 * len(buckets))(*[tnt_core.native.DTYPE_CODES[b.dtype] for b in buckets])
+        dtypes = (ctypes.c_int32 * len(buckets))(*[tnt_core.NativeComm.DTYPE_CODES[b.dtype] for b in buckets])
         sizes = (ctypes.c_int64 * len(buckets))(*[b.size for b in buckets])
         err = ctypes.create_string_buffer(1024)
         self.id = int(self._lib.tnt_reducer_create(
             table.address, table.ledger or None, len(buckets), dtypes, sizes,
-            tnt_core.native.OP_CODES[op], int(overlap), float(runtime.config.timeout_s or 0.0),
+            tnt_core.NativeComm.OP_CODES[op], int(overlap), float(runtime.config.timeout_s or 0.0),
             self._hooks[0], self._hooks[1], None, err, len(err)))
         if self.id == 0:
             raise tnt_core.TntError(f"could not make the native gradient reducer: {err.value.decode()}")
@@ -326,7 +326,7 @@ def p2p_unavailable_reason(runtime: tnt_core.Runtime,
     table = native_table(backend)
     if table is not None and not table.has_p2p:
         return (f"the {backend.name!r} backend's native hand-off is ABI {table.abi_version}, "
-                f"without point-to-point (ABI {tnt_core.native.P2P_ABI_VERSION})")
+                f"without point-to-point (ABI {tnt_core.NativeComm.P2P_ABI_VERSION})")
     return None
 
 
@@ -393,8 +393,8 @@ class PointToPoint:
 
     def _check(self, operation: str, peer: int, tag: int) -> tuple[int, int]:
         peer, tag = tnt_core.check_peer(peer, self.backend.size, operation, tag)
-        if tag > tnt_core.native.MAX_TAG:
-            raise ValueError(f"{operation}: tag must be <= {tnt_core.native.MAX_TAG}, got {tag}")
+        if tag > tnt_core.NativeComm.MAX_TAG:
+            raise ValueError(f"{operation}: tag must be <= {tnt_core.NativeComm.MAX_TAG}, got {tag}")
         return peer, tag
 
     def _dtype(self, operation: str, dtype: Any) -> tf.DType:

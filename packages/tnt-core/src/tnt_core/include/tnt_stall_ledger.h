@@ -1,10 +1,10 @@
 /* tnt_stall_ledger.h: the stall inspector's ledger as compiled code sees it, ABI 1.
  *
  * Why: compiled framework ops (tnt-keras' op library) start allreduces through a backend's
- * native table (tnt_native_comm.h) with no Python in the step. The stall inspector
- * (tnt_core.stall) must still count them and know when a rank waits in one, or a rank that
- * never reaches a gradient allreduce cannot be named. So the ledger's counters are this
- * struct, in memory tnt-core owns (tnt_core.stall.Ledger): the Python path and the op
+ * native table (tnt_native_comm.h) with no Python in the step. The stall inspector must
+ * still count them and know when a rank waits in one, or a rank that never reaches a
+ * gradient allreduce cannot be named. So the ledger's counters are this struct, in memory
+ * tnt-core owns (the Ledger of its _stall_ledger.py): the Python path and the op
  * library number their collectives in the same counter, and the inspector's thread reads
  * it as it always did, only when it publishes or judges a stall. No call into Python, no
  * lock: a consumer does one atomic add per allreduce it starts, and two clock reads and a
@@ -26,7 +26,7 @@ extern "C" {
 
 #define TNT_STALL_LEDGER_ABI_VERSION 1
 
-/* the collective a rank waits in (tnt_core.stall's names, in this order from 1) */
+/* the collective a rank waits in (_stall_ledger.py's names, in this order from 1) */
 enum tnt_stall_op {
   TNT_STALL_NONE = 0,
   TNT_STALL_ALLREDUCE = 1,

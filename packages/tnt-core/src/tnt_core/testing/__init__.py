@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..fusion import FusedAllreducer
+from .._fusion import FusedAllreducer
 from .conformance import CASE_NAMES
 from .launch import LaunchResult, RankResult, launch_ranks, rank_env
 from .store_backend import STORE_PLUGIN, enable_store_backend

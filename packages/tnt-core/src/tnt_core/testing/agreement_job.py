@@ -21,7 +21,7 @@ import numpy as np
 
 import tnt_core
 from tnt_core import CollectiveMismatchError, FusedAllreducer, TensorSpec, plan_buckets
-from tnt_core.stall import ledger
+from tnt_core._stall_ledger import ledger
 
 
 def _cases(backend: Any, rank: int) -> dict[str, Callable[[], Any]]:

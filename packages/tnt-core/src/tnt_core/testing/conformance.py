@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import REDUCE_OPS, CommBackend
-from ..config import Config
-from ..errors import CommError, TntError
-from ..native import DONE_FN, DTYPE_CODES, NativeComm, native_comm
-from ..rendezvous import connect_store
+from .._backend import REDUCE_OPS, CommBackend
+from .._config import Config
+from .._errors import CommError, TntError
+from .._native import DONE_FN, DTYPE_CODES, NativeComm, native_comm
+from .._rendezvous import connect_store
 
 __all__ = ["CASES", "CASE_NAMES", "DTYPES", "main"]
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import Config
-from ..rendezvous import StoreServer
+from .._config import Config
+from .._rendezvous import StoreServer
 from .store_backend import enable_store_backend
 
 __all__ = ["RankResult", "LaunchResult", "launch_ranks", "rank_env"]

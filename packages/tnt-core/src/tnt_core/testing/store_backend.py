@@ -20,8 +20,7 @@ from collections.abc import MutableMapping, Sequence
 
 import numpy as np
 
-from .._markers import hookimpl
-from ..backend import (
+from .._backend import (
     BackendSpec,
     CommBackend,
     CompletedHandle,
@@ -32,11 +31,12 @@ from ..backend import (
     check_split_ranks,
     check_timeout,
 )
-from ..comm_thread import CommThread
-from ..config import Config
-from ..errors import CommError
-from ..plugins import reset_plugin_manager
-from ..rendezvous import StoreClient, connect_store
+from .._comm_thread import CommThread
+from .._config import Config
+from .._errors import CommError
+from .._markers import hookimpl
+from .._plugins import reset_plugin_manager
+from .._rendezvous import StoreClient, connect_store
 
 __all__ = ["STORE_PLUGIN", "StoreBackend", "enable_store_backend"]
 

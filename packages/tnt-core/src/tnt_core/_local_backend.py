@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._markers import hookimpl
-from .backend import (
+from ._backend import (
     BackendSpec,
     CommBackend,
     CompletedHandle,
@@ -23,8 +22,9 @@ from .backend import (
     check_split_ranks,
     check_timeout,
 )
-from .config import Config
-from .errors import CommError, ConfigError
+from ._config import Config
+from ._errors import CommError, ConfigError
+from ._markers import hookimpl
 
 __all__ = ["LocalBackend"]
 

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import HandshakeError
+from ._errors import HandshakeError
 
 __all__ = ["Handshake", "HANDSHAKE_TIMEOUT_S", "ACCEPTED", "WRONG_KEY", "NOT_ADMITTED", "NO_IDENTITY"]
 

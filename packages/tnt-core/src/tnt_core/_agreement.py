@@ -5,7 +5,7 @@ Why: transports trust their callers. Handed buffers of different sizes, Gloo and
 reduce or gather whatever lies in memory and return normally, or abort the process;
 handed different roots, a broadcast returns each rank's own data. Either way the job goes
 on with numbers no serial run would give. So before each collective of a multi-rank job
-the :class:`~tnt_core.stall.WatchedBackend` compares a fixed-size header describing the
+the :class:`~tnt_core.WatchedBackend` compares a fixed-size header describing the
 call (:data:`HEADER_LEN` int64 words, in one small allreduce: :func:`mismatch`): equal
 headers let the collective run; different ones make every rank raise the same error,
 naming what each rank passed, before any data moves.
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .backend import REDUCE_OPS, SUPPORTED_DTYPES, Handle, check_timeout
-from .errors import CollectiveMismatchError, CommError
+from ._backend import REDUCE_OPS, SUPPORTED_DTYPES, Handle, check_timeout
+from ._errors import CollectiveMismatchError, CommError
 
 __all__ = ["HEADER_LEN", "header", "plan_header", "exchange_words", "verdict", "mismatch",
            "disagreement", "DeferredHandle", "Launcher"]

@@ -29,8 +29,8 @@ import traceback
 from collections.abc import Callable
 from types import TracebackType
 
-from . import errors
-from .errors import CommError
+from . import _errors as errors
+from ._errors import CommError
 
 __all__ = ["PEER_FAILURE_EXIT_CODE", "comm_error_of", "install_excepthook"]
 

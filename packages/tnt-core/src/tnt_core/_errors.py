@@ -2,6 +2,8 @@
 
 Backends translate their native failures into :class:`CommError` in one place so
 that users and tnt-keras handle a single exception type for "the collective failed".
+``tnt_core/__init__.py`` gives each its public module, so a traceback's last line reads
+``tnt_core.CommError: ...``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class CommError(TntError):
         self.rank = rank
         self.operation = operation
         self.peer = peer
-        if not _first_comm_error:  # what the at-exit attribution reads (tnt_core.peer_failure)
+        if not _first_comm_error:  # what the at-exit attribution reads (_peer_failure)
             _first_comm_error.append(self)
 
 
@@ -45,7 +47,7 @@ _first_comm_error: list[CommError] = []
 class CollectiveMismatchError(TntError, ValueError):
     """The ranks called different collectives, or the same one with buffers of different
     shape or dtype, a different reduction or root. Every rank raises it, before any data
-    moves (:mod:`tnt_core.agreement`); the message says what each rank passed.
+    moves (``_agreement``); the message says what each rank passed.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, seq: int | None = None) -> None:
@@ -60,7 +62,7 @@ class ConfigError(TntError, ValueError):
 
 class HandshakeError(TntError, ConnectionError):
     """A peer of a job's TCP service did not prove it knows the job key, or the service
-    refused this process (:mod:`tnt_core.handshake`); the message says which and why.
+    refused this process (``_handshake``); the message says which and why.
 
     ``refused`` is True when the server refused an answer (a wrong key, another protocol,
     an identity not admitted), False when a side went silent or away, or is not the

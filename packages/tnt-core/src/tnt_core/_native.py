@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .backend import REDUCE_OPS, SUPPORTED_DTYPES, check_op
-from .errors import TntError
-from .stall import Ledger
+from ._backend import REDUCE_OPS, SUPPORTED_DTYPES, check_op
+from ._errors import TntError
+from ._stall_ledger import Ledger
 
 __all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "MAX_TAG", "OP_CODES", "P2P_ABI_VERSION",
            "NativeComm", "include_dir", "native_comm"]
@@ -89,10 +90,34 @@ class NativeComm:
     """A backend's checked function table. Keeps the capsule (and so the communicator)
     alive; :attr:`address` is what a framework's op library is given, with :attr:`ledger`.
 
+    The class also carries the ABI a consumer that calls the table from C needs on its
+    Python side (``tnt_native_comm.h``): :attr:`ABI_VERSION`, :attr:`P2P_ABI_VERSION`,
+    :attr:`MAX_TAG`, the ``tnt_native_dtype`` and ``tnt_native_op`` codes
+    (:attr:`DTYPE_CODES`, :attr:`OP_CODES`) and the headers' directory
+    (:meth:`include_dir`).
+
     :param ledger: the stall ledger the consumer numbers its allreduces and marks its
-        waits in (:class:`tnt_core.stall.Ledger`), kept alive with the table; None when the
-        backend keeps none.
+        waits in (the :class:`~tnt_core.WatchedBackend`'s), kept alive with the table; None
+        when the backend keeps none.
     """
+
+    #: the ABI version this tnt-core writes and reads
+    ABI_VERSION: ClassVar[int] = ABI_VERSION
+    #: the first ABI version with point-to-point
+    P2P_ABI_VERSION: ClassVar[int] = P2P_ABI_VERSION
+    #: the largest point-to-point tag
+    MAX_TAG: ClassVar[int] = MAX_TAG
+    #: numpy dtype -> ``tnt_native_dtype``
+    DTYPE_CODES: ClassVar[Mapping[np.dtype, int]] = MappingProxyType(DTYPE_CODES)
+    #: reduction name -> ``tnt_native_op``
+    OP_CODES: ClassVar[Mapping[str, int]] = MappingProxyType(OP_CODES)
+
+    @staticmethod
+    def include_dir() -> str:
+        """The directory holding ``tnt_native_comm.h`` and ``tnt_stall_ledger.h``, for
+        builds of backends and framework ops (``python -c "import tnt_core;
+        print(tnt_core.NativeComm.include_dir())"``)."""
+        return include_dir()
 
     def __init__(self, capsule: Any, backend_name: str, ledger: Ledger | None = None) -> None:
         self.capsule = capsule

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .settings import TNT_TIMELINE, bad_input
+from ._errors import ConfigError
+from ._settings import TNT_TIMELINE, bad_input
 
 __all__ = ["Timeline", "timeline_path"]
 

@@ -11,18 +11,15 @@ with one line naming both.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import pluggy
+from ._errors import ConfigError, PluginError
+from ._settings import CORE_GROUPS, VARIABLES, SettingGroup, Variable
 
-from .errors import ConfigError, PluginError, TntError
-from .plugins import BUILTIN_PLUGINS, get_plugin_manager
-from .settings import CORE_GROUPS, VARIABLES, SettingGroup, Variable, bad_input
+__all__ = ["InstalledSettings", "SettingsRegistry", "REGISTER_HOOK"]
 
-__all__ = ["InstalledSettings", "SettingsRegistry", "installed_settings", "read_setting"]
-
-_HOOK = "tnt_register_settings"
+#: the hook through which plugins hand over their groups
+REGISTER_HOOK = "tnt_register_settings"
 
 
 class _Owner(NamedTuple):
@@ -97,7 +94,7 @@ class InstalledSettings:
         owner = _Owner(plugin, distribution)
         if not isinstance(group, SettingGroup):
             raise PluginError(f"tnt {owner} passed {group!r} to registry.add in "
-                              f"{_HOOK}; it takes a tnt_core.SettingGroup")
+                              f"{REGISTER_HOOK}; it takes a tnt_core.SettingGroup")
         if self._groups.get(group.name) is group and self._owners[group.name] == owner:
             return  # the same group handed over twice: nothing new
         if group.prefix is None:
@@ -160,45 +157,3 @@ class SettingsRegistry:
         ``TNT_GLOO_`` and ``TNT_GLOO_SHM_``).
         """
         self._installed.add(group, plugin=self._owner.name, distribution=self._owner.distribution)
-
-
-def installed_settings(pm: pluggy.PluginManager | None = None) -> InstalledSettings:
-    """tnt-core's settings and those of every plugin ``pm`` (default: the process's plugin
-    manager) has loaded.
-
-    Collected on every call, one plugin after the other (the hook only hands over groups
-    the plugins made at import time): a plugin registered since is included.
-    :class:`tnt_core.PluginError`, one line when uncaught, when a plugin's declaration is
-    wrong or clashes with another's.
-    """
-    pm = pm or get_plugin_manager()
-    installed = InstalledSettings()
-    distributions = {pm.get_name(plugin): dist.project_name
-                     for plugin, dist in pm.list_plugin_distinfo()}
-    impls = getattr(pm.hook, _HOOK).get_hookimpls()
-    for impl in impls:
-        name = impl.plugin_name
-        registry = SettingsRegistry(installed, name, "tnt-core" if name in BUILTIN_PLUGINS
-                                    else distributions.get(name))
-        only_this = pm.subset_hook_caller(_HOOK, [i.plugin for i in impls if i is not impl])
-        try:
-            only_this(registry=registry)
-        except TntError as exc:
-            bad_input(exc)
-            raise
-        except Exception as exc:  # a bug in the plugin: say whose, keep the cause
-            raise bad_input(PluginError(f"tnt {registry} failed to declare its settings "
-                                        f"({_HOOK}): {type(exc).__name__}: {exc}")) from exc
-    return installed
-
-
-def read_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
-    """The parsed value of the variable ``name`` in ``environ`` (default: ``os.environ``),
-    tnt-core's own or an installed plugin's.
-
-    How packages outside tnt-core read a setting, e.g.
-    ``read_setting("TNT_TENSORBOARD_ON_ALL_DEVICES")`` is a bool. tnt-core's own are
-    looked up without loading plugins.
-    """
-    var = VARIABLES.get(name) or installed_settings().variable(name)
-    return var.read(environ)

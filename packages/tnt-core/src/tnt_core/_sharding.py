@@ -12,7 +12,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
-from .errors import ShardingError
+from ._errors import ShardingError
 
 __all__ = [
     "ShardContext",

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import UnsupportedOperationError
+from ._errors import UnsupportedOperationError
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ._config import Config
 
 __all__ = [
     "REDUCE_OPS",
@@ -249,7 +249,7 @@ class CommBackend(abc.ABC):
         C function table of ``tnt_core/include/tnt_native_comm.h``, through which compiled
         framework ops start allreduces with no Python in the step; None (the default) when
         the backend has none, and frameworks keep the Python path.
-        :func:`tnt_core.native.native_comm` checks what a backend returns."""
+        :func:`tnt_core.native_comm` checks what a backend returns."""
         return None
 
     # -- optional: point-to-point and groups -----------------------------------------------

@@ -3,7 +3,7 @@ validated object.
 
 Reading the environment in one place means a typo in a variable fails at start-up with a
 message naming the variable, instead of deep inside a backend. Every variable is declared
-(name, type, default) in :mod:`tnt_core.settings`; this module reads and writes them
+(name, type, default) in ``_settings``; this module reads and writes them
 through those declarations.
 """
 
@@ -13,15 +13,14 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 
-from . import settings as S
-from .errors import ConfigError
-from .settings import env_number, parse_bool
+from . import _settings as S
+from ._errors import ConfigError
 
-__all__ = ["Config", "DEFAULT_FUSION_THRESHOLD_KB", "DEFAULT_TIMEOUT_S", "env_number", "parse_bool"]
+__all__ = ["Config", "DEFAULT_FUSION_THRESHOLD_KB", "DEFAULT_TIMEOUT_S"]
 
-#: 2 MB: see :data:`tnt_core.settings.TNT_FUSION_THRESHOLD_KB` for why.
+#: 2 MB: see ``_settings.TNT_FUSION_THRESHOLD_KB`` for why.
 DEFAULT_FUSION_THRESHOLD_KB = S.TNT_FUSION_THRESHOLD_KB.default
-#: see :data:`tnt_core.settings.TNT_TIMEOUT_S` for why.
+#: see ``_settings.TNT_TIMEOUT_S`` for why.
 DEFAULT_TIMEOUT_S = S.TNT_TIMEOUT_S.default
 _LOG_LEVELS = tuple(c for c, _ in S.TNT_LOG_LEVEL.choices)
 
@@ -133,7 +132,7 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
-        """Read and validate the ``TNT_*`` variables (declared in :mod:`tnt_core.settings`)."""
+        """Read and validate the ``TNT_*`` variables (declared in ``_settings``)."""
         env = os.environ if environ is None else environ
         size = S.TNT_SIZE.read(env)
         if S.TNT_RANK.is_set(env) and not S.TNT_SIZE.is_set(env):

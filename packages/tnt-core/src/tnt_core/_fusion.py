@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .backend import CommBackend, Handle, check_op, wait_all
-from .stall import WatchedBackend
-from .timeline import Timeline
+from ._backend import CommBackend, Handle, check_op, wait_all
+from ._timeline import Timeline
+from ._watched_backend import WatchedBackend
 
 __all__ = ["TensorSpec", "Bucket", "BucketPlan", "plan_buckets", "FusedAllreducer", "BUFFER_ALIGNMENT"]
 
@@ -190,7 +190,7 @@ class FusedAllreducer:
             for b, buf in zip(plan.buckets, self._buffers)
         ]
         self._lock = threading.Lock()
-        self._agreed = False  # the ranks agree on the plan at its first use (stall.WatchedBackend)
+        self._agreed = False  # the ranks agree on the plan at its first use (WatchedBackend)
         self._reset()
 
     def _reset(self) -> None:

@@ -14,17 +14,18 @@ from importlib import metadata
 
 import pluggy
 
-from . import hookspecs, settings
+from . import _hookspecs as hookspecs
+from . import _settings as settings
+from ._errors import PluginError
 from ._markers import ENTRY_POINT_GROUP, PROJECT_NAME
-from .errors import PluginError
-from .settings import bad_input
+from ._settings import bad_input
 
 __all__ = ["get_plugin_manager", "reset_plugin_manager", "BUILTIN_PLUGINS"]
 
 #: Modules of tnt-core that implement hooks themselves. The test-only ``store`` backend is
 #: not one: tests register it through ``TNT_PLUGINS``
 #: (:func:`tnt_core.testing.enable_store_backend`).
-BUILTIN_PLUGINS = ("tnt_core.local_backend",)
+BUILTIN_PLUGINS = ("tnt_core._local_backend",)
 
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None

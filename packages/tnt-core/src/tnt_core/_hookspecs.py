@@ -1,6 +1,6 @@
 """Hook specifications of the ``tnt`` plugin project. Specs only: no behaviour here.
 
-Implementations live next to the behaviour they add (``tnt_core.local_backend``,
+Implementations live next to the behaviour they add (``tnt_core._local_backend``,
 ``tnt_comm_gloo.plugin``, ``tnt_comm_mpi.plugin``, ``tarantella_plugin``).
 """
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 from ._markers import hookspec
 
 if TYPE_CHECKING:
-    from .backend import BackendSpec
-    from .runtime import Runtime
-    from .setting_registry import SettingsRegistry
-    from .sharding import ShardContext
+    from ._backend import BackendSpec
+    from ._runtime import Runtime
+    from ._setting_registry import SettingsRegistry
+    from ._sharding import ShardContext
 
 __all__ = [
     "tnt_comm_backends",

@@ -5,7 +5,7 @@ exchange addresses before the real transport exists. Standard library only.
 
 Wire protocol (big-endian; simple enough for a C++ client):
 
-* handshake: :mod:`tnt_core.handshake` with the tag ``b"TNTR"`` (the client's identity
+* handshake: ``_handshake`` with the tag ``b"TNTR"`` (the client's identity
   is its rank, -1 for the launcher). No request is read on a connection before it has
   proven it knows ``TNT_RENDEZVOUS_KEY``, and the key never crosses the wire.
 * request: one op byte, then ``str`` = u32 length + UTF-8, ``bytes`` = u64 length + data:
@@ -26,10 +26,10 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from .addresses import is_loopback
-from .config import Config
-from .errors import CommError, ConfigError, HandshakeError
-from .handshake import HANDSHAKE_TIMEOUT_S, NO_IDENTITY, Handshake
+from ._addresses import is_loopback
+from ._config import Config
+from ._errors import CommError, ConfigError, HandshakeError
+from ._handshake import HANDSHAKE_TIMEOUT_S, NO_IDENTITY, Handshake
 
 __all__ = [
     "StoreServer",

@@ -8,7 +8,7 @@ declarations, so a name, a default or a rule cannot differ between two places.
 
 A plugin declares its own variables the same way, in a :class:`SettingGroup` with a
 prefix of its own (``TNT_GLOO_``), and hands the group to tnt-core through the
-``tnt_register_settings`` hook (:mod:`tnt_core.setting_registry` collects them). A test
+``tnt_register_settings`` hook (``_setting_registry`` collects them). A test
 fails when a ``TNT_*`` name in the packages' sources is declared nowhere.
 """
 
@@ -27,8 +27,8 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
-from .addresses import can_bind
-from .errors import ConfigError, PluginError
+from ._addresses import can_bind
+from ._errors import ConfigError, PluginError
 
 __all__ = [
     "CORE_GROUPS",

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from .backend import Handle, check_timeout
-from .errors import CommError
+from ._backend import Handle, check_timeout
+from ._errors import CommError
 
 __all__ = ["CommThread", "FutureHandle"]
 

@@ -3,14 +3,14 @@
 Non-master ranks show only errors unless ``TNT_LOG_ALL`` (``--log-on-all-devices``):
 with N ranks, N copies of every warning would bury the one that matters. A record logged
 with ``extra={"tnt_any_rank": True}`` passes on every rank: it is said by one rank only,
-whichever that is (the stall report of :mod:`tnt_core.stall`).
+whichever that is (the stall inspector's report).
 """
 
 from __future__ import annotations
 
 import logging
 
-from .config import Config
+from ._config import Config
 
 __all__ = ["logger", "configure_logging"]
 

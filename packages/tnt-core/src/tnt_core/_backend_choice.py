@@ -1,0 +1,81 @@
+"""Which backend a job runs on: a hook, never an if/elif over names.
+
+Every installed plugin declares its backends through ``tnt_comm_backends``; the choice is
+the one named (``TNT_BACKEND``, ``--backend``) or the available one of highest priority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pluggy
+
+from ._backend import BackendSpec
+from ._config import Config
+from ._errors import PluginError
+from ._launch_env import detect_mpi_launch
+from ._plugins import get_plugin_manager
+
+__all__ = ["list_backends", "select_backend"]
+
+
+def list_backends(pm: pluggy.PluginManager | None = None) -> list[BackendSpec]:
+    """Every backend declared by installed plugins, highest priority first."""
+    pm = pm or get_plugin_manager()
+    specs: dict[str, BackendSpec] = {}
+    for result in pm.hook.tnt_comm_backends():
+        for spec in result or ():
+            if not isinstance(spec, BackendSpec):
+                raise PluginError(
+                    f"a tnt plugin returned {spec!r} from tnt_comm_backends; "
+                    "it must return a list of tnt_core.BackendSpec"
+                )
+            if spec.name in specs and specs[spec.name] is not spec:
+                raise PluginError(
+                    f"two installed plugins declare a backend named {spec.name!r}; "
+                    "uninstall one, or block it with TNT_DISABLE_PLUGINS"
+                )
+            specs[spec.name] = spec
+    return sorted(specs.values(), key=lambda s: (-s.priority, s.name))
+
+
+def _names(specs: Iterable[BackendSpec]) -> str:
+    return ", ".join(s.name for s in specs) or "none"
+
+
+def select_backend(config: Config, name: str | None = None,
+                   pm: pluggy.PluginManager | None = None) -> BackendSpec:
+    """``name`` (or ``TNT_BACKEND``) if given, else the available backend of highest priority."""
+    specs = list_backends(pm)
+    name = name or config.backend
+    if name:
+        config = config.with_overrides(backend=name)
+        for spec in specs:
+            if spec.name == name:
+                if not spec.is_available(config):
+                    available = _names(s for s in specs if s.is_available(config))
+                    launch = detect_mpi_launch()
+                    if launch is not None and not config.launched and (launch.size or 0) != 1:
+                        # under mpiexec/srun without tnt run: no TNT_SIZE, no store
+                        raise PluginError(
+                            f"backend {name!r} needs `tnt run` to start the job; this process "
+                            f"was started by an MPI launcher ({launch.launcher}), which only the "
+                            f"mpi backend can join. Run `tnt run -n N --backend {name} -- "
+                            f"script.py`, or use TNT_BACKEND=mpi (available: {available})"
+                        )
+                    raise PluginError(
+                        f"backend {name!r} is installed but cannot serve this job "
+                        f"(rank {config.rank} of {config.size}); available: {available}"
+                    )
+                return spec
+        raise PluginError(
+            f"unknown backend {name!r} (TNT_BACKEND / --backend); installed: {_names(specs)}. "
+            f"Install the package that provides it, e.g. pip install tnt-comm-{name}"
+        )
+    for spec in specs:
+        if spec.is_available(config):
+            return spec
+    raise PluginError(
+        f"no communication backend can run a job of {config.size} ranks; installed: "
+        f"{_names(specs)}. Install one: pip install tnt-comm-gloo (or tnt-comm-mpi)"
+    )
