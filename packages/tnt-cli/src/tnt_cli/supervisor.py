@@ -43,6 +43,7 @@ from types import FrameType
 from typing import Any, BinaryIO
 
 from .agent import PEER_FAILURE_EXIT_CODE, describe_exit, exception_text
+from .elastic import ElasticJob
 from .launchers.base import ProcessSpec
 
 # what signal.signal() returns: the previous handler (None: not installed from Python)
@@ -60,6 +61,9 @@ SETTLE_S = 1.5
 LAUNCHER_DRAIN_S = 0.5
 #: seconds the verdict on an agent's report waits for the agent's line about its rank
 AGENT_LINE_WAIT_S = 1.0
+#: seconds between two looks of an elastic job's supervisor for a rank the stall
+#: inspector found hung (it is then evicted)
+HUNG_POLL_S = 1.0
 #: the line an agent under mpirun/srun writes when its rank failed (see agent.Agent.run)
 _AGENT_EXIT_LINE = re.compile(rb"^\[(\d+)\] tnt: rank (\d+) on \S+ (?:exited|was killed)")
 
@@ -104,8 +108,12 @@ class Supervisor:
     def __init__(self, specs: Sequence[ProcessSpec], grace_s: float, *, prog: str = "tnt run",
                  stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
                  not_arrived: Callable[[], str | None] | None = None,
-                 rank_reports: bool = False) -> None:
+                 rank_reports: bool = False, elastic: ElasticJob | None = None) -> None:
         self.specs = list(specs)
+        #: an elastic job: a rank's failure changes the membership instead of ending the job
+        self.elastic = elastic
+        self._hosts: dict[str, int] | None = None  # the discovery script's newest answer
+        self._next_hung_poll = 0.0
         self._pid = os.getpid()
         self._prctl: Callable[..., int] | None
         try:  # looked up before fork: the child must not load libraries
@@ -262,7 +270,7 @@ class Supervisor:
                     signal.signal(sig, handler)
 
     def _run(self) -> int:
-        for index, spec in enumerate(self.specs):
+        for index, spec in enumerate(list(self.specs)):  # an elastic job may add some meanwhile
             self.procs.append(self._start(index, spec))
             if not self.events.empty() and self.stopping_since is None:
                 self._handle_pending()
@@ -305,8 +313,14 @@ class Supervisor:
                 self.say(f"{name} again: killing all ranks")
                 self._kill_all()
             return
+        if kind == "hosts":
+            self._hosts_changed()
+            return
         code = value if value >= 0 else 128 - value
         if code == 0 or self.stopping_since is not None:
+            return
+        if kind == "exit" and self.elastic is not None:
+            self._depart(index, value)
             return
         if kind == "exit" and self.rank_reports and len(self.specs[index].ranks) > 1:
             # mpiexec/srun ended because a rank failed: the ranks' reports say which and
@@ -324,6 +338,70 @@ class Supervisor:
                 self.settle_until = time.monotonic() + SETTLE_S
             return
         self._fail(kind, index, value)
+
+    # -- elastic jobs -----------------------------------------------------------------------
+    def _depart(self, index: int, value: int) -> None:
+        """Process ``index`` of an elastic job failed: the next generation goes on without
+        it (a replacement with it, while restarts last), or the job ends below --min-np."""
+        assert self.elastic is not None
+        cause = self.last_exception.get(index)  # not waited for: the survivors wait on us
+        why = describe_exit(value) + (f" ({cause})" if cause else "")
+        procs, error = self.elastic.change({index: why})
+        if error is not None:
+            self.exit_code = value if value >= 0 else 128 - value
+            self._conclude(error)
+            self._stop_all()
+            return
+        self._started(procs, f"{self.specs[index].label} {why}")
+
+    def _started(self, procs: Sequence[ProcessSpec], what: str) -> None:
+        assert self.elastic is not None
+        membership = self.elastic.membership()
+        joined = [p.label for p in procs]
+        self.say(f"{what}; going on with {membership.size} rank(s), generation "
+                 f"{membership.generation}" + (f" (starting {', '.join(joined)})" if joined else ""))
+        for spec in procs:
+            index = len(self.specs)
+            self.specs.append(spec)
+            self.procs.append(self._start(index, spec))
+
+    def hosts_changed(self, hosts: dict[str, int]) -> None:
+        """The host discovery script's new answer (thread-safe)."""
+        self._hosts = hosts
+        self.events.put(("hosts", -1, 0))
+
+    def _hosts_changed(self) -> None:
+        if self.elastic is None or self._hosts is None or self.stopping_since is not None:
+            return
+        doomed, procs, error = self.elastic.grow_or_shrink(self._hosts)
+        for member in doomed:
+            proc = self.procs[member]
+            if proc is not None and proc.poll() is None:
+                self.say(f"{self.specs[member].label}: its host left the discovered hosts; "
+                         "ending it")
+                _killpg(proc.pid, signal.SIGKILL)
+        if error is not None:
+            self._conclude(error)
+            self._stop_all()
+        elif procs:
+            self._started(procs, "new slots discovered")
+
+    def _evict_hung(self) -> None:
+        """In an elastic job, a rank the stall inspector found hung (it did not arrive at
+        a collective within TNT_TIMEOUT_S) is killed: its exit changes the membership."""
+        now = time.monotonic()
+        if self.elastic is None or self.stopping_since is not None or now < self._next_hung_poll:
+            return
+        self._next_hung_poll = now + HUNG_POLL_S
+        found = self.elastic.take_hung()
+        if found is None:
+            return
+        members, text = found
+        for member in members:
+            proc = self.procs[member] if member < len(self.procs) else None
+            if proc is not None and proc.poll() is None:
+                self.say(f"{self.specs[member].label}: evicted, {text}")
+                _killpg(proc.pid, signal.SIGKILL)
 
     def _fail(self, kind: str, index: int, value: int) -> None:
         """Name the failure of ``index`` (exit status / reported code ``value``), end the job."""
@@ -394,6 +472,7 @@ class Supervisor:
             return None
 
     def _escalate(self) -> None:
+        self._evict_hung()
         if self.stopping_since is None and self.settle_until is not None \
                 and time.monotonic() >= self.settle_until:
             if self.launcher_exit is not None:  # what it printed last goes out first

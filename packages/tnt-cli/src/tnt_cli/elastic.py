@@ -1,0 +1,274 @@
+"""``tnt run``'s side of an elastic job: the membership, published generation by generation.
+
+The supervisor sees a rank's exit the moment it happens; it hands it to :class:`ElasticJob`,
+which publishes the next membership generation in the rendezvous store (tnt_core.elastic:
+the survivors renumbered in their old order, then the ranks started for the generation),
+and gives the supervisor the processes to start: a replacement while ``--max-restarts``
+lasts, new ranks on hosts the discovery script reports, up to ``--max-np``. Below
+``--min-np`` it says why the job ends, in one line naming the ranks that died and how.
+
+A process keeps one name for the whole job, its *member id*: its first rank, or the next
+unused number for a process started later. Labels, output prefixes and messages use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tnt_core import Departure, Membership, StoreClient, TntError, publish_membership
+from tnt_core.stall import NOT_ARRIVED_KEY
+
+from .errors import UsageError
+from .job import Job, Rendezvous
+from .launchers.base import Launcher, ProcessSpec
+from .placement import Placement, RankSlot
+
+__all__ = ["ElasticJob", "ElasticLimits", "HostDiscovery", "parse_hosts"]
+
+#: seconds between two runs of the host discovery script
+DISCOVERY_INTERVAL_S = 1.0
+#: seconds one run of the discovery script may take
+DISCOVERY_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ElasticLimits:
+    """``--min-np``, ``--max-np``, ``--max-restarts`` resolved against ``-n``."""
+
+    min_np: int
+    max_np: int
+    max_restarts: int
+
+
+def parse_hosts(text: str) -> dict[str, int]:
+    """``HOST:SLOTS`` lines (``HOST`` alone: one slot; ``#`` comments) -> slots by host."""
+    hosts: dict[str, int] = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, sep, slots = line.rpartition(":")
+        if not sep:
+            host, slots = line, "1"
+        if not host or not slots.isdigit():
+            raise ValueError(f"{raw.strip()!r} is not HOST:SLOTS")
+        hosts[host] = hosts.get(host, 0) + int(slots)
+    return hosts
+
+
+class HostDiscovery:
+    """Runs ``--host-discovery-script`` every :data:`DISCOVERY_INTERVAL_S` in a thread and
+    calls ``changed(hosts)`` when its answer differs from the last one."""
+
+    def __init__(self, script: str, warn: Callable[[str], None]) -> None:
+        self.script, self._warn = script, warn
+        self._changed: Callable[[dict[str, int]], None] = lambda hosts: None
+        self._last: dict[str, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tnt-host-discovery", daemon=True)
+
+    def discover(self) -> dict[str, int] | None:
+        """One run of the script: slots by host, None when it failed (said once)."""
+        try:
+            out = subprocess.run([self.script], capture_output=True, text=True,
+                                 stdin=subprocess.DEVNULL, timeout=DISCOVERY_TIMEOUT_S)
+            if out.returncode != 0:
+                raise ValueError(f"exited with code {out.returncode}: "
+                                 f"{out.stderr.strip().splitlines()[-1:] or ''}")
+            return parse_hosts(out.stdout)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            self._warn(f"--host-discovery-script {self.script}: {exc}; hosts unchanged")
+            return None
+
+    def start(self, first: dict[str, int], changed: Callable[[dict[str, int]], None]) -> None:
+        self._last, self._changed = first, changed
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(DISCOVERY_INTERVAL_S):
+            hosts = self.discover()
+            if hosts is not None and hosts != self._last and not self._stop.is_set():
+                self._last = hosts
+                self._changed(hosts)
+
+
+@dataclass
+class _Member:
+    slot: RankSlot  # its rank is the member id
+    label: str
+
+
+class ElasticJob:
+    """The membership of an elastic job and its changes (called by the supervisor's loop).
+
+    :param procs: generation 0's processes, one per rank in rank order (their index is
+        their member id).
+    :param start_process: makes the process of a new member on a slot, for generation
+        ``g`` at rank ``r`` of ``size``.
+    """
+
+    def __init__(self, limits: ElasticLimits, procs: list[ProcessSpec], store: StoreClient,
+                 make_process: Callable[[RankSlot, dict[str, str]], ProcessSpec],
+                 hosts: dict[str, int] | None = None) -> None:
+        self.limits = limits
+        self.store = store
+        self._make_process = make_process
+        self.members: list[int] = []
+        self.known: dict[int, _Member] = {}
+        for proc in procs:
+            if len(proc.ranks) != 1:
+                raise UsageError("elastic options need one process per rank (--launcher "
+                                 "local or ssh)")
+            slot = RankSlot(proc.ranks[0], proc.host, 0, 1)
+            self.members.append(proc.ranks[0])
+            self.known[proc.ranks[0]] = _Member(slot, proc.label)
+        self.next_member = len(procs)
+        self.generation = 0
+        self.restarts = 0
+        #: every process that left, in order: (label, reason)
+        self.departures: list[tuple[str, str]] = []
+        #: slots by host the discovery script last reported (None: no script)
+        self.hosts = hosts
+        self._lock = threading.Lock()
+
+    # -- generations ------------------------------------------------------------------------
+    def membership(self, joined: tuple[int, ...] = (),
+                   departed: tuple[Departure, ...] = ()) -> Membership:
+        return Membership(self.generation, tuple(self.members),
+                          tuple(self.known[m].slot.host for m in self.members), joined, departed)
+
+    def publish_initial(self) -> None:
+        publish_membership(self.store, self.membership())
+
+    def elastic_env(self, member: int, rank: int, membership: Membership) -> dict[str, str]:
+        """What a process started for ``membership`` gets on top of the job's variables."""
+        return {"TNT_ELASTIC": "1", "TNT_MEMBER_ID": str(member),
+                "TNT_GENERATION": str(membership.generation), "TNT_RANK": str(rank),
+                "TNT_SIZE": str(membership.size),
+                "TNT_LOCAL_RANK": str(membership.local_rank(rank)),
+                "TNT_LOCAL_SIZE": str(membership.local_size(rank))}
+
+    def change(self, gone: dict[int, str]) -> tuple[list[ProcessSpec], str | None]:
+        """Members ``gone`` (member id -> why) left: publish the next generation.
+
+        Returns the processes to start, and None; or no process and the one line that
+        ends the job (fewer than ``--min-np`` ranks left)."""
+        with self._lock:
+            gone = {m: why for m, why in gone.items() if m in self.members}
+            if not gone:
+                return [], None
+            departed = tuple(Departure(m, self.members.index(m), why) for m, why in gone.items())
+            self.departures += [(self.known[m].label, why) for m, why in gone.items()]
+            self.members = [m for m in self.members if m not in gone]
+            slots = [self.known[m].slot for m in gone]
+            new_slots: list[str] = []
+            for slot in slots:
+                if self.restarts >= self.limits.max_restarts:
+                    break
+                host = self._host_for(slot.host)
+                if host is None:
+                    break
+                self.restarts += 1
+                new_slots.append(host)
+            return self._next(new_slots, departed)
+
+    def grow_or_shrink(self, hosts: dict[str, int]) -> tuple[list[int], list[ProcessSpec], str | None]:
+        """The discovery script's new answer: the members on hosts that vanished or lost
+        slots (to be ended: their exits then count as failures), and the processes of new
+        members on new slots (up to ``--max-np``)."""
+        with self._lock:
+            self.hosts = dict(hosts)
+            doomed: list[int] = []
+            for host in {self.known[m].slot.host for m in self.members}:
+                on_host = [m for m in self.members if self.known[m].slot.host == host]
+                doomed += on_host[hosts.get(host, 0):]
+            alive = len(self.members) - len(doomed)
+            new_slots: list[str] = []
+            while alive + len(new_slots) < self.limits.max_np:
+                free = self._host_for(None, extra=new_slots)
+                if free is None:
+                    break
+                new_slots.append(free)
+            if not new_slots:
+                return doomed, [], None
+            procs, error = self._next(new_slots, ())
+            return doomed, procs, error
+
+    def _host_for(self, preferred: str | None, extra: list[str] | None = None) -> str | None:
+        """A host with a free slot (``preferred`` first); without a discovery script the
+        job's hosts are fixed: a replacement goes where its predecessor ran."""
+        if self.hosts is None:
+            return preferred
+        used: dict[str, int] = {}
+        for m in self.members:
+            used[self.known[m].slot.host] = used.get(self.known[m].slot.host, 0) + 1
+        for h in extra or ():
+            used[h] = used.get(h, 0) + 1
+        order = ([preferred] if preferred in self.hosts else []) + list(self.hosts)
+        return next((h for h in order if used.get(h, 0) < self.hosts[h]), None)
+
+    def _next(self, new_hosts: list[str], departed: tuple[Departure, ...]
+              ) -> tuple[list[ProcessSpec], str | None]:
+        size = len(self.members) + len(new_hosts)
+        if size < self.limits.min_np:
+            left = "no rank is" if size == 0 else f"{size} rank{'s are' if size > 1 else ' is'}"
+            died = "; ".join(f"{label} {why}" for label, why in self.departures)
+            return [], f"{left} left, fewer than --min-np {self.limits.min_np}: {died}"
+        starting = []
+        for host in new_hosts:
+            member = self.next_member
+            self.next_member += 1
+            slot = RankSlot(member, host, 0, 1)
+            self.known[member] = _Member(slot, f"rank {member} on {host}")
+            self.members.append(member)
+            starting.append(member)
+        self.generation += 1
+        first_new = len(self.members) - len(starting)
+        membership = self.membership(tuple(range(first_new, len(self.members))), departed)
+        publish_membership(self.store, membership)
+        procs = [self._make_process(self.known[m].slot,
+                                    self.elastic_env(m, membership.rank_of(m) or 0, membership))
+                 for m in starting]
+        return procs, None
+
+    def take_hung(self) -> tuple[list[int], str] | None:
+        """The members a stall inspector found hung (its record is then removed), and its
+        sentence about them; None when there is none."""
+        try:
+            if not self.store.check([NOT_ARRIVED_KEY]):
+                return None
+            record = json.loads(self.store.get(NOT_ARRIVED_KEY, 1.0))
+            self.store.delete(NOT_ARRIVED_KEY)
+        except (TntError, OSError, ValueError):
+            return None
+        with self._lock:
+            members = [self.members[r] for r in record.get("ranks", ())
+                       if isinstance(r, int) and 0 <= r < len(self.members)]
+        return members, str(record.get("text", "hung"))
+
+
+def with_env(proc: ProcessSpec, env: dict[str, str], job: Job) -> ProcessSpec:
+    """``proc`` whose rank gets ``env`` on top of its variables (written last: it wins)."""
+    spec = dict(proc.specs[0])
+    spec["env"] = [*spec["env"], *([k, v] for k, v in env.items())]
+    stdin = (job.encode(spec) + "\n").encode() if proc.stdin is not None else None
+    return dataclasses.replace(proc, specs=[spec], stdin=stdin)
+
+
+def process_maker(job: Job, launcher: Launcher, rendezvous: Rendezvous
+                  ) -> Callable[[RankSlot, dict[str, str]], ProcessSpec]:
+    """Makes the process of one new member, as ``launcher`` starts a rank on its host."""
+
+    def make(slot: RankSlot, env: dict[str, str]) -> ProcessSpec:
+        one = dataclasses.replace(job, placement=Placement((slot,)))
+        return with_env(launcher.processes(one, rendezvous)[0], env, job)
+
+    return make
