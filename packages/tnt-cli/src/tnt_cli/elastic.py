@@ -65,10 +65,12 @@ class HostDiscovery:
     """Runs ``--host-discovery-script`` every :data:`DISCOVERY_INTERVAL_S` in a thread and
     calls ``changed(hosts)`` when its answer differs from the last one."""
 
-    def __init__(self, script: str, warn: Callable[[str], None]) -> None:
-        self.script, self._warn = script, warn
+    def __init__(self, script: str, warn: Callable[[str], None],
+                 usable: Callable[[str], bool] = lambda host: True) -> None:
+        self.script, self._warn, self._usable = script, warn, usable
         self._changed: Callable[[dict[str, int]], None] = lambda hosts: None
         self._last: dict[str, int] | None = None
+        self._unusable: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tnt-host-discovery", daemon=True)
 
@@ -80,10 +82,16 @@ class HostDiscovery:
             if out.returncode != 0:
                 raise ValueError(f"exited with code {out.returncode}: "
                                  f"{out.stderr.strip().splitlines()[-1:] or ''}")
-            return parse_hosts(out.stdout)
+            hosts = parse_hosts(out.stdout)
         except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
             self._warn(f"--host-discovery-script {self.script}: {exc}; hosts unchanged")
             return None
+        unusable = [h for h in hosts if not self._usable(h)]
+        if unusable and unusable != self._unusable:
+            self._warn(f"--host-discovery-script {self.script}: {', '.join(unusable)} not used: "
+                       "the local launcher runs ranks on this machine only (--launcher ssh)")
+        self._unusable = unusable
+        return {h: slots for h, slots in hosts.items() if h not in unusable}
 
     def start(self, first: dict[str, int], changed: Callable[[dict[str, int]], None]) -> None:
         self._last, self._changed = first, changed

@@ -253,7 +253,9 @@ def _elastic_job(job: Job, launcher: Launcher, rendezvous: Rendezvous, store: St
         def warn(text: str) -> None:
             print(f"{prog}: warning: {text}", file=sys.stderr, flush=True)
 
-        discovery = HostDiscovery(os.path.abspath(script), warn)
+        local_only = launcher.name == "local"
+        discovery = HostDiscovery(os.path.abspath(script), warn,
+                                  lambda name: not local_only or is_local_host(name))
         hosts = discovery.discover()
         if hosts is None:
             raise UsageError(f"--host-discovery-script {script}: the first run failed")

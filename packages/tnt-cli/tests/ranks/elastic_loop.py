@@ -1,8 +1,9 @@
-"""An elastic allreduce loop: ``elastic_loop.py STEPS KILL_MEMBER KILL_STEP [KILL_MEMBER KILL_STEP]``.
+"""An elastic allreduce loop: ``elastic_loop.py STEPS [KILL_MEMBER KILL_STEP]...``.
 
 Each step every rank contributes ``(rank + 1) * (step + 1)``; the sum checks against the
-size of the generation it completed in. The member named SIGKILLs itself at its step
-(in the generation it started in), writing the time into ``$TNT_TEST_DIR/killed-M``. A
+size of the generation it completed in. The member named SIGKILLs itself at its step,
+writing the time into ``$TNT_TEST_DIR/killed-M``;
+``ELASTIC_HANG=M:S`` makes member M hang at step S instead. A
 failed allreduce rejoins and redoes its step; ranks that joined get the step from rank 0.
 Every rank prints its recoveries (kill to first completed allreduce in the new generation)
 and a last line with its final rank, size and generation.
@@ -21,6 +22,7 @@ import tnt_core
 steps = int(sys.argv[1])
 kills = {int(m): int(s) for m, s in zip(sys.argv[2::2], sys.argv[3::2], strict=True)}
 folder = Path(os.environ["TNT_TEST_DIR"])
+hang = tuple(int(v) for v in os.environ.get("ELASTIC_HANG", "-1:-1").split(":"))
 started = time.time()
 rt = tnt_core.init()
 me = rt.config.member_id
@@ -39,7 +41,10 @@ if rt.membership is not None and rt.rank in rt.membership.joined:
 # a replacement reports its first step; a survivor its first step after each rejoin
 report = first_generation > 0
 while step < steps:
-    if kills.get(me) == step and rt.generation == first_generation:
+    if hang == (me, step):
+        (folder / f"killed-{me}").write_text(repr(time.time()))
+        time.sleep(3600)  # alive but stuck: the stall inspector names it, tnt run evicts it
+    if kills.get(me) == step:
         (folder / f"killed-{me}").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     x = np.full(4, (rt.rank + 1) * (step + 1), dtype=np.float64)

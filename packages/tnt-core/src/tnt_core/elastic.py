@@ -35,7 +35,7 @@ from typing import Any
 from .errors import CommError, TntError
 
 __all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "Departure", "GenerationWatcher", "Membership",
-           "latest_generation", "publish_membership", "read_membership"]
+           "interrupt_on_change", "latest_generation", "publish_membership", "read_membership"]
 
 log = logging.getLogger("tnt.elastic")
 
@@ -127,6 +127,21 @@ def publish_membership(store: Any, membership: Membership) -> None:
     """Make ``membership`` the newest generation (its record first, then the pointer)."""
     store.set(MEMBERSHIP_KEY.format(generation=membership.generation), membership.to_json())
     store.set(LATEST_KEY, str(membership.generation).encode())
+
+
+def interrupt_on_change(store: Any, generation: int) -> Callable[[], str | None]:
+    """For :attr:`tnt_core.StoreClient.interrupt`: ends a wait of a rank of ``generation``
+    (e.g. a backend's connect waiting for a peer's address) once a later generation is
+    published: the peer it waits for may be gone, and the job has moved on without it."""
+    key = MEMBERSHIP_KEY.format(generation=generation + 1)
+
+    def interrupt() -> str | None:
+        if not store.check([key]):
+            return None
+        return (f"the elastic job's membership changed while waiting (generation "
+                f"{generation + 1} is out); call tnt_core.rejoin()")
+
+    return interrupt
 
 
 def latest_generation(store: Any) -> int:

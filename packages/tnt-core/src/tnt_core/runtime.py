@@ -245,6 +245,7 @@ class Runtime:
                               "`tnt run --min-np M` (or --max-restarts R)")
         wait = self.config.timeout_s if timeout is None else timeout
         store = _store_client(self.config)
+        store.interrupt = None  # its own waits are for the generations it asks for
         try:
             try:
                 read_membership(store, self.generation + 1, wait)
@@ -335,11 +336,11 @@ def init(backend: str | None = None) -> Runtime:
         config = Config.from_env()
         configure_logging(config)
         membership = None
-        if config.elastic and config.launched:
-            config, membership = _current_membership(config)
-            configure_logging(config)
         pm = get_plugin_manager()
-        comm, spec = _start_backend(config, backend, pm)
+        if config.elastic and config.launched:
+            comm, spec, config, membership = _start_elastic(config, backend, pm)
+        else:
+            comm, spec = _start_backend(config, backend, pm)
         if comm.rank != config.rank:  # e.g. under mpiexec, MPI knows the rank
             configure_logging(config, rank=comm.rank)
         runtime = Runtime(config, comm, spec, pm, membership)
@@ -356,13 +357,25 @@ def init(backend: str | None = None) -> Runtime:
         return runtime
 
 
-def _current_membership(config: Config) -> tuple[Config, Membership]:
+def _start_elastic(config: Config, name: str | None, pm: pluggy.PluginManager
+                   ) -> tuple[CommBackend, BackendSpec, Config, Membership]:
     """An elastic job's process at start: its place in the newest generation (a
-    replacement may start after further changes)."""
+    replacement may start after further changes; a change while connecting starts over
+    with the newer generation)."""
     with _store_client(config) as store:
-        generation = max(config.generation, latest_generation(store))
-        membership = read_membership(store, generation, config.timeout_s)
-    return _in_membership(config, membership), membership
+        store.interrupt = None  # its own waits are for the generations it asks for
+        while True:
+            generation = max(config.generation, latest_generation(store))
+            membership = read_membership(store, generation, config.timeout_s)
+            config = _in_membership(config, membership)
+            configure_logging(config)
+            try:
+                comm, spec = _start_backend(config, name, pm)
+            except CommError:
+                if latest_generation(store) == membership.generation:
+                    raise
+                continue
+            return comm, spec, config, membership
 
 
 def is_initialized() -> bool:
