@@ -11,11 +11,11 @@ import re
 
 import pytest
 
-from tnt_core import StoreClient, StoreServer, read_membership
 from tnt_cli.elastic import ElasticJob, ElasticLimits, parse_hosts
 from tnt_cli.launchers.base import ProcessSpec
 from tnt_cli.placement import RankSlot
 from tnt_cli.run import run_command
+from tnt_core import StoreClient, StoreServer, read_membership
 
 pytestmark = pytest.mark.timeout(120)
 
