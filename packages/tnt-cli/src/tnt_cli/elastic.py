@@ -188,6 +188,13 @@ class ElasticJob:
                 new_slots.append(host)
             return self._next(new_slots, departed)
 
+    def finished(self, member: int) -> None:
+        """``member`` exited with 0: it is done, and no later generation includes it (no
+        generation is published for it: the others are finishing too)."""
+        with self._lock:
+            if member in self.members:
+                self.members.remove(member)
+
     def grow_or_shrink(self, hosts: dict[str, int]) -> tuple[list[int], list[ProcessSpec], str | None]:
         """The discovery script's new answer: the members on hosts that vanished or lost
         slots (to be ended: their exits then count as failures), and the processes of new

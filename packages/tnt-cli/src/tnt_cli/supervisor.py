@@ -317,6 +317,8 @@ class Supervisor:
             self._hosts_changed()
             return
         code = value if value >= 0 else 128 - value
+        if code == 0 and kind == "exit" and self.elastic is not None:
+            self.elastic.finished(index)  # a later generation must not wait for it
         if code == 0 or self.stopping_since is not None:
             return
         if kind == "exit" and self.elastic is not None:
