@@ -125,7 +125,8 @@ class ElasticJob:
 
     def __init__(self, limits: ElasticLimits, procs: list[ProcessSpec], store: StoreClient,
                  make_process: Callable[[RankSlot, dict[str, str]], ProcessSpec],
-                 hosts: dict[str, int] | None = None) -> None:
+                 hosts: dict[str, int] | None = None,
+                 slots: tuple[RankSlot, ...] | None = None) -> None:
         self.limits = limits
         self.store = store
         self._make_process = make_process
@@ -135,7 +136,8 @@ class ElasticJob:
             if len(proc.ranks) != 1:
                 raise UsageError("elastic options need one process per rank (--launcher "
                                  "local or ssh)")
-            slot = RankSlot(proc.ranks[0], proc.host, 0, 1)
+            slot = (slots[proc.ranks[0]] if slots is not None
+                    else RankSlot(proc.ranks[0], proc.host, 0, 1))
             self.members.append(proc.ranks[0])
             self.known[proc.ranks[0]] = _Member(slot, proc.label)
         self.next_member = len(procs)
@@ -177,7 +179,7 @@ class ElasticJob:
             self.departures += [(self.known[m].label, why) for m, why in gone.items()]
             self.members = [m for m in self.members if m not in gone]
             slots = [self.known[m].slot for m in gone]
-            new_slots: list[str] = []
+            new_slots: list[tuple[str, str | None]] = []
             for slot in slots:
                 if self.restarts >= self.limits.max_restarts:
                     break
@@ -185,7 +187,7 @@ class ElasticJob:
                 if host is None:
                     break
                 self.restarts += 1
-                new_slots.append(host)
+                new_slots.append((host, slot.gpu if host == slot.host else None))
             return self._next(new_slots, departed)
 
     def finished(self, member: int) -> None:
@@ -214,7 +216,7 @@ class ElasticJob:
                 new_slots.append(free)
             if not new_slots:
                 return doomed, [], None
-            procs, error = self._next(new_slots, ())
+            procs, error = self._next([(h, None) for h in new_slots], ())
             return doomed, procs, error
 
     def _host_for(self, preferred: str | None, extra: list[str] | None = None) -> str | None:
@@ -230,7 +232,7 @@ class ElasticJob:
         order = ([preferred] if preferred in self.hosts else []) + list(self.hosts)
         return next((h for h in order if used.get(h, 0) < self.hosts[h]), None)
 
-    def _next(self, new_hosts: list[str], departed: tuple[Departure, ...]
+    def _next(self, new_hosts: list[tuple[str, str | None]], departed: tuple[Departure, ...]
               ) -> tuple[list[ProcessSpec], str | None]:
         size = len(self.members) + len(new_hosts)
         if size < self.limits.min_np:
@@ -238,20 +240,23 @@ class ElasticJob:
             died = "; ".join(f"{label} {why}" for label, why in self.departures)
             return [], f"{left} left, fewer than --min-np {self.limits.min_np}: {died}"
         starting = []
-        for host in new_hosts:
+        for host, gpu in new_hosts:  # the GPU of the rank it replaces, on the same host
             member = self.next_member
             self.next_member += 1
-            slot = RankSlot(member, host, 0, 1)
-            self.known[member] = _Member(slot, f"rank {member} on {host}")
+            self.known[member] = _Member(RankSlot(member, host, 0, 1, gpu), f"rank {member} on {host}")
             self.members.append(member)
             starting.append(member)
         self.generation += 1
         first_new = len(self.members) - len(starting)
         membership = self.membership(tuple(range(first_new, len(self.members))), departed)
         publish_membership(self.store, membership)
-        procs = [self._make_process(self.known[m].slot,
-                                    self.elastic_env(m, membership.rank_of(m) or 0, membership))
-                 for m in starting]
+        procs = []
+        for m in starting:
+            rank = membership.rank_of(m) or 0
+            # its place among the host's ranks of this generation (threads per rank follow)
+            slot = dataclasses.replace(self.known[m].slot, local_rank=membership.local_rank(rank),
+                                       local_size=membership.local_size(rank))
+            procs.append(self._make_process(slot, self.elastic_env(m, rank, membership)))
         return procs, None
 
     def take_hung(self) -> tuple[list[int], str] | None:

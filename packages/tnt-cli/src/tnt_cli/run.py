@@ -260,7 +260,7 @@ def _elastic_job(job: Job, launcher: Launcher, rendezvous: Rendezvous, store: St
         if hosts is None:
             raise UsageError(f"--host-discovery-script {script}: the first run failed")
     elastic = ElasticJob(elastic_limits(job.options, job.placement.size), procs, client,
-                         process_maker(job, launcher, rendezvous), hosts)
+                         process_maker(job, launcher, rendezvous), hosts, job.placement.slots)
     elastic.publish_initial()
     return elastic, discovery
 

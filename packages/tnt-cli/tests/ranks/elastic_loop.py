@@ -3,7 +3,8 @@
 Each step every rank contributes ``(rank + 1) * (step + 1)``; the sum checks against the
 size of the generation it completed in. The member named SIGKILLs itself at its step,
 writing the time into ``$TNT_TEST_DIR/killed-M``;
-``ELASTIC_HANG=M:S`` makes member M hang at step S instead. A
+``ELASTIC_HANG=M:S`` makes member M hang at step S instead; ``ELASTIC_FAIL_AT_START=M``
+makes member M (a replacement) exit before ``tnt_core.init()``. A
 failed allreduce rejoins and redoes its step; ranks that joined get the step from rank 0.
 Every rank prints its recoveries (kill to first completed allreduce in the new generation)
 and a last line with its final rank, size and generation.
@@ -24,6 +25,8 @@ kills = {int(m): int(s) for m, s in zip(sys.argv[2::2], sys.argv[3::2], strict=T
 folder = Path(os.environ["TNT_TEST_DIR"])
 hang = tuple(int(v) for v in os.environ.get("ELASTIC_HANG", "-1:-1").split(":"))
 started = time.time()
+if os.environ.get("TNT_MEMBER_ID") == os.environ.get("ELASTIC_FAIL_AT_START", "-"):
+    raise SystemExit(f"member {os.environ['TNT_MEMBER_ID']} fails before it joins")
 rt = tnt_core.init()
 me = rt.config.member_id
 first_generation = rt.generation
