@@ -7,10 +7,14 @@ BYTES, no framework). Member 1 SIGKILLs itself at step 20, after writing the tim
 
 * survivors (``--min-np RANKS-1``): kill -> the survivor's allreduce fails (CommError) ->
   ``tnt_core.rejoin()`` returns the new backend -> first allreduce completed on it;
-* replacement (``--max-restarts 1``): the same, the new generation waits for a new process
-  of this script; its phases: process started (before its imports), ``tnt_core.init()``
-  returned (connected), first allreduce completed. A framework's import (TensorFlow: several
-  seconds) adds to the process start.
+* replacement (``--min-np RANKS-1 --max-restarts 1``): the survivors go on as above; a new
+  process of this script joins once its ``tnt_core.init()`` says it is ready, and the
+  survivors rebind again (their pause: the collective the join aborted, to the first
+  allreduce with the newcomer). The newcomer's phases: process started (before its
+  imports), imports done, ``init()`` returned (connected), first allreduce completed. A
+  framework's import (TensorFlow: several seconds) adds to the process start;
+* replacement, held (``--min-np RANKS --max-restarts 1``): the survivors wait for the
+  replacement in ``rejoin()`` (fewer than ``--min-np`` may not go on).
 
 Prints the median and every sample, in seconds after the kill.
 """
@@ -29,7 +33,13 @@ import time
 from pathlib import Path
 
 STARTED = time.time()  # before the imports below: a replacement's process start
-KILL_STEP, STEPS = 20, 60
+KILL_STEP, STEPS = 20, 200
+#: the elastic options of each measured case, for RANKS ranks
+MODES = {
+    "survivors": lambda n: ["--min-np", str(n - 1)],
+    "replacement": lambda n: ["--min-np", str(n - 1), "--max-restarts", "1"],
+    "replacement, held": lambda n: ["--min-np", str(n), "--max-restarts", "1"],
+}
 
 
 def rank_main(out: Path, nbytes: int) -> None:
@@ -43,6 +53,8 @@ def rank_main(out: Path, nbytes: int) -> None:
     me = rt.config.member_id
     x = np.ones(max(1, nbytes // 4), dtype=np.float32)
     step, report = 0, {"member": me, "started": STARTED, "imported": imported, "init": inited}
+    rejoins: list[list[float]] = []  # [collective failed, rejoin returned, next allreduce done]
+    report["rejoins"] = rejoins
     if rt.membership is not None and rt.rank in rt.membership.joined:
         buf = np.zeros(1, dtype=np.int64)
         rt.backend.broadcast(buf, 0)
@@ -54,24 +66,26 @@ def rank_main(out: Path, nbytes: int) -> None:
         try:
             rt.backend.allreduce(x)
         except tnt_core.CommError:
-            report.setdefault("failed", time.time())
+            failed = time.time()
             tnt_core.rejoin(timeout=60)
-            report.setdefault("rejoined", time.time())
+            rejoins.append([failed, time.time()])
             report.setdefault("role", "survivor")
             if rt.membership is not None and rt.membership.joined:
                 buf = np.array([step], dtype=np.int64)
                 rt.backend.broadcast(buf, 0)
             continue
+        if rejoins and len(rejoins[-1]) == 2:
+            rejoins[-1].append(time.time())  # the first allreduce after this rejoin
         if "role" in report and "first" not in report:
             report["first"] = time.time()
         step += 1
+        time.sleep(0.05)  # a step's compute: the job lasts long enough for a replacement to join
     (out / f"member{me}.json").write_text(json.dumps(report))
 
 
 def run_once(mode: str, ranks: int, nbytes: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
-    options = (["--min-np", str(ranks - 1)] if mode == "survivors"
-               else ["--min-np", str(ranks), "--max-restarts", "1"])
+    options = MODES[mode](ranks)
     tnt = Path(sys.executable).with_name("tnt")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -81,9 +95,10 @@ def run_once(mode: str, ranks: int, nbytes: int) -> list[dict]:
         killed = float((out / "killed").read_text())
         reports = [json.loads(p.read_text()) for p in sorted(out.glob("member*.json"))]
     for r in reports:
-        for key in ("started", "imported", "init", "failed", "rejoined", "first"):
+        for key in ("started", "imported", "init", "first"):
             if key in r:
                 r[key] -= killed
+        r["rejoins"] = [[t - killed for t in times] for times in r["rejoins"]]
     return [r for r in reports if "role" in r]
 
 
@@ -105,16 +120,19 @@ def main() -> None:
         return
     print(f"elastic recovery, {args.ranks} ranks on this machine, allreduce of {args.bytes} "
           f"bytes, {args.repeats} repetitions (seconds after the SIGKILL)")
-    for mode in ("survivors", "replacement"):
+    for mode, flags in MODES.items():
         runs = [run_once(mode, args.ranks, args.bytes) for _ in range(args.repeats)]
         survivors = [r for run in runs for r in run if r["role"] == "survivor"]
-        flags = f"--min-np {args.ranks - 1}" if mode == "survivors" else "--max-restarts 1"
-        print(f"{mode}: tnt run -n {args.ranks} {flags}")
-        print(_line("survivor: collective failed", [r["failed"] for r in survivors]))
-        print(_line("survivor: rejoin() returned", [r["rejoined"] for r in survivors]))
-        print(_line("survivor: first allreduce done", [r["first"] for r in survivors]))
-        if mode == "replacement":
-            new = [r for run in runs for r in run if r["role"] == "replacement"]
+        print(f"{mode}: tnt run -n {args.ranks} {' '.join(flags(args.ranks))}")
+        first = [r["rejoins"][0] for r in survivors]
+        print(_line("survivor: collective failed", [t[0] for t in first]))
+        print(_line("survivor: rejoin() returned", [t[1] for t in first]))
+        print(_line("survivor: first allreduce done", [t[2] for t in first]))
+        joins = [r["rejoins"][1] for r in survivors if len(r["rejoins"]) > 1]
+        if joins:
+            print(_line("survivor: paused by the join", [t[2] - t[0] for t in joins]))
+        new = [r for run in runs for r in run if r["role"] == "replacement"]
+        if new:
             print(_line("replacement: process started", [r["started"] for r in new]))
             print(_line("replacement: imports done", [r["imported"] for r in new]))
             print(_line("replacement: init() connected", [r["init"] for r in new]))

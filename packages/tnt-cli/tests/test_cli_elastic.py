@@ -15,7 +15,7 @@ from tnt_cli.elastic import ElasticJob, ElasticLimits, parse_hosts
 from tnt_cli.launchers.base import ProcessSpec
 from tnt_cli.placement import RankSlot
 from tnt_cli.run import run_command
-from tnt_core import StoreClient, StoreServer, read_membership
+from tnt_core import READY_KEY, StoreClient, StoreServer, read_membership
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,8 +53,9 @@ def test_bad_elastic_options_are_refused_in_one_line(capsys, h, args, says):
 
 
 def test_generations_renumber_survivors_replace_and_stop_below_min_np():
-    """The supervisor's bookkeeping: survivors keep their order, a replacement comes after
-    them while restarts last, fewer than --min-np ends the job naming who died and how."""
+    """The supervisor's bookkeeping: survivors keep their order and go on at once when they
+    are --min-np; a replacement joins after them once its init() says it is ready (the
+    store's ready key); fewer than --min-np ends the job naming who died and how."""
     with StoreServer("127.0.0.1", 0) as server:
         store = StoreClient(*server.address, server.key, connect_timeout=5)
         procs = [ProcessSpec(["agent"], "localhost", (r,), [{}]) for r in range(4)]
@@ -68,24 +69,32 @@ def test_generations_renumber_survivors_replace_and_stop_below_min_np():
         job.publish_initial()
         started, error = job.change({1: "was killed by signal SIGKILL"})
         assert error is None and [p.ranks for p in started] == [(4,)]
-        gen1 = read_membership(store, 1, 1.0)
-        assert gen1.members == (0, 2, 3, 4) and gen1.joined == (3,)
+        gen1 = read_membership(store, 1, 1.0)  # the survivors, at once
+        assert gen1.members == (0, 2, 3) and gen1.joined == ()
         assert [(d.member, d.rank) for d in gen1.departed] == [(1, 1)]
-        assert made[0][1]["TNT_RANK"] == "3" and made[0][1]["TNT_MEMBER_ID"] == "4"
-        assert made[0][1]["TNT_GENERATION"] == "1" and made[0][1]["TNT_SIZE"] == "4"
+        assert made[0][1]["TNT_MEMBER_ID"] == "4" and made[0][1]["TNT_ELASTIC"] == "1"
+        assert job.take_ready() == (None, None)  # not ready yet: nothing changes
+        store.set(READY_KEY.format(member=4), b"1")
+        joined, error = job.take_ready()
+        assert error is None and joined == read_membership(store, 2, 1.0)
+        assert joined.members == (0, 2, 3, 4) and joined.joined == (3,)
         started, error = job.change({0: "exited with code 1 (ValueError: x)"})  # no restart left
         assert error is None and not started
-        assert read_membership(store, 2, 1.0).members == (2, 3, 4)
+        assert read_membership(store, 3, 1.0).members == (2, 3, 4)
         started, error = job.change({3: "exited with code 3", 4: "exited with code 4"})
         assert not started and error == (
             "1 rank is left, fewer than --min-np 2: rank 1 on localhost was killed by signal "
             "SIGKILL; rank 0 on localhost exited with code 1 (ValueError: x); rank 3 on "
             "localhost exited with code 3; rank 4 on localhost exited with code 4")
+        # below --min-np with a replacement starting: the survivors wait for it
+        wait = ElasticJob(ElasticLimits(2, 2, 1), procs[:2], store, make)
+        started, error = wait.change({0: "exited with code 1"})
+        assert error is None and len(started) == 1 and wait.generation == 0
         # discovered hosts: a host that vanishes ends its ranks, new slots get new ranks
         grow = ElasticJob(ElasticLimits(1, 3, 0), procs[:2], store, make,
                           hosts={"localhost": 2})
-        doomed, started, error = grow.grow_or_shrink({"localhost": 1, "other": 2})
-        assert doomed == [1] and error is None  # up to --max-np 3 once rank 1 is gone:
+        doomed, started = grow.grow_or_shrink({"localhost": 1, "other": 2})
+        assert doomed == [1]  # up to --max-np 3 once rank 1 is gone:
         assert [(p.host, p.ranks) for p in started] == [("other", (2,)), ("other", (3,))]
         store.close()
 
@@ -99,19 +108,21 @@ def test_discovery_output_is_host_colon_slots():
 # -- launches --------------------------------------------------------------------------------
 
 def test_a_killed_rank_is_replaced_then_the_job_shrinks(run_tnt, h):
-    """3 ranks, --max-restarts 1: rank 1 SIGKILLs itself at step 10, a replacement joins
-    (size 3, gets the step from rank 0); rank 2 dies at step 30, no restart is left, the
-    survivors go on with 2 ranks. Every sum is checked against its generation's size."""
+    """3 ranks, --min-np 2, --max-restarts 1: rank 1 SIGKILLs itself at step 10, the two
+    others go on at once, a replacement joins once started (gets the step from rank 0);
+    rank 2 dies at step 30, no restart is left, 2 ranks finish. Every sum is checked
+    against the size of the generation it completed in."""
     res = run_tnt("-n", "3", "--min-np", "2", "--max-restarts", "1", "--output-on-all-devices",
                   "--", h.rank_script("elastic_loop.py"), "45", "1", "10", "2", "30", timeout=90)
     assert res.returncode == 0, res.stderr
-    done = _done(res.stdout)
-    assert done == {0: (0, 2, 2, 45), 3: (1, 2, 2, 45)}, res.stdout + res.stderr
-    assert "going on with 3 rank(s), generation 1 (starting rank 3 on localhost)" in res.stderr
-    assert "going on with 2 rank(s), generation 2" in res.stderr
-    recovered = re.findall(r"recovered (survivor|replacement) member (\d+) generation (\d)",
-                           res.stdout)
-    assert ("replacement", "3", "1") in recovered and ("survivor", "0", "1") in recovered
+    done = {m: (rank, size, steps) for m, (rank, size, _, steps) in _done(res.stdout).items()}
+    assert done == {0: (0, 2, 45), 3: (1, 2, 45)}, res.stdout + res.stderr
+    assert "rank 1 on localhost exited with code 137 (signal SIGKILL?); going on with 2 rank(s), " \
+           "generation 1\ntnt run: starting rank 3 on localhost; it joins once ready" in res.stderr
+    # with 3 ranks, or with 2 when rank 2 died before the replacement was ready
+    assert "rank 3 on localhost joined; going on with" in res.stderr
+    recovered = re.findall(r"recovered (survivor|replacement) member (\d+)", res.stdout)
+    assert ("replacement", "3") in recovered and ("survivor", "0") in recovered
 
 
 def test_a_hung_rank_is_evicted_and_below_min_np_the_job_ends_in_one_line(run_tnt, h):

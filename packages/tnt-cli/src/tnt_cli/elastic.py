@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tnt_core import Departure, Membership, StoreClient, TntError, publish_membership
+from tnt_core import READY_KEY, Departure, Membership, StoreClient, TntError, publish_membership
 from tnt_core.stall import NOT_ARRIVED_KEY
 
 from .errors import UsageError
@@ -130,7 +130,11 @@ class ElasticJob:
         self.limits = limits
         self.store = store
         self._make_process = make_process
+        #: the members of the newest generation still alive, in its rank order
         self.members: list[int] = []
+        #: members started for the job, not in a generation yet (their processes start up)
+        self.pending: list[int] = []
+        self._ready: set[int] = set()
         self.known: dict[int, _Member] = {}
         for proc in procs:
             if len(proc.ranks) != 1:
@@ -142,6 +146,10 @@ class ElasticJob:
             self.known[proc.ranks[0]] = _Member(slot, proc.label)
         self.next_member = len(procs)
         self.generation = 0
+        #: the newest generation published
+        self.published = self.membership()
+        #: left since the newest generation was published
+        self._departed: list[Departure] = []
         self.restarts = 0
         #: every process that left, in order: (label, reason)
         self.departures: list[tuple[str, str]] = []
@@ -156,108 +164,137 @@ class ElasticJob:
                           tuple(self.known[m].slot.host for m in self.members), joined, departed)
 
     def publish_initial(self) -> None:
-        publish_membership(self.store, self.membership())
-
-    def elastic_env(self, member: int, rank: int, membership: Membership) -> dict[str, str]:
-        """What a process started for ``membership`` gets on top of the job's variables."""
-        return {"TNT_ELASTIC": "1", "TNT_MEMBER_ID": str(member),
-                "TNT_GENERATION": str(membership.generation), "TNT_RANK": str(rank),
-                "TNT_SIZE": str(membership.size),
-                "TNT_LOCAL_RANK": str(membership.local_rank(rank)),
-                "TNT_LOCAL_SIZE": str(membership.local_size(rank))}
+        publish_membership(self.store, self.published)
 
     def change(self, gone: dict[int, str]) -> tuple[list[ProcessSpec], str | None]:
-        """Members ``gone`` (member id -> why) left: publish the next generation.
+        """Members ``gone`` (member id -> why) left. A replacement is started for each
+        while ``--max-restarts`` lasts; the survivors go on in a new generation at once if
+        they are at least ``--min-np``, else it waits for the replacements to be ready.
 
         Returns the processes to start, and None; or no process and the one line that
-        ends the job (fewer than ``--min-np`` ranks left)."""
+        ends the job (fewer than ``--min-np`` ranks left, counting those starting)."""
         with self._lock:
-            gone = {m: why for m, why in gone.items() if m in self.members}
+            gone = {m: why for m, why in gone.items() if m in self.members or m in self.pending}
             if not gone:
                 return [], None
-            departed = tuple(Departure(m, self.members.index(m), why) for m, why in gone.items())
-            self.departures += [(self.known[m].label, why) for m, why in gone.items()]
-            self.members = [m for m in self.members if m not in gone]
-            slots = [self.known[m].slot for m in gone]
-            new_slots: list[tuple[str, str | None]] = []
-            for slot in slots:
-                if self.restarts >= self.limits.max_restarts:
-                    break
-                host = self._host_for(slot.host)
+            for m, why in gone.items():
+                if m in self.members:
+                    self.members.remove(m)
+                    self._departed.append(Departure(m, self.published.members.index(m), why))
+                else:
+                    self.pending.remove(m)
+                self.departures.append((self.known[m].label, why))
+            starting: list[int] = []
+            for m in gone:
+                slot = self.known[m].slot
+                host = self._host_for(slot.host) if self.restarts < self.limits.max_restarts else None
                 if host is None:
                     break
                 self.restarts += 1
-                new_slots.append((host, slot.gpu if host == slot.host else None))
-            return self._next(new_slots, departed)
+                starting.append(self._new_member(host, slot.gpu if host == slot.host else None))
+            error = self._settle()
+            return ([], error) if error else (self._processes(starting), None)
 
-    def finished(self, member: int) -> None:
+    def finished(self, member: int) -> bool:
         """``member`` exited with 0: it is done, and no later generation includes it (no
-        generation is published for it: the others are finishing too)."""
+        generation is published for it: the others are finishing too). True when every
+        member is done: members still starting up have nothing to join."""
         with self._lock:
             if member in self.members:
                 self.members.remove(member)
+            return not self.members
 
-    def grow_or_shrink(self, hosts: dict[str, int]) -> tuple[list[int], list[ProcessSpec], str | None]:
+    def take_ready(self) -> tuple[Membership | None, str | None]:
+        """Look whether members starting up are ready to join (their ``tnt_core.init()``
+        said so in the store): the generation published for them, or the line that ends
+        the job; (None, None) when nothing changed."""
+        with self._lock:
+            fresh = [m for m in self.pending if m not in self._ready
+                     and self.store.check([READY_KEY.format(member=m)])]
+            if not fresh:
+                return None, None
+            self._ready.update(fresh)
+            before = self.generation
+            error = self._settle()
+            return (self.published if self.generation != before else None), error
+
+    def grow_or_shrink(self, hosts: dict[str, int]) -> tuple[list[int], list[ProcessSpec]]:
         """The discovery script's new answer: the members on hosts that vanished or lost
         slots (to be ended: their exits then count as failures), and the processes of new
-        members on new slots (up to ``--max-np``)."""
+        members on new slots (up to ``--max-np``; they join once ready)."""
         with self._lock:
             self.hosts = dict(hosts)
             doomed: list[int] = []
-            for host in {self.known[m].slot.host for m in self.members}:
-                on_host = [m for m in self.members if self.known[m].slot.host == host]
+            for host in {self.known[m].slot.host for m in self.members + self.pending}:
+                on_host = [m for m in self.members + self.pending
+                           if self.known[m].slot.host == host]
                 doomed += on_host[hosts.get(host, 0):]
-            alive = len(self.members) - len(doomed)
-            new_slots: list[str] = []
-            while alive + len(new_slots) < self.limits.max_np:
-                free = self._host_for(None, extra=new_slots)
+            alive = len(self.members) + len(self.pending) - len(doomed)
+            starting: list[int] = []
+            while alive + len(starting) < self.limits.max_np:
+                free = self._host_for(None)
                 if free is None:
                     break
-                new_slots.append(free)
-            if not new_slots:
-                return doomed, [], None
-            procs, error = self._next([(h, None) for h in new_slots], ())
-            return doomed, procs, error
+                starting.append(self._new_member(free, None))
+            return doomed, self._processes(starting)
 
-    def _host_for(self, preferred: str | None, extra: list[str] | None = None) -> str | None:
+    def _new_member(self, host: str, gpu: str | None) -> int:
+        """A member starting on ``host`` (with the GPU of the rank it replaces)."""
+        member = self.next_member
+        self.next_member += 1
+        self.known[member] = _Member(RankSlot(member, host, 0, 1, gpu), f"rank {member} on {host}")
+        self.pending.append(member)
+        return member
+
+    def _processes(self, starting: list[int]) -> list[ProcessSpec]:
+        """The processes of members starting up. Their rank and size are the place they
+        expect (their ``tnt_core.init()`` reads the real one from the store); local rank
+        and size count the host's ranks, for the threads per rank."""
+        everyone = self.members + self.pending
+        hosts = [self.known[m].slot.host for m in everyone]
+        procs = []
+        for m in starting:
+            rank, host = everyone.index(m), self.known[m].slot.host
+            slot = dataclasses.replace(self.known[m].slot, local_rank=hosts[:rank].count(host),
+                                       local_size=hosts.count(host))
+            env = {"TNT_ELASTIC": "1", "TNT_MEMBER_ID": str(m),
+                   "TNT_GENERATION": str(self.generation), "TNT_RANK": str(rank),
+                   "TNT_SIZE": str(len(everyone)), "TNT_LOCAL_RANK": str(slot.local_rank),
+                   "TNT_LOCAL_SIZE": str(slot.local_size)}
+            procs.append(self._make_process(slot, env))
+        return procs
+
+    def _settle(self) -> str | None:
+        """Publish the next generation when one is due and it has ``--min-np`` ranks: the
+        survivors, then the members that are ready. The one line that ends the job when
+        even with those starting up there are fewer than ``--min-np``."""
+        if len(self.members) + len(self.pending) < self.limits.min_np:
+            size = len(self.members) + len(self.pending)
+            left = "no rank is" if size == 0 else f"{size} rank{'s are' if size > 1 else ' is'}"
+            died = "; ".join(f"{label} {why}" for label, why in self.departures)
+            return f"{left} left, fewer than --min-np {self.limits.min_np}: {died}"
+        joining = [m for m in self.pending if m in self._ready]
+        if not (self._departed or joining) or len(self.members) + len(joining) < self.limits.min_np:
+            return None  # nothing to publish, or waiting for replacements to be ready
+        self.pending = [m for m in self.pending if m not in joining]
+        self.members += joining
+        self.generation += 1
+        first = len(self.members) - len(joining)
+        membership = self.membership(tuple(range(first, len(self.members))), tuple(self._departed))
+        publish_membership(self.store, membership)
+        self.published, self._departed = membership, []
+        return None
+
+    def _host_for(self, preferred: str | None) -> str | None:
         """A host with a free slot (``preferred`` first); without a discovery script the
         job's hosts are fixed: a replacement goes where its predecessor ran."""
         if self.hosts is None:
             return preferred
         used: dict[str, int] = {}
-        for m in self.members:
+        for m in self.members + self.pending:
             used[self.known[m].slot.host] = used.get(self.known[m].slot.host, 0) + 1
-        for h in extra or ():
-            used[h] = used.get(h, 0) + 1
         order = ([preferred] if preferred in self.hosts else []) + list(self.hosts)
         return next((h for h in order if used.get(h, 0) < self.hosts[h]), None)
-
-    def _next(self, new_hosts: list[tuple[str, str | None]], departed: tuple[Departure, ...]
-              ) -> tuple[list[ProcessSpec], str | None]:
-        size = len(self.members) + len(new_hosts)
-        if size < self.limits.min_np:
-            left = "no rank is" if size == 0 else f"{size} rank{'s are' if size > 1 else ' is'}"
-            died = "; ".join(f"{label} {why}" for label, why in self.departures)
-            return [], f"{left} left, fewer than --min-np {self.limits.min_np}: {died}"
-        starting = []
-        for host, gpu in new_hosts:  # the GPU of the rank it replaces, on the same host
-            member = self.next_member
-            self.next_member += 1
-            self.known[member] = _Member(RankSlot(member, host, 0, 1, gpu), f"rank {member} on {host}")
-            self.members.append(member)
-            starting.append(member)
-        self.generation += 1
-        first_new = len(self.members) - len(starting)
-        membership = self.membership(tuple(range(first_new, len(self.members))), departed)
-        publish_membership(self.store, membership)
-        procs = []
-        for m in starting:
-            rank = membership.rank_of(m) or 0
-            # its place among the host's ranks of this generation (threads per rank follow)
-            slot = dataclasses.replace(self.known[m].slot, local_rank=membership.local_rank(rank),
-                                       local_size=membership.local_size(rank))
-            procs.append(self._make_process(slot, self.elastic_env(m, rank, membership)))
-        return procs, None
 
     def take_hung(self) -> tuple[list[int], str] | None:
         """The members a stall inspector found hung (its record is then removed), and its

@@ -317,8 +317,9 @@ class Supervisor:
             self._hosts_changed()
             return
         code = value if value >= 0 else 128 - value
-        if code == 0 and kind == "exit" and self.elastic is not None:
-            self.elastic.finished(index)  # a later generation must not wait for it
+        if code == 0 and kind == "exit" and self.elastic is not None \
+                and self.elastic.finished(index) and self.stopping_since is None:
+            self._stop_all()  # every member is done: those starting up have nothing to join
         if code == 0 or self.stopping_since is not None:
             return
         if kind == "exit" and self.elastic is not None:
@@ -344,24 +345,32 @@ class Supervisor:
     # -- elastic jobs -----------------------------------------------------------------------
     def _depart(self, index: int, value: int) -> None:
         """Process ``index`` of an elastic job failed: the next generation goes on without
-        it (a replacement with it, while restarts last), or the job ends below --min-np."""
+        it (a replacement joins later, while restarts last), or the job ends below --min-np."""
         assert self.elastic is not None
         cause = self.last_exception.get(index)  # not waited for: the survivors wait on us
         why = describe_exit(value) + (f" ({cause})" if cause else "")
+        before = self.elastic.generation
         procs, error = self.elastic.change({index: why})
         if error is not None:
             self.exit_code = value if value >= 0 else 128 - value
             self._conclude(error)
             self._stop_all()
             return
-        self._started(procs, f"{self.specs[index].label} {why}")
+        self._say_change(f"{self.specs[index].label} {why}", before)
+        self._start_members(procs)
 
-    def _started(self, procs: Sequence[ProcessSpec], what: str) -> None:
+    def _say_change(self, what: str, before: int) -> None:
         assert self.elastic is not None
-        membership = self.elastic.membership()
-        joined = [p.label for p in procs]
-        self.say(f"{what}; going on with {membership.size} rank(s), generation "
-                 f"{membership.generation}" + (f" (starting {', '.join(joined)})" if joined else ""))
+        if self.elastic.generation != before:
+            what += (f"; going on with {len(self.elastic.members)} rank(s), generation "
+                     f"{self.elastic.generation}")
+        self.say(what)
+
+    def _start_members(self, procs: Sequence[ProcessSpec]) -> None:
+        """Start processes for the job; they join once ready (:meth:`_elastic_tick`)."""
+        if procs:
+            self.say(f"starting {', '.join(p.label for p in procs)}; "
+                     f"{'they join' if len(procs) > 1 else 'it joins'} once ready")
         for spec in procs:
             index = len(self.specs)
             self.specs.append(spec)
@@ -375,24 +384,38 @@ class Supervisor:
     def _hosts_changed(self) -> None:
         if self.elastic is None or self._hosts is None or self.stopping_since is not None:
             return
-        doomed, procs, error = self.elastic.grow_or_shrink(self._hosts)
+        doomed, procs = self.elastic.grow_or_shrink(self._hosts)
         for member in doomed:
             proc = self.procs[member]
             if proc is not None and proc.poll() is None:
                 self.say(f"{self.specs[member].label}: its host left the discovered hosts; "
                          "ending it")
                 _killpg(proc.pid, signal.SIGKILL)
-        if error is not None:
-            self._conclude(error)
-            self._stop_all()
-        elif procs:
-            self._started(procs, "new slots discovered")
+        self._start_members(procs)
+
+    def _elastic_tick(self) -> None:
+        """Members starting up that are ready join in a new generation; a rank the stall
+        inspector found hung is evicted."""
+        if self.elastic is None or self.stopping_since is not None:
+            return
+        if self.elastic.pending:
+            before = self.elastic.generation
+            joined, error = self.elastic.take_ready()
+            if error is not None:
+                self.exit_code = 1
+                self._conclude(error)
+                self._stop_all()
+                return
+            if joined is not None:
+                names = ", ".join(self.specs[joined.members[r]].label for r in joined.joined)
+                self._say_change(f"{names} joined", before)
+        self._evict_hung()
 
     def _evict_hung(self) -> None:
         """In an elastic job, a rank the stall inspector found hung (it did not arrive at
         a collective within TNT_TIMEOUT_S) is killed: its exit changes the membership."""
         now = time.monotonic()
-        if self.elastic is None or self.stopping_since is not None or now < self._next_hung_poll:
+        if self.elastic is None or now < self._next_hung_poll:
             return
         self._next_hung_poll = now + HUNG_POLL_S
         found = self.elastic.take_hung()
@@ -474,7 +497,7 @@ class Supervisor:
             return None
 
     def _escalate(self) -> None:
-        self._evict_hung()
+        self._elastic_tick()
         if self.stopping_since is None and self.settle_until is not None \
                 and time.monotonic() >= self.settle_until:
             if self.launcher_exit is not None:  # what it printed last goes out first

@@ -31,7 +31,14 @@ from .config import (
     env_number,
     parse_bool,
 )
-from .elastic import Departure, Membership, latest_generation, publish_membership, read_membership
+from .elastic import (
+    READY_KEY,
+    Departure,
+    Membership,
+    latest_generation,
+    publish_membership,
+    read_membership,
+)
 from .errors import (
     CollectiveMismatchError,
     CommError,
@@ -102,6 +109,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "HANDSHAKE_TIMEOUT_S",
     "PEER_FAILURE_EXIT_CODE",
+    "READY_KEY",
     "ENTRY_POINT_GROUP",
     "PROJECT_NAME",
     "REDUCE_OPS",

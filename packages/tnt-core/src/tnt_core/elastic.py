@@ -21,6 +21,10 @@ Store keys (the launcher contract):
     JSON of :class:`Membership` generation ``G`` (generation 0 is the job as started).
 ``tnt/elastic/latest``
     ``G`` of the newest generation, set after its record.
+``tnt/elastic/ready/M``
+    set by the ``tnt_core.init()`` of a process started for the job (member ``M``) that is
+    in no generation yet: it is ready to connect, and ``tnt run`` publishes a generation
+    with it. The others go on without it while it starts (when they are ``--min-np``).
 """
 
 from __future__ import annotations
@@ -28,19 +32,21 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CommError, TntError
 
-__all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "Departure", "GenerationWatcher", "Membership",
+__all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher", "Membership",
            "interrupt_on_change", "latest_generation", "publish_membership", "read_membership"]
 
 log = logging.getLogger("tnt.elastic")
 
 MEMBERSHIP_KEY = "tnt/elastic/membership/{generation}"
 LATEST_KEY = "tnt/elastic/latest"
+READY_KEY = "tnt/elastic/ready/{member}"
 #: seconds a watcher's store wait lasts before it looks whether it should stop
 _WATCH_POLL_S = 0.5
 
@@ -154,6 +160,24 @@ def latest_generation(store: Any) -> int:
 def read_membership(store: Any, generation: int, timeout: float | None = None) -> Membership:
     """Generation ``generation``, waiting up to ``timeout`` seconds for it to be published."""
     return Membership.from_json(store.get(MEMBERSHIP_KEY.format(generation=generation), timeout))
+
+
+def join_membership(store: Any, member: int, timeout: float) -> Membership:
+    """The newest generation with ``member`` in it. A member in none yet (a process
+    started for the job) says it is ready and waits up to ``timeout`` for one."""
+    deadline = time.monotonic() + timeout
+    membership = read_membership(store, latest_generation(store), timeout)
+    if membership.rank_of(member) is not None:
+        return membership
+    store.set(READY_KEY.format(member=member), b"1")
+    while membership.rank_of(member) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommError(f"member {member} was not taken into the elastic job within "
+                            f"{timeout:g}s (tnt run publishes a generation with it once "
+                            "it is ready)", operation="join")
+        membership = read_membership(store, membership.generation + 1, left)
+    return read_membership(store, max(membership.generation, latest_generation(store)), timeout)
 
 
 class GenerationWatcher:

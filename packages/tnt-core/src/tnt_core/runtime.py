@@ -15,7 +15,13 @@ import pluggy
 
 from .backend import BackendSpec, CommBackend
 from .config import Config
-from .elastic import GenerationWatcher, Membership, latest_generation, read_membership
+from .elastic import (
+    GenerationWatcher,
+    Membership,
+    join_membership,
+    latest_generation,
+    read_membership,
+)
 from .errors import CommError, ConfigError, PluginError
 from .launch_env import detect_mpi_launch
 from .log import configure_logging, logger
@@ -362,12 +368,12 @@ def _start_elastic(config: Config, name: str | None, pm: pluggy.PluginManager
     """An elastic job's process at start: its place in the newest generation (a
     replacement may start after further changes; a change while connecting starts over
     with the newer generation)."""
+    member = config.rank if config.member_id is None else config.member_id
     with _store_client(config) as store:
         store.interrupt = None  # its own waits are for the generations it asks for
         while True:
-            generation = max(config.generation, latest_generation(store))
-            membership = read_membership(store, generation, config.timeout_s)
-            config = _in_membership(config, membership)
+            membership = join_membership(store, member, config.timeout_s)
+            config = _in_membership(config.with_overrides(member_id=member), membership)
             configure_logging(config)
             try:
                 comm, spec = _start_backend(config, name, pm)
