@@ -2,10 +2,12 @@
 
 The supervisor sees a rank's exit the moment it happens; it hands it to :class:`ElasticJob`,
 which publishes the next membership generation in the rendezvous store (tnt_core.elastic:
-the survivors renumbered in their old order, then the ranks started for the generation),
-and gives the supervisor the processes to start: a replacement while ``--max-restarts``
-lasts, new ranks on hosts the discovery script reports, up to ``--max-np``. Below
-``--min-np`` it says why the job ends, in one line naming the ranks that died and how.
+the survivors renumbered in their old order) when at least ``--min-np`` are left, and gives
+the supervisor the processes to start: a replacement while ``--max-restarts`` lasts, new
+ranks on slots the discovery script reports, up to ``--max-np``. Those join in a later
+generation, once their ``tnt_core.init()`` says they are ready (after their imports), so a
+slow start-up does not stall the others. Below ``--min-np``, counting those starting, it
+says why the job ends, in one line naming the ranks that died and how.
 
 A process keeps one name for the whole job, its *member id*: its first rank, or the next
 unused number for a process started later. Labels, output prefixes and messages use it.
@@ -119,8 +121,10 @@ class ElasticJob:
 
     :param procs: generation 0's processes, one per rank in rank order (their index is
         their member id).
-    :param start_process: makes the process of a new member on a slot, for generation
-        ``g`` at rank ``r`` of ``size``.
+    :param make_process: makes the process of a new member on a slot, with variables
+        added to its environment.
+    :param hosts: slots by host of the discovery script's first answer (None: no script).
+    :param slots: generation 0's placement (GPUs, local ranks), by rank.
     """
 
     def __init__(self, limits: ElasticLimits, procs: list[ProcessSpec], store: StoreClient,

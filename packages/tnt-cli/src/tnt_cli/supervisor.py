@@ -22,6 +22,10 @@
 * When a rank fails, or on SIGINT/SIGTERM/SIGHUP, every other process is asked to end
   (stdin closed, the launcher's stop signal sent to its process group); whatever still
   runs after the grace period is killed. A second Ctrl+C kills at once.
+* In an elastic job (:mod:`tnt_cli.elastic`) a failed rank changes the membership
+  instead: the next generation goes on without it, processes started for the job (a
+  replacement, ranks on discovered slots) join once ready, a rank the stall inspector
+  found hung is killed; the job ends only below ``--min-np``.
 * Every process runs in a session of its own, so a terminal's Ctrl+C reaches only
   ``tnt run``, which ends the ranks in order rather than leaving half of them running.
 """
