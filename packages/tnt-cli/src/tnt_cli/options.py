@@ -270,8 +270,8 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
     elastic = p.add_argument_group(
         "elastic jobs (a rank that dies does not end the job; gloo backend, local or ssh ranks)")
     elastic.add_argument("--min-np", dest="min_np", type=_positive_int, metavar="M",
-                         help="go on while at least M ranks are left (default: -n when only "
-                              "--max-restarts is given)")
+                         help="train with at least M ranks, waiting for replacements that "
+                              "start up; fewer end the job (default: -n)")
     elastic.add_argument("--max-np", dest="max_np", type=_positive_int, metavar="N",
                          help="grow to at most N ranks when hosts appear (default: -n)")
     elastic.add_argument("--max-restarts", dest="max_restarts", type=_nonneg_int, metavar="R",
