@@ -39,8 +39,9 @@ from typing import Any
 
 from .errors import CommError, TntError
 
-__all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher", "Membership",
-           "interrupt_on_change", "latest_generation", "publish_membership", "read_membership"]
+__all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
+           "Membership", "interrupt_on_change", "join_membership", "latest_generation",
+           "publish_membership", "read_membership"]
 
 log = logging.getLogger("tnt.elastic")
 
