@@ -16,7 +16,7 @@ from .options import RunOptions
 from .placement import Placement, RankSlot
 
 __all__ = ["Job", "Rendezvous", "FORWARDED_VARIABLES", "JOB_VARIABLES", "RANK_VARIABLES",
-           "TERMINATE_GRACE_S", "check_host_settings", "job_settings"]
+           "TERMINATE_GRACE_S", "check_host_settings", "job_backend", "job_settings"]
 
 #: seconds between SIGTERM and SIGKILL when ranks are ended
 TERMINATE_GRACE_S = 3.0
@@ -118,7 +118,7 @@ def check_host_settings(cfg: Config, options: RunOptions, placement: Placement,
             continue
         if var.group not in _GENERAL_GROUPS:
             if not backend:
-                backend.append(_job_backend(cfg, options, placement))
+                backend.append(job_backend(cfg, options, placement))
             if backend[0] != var.group:
                 continue
         try:
@@ -129,7 +129,7 @@ def check_host_settings(cfg: Config, options: RunOptions, placement: Placement,
             raise ConfigError(f"{exc} ({given})") from None
 
 
-def _job_backend(cfg: Config, options: RunOptions, placement: Placement) -> str | None:
+def job_backend(cfg: Config, options: RunOptions, placement: Placement) -> str | None:
     """The backend the ranks will run: the one named, else the one they will choose when
     tnt run starts them itself (None when unknown, e.g. under mpirun or srun, where MPI's
     presence changes their choice)."""

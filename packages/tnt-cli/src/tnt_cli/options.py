@@ -57,6 +57,20 @@ class RunOptions:
     dry_run: bool = False
     cleanup: bool = False
     force: bool = False
+    #: elastic: fewest ranks the job goes on with (None: not given)
+    min_np: int | None = None
+    #: elastic: most ranks the job grows to
+    max_np: int | None = None
+    #: elastic: dead ranks replaced, in the whole job
+    max_restarts: int | None = None
+    #: elastic: prints the available hosts ('HOST:SLOTS' lines), polled while the job runs
+    host_discovery_script: str | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Ranks may leave and join: any of the elastic options was given."""
+        return any(v is not None for v in (self.min_np, self.max_np, self.max_restarts,
+                                           self.host_discovery_script))
 
     @property
     def names_hosts(self) -> bool:
@@ -83,6 +97,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -244,6 +268,21 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
                       help="seconds a rank waits for a peer (collective, rendezvous) before "
                            f"failing (TNT_TIMEOUT_S; default {_default(VARIABLES['TNT_TIMEOUT_S'])})")
 
+    elastic = p.add_argument_group(
+        "elastic jobs (a rank that dies does not end the job; gloo backend, local or ssh ranks)")
+    elastic.add_argument("--min-np", dest="min_np", type=_positive_int, metavar="M",
+                         help="train with at least M ranks, waiting for replacements that "
+                              "start up; fewer end the job (default: -n)")
+    elastic.add_argument("--max-np", dest="max_np", type=_positive_int, metavar="N",
+                         help="grow to at most N ranks when hosts appear (default: -n)")
+    elastic.add_argument("--max-restarts", dest="max_restarts", type=_nonneg_int, metavar="R",
+                         help="start a replacement for a rank that died, up to R times in the "
+                              "job (default 0)")
+    elastic.add_argument("--host-discovery-script", dest="host_discovery_script", metavar="PATH",
+                         help="a program printing the available hosts, one 'HOST:SLOTS' a "
+                              "line; polled while the job runs: ranks of a host that vanishes "
+                              "are ended, new slots get new ranks (up to --max-np)")
+
     ctl = p.add_argument_group("control")
     ctl.add_argument("--dry-run", action="store_true",
                      help="print what would run on which host, start nothing")
@@ -294,6 +333,7 @@ def _validate(ns: argparse.Namespace) -> RunOptions:
         raise UsageError("name the hosts once: --hostfile FILE or -H HOST:K,..., not both")
     if ns.hosts is not None and len(ns.hosts) > 1:
         raise UsageError("-H is given more than once; name every host in one -H HOST:K,HOST:K")
+    _check_elastic(ns)
     return RunOptions(
         command=command, nranks=ns.nranks, hostfile=ns.hostfile,
         hosts=None if ns.hosts is None else ns.hosts[0], per_node=ns.per_node,
@@ -302,5 +342,27 @@ def _validate(ns: argparse.Namespace) -> RunOptions:
         output_all=ns.output_all, python=python, pin_cpu=ns.pin_cpu, pin_memory=ns.pin_memory,
         timeout_s=ns.timeout_s, rendezvous_host=ns.rendezvous_host,
         rendezvous_port=ns.rendezvous_port, ssh_args=ns.ssh_args, dry_run=ns.dry_run,
-        cleanup=ns.cleanup, force=ns.force,
+        cleanup=ns.cleanup, force=ns.force, min_np=ns.min_np, max_np=ns.max_np,
+        max_restarts=ns.max_restarts, host_discovery_script=ns.host_discovery_script,
     )
+
+
+def _check_elastic(ns: argparse.Namespace) -> None:
+    """The elastic options agree with each other and with ``-n``."""
+    n, lo, hi = ns.nranks, ns.min_np, ns.max_np
+    if lo is not None and n is not None and lo > n:
+        raise UsageError(f"--min-np {lo} is more than the {n} rank(s) the job starts with (-n)")
+    if hi is not None and n is not None and hi < n:
+        raise UsageError(f"--max-np {hi} is less than the {n} rank(s) the job starts with (-n)")
+    if lo is not None and hi is not None and lo > hi:
+        raise UsageError(f"--min-np {lo} is more than --max-np {hi}")
+    script = ns.host_discovery_script
+    if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        raise UsageError(f"--host-discovery-script {script!r} is not an executable file "
+                         "(chmod +x it; it prints one 'HOST:SLOTS' a line)")
+    elastic = any(v is not None for v in (lo, hi, ns.max_restarts, script))
+    if elastic and ns.launcher in ("mpirun", "srun"):
+        raise UsageError(f"elastic options need one process per rank (--launcher local or "
+                         f"ssh); --launcher {ns.launcher} starts them all at once")
+    if elastic and ns.cleanup:
+        raise UsageError("--cleanup takes no elastic option")

@@ -24,10 +24,12 @@ from .agent import read_failures
 from .cleanup import WAIT_S, cleanup_host, remove_orphan_segments, shm_segments
 from .devices import cpu_count, visible_gpus
 from .dryrun import dry_run_rendezvous, render_dry_run
+from .elastic import ElasticJob, ElasticLimits, HostDiscovery, process_maker, with_env
 from .errors import USAGE_EXIT_CODE, UsageError
 from .hostfile import Host, read_hostfile
-from .job import Job, Rendezvous
+from .job import Job, Rendezvous, job_backend
 from .launchers import Launcher, choose_launcher
+from .launchers.base import ProcessSpec
 from .launchers.ssh import ssh_command
 from .network import is_local_host, store_bind_address
 from .options import RunOptions, parse_run_args
@@ -117,7 +119,32 @@ def resolve_job(options: RunOptions, launcher: Launcher) -> Job:
     backend = job.settings().backend  # checks the exported and -x settings too
     if backend:
         _check_backend(backend, placement.size, placement.max_local_size)
+    if options.elastic:
+        _check_elastic(job)
     return job
+
+
+def _check_elastic(job: Job) -> None:
+    """An elastic job runs a backend whose communicator can be rebuilt over new members."""
+    backend = job_backend(job.settings(), job.options, job.placement)
+    if backend == "mpi":
+        raise UsageError("elastic options (--min-np, --max-np, --max-restarts, "
+                         "--host-discovery-script) need the gloo backend: an MPI communicator "
+                         "cannot shrink without ULFM")
+    options, n = job.options, job.placement.size
+    if options.min_np is not None and options.min_np > n:
+        raise UsageError(f"--min-np {options.min_np} is more than the {n} rank(s) the job "
+                         "starts with")
+    if options.max_np is not None and options.max_np < n:
+        raise UsageError(f"--max-np {options.max_np} is less than the {n} rank(s) the job "
+                         "starts with")
+
+
+def elastic_limits(options: RunOptions, size: int) -> ElasticLimits:
+    """``--min-np`` (default: the starting size), ``--max-np`` (default: the starting
+    size), ``--max-restarts`` (default 0)."""
+    return ElasticLimits(min_np=options.min_np or size, max_np=max(size, options.max_np or size),
+                         max_restarts=options.max_restarts or 0)
 
 
 #: ranks per CPU of this machine above which tnt run warns: a few per CPU are common in
@@ -197,16 +224,52 @@ def _run(options: RunOptions, prog: str) -> int:
         raise UsageError(f"{exc} (--rendezvous-host / --rendezvous-port)") from None
     leftovers_before = shm_segments()
     with store:
-        procs = launcher.processes(job, Rendezvous(store.url, store.key))
+        rendezvous = Rendezvous(store.url, store.key)
+        procs = launcher.processes(job, rendezvous)
         reported = any(spec["rank"] is None for proc in procs for spec in proc.specs)
+        elastic, discovery = None, None
+        if options.elastic:
+            elastic, discovery = _elastic_job(job, launcher, rendezvous, store, procs, prog)
+            procs = [with_env(proc, {"TNT_ELASTIC": "1"}, job) for proc in procs]
         supervisor = Supervisor(procs, job.grace_s, prog=prog,
-                                not_arrived=_not_arrived_reader(store), rank_reports=reported)
+                                not_arrived=_not_arrived_reader(store), rank_reports=reported,
+                                elastic=elastic)
         if reported:
             _watch_rank_failures(store, supervisor)
+        if discovery is not None and elastic is not None:
+            discovery.start(elastic.hosts or {}, supervisor.hosts_changed)
         try:
             return supervisor.run()
         finally:
+            if discovery is not None:
+                discovery.stop()
+            if elastic is not None:
+                elastic.store.close()
             _sweep(leftovers_before)
+
+
+def _elastic_job(job: Job, launcher: Launcher, rendezvous: Rendezvous, store: StoreServer,
+                 procs: list[ProcessSpec], prog: str) -> tuple[ElasticJob, HostDiscovery | None]:
+    """The membership keeper of an elastic job, its generation 0 published before any
+    rank starts; and the host discovery, when a script was given."""
+    host, port = store.address
+    client = StoreClient(host, port, store.key, connect_timeout=10.0)
+    discovery, hosts = None, None
+    script = job.options.host_discovery_script
+    if script is not None:
+        def warn(text: str) -> None:
+            print(f"{prog}: warning: {text}", file=sys.stderr, flush=True)
+
+        local_only = launcher.name == "local"
+        discovery = HostDiscovery(os.path.abspath(script), warn,
+                                  lambda name: not local_only or is_local_host(name))
+        hosts = discovery.discover()
+        if hosts is None:
+            raise UsageError(f"--host-discovery-script {script}: the first run failed")
+    elastic = ElasticJob(elastic_limits(job.options, job.placement.size), procs, client,
+                         process_maker(job, launcher, rendezvous), hosts, job.placement.slots)
+    elastic.publish_initial()
+    return elastic, discovery
 
 
 def _sweep(before: set[str]) -> None:

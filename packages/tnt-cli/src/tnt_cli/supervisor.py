@@ -22,6 +22,10 @@
 * When a rank fails, or on SIGINT/SIGTERM/SIGHUP, every other process is asked to end
   (stdin closed, the launcher's stop signal sent to its process group); whatever still
   runs after the grace period is killed. A second Ctrl+C kills at once.
+* In an elastic job (:mod:`tnt_cli.elastic`) a failed rank changes the membership
+  instead: the next generation goes on without it, processes started for the job (a
+  replacement, ranks on discovered slots) join once ready, a rank the stall inspector
+  found hung is killed; the job ends only below ``--min-np``.
 * Every process runs in a session of its own, so a terminal's Ctrl+C reaches only
   ``tnt run``, which ends the ranks in order rather than leaving half of them running.
 """
@@ -43,6 +47,7 @@ from types import FrameType
 from typing import Any, BinaryIO
 
 from .agent import PEER_FAILURE_EXIT_CODE, describe_exit, exception_text
+from .elastic import ElasticJob
 from .launchers.base import ProcessSpec
 
 # what signal.signal() returns: the previous handler (None: not installed from Python)
@@ -60,6 +65,9 @@ SETTLE_S = 1.5
 LAUNCHER_DRAIN_S = 0.5
 #: seconds the verdict on an agent's report waits for the agent's line about its rank
 AGENT_LINE_WAIT_S = 1.0
+#: seconds between two looks of an elastic job's supervisor for a rank the stall
+#: inspector found hung (it is then evicted)
+HUNG_POLL_S = 1.0
 #: the line an agent under mpirun/srun writes when its rank failed (see agent.Agent.run)
 _AGENT_EXIT_LINE = re.compile(rb"^\[(\d+)\] tnt: rank (\d+) on \S+ (?:exited|was killed)")
 
@@ -104,8 +112,12 @@ class Supervisor:
     def __init__(self, specs: Sequence[ProcessSpec], grace_s: float, *, prog: str = "tnt run",
                  stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
                  not_arrived: Callable[[], str | None] | None = None,
-                 rank_reports: bool = False) -> None:
+                 rank_reports: bool = False, elastic: ElasticJob | None = None) -> None:
         self.specs = list(specs)
+        #: an elastic job: a rank's failure changes the membership instead of ending the job
+        self.elastic = elastic
+        self._hosts: dict[str, int] | None = None  # the discovery script's newest answer
+        self._next_hung_poll = 0.0
         self._pid = os.getpid()
         self._prctl: Callable[..., int] | None
         try:  # looked up before fork: the child must not load libraries
@@ -262,7 +274,7 @@ class Supervisor:
                     signal.signal(sig, handler)
 
     def _run(self) -> int:
-        for index, spec in enumerate(self.specs):
+        for index, spec in enumerate(list(self.specs)):  # an elastic job may add some meanwhile
             self.procs.append(self._start(index, spec))
             if not self.events.empty() and self.stopping_since is None:
                 self._handle_pending()
@@ -305,8 +317,17 @@ class Supervisor:
                 self.say(f"{name} again: killing all ranks")
                 self._kill_all()
             return
+        if kind == "hosts":
+            self._hosts_changed()
+            return
         code = value if value >= 0 else 128 - value
+        if code == 0 and kind == "exit" and self.elastic is not None \
+                and self.elastic.finished(index) and self.stopping_since is None:
+            self._stop_all()  # every member is done: those starting up have nothing to join
         if code == 0 or self.stopping_since is not None:
+            return
+        if kind == "exit" and self.elastic is not None:
+            self._depart(index, value)
             return
         if kind == "exit" and self.rank_reports and len(self.specs[index].ranks) > 1:
             # mpiexec/srun ended because a rank failed: the ranks' reports say which and
@@ -324,6 +345,92 @@ class Supervisor:
                 self.settle_until = time.monotonic() + SETTLE_S
             return
         self._fail(kind, index, value)
+
+    # -- elastic jobs -----------------------------------------------------------------------
+    def _depart(self, index: int, value: int) -> None:
+        """Process ``index`` of an elastic job failed: the next generation goes on without
+        it (a replacement joins later, while restarts last), or the job ends below --min-np."""
+        assert self.elastic is not None
+        cause = self.last_exception.get(index)  # not waited for: the survivors wait on us
+        why = describe_exit(value) + (f" ({cause})" if cause else "")
+        before = self.elastic.generation
+        procs, error = self.elastic.change({index: why})
+        if error is not None:
+            self.exit_code = value if value >= 0 else 128 - value
+            self._conclude(error)
+            self._stop_all()
+            return
+        self._say_change(f"{self.specs[index].label} {why}", before)
+        self._start_members(procs)
+
+    def _say_change(self, what: str, before: int) -> None:
+        assert self.elastic is not None
+        if self.elastic.generation != before:
+            what += (f"; going on with {len(self.elastic.members)} rank(s), generation "
+                     f"{self.elastic.generation}")
+        self.say(what)
+
+    def _start_members(self, procs: Sequence[ProcessSpec]) -> None:
+        """Start processes for the job; they join once ready (:meth:`_elastic_tick`)."""
+        if procs:
+            self.say(f"starting {', '.join(p.label for p in procs)}; "
+                     f"{'they join' if len(procs) > 1 else 'it joins'} once ready")
+        for spec in procs:
+            index = len(self.specs)
+            self.specs.append(spec)
+            self.procs.append(self._start(index, spec))
+
+    def hosts_changed(self, hosts: dict[str, int]) -> None:
+        """The host discovery script's new answer (thread-safe)."""
+        self._hosts = hosts
+        self.events.put(("hosts", -1, 0))
+
+    def _hosts_changed(self) -> None:
+        if self.elastic is None or self._hosts is None or self.stopping_since is not None:
+            return
+        doomed, procs = self.elastic.grow_or_shrink(self._hosts)
+        for member in doomed:
+            proc = self.procs[member]
+            if proc is not None and proc.poll() is None:
+                self.say(f"{self.specs[member].label}: its host left the discovered hosts; "
+                         "ending it")
+                _killpg(proc.pid, signal.SIGKILL)
+        self._start_members(procs)
+
+    def _elastic_tick(self) -> None:
+        """Members starting up that are ready join in a new generation; a rank the stall
+        inspector found hung is evicted."""
+        if self.elastic is None or self.stopping_since is not None:
+            return
+        if self.elastic.pending:
+            before = self.elastic.generation
+            joined, error = self.elastic.take_ready()
+            if error is not None:
+                self.exit_code = 1
+                self._conclude(error)
+                self._stop_all()
+                return
+            if joined is not None:
+                names = ", ".join(self.specs[joined.members[r]].label for r in joined.joined)
+                self._say_change(f"{names} joined", before)
+        self._evict_hung()
+
+    def _evict_hung(self) -> None:
+        """In an elastic job, a rank the stall inspector found hung (it did not arrive at
+        a collective within TNT_TIMEOUT_S) is killed: its exit changes the membership."""
+        now = time.monotonic()
+        if self.elastic is None or now < self._next_hung_poll:
+            return
+        self._next_hung_poll = now + HUNG_POLL_S
+        found = self.elastic.take_hung()
+        if found is None:
+            return
+        members, text = found
+        for member in members:
+            proc = self.procs[member] if member < len(self.procs) else None
+            if proc is not None and proc.poll() is None:
+                self.say(f"{self.specs[member].label}: evicted, {text}")
+                _killpg(proc.pid, signal.SIGKILL)
 
     def _fail(self, kind: str, index: int, value: int) -> None:
         """Name the failure of ``index`` (exit status / reported code ``value``), end the job."""
@@ -394,6 +501,7 @@ class Supervisor:
             return None
 
     def _escalate(self) -> None:
+        self._elastic_tick()
         if self.stopping_since is None and self.settle_until is not None \
                 and time.monotonic() >= self.settle_until:
             if self.launcher_exit is not None:  # what it printed last goes out first

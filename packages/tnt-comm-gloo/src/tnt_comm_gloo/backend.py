@@ -298,7 +298,11 @@ class GlooBackend(CommBackend):
         self._config, self._splits = config, 0
         hostname, iface = self._settings.listen_address(config)
         # a group's name (from split) is the same on its members, whatever else they made
-        generation: int | str = _group if _group is not None else next(_generation)
+        # an elastic job's later membership generations: one name on every member,
+        # whatever each process made before (a replacement made nothing)
+        generation: int | str = (_group if _group is not None else
+                                 f"e{config.generation}" if config.generation else
+                                 next(_generation))
         self._group_name = f"{generation}-"
         file_dir = _file_store_dir(config.rendezvous)
         store = None
@@ -547,6 +551,12 @@ class GlooBackend(CommBackend):
         if len(members) == 1:
             return LocalBackend(dataclasses.replace(config, local_rank=0, local_size=1))
         return GlooBackend(config, self._settings, _group=f"{self._group_name}g{self._splits}")
+
+    def abort(self, reason: str) -> None:
+        """Fail what is in flight and everything later with ``reason``; close the
+        connections (the peers' operations with this rank fail too)."""
+        if not self._closed:
+            self._comm.abort(reason)
 
     def close(self) -> None:
         """Finish queued collectives, stop the worker, close the connections. Idempotent."""

@@ -28,6 +28,14 @@ from ._backend import (
 from ._backend_choice import list_backends, select_backend
 from ._comm_thread import CommThread, FutureHandle
 from ._config import Config
+from ._elastic import (
+    READY_KEY,
+    Departure,
+    Membership,
+    latest_generation,
+    publish_membership,
+    read_membership,
+)
 from ._errors import (
     CollectiveMismatchError,
     CommError,
@@ -56,6 +64,8 @@ from ._lifecycle import (
     init,
     is_initialized,
     is_master_rank,
+    membership_changed,
+    rejoin,
     shutdown,
 )
 from ._local_backend import LocalBackend
@@ -110,6 +120,15 @@ __all__ = [
     "list_backends",
     "select_backend",
     "shutdown",
+    # an elastic job's membership (tnt run --min-np/--max-restarts)
+    "READY_KEY",
+    "Departure",
+    "Membership",
+    "latest_generation",
+    "membership_changed",
+    "publish_membership",
+    "read_membership",
+    "rejoin",
     # plugins
     "ENTRY_POINT_GROUP",
     "get_plugin_manager",

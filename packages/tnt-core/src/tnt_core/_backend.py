@@ -244,6 +244,13 @@ class CommBackend(abc.ABC):
     def close(self) -> None:
         """Release the communicator. Idempotent."""
 
+    def abort(self, reason: str) -> None:  # noqa: B027 - optional: close() ends what abort would
+        """Fail every operation in flight, and every later one, with
+        :class:`~tnt_core.CommError` saying ``reason`` (optional). An elastic job calls it
+        when the membership changes, so that a collective waiting for a rank that left
+        returns at once instead of at ``TNT_TIMEOUT_S``. Default: nothing (the backend's
+        own failure detection must then notice the departed peer)."""
+
     def native_comm(self) -> Any:
         """The native hand-off (optional): a PyCapsule named ``tnt_native_comm`` holding the
         C function table of ``tnt_core/include/tnt_native_comm.h``, through which compiled

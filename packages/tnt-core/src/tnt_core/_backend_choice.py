@@ -10,13 +10,15 @@ from collections.abc import Iterable
 
 import pluggy
 
-from ._backend import BackendSpec
+from ._backend import BackendSpec, CommBackend
 from ._config import Config
 from ._errors import PluginError
 from ._launch_env import detect_mpi_launch
+from ._log import logger
 from ._plugins import get_plugin_manager
+from ._watched_backend import WatchedBackend
 
-__all__ = ["list_backends", "select_backend"]
+__all__ = ["list_backends", "select_backend", "start_backend"]
 
 
 def list_backends(pm: pluggy.PluginManager | None = None) -> list[BackendSpec]:
@@ -79,3 +81,20 @@ def select_backend(config: Config, name: str | None = None,
         f"no communication backend can run a job of {config.size} ranks; installed: "
         f"{_names(specs)}. Install one: pip install tnt-comm-gloo (or tnt-comm-mpi)"
     )
+
+
+def start_backend(config: Config, name: str | None,
+                  pm: pluggy.PluginManager) -> tuple[CommBackend, BackendSpec]:
+    """The chosen backend's communicator for ``config``, wrapped for the stall inspector
+    in a multi-rank job."""
+    spec = select_backend(config, name, pm)
+    logger.debug("starting backend %r for rank %d of %d", spec.name, config.rank, config.size)
+    comm = spec.factory(config)
+    if not isinstance(comm, CommBackend):
+        raise PluginError(
+            f"backend {spec.name!r} factory returned {type(comm).__name__}, "
+            "not a tnt_core.CommBackend"
+        )
+    if comm.size > 1:
+        comm = WatchedBackend(comm)
+    return comm, spec

@@ -44,6 +44,9 @@ _FIELD_VARIABLES: dict[str, S.Variable] = {
     "overlap": S.TNT_OVERLAP,
     "native_ops": S.TNT_NATIVE_OPS,
     "tensorboard_on_all_devices": S.TNT_TENSORBOARD_ON_ALL_DEVICES,
+    "elastic": S.TNT_ELASTIC,
+    "member_id": S.TNT_MEMBER_ID,
+    "generation": S.TNT_GENERATION,
 }
 _VARIABLE_FIELDS = {var.name: name for name, var in _FIELD_VARIABLES.items()}
 
@@ -76,6 +79,13 @@ class Config:
     native_ops: bool = True
     #: TNT_TENSORBOARD_ON_ALL_DEVICES: Keras' TensorBoard callback on every rank
     tensorboard_on_all_devices: bool = False
+    #: TNT_ELASTIC: ranks may come and go; the membership lives in the rendezvous store
+    elastic: bool = False
+    #: TNT_MEMBER_ID: this process's name in an elastic job, kept when its rank changes
+    #: (None: its first rank)
+    member_id: int | None = None
+    #: TNT_GENERATION: the elastic job's membership generation this config describes
+    generation: int = 0
     #: True when TNT_SIZE was set, i.e. a launcher started this process.
     launched: bool = False
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 import atexit
 import threading
 
-from ._backend import CommBackend
-from ._backend_choice import select_backend
+import pluggy
+
+from ._backend import BackendSpec, CommBackend
+from ._backend_choice import start_backend
 from ._config import Config
-from ._errors import ConfigError, PluginError
-from ._log import configure_logging, logger
+from ._elastic import Membership, join_membership, latest_generation
+from ._errors import CommError, ConfigError
+from ._log import configure_logging
 from ._peer_failure import install_excepthook
 from ._plugins import get_plugin_manager
-from ._runtime import MASTER_RANK, Runtime
+from ._runtime import MASTER_RANK, Runtime, in_membership, store_client
 from ._stall_inspector import start_inspector
 from ._watched_backend import WatchedBackend
 
@@ -29,6 +32,8 @@ __all__ = [
     "get_size",
     "get_master_rank",
     "is_master_rank",
+    "membership_changed",
+    "rejoin",
 ]
 
 
@@ -54,22 +59,18 @@ def init(backend: str | None = None) -> Runtime:
             return _runtime
         config = Config.from_env()
         configure_logging(config)
+        membership = None
         pm = get_plugin_manager()
-        spec = select_backend(config, backend, pm)
-        logger.debug("starting backend %r for rank %d of %d", spec.name, config.rank, config.size)
-        comm = spec.factory(config)
-        if not isinstance(comm, CommBackend):
-            raise PluginError(
-                f"backend {spec.name!r} factory returned {type(comm).__name__}, "
-                "not a tnt_core.CommBackend"
-            )
+        if config.elastic and config.launched:
+            comm, spec, config, membership = _start_elastic(config, backend, pm)
+        else:
+            comm, spec = start_backend(config, backend, pm)
         if comm.rank != config.rank:  # e.g. under mpiexec, MPI knows the rank
             configure_logging(config, rank=comm.rank)
-        if comm.size > 1:
-            comm = WatchedBackend(comm)
-        runtime = Runtime(config, comm, spec, pm)
+        runtime = Runtime(config, comm, spec, pm, membership, starter=start_backend)
         if isinstance(comm, WatchedBackend):
             runtime.stall_inspector = start_inspector(comm, config, config.stall_warn_s)
+        runtime.watch_membership()
         _runtime = runtime
         if not _atexit_registered:
             atexit.register(shutdown)
@@ -78,6 +79,27 @@ def init(backend: str | None = None) -> Runtime:
             install_excepthook()  # a peer's failure ends this rank with its own exit code
         pm.hook.tnt_runtime_started(runtime=runtime)
         return runtime
+
+
+def _start_elastic(config: Config, name: str | None, pm: pluggy.PluginManager
+                   ) -> tuple[CommBackend, BackendSpec, Config, Membership]:
+    """An elastic job's process at start: its place in the newest generation (a
+    replacement may start after further changes; a change while connecting starts over
+    with the newer generation)."""
+    member = config.rank if config.member_id is None else config.member_id
+    with store_client(config) as store:
+        store.interrupt = None  # its own waits are for the generations it asks for
+        while True:
+            membership = join_membership(store, member, config.timeout_s)
+            config = in_membership(config.with_overrides(member_id=member), membership)
+            configure_logging(config)
+            try:
+                comm, spec = start_backend(config, name, pm)
+            except CommError:
+                if latest_generation(store) == membership.generation:
+                    raise
+                continue
+            return comm, spec, config, membership
 
 
 def is_initialized() -> bool:
@@ -112,3 +134,15 @@ def get_master_rank() -> int:
 def is_master_rank() -> bool:
     """True on the master rank."""
     return init().is_master
+
+
+def rejoin(timeout: float | None = None) -> CommBackend:
+    """After a :class:`~tnt_core.CommError` in an elastic job: the backend over the job's
+    next membership generation (:meth:`Runtime.rejoin`)."""
+    return init().rejoin(timeout)
+
+
+def membership_changed() -> bool:
+    """True once an elastic job's membership changed and this rank has not rejoined
+    (:meth:`Runtime.membership_changed`); never in a job that is not elastic."""
+    return init().membership_changed()

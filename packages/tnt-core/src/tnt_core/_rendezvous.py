@@ -24,10 +24,11 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ._addresses import is_loopback
 from ._config import Config
+from ._elastic import interrupt_on_change
 from ._errors import CommError, ConfigError, HandshakeError
 from ._handshake import HANDSHAKE_TIMEOUT_S, NO_IDENTITY, Handshake
 
@@ -48,6 +49,8 @@ OP_SET, OP_GET, OP_WAIT, OP_CHECK, OP_ADD, OP_DELETE = 1, 2, 3, 4, 5, 6
 ST_OK, ST_TIMEOUT, ST_ERROR = 0, 1, 2
 MAX_KEY = 1 << 16
 MAX_VALUE = 1 << 32
+#: seconds of a blocking get/wait between two looks at :attr:`StoreClient.interrupt`
+INTERRUPT_SLICE_S = 0.25
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -251,6 +254,9 @@ class StoreClient:
         self.address = (host, port)
         self.timeout = timeout
         self.rank = rank
+        #: asked between slices of a blocking ``get``/``wait``: a reason (a string) ends the
+        #: wait with CommError. An elastic job's ranks stop waiting for a peer that left.
+        self.interrupt: Callable[[], str | None] | None = None
         self._lock = threading.Lock()
         self._sock = self._connect(key, connect_timeout)
 
@@ -310,28 +316,59 @@ class StoreClient:
             self._request(bytes([OP_SET]) + _pack_str(key) + _pack_bytes(bytes(value)), f"set {key!r}")
             self._status(f"set {key!r}")
 
+    def _sliced(self, attempt: Callable[[int], bool], timeout: float | None, op: str) -> bool:
+        """``attempt(ms)`` (True: done) until done or ``timeout``; with :attr:`interrupt`, in
+        slices, asking it in between."""
+        interrupt = self.interrupt
+        if interrupt is None:
+            return attempt(self._ms(timeout))
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if attempt(self._ms(INTERRUPT_SLICE_S if left is None else min(left, INTERRUPT_SLICE_S))):
+                return True
+            if left is not None and left <= INTERRUPT_SLICE_S:
+                return False
+            reason = interrupt()
+            if reason:
+                raise self._error(reason, op)
+
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting until it is set."""
         op = f"get {key!r}"
-        with self._lock:
-            self._request(bytes([OP_GET]) + _pack_str(key) + struct.pack(">q", self._ms(timeout)), op)
-            if self._status(op) == ST_TIMEOUT:
-                raise self._error(f"key {key!r} was not set within the timeout", op)
-            try:
-                return _read_bytes(self._sock)
-            except (OSError, ConnectionError) as exc:
-                raise self._error(f"rendezvous store connection lost: {exc}", op) from exc
+        value: list[bytes] = []
+
+        def attempt(ms: int) -> bool:
+            with self._lock:
+                self._request(bytes([OP_GET]) + _pack_str(key) + struct.pack(">q", ms), op)
+                if self._status(op) == ST_TIMEOUT:
+                    return False
+                try:
+                    value.append(_read_bytes(self._sock))
+                except (OSError, ConnectionError) as exc:
+                    raise self._error(f"rendezvous store connection lost: {exc}", op) from exc
+                return True
+
+        if not self._sliced(attempt, timeout, op):
+            raise self._error(f"key {key!r} was not set within the timeout", op)
+        return value[0]
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Return once every key in ``keys`` is set; CommError past the timeout."""
         keys = list(keys)
         op = f"wait {keys[:4]!r}"
         payload = bytes([OP_WAIT]) + struct.pack(">I", len(keys)) + b"".join(map(_pack_str, keys))
-        with self._lock:
-            self._request(payload + struct.pack(">q", self._ms(timeout)), op)
-            if self._status(op) == ST_TIMEOUT:
+
+        def attempt(ms: int) -> bool:
+            with self._lock:
+                self._request(payload + struct.pack(">q", ms), op)
+                return self._status(op) != ST_TIMEOUT
+
+        if not self._sliced(attempt, timeout, op):
+            with self._lock:
                 missing = [k for k in keys if not self._check_locked([k])]
-                raise self._error(f"keys {missing[:8]} were not set within the timeout", op)
+            raise self._error(f"keys {missing[:8]} were not set within the timeout", op)
 
     def _check_locked(self, keys: list[str]) -> bool:
         packed = b"".join(map(_pack_str, keys))
@@ -380,8 +417,11 @@ def connect_store(config: Config, *, connect_timeout: float = 60.0) -> StoreClie
     host, port = config.rendezvous_address()
     if not config.rendezvous_key:
         raise ConfigError("TNT_RENDEZVOUS_KEY is not set; it comes from the launcher (tnt run)")
-    return StoreClient(host, port, config.rendezvous_key, connect_timeout=connect_timeout,
-                       timeout=config.timeout_s, rank=config.rank)
+    client = StoreClient(host, port, config.rendezvous_key, connect_timeout=connect_timeout,
+                         timeout=config.timeout_s, rank=config.rank)
+    if config.elastic:  # a rank waiting for a peer that left stops when the job goes on
+        client.interrupt = interrupt_on_change(client, config.generation)
+    return client
 
 
 def address_towards(host: str) -> str | None:

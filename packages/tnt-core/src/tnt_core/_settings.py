@@ -467,6 +467,16 @@ TNT_AGENT_SPEC = INTERNAL.declare("TNT_AGENT_SPEC", "str", None,
                                   "the job description (JSON) `tnt run` hands its agents under "
                                   "mpirun/srun")
 
+TNT_ELASTIC = INTERNAL.declare("TNT_ELASTIC", "bool", False,
+                               "the job is elastic: `tnt run` publishes membership generations "
+                               "in the rendezvous store (`--min-np`, `--max-restarts`)")
+TNT_MEMBER_ID = INTERNAL.declare("TNT_MEMBER_ID", "int", None,
+                                 "an elastic job's name for this process, kept across "
+                                 "generations", default_doc="`TNT_RANK`", minimum=0)
+TNT_GENERATION = INTERNAL.declare("TNT_GENERATION", "int", 0,
+                                  "the membership generation an elastic job's process joins",
+                                  minimum=0)
+
 #: tnt-core's own variables by name, in declaration order (the order the launcher writes
 #: them in and the docs list them in). With every installed plugin's:
 #: :func:`tnt_core.installed_settings`.

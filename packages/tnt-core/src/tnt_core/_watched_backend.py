@@ -325,6 +325,9 @@ class WatchedBackend(CommBackend):
             group = self.inner.split(ranks)
         return None if group is None else WatchedBackend(group, Ledger(), agree=self.agree)
 
+    def abort(self, reason: str) -> None:
+        self.inner.abort(reason)
+
     def close(self) -> None:
         # queued launches fail their handles; one waiting for its header ends with the
         # backend's close (which finishes or fails what it was given)

@@ -1,0 +1,143 @@
+"""Elastic jobs (``--min-np``, ``--max-restarts``, ``--host-discovery-script``).
+
+The launches run ``ranks/elastic_loop.py``, a numpy allreduce loop that checks every sum
+against the size of the generation it completed in: a rank SIGKILLs itself, the others go
+on (or a replacement joins), and the job ends below ``--min-np`` in one line.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tnt_cli.elastic import ElasticJob, ElasticLimits, parse_hosts
+from tnt_cli.launchers.base import ProcessSpec
+from tnt_cli.placement import RankSlot
+from tnt_cli.run import run_command
+from tnt_core import READY_KEY, StoreClient, StoreServer, read_membership
+
+pytestmark = pytest.mark.timeout(120)
+
+_DONE = re.compile(r"^\[(\d+)\] done member (\d+) rank (\d+) size (\d+) generation (\d+) steps (\d+)$")
+
+
+def _done(stdout: str) -> dict[int, tuple[int, int, int, int]]:
+    """member -> (rank, size, generation, steps) of the ranks that finished."""
+    found = {}
+    for line in stdout.splitlines():
+        m = _DONE.match(line)
+        if m:
+            found[int(m.group(2))] = tuple(int(g) for g in m.groups()[2:])
+    return found
+
+
+# -- no launch -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, says", [
+    (["-n", "2", "--min-np", "3"], "--min-np 3 is more than the 2 rank(s)"),
+    (["-n", "3", "--max-np", "2"], "--max-np 2 is less than the 3 rank(s)"),
+    (["--min-np", "3", "--max-np", "2"], "--min-np 3 is more than --max-np 2"),
+    (["-n", "2", "--max-restarts", "1", "--launcher", "srun"], "one process per rank"),
+    (["-n", "2", "--min-np", "1", "--backend", "mpi"], "cannot shrink without ULFM"),
+    (["-n", "2", "--host-discovery-script", "/nonexistent"], "not an executable file"),
+])
+def test_bad_elastic_options_are_refused_in_one_line(capsys, h, args, says):
+    try:  # in this process: a launch of tnt costs seconds, the checks milliseconds
+        code = run_command([*args, "--", h.rank_script("print_rank.py")])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_generations_renumber_survivors_replace_and_stop_below_min_np():
+    """The supervisor's bookkeeping: survivors keep their order and go on at once when they
+    are --min-np; a replacement joins after them once its init() says it is ready (the
+    store's ready key); fewer than --min-np ends the job naming who died and how."""
+    with StoreServer("127.0.0.1", 0) as server:
+        store = StoreClient(*server.address, server.key, connect_timeout=5)
+        procs = [ProcessSpec(["agent"], "localhost", (r,), [{}]) for r in range(4)]
+        made: list[tuple[RankSlot, dict[str, str]]] = []
+
+        def make(slot: RankSlot, env: dict[str, str]) -> ProcessSpec:
+            made.append((slot, env))
+            return ProcessSpec(["agent"], slot.host, (slot.rank,), [{}])
+
+        job = ElasticJob(ElasticLimits(min_np=2, max_np=4, max_restarts=1), procs, store, make)
+        job.publish_initial()
+        started, error = job.change({1: "was killed by signal SIGKILL"})
+        assert error is None and [p.ranks for p in started] == [(4,)]
+        gen1 = read_membership(store, 1, 1.0)  # the survivors, at once
+        assert gen1.members == (0, 2, 3) and gen1.joined == ()
+        assert [(d.member, d.rank) for d in gen1.departed] == [(1, 1)]
+        assert made[0][1]["TNT_MEMBER_ID"] == "4" and made[0][1]["TNT_ELASTIC"] == "1"
+        assert job.take_ready() == (None, None)  # not ready yet: nothing changes
+        store.set(READY_KEY.format(member=4), b"1")
+        joined, error = job.take_ready()
+        assert error is None and joined == read_membership(store, 2, 1.0)
+        assert joined.members == (0, 2, 3, 4) and joined.joined == (3,)
+        started, error = job.change({0: "exited with code 1 (ValueError: x)"})  # no restart left
+        assert error is None and not started
+        assert read_membership(store, 3, 1.0).members == (2, 3, 4)
+        started, error = job.change({3: "exited with code 3", 4: "exited with code 4"})
+        assert not started and error == (
+            "1 rank is left, fewer than --min-np 2: rank 1 on localhost was killed by signal "
+            "SIGKILL; rank 0 on localhost exited with code 1 (ValueError: x); rank 3 on "
+            "localhost exited with code 3; rank 4 on localhost exited with code 4")
+        # below --min-np with a replacement starting: the survivors wait for it
+        wait = ElasticJob(ElasticLimits(2, 2, 1), procs[:2], store, make)
+        started, error = wait.change({0: "exited with code 1"})
+        assert error is None and len(started) == 1 and wait.generation == 0
+        # discovered hosts: a host that vanishes ends its ranks, new slots get new ranks
+        grow = ElasticJob(ElasticLimits(1, 3, 0), procs[:2], store, make,
+                          hosts={"localhost": 2})
+        doomed, started = grow.grow_or_shrink({"localhost": 1, "other": 2})
+        assert doomed == [1]  # up to --max-np 3 once rank 1 is gone:
+        assert [(p.host, p.ranks) for p in started] == [("other", (2,)), ("other", (3,))]
+        store.close()
+
+
+def test_discovery_output_is_host_colon_slots():
+    assert parse_hosts("a:2\n# comment\nb\n\na:1\n") == {"a": 3, "b": 1}
+    with pytest.raises(ValueError, match="HOST:SLOTS"):
+        parse_hosts("a:two")
+
+
+# -- launches --------------------------------------------------------------------------------
+
+def test_a_killed_rank_is_replaced_then_the_job_shrinks(run_tnt, h):
+    """3 ranks, --min-np 2, --max-restarts 1: rank 1 SIGKILLs itself at step 10, the two
+    others go on at once, a replacement joins once started (gets the step from rank 0);
+    rank 2 dies at step 30, no restart is left, 2 ranks finish. Every sum is checked
+    against the size of the generation it completed in."""
+    res = run_tnt("-n", "3", "--min-np", "2", "--max-restarts", "1", "--output-on-all-devices",
+                  "--", h.rank_script("elastic_loop.py"), "45", "1", "10", "2", "30", timeout=90)
+    assert res.returncode == 0, res.stderr
+    done = {m: (rank, size, steps) for m, (rank, size, _, steps) in _done(res.stdout).items()}
+    assert done == {0: (0, 2, 45), 3: (1, 2, 45)}, res.stdout + res.stderr
+    assert "rank 1 on localhost exited with code 137 (signal SIGKILL?); going on with 2 rank(s), " \
+           "generation 1\ntnt run: starting rank 3 on localhost; it joins once ready" in res.stderr
+    # with 3 ranks, or with 2 when rank 2 died before the replacement was ready
+    assert "rank 3 on localhost joined; going on with" in res.stderr
+    recovered = re.findall(r"recovered (survivor|replacement) member (\d+)", res.stdout)
+    assert ("replacement", "3") in recovered and ("survivor", "0") in recovered
+
+
+def test_a_hung_rank_is_evicted_and_below_min_np_the_job_ends_in_one_line(run_tnt, h):
+    """Rank 1 hangs at step 5: the stall inspector names it at --timeout, tnt run kills
+    it and the others go on with 2 ranks; rank 2 then dies, and 1 rank is fewer than
+    --min-np 2: the job ends with the dead rank's exit code and one line naming both."""
+    res = run_tnt("-n", "3", "--min-np", "2", "--timeout", "2", "--output-on-all-devices", "--",
+                  h.rank_script("elastic_loop.py"), "30", "2", "15", env={"ELASTIC_HANG": "1:5"},
+                  timeout=60)
+    assert res.returncode == 137, res.stderr
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("tnt run: rank 1 on localhost: evicted, rank 1 did not arrive "
+                               "at allreduce #"), res.stderr
+    assert "going on with 2 rank(s), generation 1" in lines[1]
+    assert re.search(r"recovered survivor member 0 generation 1", res.stdout)
+    assert lines[-1] == (
+        "tnt run: 1 rank is left, fewer than --min-np 2: rank 1 on localhost was killed by "
+        "signal SIGKILL; rank 2 on localhost exited with code 137 (signal SIGKILL?)")

@@ -1,0 +1,231 @@
+"""Elastic membership: which processes make up the job, generation after generation.
+
+In an elastic job (``tnt run --min-np/--max-restarts``) ranks may die, be replaced, or be
+added. ``tnt run``'s supervisor sees a rank's exit at once; it publishes the next
+*membership generation* in the rendezvous store: the processes that form the job now, in
+rank order, and where each runs. Every process has a *member id* that stays when its rank
+changes (its first rank; a replacement gets a fresh one), so a survivor finds its new rank
+in the record. Survivors keep their order: they are ranks ``0..k-1`` of the new
+generation, and ranks started for it (replacements, growth) come after them, so rank 0 of
+a generation with survivors is always a survivor (the one that holds the state).
+
+Every rank of an elastic job runs a :class:`GenerationWatcher`: when a newer generation
+appears, it aborts the current communicator, so a collective waiting for a rank that left
+fails at once with :class:`~tnt_core.CommError`, whatever the transport and wherever the
+rank was. The framework then calls :func:`tnt_core.rejoin`, which returns a new backend
+over the new membership (see :meth:`tnt_core.Runtime.rejoin`).
+
+Store keys (the launcher contract):
+
+``tnt/elastic/membership/G``
+    JSON of :class:`Membership` generation ``G`` (generation 0 is the job as started).
+``tnt/elastic/latest``
+    ``G`` of the newest generation, set after its record.
+``tnt/elastic/ready/M``
+    set by the ``tnt_core.init()`` of a process started for the job (member ``M``) that is
+    in no generation yet: it is ready to connect, and ``tnt run`` publishes a generation
+    with it. The others go on without it while it starts (when they are ``--min-np``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import CommError, TntError
+
+__all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
+           "Membership", "interrupt_on_change", "join_membership", "latest_generation",
+           "publish_membership", "read_membership"]
+
+log = logging.getLogger("tnt.elastic")
+
+MEMBERSHIP_KEY = "tnt/elastic/membership/{generation}"
+LATEST_KEY = "tnt/elastic/latest"
+READY_KEY = "tnt/elastic/ready/{member}"
+#: seconds a watcher's store wait lasts before it looks whether it should stop
+_WATCH_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A process that left the job: its member id, its rank in the generation it left,
+    and why (``killed by SIGKILL``, ``exited with code 1 (ValueError: ...)``)."""
+
+    member: int
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One generation of an elastic job.
+
+    :param generation: 0 for the job as started, one more at each change.
+    :param members: the member id of each rank, in rank order.
+    :param hosts: the host of each rank (local rank and size follow from them).
+    :param joined: the ranks started for this generation: they hold no state yet and
+        must receive it from rank 0.
+    :param departed: the processes of the previous generation that are gone.
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    hosts: tuple[str, ...]
+    joined: tuple[int, ...] = ()
+    departed: tuple[Departure, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if len(self.hosts) != len(self.members) or len(set(self.members)) != len(self.members):
+            raise ValueError(f"membership {self.generation}: members {self.members} and hosts "
+                             f"{self.hosts} do not match")
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member: int) -> int | None:
+        """The rank of ``member`` in this generation, None when it is not part of it."""
+        try:
+            return self.members.index(member)
+        except ValueError:
+            return None
+
+    def local_rank(self, rank: int) -> int:
+        host = self.hosts[rank]
+        return sum(1 for h in self.hosts[:rank] if h == host)
+
+    def local_size(self, rank: int) -> int:
+        return self.hosts.count(self.hosts[rank])
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "generation": self.generation, "members": list(self.members),
+            "hosts": list(self.hosts), "joined": list(self.joined),
+            "departed": [[d.member, d.rank, d.reason] for d in self.departed],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Membership:
+        data = json.loads(raw)
+        return cls(generation=int(data["generation"]),
+                   members=tuple(int(m) for m in data["members"]),
+                   hosts=tuple(str(h) for h in data["hosts"]),
+                   joined=tuple(int(r) for r in data.get("joined", ())),
+                   departed=tuple(Departure(int(m), int(r), str(why))
+                                  for m, r, why in data.get("departed", ())))
+
+    def describe_change(self) -> str:
+        """``generation 2: 2 ranks; rank 1 left (killed by SIGKILL); rank 2 joined``."""
+        parts = [f"generation {self.generation}: {self.size} rank{'s' if self.size != 1 else ''}"]
+        parts += [f"rank {d.rank} left ({d.reason})" for d in self.departed]
+        if self.joined:
+            parts.append(f"rank{'s' if len(self.joined) > 1 else ''} "
+                         f"{', '.join(map(str, self.joined))} joined")
+        return "; ".join(parts)
+
+
+def publish_membership(store: Any, membership: Membership) -> None:
+    """Make ``membership`` the newest generation (its record first, then the pointer)."""
+    store.set(MEMBERSHIP_KEY.format(generation=membership.generation), membership.to_json())
+    store.set(LATEST_KEY, str(membership.generation).encode())
+
+
+def interrupt_on_change(store: Any, generation: int) -> Callable[[], str | None]:
+    """For :attr:`tnt_core.StoreClient.interrupt`: ends a wait of a rank of ``generation``
+    (e.g. a backend's connect waiting for a peer's address) once a later generation is
+    published: the peer it waits for may be gone, and the job has moved on without it."""
+    key = MEMBERSHIP_KEY.format(generation=generation + 1)
+
+    def interrupt() -> str | None:
+        if not store.check([key]):
+            return None
+        return (f"the elastic job's membership changed while waiting (generation "
+                f"{generation + 1} is out); call tnt_core.rejoin()")
+
+    return interrupt
+
+
+def latest_generation(store: Any) -> int:
+    """The newest generation published, 0 when none was."""
+    if not store.check([LATEST_KEY]):
+        return 0
+    return int(store.get(LATEST_KEY))
+
+
+def read_membership(store: Any, generation: int, timeout: float | None = None) -> Membership:
+    """Generation ``generation``, waiting up to ``timeout`` seconds for it to be published."""
+    return Membership.from_json(store.get(MEMBERSHIP_KEY.format(generation=generation), timeout))
+
+
+def join_membership(store: Any, member: int, timeout: float) -> Membership:
+    """The newest generation with ``member`` in it. A member in none yet (a process
+    started for the job) says it is ready and waits up to ``timeout`` for one."""
+    deadline = time.monotonic() + timeout
+    membership = read_membership(store, latest_generation(store), timeout)
+    if membership.rank_of(member) is not None:
+        return membership
+    store.set(READY_KEY.format(member=member), b"1")
+    while membership.rank_of(member) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommError(f"member {member} was not taken into the elastic job within "
+                            f"{timeout:g}s (tnt run publishes a generation with it once "
+                            "it is ready)", operation="join")
+        membership = read_membership(store, membership.generation + 1, left)
+    return read_membership(store, max(membership.generation, latest_generation(store)), timeout)
+
+
+class GenerationWatcher:
+    """A daemon thread that waits for the generation after ``generation`` and calls
+    ``on_change(membership)`` once, when it is published. Its own store client: the
+    caller's stays free for its requests."""
+
+    def __init__(self, store_factory: Callable[[], Any], generation: int,
+                 on_change: Callable[[Membership], None]) -> None:
+        self.generation = generation
+        self._store_factory = store_factory
+        self._on_change = on_change
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tnt-elastic-watcher",
+                                        daemon=True)
+
+    def start(self) -> GenerationWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (the thread ends within a poll interval; not waited for)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        try:
+            store = self._store_factory()
+        except (TntError, OSError) as exc:
+            log.warning("elastic: cannot watch the membership (%s); a departed rank is "
+                        "noticed only by the communicator", exc)
+            return
+        key = MEMBERSHIP_KEY.format(generation=self.generation + 1)
+        try:
+            while not self._stop.is_set():
+                try:
+                    store.wait([key], timeout=_WATCH_POLL_S)
+                except CommError:
+                    if not store.check([key]):  # a timeout; a lost store raises here
+                        continue
+                if self._stop.is_set():
+                    return
+                self._on_change(read_membership(store, self.generation + 1, _WATCH_POLL_S))
+                return
+        except (TntError, OSError, ValueError) as exc:
+            log.debug("elastic watcher ends: %s", exc)  # the store closed: the job is over
+        finally:
+            try:
+                store.close()
+            except (TntError, OSError):
+                pass

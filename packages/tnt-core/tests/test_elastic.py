@@ -1,0 +1,87 @@
+"""Elastic membership: the generation records, the interrupted store wait, rejoin's refusal.
+
+The launches (a rank killed, replaced, evicted) are in tnt-cli's test_cli_elastic.py.
+"""
+
+import threading
+import time
+
+import pytest
+
+import tnt_core
+from tnt_core import (
+    CommError,
+    Config,
+    ConfigError,
+    Departure,
+    Membership,
+    StoreClient,
+    StoreServer,
+    connect_store,
+    latest_generation,
+    publish_membership,
+    read_membership,
+)
+
+
+@pytest.fixture
+def server():
+    with StoreServer("127.0.0.1", 0, key="secret") as s:
+        yield s
+
+
+def test_membership_places_ranks_and_round_trips():
+    m = Membership(2, members=(0, 2, 5), hosts=("a", "b", "a"), joined=(2,),
+                   departed=(Departure(1, 1, "was killed by signal SIGKILL"),))
+    assert Membership.from_json(m.to_json()) == m
+    assert m.size == 3 and m.rank_of(5) == 2 and m.rank_of(1) is None
+    assert [m.local_rank(r) for r in range(3)] == [0, 0, 1]
+    assert [m.local_size(r) for r in range(3)] == [2, 1, 2]
+    assert m.describe_change() == ("generation 2: 3 ranks; rank 1 left (was killed by signal "
+                                   "SIGKILL); rank 2 joined")
+    with pytest.raises(ValueError, match="do not match"):
+        Membership(0, members=(0, 0), hosts=("a", "a"))
+
+
+def test_publish_and_read_the_newest_generation(server):
+    host, port = server.address
+    with StoreClient(host, port, server.key, connect_timeout=5) as store:
+        assert latest_generation(store) == 0
+        publish_membership(store, Membership(0, (0, 1, 2), ("h",) * 3))
+        publish_membership(store, Membership(1, (0, 2), ("h",) * 2))
+        assert latest_generation(store) == 1
+        assert read_membership(store, 1, 1.0).members == (0, 2)
+
+
+def test_an_elastic_ranks_store_wait_ends_when_the_job_moves_on(server):
+    """A rank of generation 0 waiting for a key (a backend's connect waiting for a peer's
+    address) stops waiting once generation 1 is out, instead of at TNT_TIMEOUT_S."""
+    host, port = server.address
+    config = Config(rank=0, size=2, local_size=2, rendezvous=f"{host}:{port}",
+                    rendezvous_key=server.key, elastic=True, timeout_s=10.0)
+    with connect_store(config) as waiting, connect_store(config) as launcher:
+        timer = threading.Timer(0.3, publish_membership,
+                                (launcher, Membership(1, (0,), ("h",))))
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(CommError, match="generation 1 is out"):
+            waiting.get("never-set")
+        assert time.monotonic() - started < 5.0
+        timer.join()
+        # a job that is not elastic waits as before: up to its timeout
+        plain = connect_store(config.with_overrides(elastic=False))
+        assert plain.interrupt is None
+        plain.close()
+
+
+def test_rejoin_outside_an_elastic_job_says_how_to_start_one(monkeypatch):
+    for name in ("TNT_RANK", "TNT_SIZE", "TNT_ELASTIC", "TNT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    tnt_core.shutdown()
+    try:
+        with pytest.raises(ConfigError, match="--min-np"):
+            tnt_core.rejoin(timeout=0.1)
+        assert tnt_core.membership_changed() is False
+        assert tnt_core.init().generation == 0 and tnt_core.init().membership is None
+    finally:
+        tnt_core.shutdown()
