@@ -523,3 +523,14 @@ def test_a_pipelined_batch_checksum_sees_one_bit_and_ignores_the_reduction_order
             changed.flat[5] = np.nextafter(changed.flat[5], np.inf)
             assert _checksum(changed) != _checksum(array), array.dtype
             assert _checksum(array[::-1].copy()) == _checksum(array)  # order-free: a sum
+
+
+def test_an_elastic_job_is_refused_in_one_line():
+    """tnt-keras cannot yet move a model to a new membership: it refuses at import rather
+    than fail later in a survivor's fit."""
+    from types import SimpleNamespace
+
+    environment.refuse_elastic(SimpleNamespace(membership=None))  # not elastic: nothing
+    with pytest.raises(tnt.NotSupportedError, match=r"^tnt-keras does not support elastic jobs yet "
+                       r"\(tnt run --min-np.*run without those options"):
+        environment.refuse_elastic(SimpleNamespace(membership=object()))

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import tnt_core
 
+from .errors import NotSupportedError
 from .log import logger
 
 __all__ = ["DEFAULT_SHUFFLE_SEED", "configure_process", "intra_op_threads_for"]
@@ -102,10 +103,24 @@ def _set_default_seed() -> None:
         tf.random.set_seed(DEFAULT_SHUFFLE_SEED)
 
 
+def refuse_elastic(runtime: tnt_core.Runtime) -> None:
+    """An elastic job (``tnt run --min-np``/``--max-restarts``/``--host-discovery-script``)
+    is refused in one line: tnt-keras does not yet move a model to a new membership (its
+    channel can take a new communicator, ``tarantella.comm.Channel.bind``, but ``fit`` does
+    not yet redo the failed step over it), and a survivor's ``fit`` would only fail later."""
+    if getattr(runtime, "membership", None) is not None:
+        raise NotSupportedError(
+            "tnt-keras does not support elastic jobs yet (tnt run --min-np, --max-np, "
+            "--max-restarts, --host-discovery-script): run without those options (a dead "
+            "rank then ends the job, named, and BackupAndRestore resumes it from the last "
+            "epoch)")
+
+
 def configure_process(runtime: tnt_core.Runtime) -> None:
     """Device placement, CPU threads and the default seed for this rank. Local rank and
     size come from the started runtime (under mpiexec, MPI knows them, not the environment);
     starting it runs no TensorFlow."""
+    refuse_elastic(runtime)
     if not _place_on_gpu(runtime):
         _set_cpu_threads(runtime)
     _set_default_seed()
