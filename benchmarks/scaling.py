@@ -13,8 +13,9 @@ thread per process:
 * with --vs-mwms, tf.distribute.MultiWorkerMirroredStrategy with N workers (legacy
   tf-keras, installed here on first use) and the ratio ours / theirs;
 * with --overlap, Tarantella-NT again with overlap off (every allreduce after backprop);
-* with --comm-free, the bound without communication: N independent single-rank
+* the bound without communication (on unless --no-comm-free): N independent single-rank
   Tarantella-NT processes at once, each held to its own CPU (the same step, no collective);
+  the N ranks of a job are held to a CPU each as well (unless --no-pin-ranks);
 * with --python-path, Tarantella-NT again with TNT_NATIVE_OPS=false (gradients through one
   ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
 * with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
@@ -24,6 +25,12 @@ thread per process:
   tnt the step's body and the optimizer's update, with the collectives between them
   (``tarantella.xla``). Printed: tnt 1 rank / Keras, both with XLA on one CPU; N ranks /
   N x Keras, both with XLA; N ranks with / without XLA.
+
+Every configuration runs --repeats times (5 by default) in interleaved rounds, so that a
+change of the machine's load hits all of them alike; the table gives the median of each and
+then every run's samples/s, the CPU time per step of the process (rank 0 of a job) and the
+1-minute load average when it ended: on a shared machine a run starved of CPU shows a long
+wall time beside an unchanged CPU time per step.
 
 Results: a table on stdout, JSON and a PNG plot in --out-dir. Machines are noisy: compare
 the ratios of one run, read absolute numbers only as context.
@@ -114,6 +121,8 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
         cmd.append("--comm-free")
     if cpus:
         cmd += ["--cpus", str(cpus)]
+    elif ranks > 1 and args.pin_ranks:
+        cmd += ["--pin-local-rank"]
     if frames:
         cmd += ["--count-frames"]
     if jit:
@@ -208,6 +217,62 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def configurations(args, model: str, backends: list[str], tmp: Path) -> dict:
+    """Every timed configuration of one model: result key -> a function that runs it once."""
+    jobs = {"keras": lambda: run_keras(args, model, tmp),
+            "keras_1cpu": lambda: run_keras(args, model, tmp, cpus=1)}
+    if args.xla:
+        jobs["keras_1cpu_xla"] = lambda: run_keras(args, model, tmp, cpus=1, jit=True)
+    if args.one_rank:
+        for jit, suffix in ((False, ""), (True, "-xla"))[:2 if args.xla else 1]:
+            jobs[f"tnt-1-rank-1cpu{suffix}"] = (
+                lambda jit=jit: run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1, jit=jit))
+    if args.comm_free:
+        jobs["comm-free"] = lambda: run_independent(args, model, tmp)
+        if args.xla:
+            jobs["comm-free-xla"] = lambda: run_independent(args, model, tmp, jit=True)
+    for backend in backends:
+        jobs[f"tnt-{backend}"] = lambda b=backend: run_tnt(args, model, b, tmp)
+        if args.xla:
+            jobs[f"tnt-{backend}-xla"] = lambda b=backend: run_tnt(args, model, b, tmp, jit=True)
+        if args.python_path:
+            jobs[f"tnt-{backend}-python-path"] = (
+                lambda b=backend: run_tnt(args, model, b, tmp, native=False))
+        if args.overlap:
+            jobs[f"tnt-{backend}-no-overlap"] = (
+                lambda b=backend: run_tnt(args, model, b, tmp, overlap=False))
+    if args.vs_mwms:
+        jobs["mwms"] = lambda: run_mwms(args, model, tmp)
+    return jobs
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def measure_interleaved(jobs: dict, repeats: int) -> dict[str, dict]:
+    """Runs every configuration ``repeats`` times in rounds (each round runs each once, the
+    order rotated by one per round), so that a change of the machine's load hits every
+    configuration alike; returns per key the median samples/s and every sample."""
+    samples: dict[str, list[dict]] = {key: [] for key in jobs}
+    keys = list(jobs)
+    for round_ in range(repeats):
+        for key in keys[round_ % len(keys):] + keys[:round_ % len(keys)]:
+            samples[key].append(jobs[key]())
+            print(f"  round {round_ + 1}/{repeats} {key:<28} {samples[key][-1]['samples_per_s']:>10.0f} "
+                  f"samples/s  (load {samples[key][-1].get('load', float('nan')):.1f})", flush=True)
+    results = {}
+    for key, runs in samples.items():
+        results[key] = {**runs[0], "samples_per_s": _median([r["samples_per_s"] for r in runs]),
+                        "samples": [r["samples_per_s"] for r in runs],
+                        "cpu_ms_per_step": _median([r["cpu_ms_per_step"] for r in runs]),
+                        "cpu_ms_per_step_samples": [r["cpu_ms_per_step"] for r in runs],
+                        "loads": [r["load"] for r in runs]}
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(models.MODELS))
@@ -216,10 +281,16 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs of every configuration, interleaved in rounds; the median is reported")
     p.add_argument("--vs-mwms", action="store_true")
     p.add_argument("--overlap", action="store_true", help="also run with overlap off")
-    p.add_argument("--comm-free", action="store_true",
-                   help="also run with every allreduce a no-op (diagnostic: the bound without communication)")
+    p.add_argument("--comm-free", action=argparse.BooleanOptionalAction, default=True,
+                   help="the bound without communication: N independent single-rank processes, "
+                        "each held to its own CPU (on by default)")
+    p.add_argument("--pin-ranks", action=argparse.BooleanOptionalAction, default=True,
+                   help="hold each rank of an N-rank job to the CPU of its local rank, as the "
+                        "comm-free bound's processes are (on by default)")
     p.add_argument("--python-path", action="store_true",
                    help="also run with TNT_NATIVE_OPS=false (the numpy_function path): before/after")
     p.add_argument("--one-rank", action="store_true",
@@ -241,46 +312,30 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for model in args.models.split(","):
-            row = {"model": model, "ranks": args.ranks, "micro_batch": args.micro_batch}
-            row["keras"] = run_keras(args, model, tmp)
-            row["keras_1cpu"] = run_keras(args, model, tmp, cpus=1)
+            print(f"{model}: {args.repeats} interleaved rounds", flush=True)
+            row = {"model": model, "ranks": args.ranks, "micro_batch": args.micro_batch,
+                   "repeats": args.repeats,
+                   **measure_interleaved(configurations(args, model, backends, tmp), args.repeats)}
             base = row["keras"]["samples_per_s"]
             base_1cpu = row["keras_1cpu"]["samples_per_s"]
-
-            def rate(r: dict, base: float = base, base_1cpu: float = base_1cpu) -> dict:
+            for key, r in row.items():
+                if not isinstance(r, dict) or key.startswith("keras"):
+                    continue
+                if key.startswith("tnt-1-rank"):  # one rank against one Keras process
+                    xla_base = row.get("keras_1cpu_xla", row["keras_1cpu"])["samples_per_s"]
+                    r["efficiency"] = r["efficiency_1cpu"] = r["samples_per_s"] / (
+                        xla_base if key.endswith("-xla") else base_1cpu)
+                    continue
                 r["efficiency"] = r["samples_per_s"] / (args.ranks * base)
                 r["efficiency_1cpu"] = r["samples_per_s"] / (args.ranks * base_1cpu)
-                return r
-
-            if args.xla:
-                row["keras_1cpu_xla"] = run_keras(args, model, tmp, cpus=1, jit=True)
-            if args.one_rank:
-                for jit, suffix in ((False, ""), (True, "-xla"))[:2 if args.xla else 1]:
-                    one = run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1, jit=jit)
-                    row[f"tnt-1-rank-1cpu{suffix}"] = {
-                        **one, "efficiency": one["samples_per_s"] / base_1cpu,
-                        "efficiency_1cpu": one["samples_per_s"] / base_1cpu}
-            if args.comm_free:
-                row["comm-free"] = rate(run_independent(args, model, tmp))
-                if args.xla:
-                    row["comm-free-xla"] = rate(run_independent(args, model, tmp, jit=True))
             row["memcpy_gbps"] = memcpy_gbps(4 * row["keras"]["params"])
             for backend in backends:
-                row[f"tnt-{backend}"] = rate(run_tnt(args, model, backend, tmp))
-                if args.xla:
-                    row[f"tnt-{backend}-xla"] = rate(run_tnt(args, model, backend, tmp, jit=True))
-                if args.python_path:
-                    row[f"tnt-{backend}-python-path"] = rate(run_tnt(args, model, backend, tmp, native=False))
-                if args.overlap:
-                    row[f"tnt-{backend}-no-overlap"] = rate(run_tnt(args, model, backend, tmp, overlap=False))
                 if args.frames:
                     for native in (True, False):
                         r = run_tnt(args, model, backend, tmp, native=native, frames=True)
                         path = "native" if native else "python"
                         row.setdefault("frames_per_step", {})[f"{backend}-{path}"] = r["frames_per_step"]
-            if args.vs_mwms:
-                row["mwms"] = rate(run_mwms(args, model, tmp))
-                for backend in backends:
+                if args.vs_mwms:
                     tnt_row = row[f"tnt-{backend}"]
                     tnt_row["vs_mwms"] = tnt_row["samples_per_s"] / row["mwms"]["samples_per_s"]
             results.append(row)
@@ -292,11 +347,20 @@ def main() -> int:
 
 
 def print_row(row: dict, backends: list[str], args) -> None:
-    base = row["keras"]["samples_per_s"]
     print(f"\n{row['model']} ({row['keras']['params']:,} params), {args.ranks} ranks, "
-          f"micro-batch {args.micro_batch}")
-    print(f"  {'keras, 1 process':<28} {base:>10.0f} samples/s")
-    print(f"  {'keras, 1 process on 1 CPU':<28} {row['keras_1cpu']['samples_per_s']:>10.0f} samples/s")
+          f"micro-batch {args.micro_batch}; medians of {row['repeats']} interleaved runs, then every "
+          "run: samples/s, CPU ms per step (the process, rank 0 of a job), 1-minute load average")
+
+    def samples(r: dict) -> None:
+        print(f"  {'':<28} runs {' '.join(f'{v:.0f}' for v in r['samples'])};"
+              f"  CPU ms/step {' '.join(f'{v:.2f}' for v in r['cpu_ms_per_step_samples'])};"
+              f"  load {' '.join(f'{v:.1f}' for v in r['loads'])}")
+
+    for key, label in (("keras", "keras, 1 process"), ("keras_1cpu", "keras, 1 process on 1 CPU"),
+                       ("keras_1cpu_xla", "keras, on 1 CPU, with XLA")):
+        if key in row:
+            print(f"  {label:<28} {row[key]['samples_per_s']:>10.0f} samples/s")
+            samples(row[key])
     for key, r in row.items():
         if not isinstance(r, dict) or key.startswith("keras") or "efficiency" not in r:
             continue
@@ -304,6 +368,7 @@ def print_row(row: dict, backends: list[str], args) -> None:
         if "vs_mwms" in r:
             extra += f"  ours/MWMS {r['vs_mwms']:.2f}x"
         print(f"  {key:<28} {r['samples_per_s']:>10.0f} samples/s{extra}")
+        samples(r)
     for backend in backends:
         off = row.get(f"tnt-{backend}-no-overlap")
         if off:

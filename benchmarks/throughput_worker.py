@@ -10,7 +10,11 @@ Every mode uses 1 intra-op thread unless --threads says otherwise (and every CPU
 --cpus says otherwise: TensorFlow still runs independent ops and the input pipeline on
 other threads, so a single process with 1 intra-op thread uses more than one core), trains
 --warmup steps
-untimed, then --steps timed steps, and writes a JSON line to --out (rank 0 / chief only).
+untimed, then --steps timed steps, and writes a JSON line to --out (rank 0 / chief only). Beside
+samples/s it reports this process's CPU time per timed step (every thread, user + system) and
+the 1-minute load average when it ended: on a shared machine, other work lengthens the wall
+time of a step much more than its CPU time, so the two together tell a slow step from a
+starved one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -53,11 +58,17 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class StepTimer:
-    """Records the wall time at the end of every training batch."""
+    """Records the wall time and the process's CPU time at the end of every training batch."""
 
     def __init__(self):
         self.times = []
+        self.cpu = []
 
     def callback(self, keras):
         timer = self
@@ -65,6 +76,7 @@ class StepTimer:
         class _Cb(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 timer.times.append(time.perf_counter())
+                timer.cpu.append(_cpu_seconds())
 
         return _Cb()
 
@@ -189,12 +201,14 @@ def main() -> int:
                   callbacks=[timer.callback(keras)] + ([frames.callback(keras)] if frames else []))
     timed = timer.times[args.warmup - 1:]
     seconds = timed[-1] - timed[0]
+    cpu_seconds = timer.cpu[-1] - timer.cpu[args.warmup - 1]
     result = {
         "mode": args.mode, "model": args.model, "workers": workers, "micro_batch": args.micro_batch,
         "global_batch": global_batch, "steps": len(timed) - 1, "seconds": seconds,
         "samples_per_s": global_batch * (len(timed) - 1) / seconds,
         "overlap": not args.no_overlap, "comm_free": args.comm_free, "jit": args.jit,
         "params": int(model.count_params()), "cpus": len(os.sched_getaffinity(0)),
+        "cpu_ms_per_step": 1e3 * cpu_seconds / (len(timed) - 1), "load": os.getloadavg()[0],
     }
     if frames is not None:
         result["frames_per_step"] = frames.per_step()
