@@ -20,7 +20,8 @@ from .errors import NotSupportedError
 from .model import ParallelStrategy
 from .partition import Partitioning
 
-__all__ = ["check_compile", "check_distribute", "check_point_to_point", "check_stage_model"]
+__all__ = ["check_compile", "check_distribute", "check_file_format", "check_point_to_point",
+           "check_stage_model"]
 
 
 def check_point_to_point(backend: tnt_core.CommBackend) -> None:
@@ -108,3 +109,19 @@ def check_compile(model: keras.Model, base: type, loss: Any, steps_per_execution
     if steps_per_execution != 1:
         raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
                                 "eagerly, one batch at a time; leave it at 1")
+
+
+def check_file_format(method: str, filepath: Any) -> None:
+    """``save``, ``save_weights`` or ``load_weights`` (``method``) of a pipelined model: not
+    the legacy HDF5 format, which reads or writes every weight on one rank."""
+    path = str(filepath)
+    if not path.endswith((".h5", ".hdf5")) or path.endswith(".weights.h5"):
+        return
+    if method == "load_weights":
+        raise NotSupportedError(
+            f"load_weights({path!r}): a pipelined model reads .keras, .weights.h5 and "
+            ".weights.json files; load the legacy HDF5 file into the plain Keras model and "
+            "save it as .weights.h5 first")
+    raise NotSupportedError(
+        f"{method}({path!r}): the legacy HDF5 format reads every weight on the writing rank, "
+        "which a pipelined rank does not hold; use a .keras file (or .weights.h5)")

@@ -50,7 +50,7 @@ from .micro_batches import pipeline_rows
 from .model import DistributedState, Model, ParallelStrategy
 from .partition import Partitioning, partition, split_layers
 from .pipeline import StageStep
-from .pipeline_checks import check_compile, check_distribute
+from .pipeline_checks import check_compile, check_distribute, check_file_format
 from .pipeline_groups import pipeline_groups
 from .stage_saving import StageSaving
 from .stage_variables import Ownership, hold_own_partition
@@ -472,11 +472,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     def _tnt_write(self, method: str, write: Callable[[str], None], filepath: Any,
                    overwrite: bool, all_devices: bool) -> None:
-        path = str(filepath)
-        if path.endswith((".h5", ".hdf5")) and not path.endswith(".weights.h5"):
-            raise NotSupportedError(
-                f"{method}({path!r}): the legacy HDF5 format reads every weight on the writing rank, "
-                "which a pipelined rank does not hold; use a .keras file (or .weights.h5)")
+        check_file_format(method, filepath)
         self._tnt.saving.write_collectively(self, write, filepath, overwrite=overwrite,
                                             all_devices=all_devices, runtime=self._tnt.runtime)
 
@@ -518,12 +514,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         ``.weights.json``): each rank reads only its own partition's layers and, from a file
         with optimizer state (``save_weights``, ``BackupAndRestore``, ``save``), its own
         stage's slots, so training resumes as serial training would."""
-        path = str(filepath)
-        if path.endswith((".h5", ".hdf5")) and not path.endswith(".weights.h5"):
-            raise NotSupportedError(
-                f"load_weights({path!r}): a pipelined model reads .keras, .weights.h5 and "
-                ".weights.json files; load the legacy HDF5 file into the plain Keras model and "
-                "save it as .weights.h5 first")
+        check_file_format("load_weights", filepath)
         with self._tnt.saving.reading(self):
             super().load_weights(filepath, *args, **kwargs)
 
