@@ -5,9 +5,10 @@ training.
 
 Why Keras' own loop: ``fit``/``evaluate``/``predict`` stay Keras' (its data adapters,
 callbacks, History, progress bar); only the steps change. Every rank reads the same global
-batches; the steps run eagerly (they exchange tensors with the neighbouring stages between
-micro-batches) and hand the batch to this rank's stage (:class:`~tarantella.pipeline.
-StageStep`). The last stage differentiates a loss made as ``compile`` makes the model's
+batches (:mod:`tarantella.batch_fingerprint` checks it); the steps run eagerly (they
+exchange tensors with the neighbouring stages between micro-batches) and hand the batch to
+this rank's stage (:class:`~tarantella.pipeline.StageStep`; the ranks and groups:
+:mod:`tarantella.pipeline_groups`). The last stage differentiates a loss made as ``compile`` makes the model's
 (every output's loss, weighted by ``loss_weights``, summed). After each step the last
 stage's outputs (all of the model's outputs) are broadcast, so that every rank runs Keras'
 compiled loss and metrics on the same values: the per-output losses, metrics, logs and
@@ -21,9 +22,9 @@ checkpoint callbacks (``ModelCheckpoint``, ``BackupAndRestore``, at any ``save_f
 what serial Keras writes, streamed from the stages to the master (:mod:`tarantella.
 stage_saving`); ``load_weights`` (and so ``BackupAndRestore``) reads each rank's own layers
 and optimizer slots. ``get_weights``/``set_weights`` are whole-model, the one explicit gather.
-What is not supported yet is refused with a message saying what to do: a custom
-``train_step``. Callbacks otherwise run as for DATA: writers on the master only (the other
-stages serve the master's saves during their hooks).
+What is not supported yet is refused with a message saying what to do
+(:mod:`tarantella.pipeline_checks`). Callbacks otherwise run as for DATA: writers on the
+master only (the other stages serve the master's saves during their hooks).
 
 :class:`PipelinedModel` is the sibling of :class:`~tarantella.data_parallel.DataParallelModel`
 over the base :class:`tarantella.model.Model` (identity, saving, the class swap); both run
