@@ -20,9 +20,12 @@ from tarantella.stage_passes import StagePasses
 
 @pytest.fixture
 def float64():
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     yield
-    keras.config.set_floatx("float32")
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
 
 
 def _model() -> keras.Model:
