@@ -27,6 +27,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import tarantella as tnt
     import tnt_core
+    from tarantella import schedule
     from tarantella.partition import partition
     from tarantella.pipeline import SCHEDULES, StageStep
 
@@ -46,19 +47,10 @@ def rank_main(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch_size, 256)).astype(np.float32)
     y = rng.standard_normal((args.batch_size, 10)).astype(np.float32)
-    held = dict.fromkeys(SCHEDULES, 0)
     times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
-    for s, step in steps.items():  # count the activations held, by wrapping the passes
-        order = step.order
-
-        def counting(count, s=s, order=order):
-            passes, live, most = order(count), 0, 0
-            for kind, _ in passes:
-                live += 1 if kind == "forward" else -1
-                most = max(most, live)
-            held[s] = most
-            return passes
-        step.order = counting  # type: ignore[method-assign]
+    # the activations each stage holds at once, from the schedule's dry run
+    held = {s: schedule.dry_run(schedule.build(s, parts.num_partitions, args.micro_batches))
+            .peak_in_flight[runtime.rank] for s in SCHEDULES}
     for i in range(args.steps + 2):
         for s in (SCHEDULES if i % 2 == 0 else SCHEDULES[::-1]):
             runtime.backend.barrier()

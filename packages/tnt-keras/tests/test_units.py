@@ -511,7 +511,7 @@ def test_checkpoints_of_master_only_callbacks_are_written_atomically(tmp_path):
 
 def test_a_pipelined_batch_checksum_sees_one_bit_and_ignores_the_reduction_order():
     """What the ranks of a pipelined model compare to know they read the same batch."""
-    from tarantella.pipelined_model import _checksum
+    from tarantella.batch_fingerprint import checksum as _checksum
 
     rng = np.random.default_rng(3)
     for array in (rng.random((64, 33), np.float32), rng.random(17), np.arange(9, dtype=np.int64),

@@ -1,28 +1,34 @@
 """One pipelined training step of one stage: micro-batches through the partitions.
 
 Why this shape: rank ``p`` holds partition ``p`` only (:mod:`tarantella.partition`), so a
-step is a conversation between neighbours. The global batch is split into micro-batches;
-for each, stage ``p`` receives its inputs from ``p - 1`` (point-to-point), runs its
-partition under a gradient tape and sends its outputs on, without waiting for the rest of
-the pipeline, so stage ``p`` computes micro-batch ``k + 1`` while ``p + 1`` computes ``k``.
-What a stage sends is fixed by the partitioning: tensors that skip partitions pass through
-the stages between unchanged, and every model output travels to the last stage, which
-computes the loss of all outputs at once, as compile does (``Partitioning.emits``); model
-inputs a later partition uses are read from ``x`` by its own stage.
-The gradients flow back the same way: the last stage differentiates the loss, every other
-stage its outputs against the gradients ``p + 1`` sent, and each stage accumulates its own
-weights' gradients and applies them once, with its own optimizer, after the last
-micro-batch. The order of the passes is 1F1B by default (a stage runs ``P - 1 - p``
-forward passes ahead, then alternates): against GPipe (all forward passes, then all
-backward passes) a stage holds at most ``P - p`` micro-batches' activations instead of
-all of them, for the same step time (docs/pipelining_results.md).
+step is a conversation between neighbours. The pieces, each its own module:
+
+- the micro-batch split (:mod:`tarantella.micro_batches`): the global batch in ``M``
+  micro-batches, each weighted by its share of the batch;
+- the schedule (:mod:`tarantella.schedule`): this stage's list of actions, its passes and
+  messages in order, the same lists the schedule's dry run proves free of deadlocks and
+  mix-ups (checked when the step is traced);
+- the stage's own compute on one micro-batch (:mod:`tarantella.stage_passes`): the forward
+  pass under a gradient tape, the backward pass from the gradients the next stage sends;
+- the messages (:mod:`tarantella.stage_messages`): graph ops through the channel
+  (:mod:`tarantella.comm`), native where its communicator offers point-to-point.
+
+The step walks its list of actions once, while it is traced: stage ``p`` receives a
+micro-batch's inputs from ``p - 1``, runs its partition and sends its outputs on without
+waiting for the rest of the pipeline, so stage ``p`` computes micro-batch ``k + 1`` while
+``p + 1`` computes ``k``. What a stage sends is fixed by the partitioning: tensors that skip
+partitions pass through the stages between unchanged, and every model output travels to the
+last stage, which computes the loss of all outputs at once, as compile does
+(``Partitioning.emits``); model inputs a later partition uses are read from ``x`` by its own
+stage. The gradients flow back the same way, and each stage accumulates its own weights'
+gradients and applies them once, with its own optimizer, after the last micro-batch. The
+default order is 1F1B (``schedule="1f1b"``; ``"gpipe"`` for comparison: docs/pipelining.md
+has both measured).
 
 A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
-a shorter last batch traces once more): every micro-batch's passes unrolled in the
-schedule's order, the accumulation, the replicas' sum and the optimizer, with the
-messages as graph ops (:mod:`tarantella.stage_messages`: native where the backend offers
-point-to-point in its hand-off table). There is no Python per micro-batch. The graph also
-makes two things serial that a stage's own optimizer cannot see alone: a
+a shorter last batch traces once more): every action unrolled in the schedule's order, the
+accumulation, the replicas' sum and the optimizer. There is no Python per micro-batch. The
+graph also makes two things serial that a stage's own optimizer cannot see alone: a
 ``global_clipnorm`` clips by the whole model's norm (one scalar allreduce over the
 stages), and loss scaling (``mixed_float16``) starts the backward pass from the scale and
 skips a non-finite step on every stage together.
@@ -32,7 +38,7 @@ of ``b_k`` samples contributes its own mean times ``b_k / B``; the accumulated g
 then the full batch's gradient up to float round-off. Weight regularisation is added once
 per step, on the stage that holds the weights. What this step cannot make serial (a
 ``BatchNormalization`` that would see micro-batch statistics, activity regularisers) is
-refused by :func:`check_stage_model`.
+refused by :func:`~tarantella.pipeline_checks.check_stage_model`.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import keras
@@ -48,69 +53,24 @@ import tensorflow as tf
 
 import tnt_core
 
-from ._keras_compat import all_layers, forgetting_custom_gradients
+from . import schedule as schedules
+from ._keras_compat import forgetting_custom_gradients
 from .comm import Channel
 from .errors import NotSupportedError
 from .gradients import GradientReducer, dense_gradient
-from .partition import COMPUTED, Partitioning
+from .micro_batches import concat, micro_batch_sizes, shares, split
+from .partition import Partitioning
+from .pipeline_checks import check_point_to_point, check_stage_model
+from .schedule import Action, Op
 from .stage_messages import StageMessages
+from .stage_passes import InFlight, StagePasses
 
-__all__ = ["SCHEDULES", "StageStep", "micro_batch_sizes", "check_stage_model"]
+__all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
 
+#: the tags of a message: ``2 j + direction`` for the ``j``-th tensor crossing a cut
 _FORWARD, _BACKWARD = 0, 1
-#: the orders of a stage's passes (:meth:`StageStep.order`)
-SCHEDULES = ("1f1b", "gpipe")
-
-
-def micro_batch_sizes(batch: int, num_micro_batches: int) -> list[int]:
-    """``batch`` samples in ``num_micro_batches`` nearly equal parts, the larger first (the
-    part count drops to ``batch`` when the batch is smaller: no empty micro-batches)."""
-    if batch <= 0:
-        return []
-    count = min(batch, num_micro_batches)
-    base, extra = divmod(batch, count)
-    return [base + 1 if k < extra else base for k in range(count)]
-
-
-def check_stage_model(model: keras.Model, stage: int) -> None:
-    """Refuse what micro-batching cannot keep serial, naming the layer."""
-    for layer in all_layers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and not getattr(layer, "synchronized", False):
-            raise NotSupportedError(
-                f"BatchNormalization layer {layer.name!r} (partition {stage}) would compute its "
-                "statistics on each micro-batch, not the batch, under pipelining: use "
-                "num_micro_batches=1, or a normalisation that does not use batch statistics "
-                "(keras.layers.LayerNormalization, GroupNormalization)")
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise NotSupportedError(
-                f"layer {layer.name!r} (partition {stage}) has an activity_regularizer, which "
-                "pipelining does not support yet; use a weight regulariser "
-                "(kernel_regularizer=...) or drop it")
-
-
-def _micro_batches(x: Any, sizes: Sequence[int]) -> list[Any]:
-    """``x`` (a tensor or a list/tuple/dict of them; None stays None) cut into micro-batches
-    of ``sizes`` samples, each in ``x``'s structure."""
-    if x is None:
-        return [None] * len(sizes)
-    leaves = [tf.split(tf.convert_to_tensor(t), list(sizes), axis=0) for t in keras.tree.flatten(x)]
-    return [keras.tree.pack_sequence_as(x, [parts[k] for parts in leaves]) for k in range(len(sizes))]
-
-
-def _concat(parts: list[Any]) -> Any:
-    if not parts:
-        return None
-    return keras.tree.map_structure(lambda *ts: tf.concat(ts, axis=0), *parts)
-
-
-@dataclass
-class _InFlight:
-    """What micro-batch ``k``'s backward pass needs from its forward pass."""
-
-    tape: tf.GradientTape
-    inputs: list[tf.Tensor]
-    outputs: list[tf.Tensor]
-    loss: tf.Tensor | None
+#: the orders of a stage's passes (:mod:`tarantella.schedule`), the default first
+SCHEDULES = tuple(schedules.SCHEDULES)
 
 
 class StageStep:
@@ -128,7 +88,8 @@ class StageStep:
         are summed through it, as DATA's are, before each applies the same update.
     :param regularise: whether this stage adds its weight regularisation to the loss (one
         replica of each stage does, so that the sum over replicas counts it once).
-    :param schedule: the order of the passes (:meth:`order`), ``"1f1b"`` or ``"gpipe"``.
+    :param schedule: the name of the schedule (:data:`tarantella.schedule.SCHEDULES`),
+        ``"1f1b"`` or ``"gpipe"``.
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
     """
@@ -140,10 +101,7 @@ class StageStep:
                  schedule: str = "1f1b") -> None:
         channel = backend if isinstance(backend, Channel) else Channel(tnt_core.init(), backend)
         backend = channel.backend
-        if not backend.supports("p2p"):
-            raise NotSupportedError(
-                f"pipelining needs point-to-point messages, which the {backend.name!r} backend "
-                "does not provide; use a backend that does (tnt run --backend gloo or mpi)")
+        check_point_to_point(backend)
         self.parts, self.stage, self.backend = parts, stage, backend
         self.model = parts.models[stage]
         check_stage_model(self.model, stage)
@@ -161,12 +119,14 @@ class StageStep:
         self._train_fn = tf.function(self._train_graph, autograph=False, reduce_retracing=False)
         self._forward_fn = tf.function(self._forward_graph, autograph=False)
         self.timeline = timeline
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: one of {', '.join(SCHEDULES)}")
+        if schedule not in schedules.SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: one of {', '.join(schedules.SCHEDULES)}")
         self.schedule = schedule
         self._lane = f"stage {stage}"
         self.messages = StageMessages(channel, self.ranks, timeline=timeline, lane=self._lane)
-        self.weights = list(self.model.trainable_weights)
+        #: this stage's compute on one micro-batch
+        self.passes = StagePasses(parts, stage, loss)
+        self.weights = self.passes.weights
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
 
@@ -174,6 +134,24 @@ class StageStep:
         if self.timeline is None:
             return contextlib.nullcontext()
         return self.timeline.span(name, f"{self._lane}: waits" if waits else self._lane)
+
+    # -- the schedule --------------------------------------------------------------------------
+
+    def actions(self, count: int, name: str | None = None) -> list[Action]:
+        """This stage's actions for ``count`` micro-batches under schedule ``name`` (this
+        step's by default; ``"forward"`` for evaluation), after a dry run of every stage's
+        list proves they match (a schedule that would hang or mix micro-batches up is
+        refused here, when the step is traced, before any message)."""
+        every = schedules.build(name or self.schedule, self.parts.num_partitions, count)
+        schedules.dry_run(every)
+        return every[self.stage]
+
+    def order(self, count: int) -> list[tuple[str, int]]:
+        """This stage's passes over ``count`` micro-batches, in the order it runs them
+        (``("forward", k)``, ``("backward", k)``): its schedule without the messages."""
+        names = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.WEIGHT: "weight"}
+        every = schedules.SCHEDULES[self.schedule](self.parts.num_partitions, count)
+        return [(names[a.op], a.micro_batch) for a in every[self.stage]]
 
     # -- messages to the neighbours (graph ops: tarantella.stage_messages) -------------------
 
@@ -195,19 +173,6 @@ class StageStep:
                                    name, begin)
         self._tokens.append(token)
         return [token]
-
-    def _received(self, b: int) -> list[tf.Tensor]:
-        """What the previous stage sends for a micro-batch of ``b`` samples (nothing on the
-        first stage)."""
-        if self.first:
-            return []
-        return self._receive(self.parts.received[self.stage], b, self.stage - 1, _FORWARD)
-
-    def _run(self, received: list[tf.Tensor], x: Any, training: bool) -> list[Any]:
-        """This stage's partition on one micro-batch: what it emits (sends on, or on the
-        last stage the model's flat outputs), its own inputs from ``received`` and ``x``."""
-        computed = self.model(self.parts.feed(self.stage, received, x), training=training)
-        return self.parts.emitted(self.stage, received, computed)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -239,79 +204,95 @@ class StageStep:
 
     def _train_graph(self, x: Any, y: Any, sample_weight: Any, local: int,
                      batch: int) -> tuple[tf.Tensor, Any]:
-        """The step's graph: every pass of the schedule, unrolled (``local`` and ``batch``
-        are static, so the micro-batch sizes are), the gradients accumulated, summed over
-        the replicas and applied, and the sends completed. The messages run in the
-        schedule's order (:mod:`tarantella.stage_messages`); the compute between them runs
-        as the dataflow allows."""
+        """The step's graph: this stage's actions of the schedule, unrolled (``local`` and
+        ``batch`` are static, so the micro-batch sizes are), the gradients accumulated,
+        summed over the replicas and applied, and the sends completed. The messages run in
+        the schedule's order (:mod:`tarantella.stage_messages`); the compute between them
+        runs as the dataflow allows."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
-        xs = _micro_batches(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
-        ys = _micro_batches(y, sizes) if self.last else [None] * len(sizes)
-        sws = _micro_batches(sample_weight, sizes) if self.last else [None] * len(sizes)
+        share = shares(sizes, batch)
+        xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
+        ys = split(y, sizes) if self.last else [None] * len(sizes)
+        sws = split(sample_weight, sizes) if self.last else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
-        flights: dict[int, _InFlight] = {}
+        received: dict[int, list[tf.Tensor]] = {}
+        returned: dict[int, list[tf.Tensor]] = {}
+        flights: dict[int, InFlight] = {}
+        back: dict[int, list[tf.Tensor] | None] = {}
         predictions: dict[int, Any] = {}
         accumulated: list[Any] = [None] * len(self.weights)
-        emits = self.parts.emits[self.stage]
         parts: list[tf.Tensor] = []
-
-        def forward(k: int) -> None:
-            b = sizes[k]
-            received = self._received(b)
-            begun = self._mark(received + keras.tree.flatten(xs[k]), f"forward {k}", begin=True)
-            with tf.GradientTape() as tape, tf.control_dependencies(begun):
-                tape.watch(received)
-                emitted = self._run(received, xs[k], training=True)
-                loss = None
+        for action in self.actions(len(sizes)):
+            k, peer = action.micro_batch, action.peer
+            if action.op is Op.RECV_F:
+                assert peer is not None
+                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
+            elif action.op is Op.FORWARD:
+                flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k])
                 if self.last:
-                    predictions[k] = self.parts.outputs(emitted)
-                    loss = self.loss(ys[k], predictions[k], sample_weight=sws[k]) * (b / batch)
-                if k == 0 and self.regularise and self.model.losses:  # once per step
-                    regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
-                    loss = regularisation if loss is None else loss + regularisation
-            self._mark(list(emitted) + ([] if loss is None else [loss]), f"forward {k}", begin=False)
-            if not self.last:
-                self._send(emitted, self.stage + 1, _FORWARD)
-            flights[k] = _InFlight(tape, received, emitted, loss)
+                    predictions[k] = flights[k].predictions
+            elif action.op is Op.SEND_F:
+                assert peer is not None
+                self._send(flights[k].outputs, peer, _FORWARD)
+            elif action.op is Op.RECV_B:
+                assert peer is not None
+                returned[k] = self._receive(flights[k].outputs, sizes[k], peer, _BACKWARD)
+            elif action.op is Op.BACKWARD:
+                flight = flights.pop(k)
+                if flight.loss is not None:
+                    parts.append(tf.cast(flight.loss, tf.float32))
+                grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None))
+                self._accumulate(accumulated, grads)
+            elif action.op is Op.SEND_B:
+                sent = back.pop(k)
+                assert peer is not None and sent is not None
+                self._send(sent, peer, _BACKWARD)
+            else:
+                raise NotSupportedError(f"schedule {self.schedule!r}: the stage step does not "
+                                        f"run {action} (a weight-gradient pass apart) yet")
+        self._optimizer_step(accumulated)
+        done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
+        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float32)
+        with tf.control_dependencies([done]):
+            total = tf.identity(total)
+        joined = concat([predictions[k] for k in sorted(predictions)]) if self.last else None
+        return total, joined
 
-        def backward(k: int) -> None:
-            flight = flights.pop(k)
-            targets: list[Any] = []
-            seeds: list[Any] = []
-            through: dict[int, Any] = {}  # received index -> the gradient sent straight back
-            if not self.last:
-                # one gradient per tensor sent on; what passed through this stage unchanged
-                # has its gradient passed straight back
-                returned = self._receive(flight.outputs, sizes[k], self.stage + 1, _BACKWARD)
-                for (kind, i), sent, grad in zip(emits, flight.outputs, returned):
-                    if kind == COMPUTED:
-                        targets.append(sent)
-                        seeds.append(grad)
-                    else:
-                        through[i] = grad
-            if flight.loss is not None:
-                targets.append(flight.loss)
-                seeds.append(self._loss_seed(flight.loss))
-                parts.append(tf.cast(flight.loss, tf.float32))
-            sources = self.weights + list(flight.inputs)
-            begun = self._mark(seeds, f"backward {k}", begin=True)
-            with tf.control_dependencies(begun):
-                grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
-                                             unconnected_gradients=tf.UnconnectedGradients.ZERO) \
-                    if targets else [tf.zeros_like(s) for s in sources]
-            self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"backward {k}", begin=False)
-            for i, g in enumerate(grads[:len(self.weights)]):
-                g = dense_gradient(g, self.weights[i])
-                accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
-            if not self.first:
-                back = list(grads[len(self.weights):])
-                for i, grad in through.items():
-                    back[i] = back[i] + tf.cast(grad, back[i].dtype)
-                self._send(back, self.stage - 1, _BACKWARD)
+    def _forward_pass(self, k: int, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
+                 share: float) -> InFlight:
+        """Micro-batch ``k``'s forward pass, marked on the timeline; the weight
+        regularisation joins the loss once per step, with micro-batch 0."""
+        begun = self._mark(received + keras.tree.flatten(x), f"forward {k}", begin=True)
+        flight = self.passes.forward(received, x, y, sample_weight, share,
+                                     regularise=k == 0 and self.regularise, after=begun)
+        self._mark(list(flight.outputs) + ([] if flight.loss is None else [flight.loss]),
+                   f"forward {k}", begin=False)
+        return flight
 
-        for kind, k in self.order(len(sizes)):
-            (forward if kind == "forward" else backward)(k)
+    def _backward_pass(self, k: int, flight: InFlight, returned: list[tf.Tensor] | None
+                  ) -> tuple[list[Any], list[tf.Tensor] | None]:
+        """Micro-batch ``k``'s backward pass, marked on the timeline: its weights' gradients
+        and what goes back to the previous stage."""
+        seed = None if flight.loss is None else self._loss_seed(flight.loss)
+        begun = self._mark(list(returned or []) + ([] if seed is None else [seed]),
+                           f"backward {k}", begin=True)
+        grads, back = self.passes.backward(flight, returned, seed, after=begun)
+        self._mark([g for g in grads + (back or []) if isinstance(g, tf.Tensor)],
+                   f"backward {k}", begin=False)
+        return grads, back
+
+    # -- the gradients to the optimizer -------------------------------------------------------
+
+    def _accumulate(self, accumulated: list[Any], grads: list[Any]) -> None:
+        """One micro-batch's gradients added to the step's, weight by weight."""
+        for i, g in enumerate(grads):
+            g = dense_gradient(g, self.weights[i])
+            accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
+
+    def _optimizer_step(self, accumulated: list[Any]) -> None:
+        """The step's gradients summed over the stage's replicas, agreed on (loss scaling's
+        finiteness, ``global_clipnorm``) over the pipeline's stages, and applied."""
         grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
         if self.replicas is not None:
             grads = list(self.replicas.reduce(grads, tf.constant(1.0, tf.float64)))
@@ -327,12 +308,6 @@ class StageStep:
                 self.optimizer.global_clipnorm = clipnorm
         else:
             self._apply(grads)
-        done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
-        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float32)
-        with tf.control_dependencies([done]):
-            total = tf.identity(total)
-        joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
-        return total, joined
 
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The stage's optimizer applies ``grads`` to its weights.
@@ -348,24 +323,6 @@ class StageStep:
         Nothing differentiates the update, so the registrations are dropped once traced."""
         with forgetting_custom_gradients():
             self.optimizer.apply(grads, self.weights)
-
-    def order(self, count: int) -> list[tuple[str, int]]:
-        """This stage's passes over ``count`` micro-batches, in the order it runs them.
-
-        ``gpipe``: every forward pass, then every backward pass, the last micro-batch's
-        first (each stage holds all ``count`` micro-batches' activations at the turn).
-        ``1f1b``: stage ``p`` runs ``P - 1 - p`` forward passes ahead, then alternates one
-        forward and one backward pass, then drains; it holds at most ``P - p``
-        micro-batches' activations. Both make the same passes; neighbours agree on the
-        order of what they exchange, since both follow the same schedule."""
-        if self.schedule == "gpipe":
-            return [("forward", k) for k in range(count)] + \
-                [("backward", k) for k in reversed(range(count))]
-        ahead = min(self.parts.num_partitions - 1 - self.stage, count)
-        passes = [("forward", k) for k in range(ahead)]
-        for k in range(count - ahead):
-            passes += [("forward", ahead + k), ("backward", k)]
-        return passes + [("backward", k) for k in range(count - ahead, count)]
 
     def _loss_seed(self, loss: tf.Tensor) -> tf.Tensor:
         """The gradient the backward pass starts from at this stage's loss: 1, or with loss
@@ -414,20 +371,28 @@ class StageStep:
 
     def _forward_graph(self, x: Any, batch: int) -> tuple[tf.Tensor, Any]:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
-        xs = _micro_batches(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
+        xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
+        received: dict[int, list[tf.Tensor]] = {}
+        emitted: dict[int, list[Any]] = {}
         predictions: list[Any] = []
-        for k, b in enumerate(sizes):
-            emitted = self._run(self._received(b), xs[k], training=False)
-            if self.last:
-                predictions.append(self.parts.outputs(emitted))
+        for action in self.actions(len(sizes), "forward"):
+            k, peer = action.micro_batch, action.peer
+            if action.op is Op.RECV_F:
+                assert peer is not None
+                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
+            elif action.op is Op.FORWARD:
+                emitted[k] = self.passes.run(received.pop(k, []), xs[k], training=False)
+                if self.last:
+                    predictions.append(self.parts.outputs(emitted.pop(k)))
             else:
-                self._send(emitted, self.stage + 1, _FORWARD)
+                assert action.op is Op.SEND_F and peer is not None, action
+                self._send(emitted.pop(k), peer, _FORWARD)
         done = self.messages.complete(self._tokens)
         losses = self.model.losses if self.regularise else []
         regularisation = tf.add_n([tf.cast(r, tf.float32) for r in losses]) if losses \
             else tf.constant(0.0, tf.float32)
         with tf.control_dependencies([done]):
             regularisation = tf.identity(regularisation)
-        return regularisation, (_concat(predictions) if self.last else None)
+        return regularisation, (concat(predictions) if self.last else None)

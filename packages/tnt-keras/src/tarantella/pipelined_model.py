@@ -5,9 +5,10 @@ training.
 
 Why Keras' own loop: ``fit``/``evaluate``/``predict`` stay Keras' (its data adapters,
 callbacks, History, progress bar); only the steps change. Every rank reads the same global
-batches; the steps run eagerly (they exchange tensors with the neighbouring stages between
-micro-batches) and hand the batch to this rank's stage (:class:`~tarantella.pipeline.
-StageStep`). The last stage differentiates a loss made as ``compile`` makes the model's
+batches (:mod:`tarantella.batch_fingerprint` checks it); the steps run eagerly (they
+exchange tensors with the neighbouring stages between micro-batches) and hand the batch to
+this rank's stage (:class:`~tarantella.pipeline.StageStep`; the ranks and groups:
+:mod:`tarantella.pipeline_groups`). The last stage differentiates a loss made as ``compile`` makes the model's
 (every output's loss, weighted by ``loss_weights``, summed). After each step the last
 stage's outputs (all of the model's outputs) are broadcast, so that every rank runs Keras'
 compiled loss and metrics on the same values: the per-output losses, metrics, logs and
@@ -21,9 +22,9 @@ checkpoint callbacks (``ModelCheckpoint``, ``BackupAndRestore``, at any ``save_f
 what serial Keras writes, streamed from the stages to the master (:mod:`tarantella.
 stage_saving`); ``load_weights`` (and so ``BackupAndRestore``) reads each rank's own layers
 and optimizer slots. ``get_weights``/``set_weights`` are whole-model, the one explicit gather.
-What is not supported yet is refused with a message saying what to do: a custom
-``train_step``. Callbacks otherwise run as for DATA: writers on the master only (the other
-stages serve the master's saves during their hooks).
+What is not supported yet is refused with a message saying what to do
+(:mod:`tarantella.pipeline_checks`). Callbacks otherwise run as for DATA: writers on the
+master only (the other stages serve the master's saves during their hooks).
 
 :class:`PipelinedModel` is the sibling of :class:`~tarantella.data_parallel.DataParallelModel`
 over the base :class:`tarantella.model.Model` (identity, saving, the class swap); both run
@@ -41,13 +42,18 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, arguments, comm, files, losses, randomness, stage_saving, timeline
+from . import _keras_compat, arguments, files, randomness, stage_saving, timeline
+from .batch_fingerprint import check_same_batch
 from .callbacks import distribute_callbacks
+from .comm import Channel
 from .errors import NotSupportedError
 from .gradients import GradientReducer
+from .micro_batches import pipeline_rows
 from .model import DistributedState, Model, ParallelStrategy
 from .partition import Partitioning, partition, split_layers
-from .pipeline import StageStep, check_stage_model
+from .pipeline import StageStep
+from .pipeline_checks import check_compile, check_distribute, check_file_format
+from .pipeline_groups import pipeline_groups
 from .stage_saving import StageSaving
 from .stage_variables import Ownership, hold_own_partition
 from .tracebacks import user_facing
@@ -87,36 +93,27 @@ class _TracedLoss:
 
 
 class _PipelineState(DistributedState):
-    """Rank ``r`` is stage ``r % P`` of pipeline (replica) ``r // P``: a pipeline's stages
-    are consecutive ranks, talking point-to-point in the group ``pipe``; with replicas,
-    each stage's replicas sum their gradients in the group ``replicas``."""
+    """This rank's stage of its pipeline (:mod:`tarantella.pipeline_groups`: the ranks and
+    groups), its step, and what it holds."""
 
     def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,
                  strategy: ParallelStrategy, ownership: Ownership) -> None:
         super().__init__(runtime, strategy)
         stages = parts.num_partitions
         self.parts = parts
-        self.stage, self.replica = runtime.rank % stages, runtime.rank // stages
-        self.num_replicas = runtime.size // stages
+        groups = pipeline_groups(self.channel, runtime.rank, runtime.size, stages)
+        self.stage, self.replica, self.num_replicas = groups.stage, groups.replica, groups.num_replicas
+        self.pipe, self.replicas = groups.pipe, groups.replicas
         self.num_micro_batches = num_micro_batches
-        backend = runtime.backend
-        self.pipe: tnt_core.CommBackend = backend
-        self.replicas: tnt_core.CommBackend | None = None
-        if self.num_replicas > 1:  # every rank takes part in making every group
-            for r in range(self.num_replicas):
-                group = backend.split([r * stages + s for s in range(stages)])
-                if group is not None:
-                    self.pipe = group
-            for stage in range(stages):
-                group = backend.split([r * stages + stage for r in range(self.num_replicas)])
-                if group is not None:
-                    self.replicas = group
         self.step: StageStep | None = None
         #: the model's compiled loss as a traced step runs it (for the logs; set by compile)
         self.logged_loss: _TracedLoss | None = None
         #: which stage holds each weight and each layer's variables (positions, no variables)
         self.ownership = ownership
-        self.saving = StageSaving(backend, runtime.rank, stages, ownership)
+        self.saving = StageSaving(self.channel.backend, runtime.rank, stages, ownership)
+        #: a new communicator was bound to the job's channel: no loop may run (see
+        #: PipelinedModel._tnt_rebound)
+        self.rebound = False
 
     def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
         """A master-only callback's hook: the master runs it, writing alone, while the other
@@ -160,41 +157,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         if wanted is None and strategy is ParallelStrategy.PIPELINING and not split_layers(model):
             wanted = runtime.size
         parts = partition(model, wanted)
-        if parts.num_partitions == 1:
-            how = ("run on S ranks (tnt run -n S: it is cut into S partitions), pass "
-                   "num_pipeline_stages=S" if strategy is ParallelStrategy.PIPELINING else
-                   "pass num_pipeline_stages=S (the stages of each pipeline)")
-            raise NotSupportedError(
-                f"tnt.Model(parallel_strategy={strategy.name}): model {model.name!r} has no "
-                "tnt.keras.layers.SplitLayer and is to be cut into 1 partition, so there is "
-                f"nothing to pipeline; {how}, mark the cuts with SplitLayer, or use "
-                "ParallelStrategy.DATA")
+        check_distribute(model, strategy, runtime, parts)
         stages = parts.num_partitions
-        if strategy is ParallelStrategy.PIPELINING and runtime.size != stages:
-            raise NotSupportedError(
-                f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has {stages} "
-                f"partitions ({len(parts.cuts)} cuts), which need exactly {stages} ranks; this job "
-                f"has {runtime.size} (tnt run -n {stages} ...; for several pipelines use "
-                "ParallelStrategy.ALL)")
-        if strategy is ParallelStrategy.ALL and runtime.size % stages:
-            raise NotSupportedError(
-                f"tnt.Model(parallel_strategy=ALL): model {model.name!r} has {stages} partitions, "
-                f"so the job needs a multiple of {stages} ranks (one pipeline per {stages}); it "
-                f"has {runtime.size}")
-        if not runtime.backend.supports("p2p"):
-            raise NotSupportedError(
-                f"pipelining needs point-to-point messages, which the {runtime.backend.name!r} "
-                "backend does not provide; use one that does (tnt run --backend gloo or mpi)")
-        if getattr(model, "compiled", False):
-            raise NotSupportedError(
-                f"model {model.name!r} was compiled before tnt.Model(..., {strategy.name}): compile "
-                "it after, so that each stage's optimizer gets its own weights")
-        if strategy is ParallelStrategy.ALL and not runtime.backend.supports("groups"):
-            raise NotSupportedError(
-                f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
-                "backend does not provide; use one that does (gloo, mpi)")
         stage = runtime.rank % stages
-        check_stage_model(parts.models[stage], stage)
         # this rank's partition gets its values (a model built without them), the others
         # lose theirs (a model built with them): stage_variables
         ownership = hold_own_partition(model, [list(m.variables) for m in parts.models], stage)
@@ -232,25 +197,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 auto_scale_loss: bool = True) -> None:
         """As ``keras.Model.compile``; the steps run eagerly (they exchange tensors between
         micro-batches), so ``run_eagerly`` and ``jit_compile`` do not apply."""
-        if loss is None:
-            raise NotSupportedError("compile(loss=None): a pipelined model needs the compiled "
-                                    "loss (its last stage differentiates it); pass loss=...")
-        base: Any = type(self)._tnt_base  # noqa: SLF001 - the class's own attribute
-        if base.train_step is not keras.Model.train_step:
-            raise NotSupportedError(
-                f"{type(self).__name__} overrides train_step: a pipelined model runs its own "
-                "step per stage; use ParallelStrategy.DATA for custom steps")
-        means = ("sum_over_batch_size", "mean")
-        other = [r for r in losses.reductions(loss, len(self.outputs)) if r not in means]
-        if other:
-            raise NotSupportedError(
-                f"compile(loss=...) with a loss of reduction={other[0]!r} on a pipelined model: "
-                "each micro-batch's loss is weighted by its share of the batch, which gives the "
-                "serial loss only for a mean over the samples; use "
-                "reduction='sum_over_batch_size' (Keras' default)")
-        if steps_per_execution != 1:
-            raise NotSupportedError("compile(steps_per_execution=...): a pipelined step runs "
-                                    "eagerly, one batch at a time; leave it at 1")
+        check_compile(self, type(self)._tnt_base, loss, steps_per_execution)  # noqa: SLF001 - the class's own attribute
         arguments.check_optimizer(optimizer)
         optimizer = keras.optimizers.get(optimizer)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
@@ -270,11 +217,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def _tnt_stage_step(self, loss: keras.losses.Loss, optimizer: Any) -> StageStep:
         state = self._tnt
         replicas = None if state.replicas is None else \
-            GradientReducer(comm.Channel(state.runtime, state.replicas, name="replicas"),
+            GradientReducer(state.replicas,
                             f"stage{state.stage}_replicas")
-        pipe = state.channel if state.pipe is state.runtime.backend else \
-            comm.Channel(state.runtime, state.pipe, name="pipe")
-        return StageStep(state.parts, state.stage, pipe,
+        return StageStep(state.parts, state.stage, state.pipe,
                          loss=loss, optimizer=optimizer,
                          num_micro_batches=state.num_micro_batches, replicas=replicas,
                          regularise=state.replica == 0, timeline=timeline.get(state.runtime))
@@ -283,8 +228,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     def _tnt_share(self, batch: int) -> slice:
         """This pipeline's rows of a global batch of ``batch`` samples."""
-        state = self._tnt
-        return tnt_core.micro_batch_slice(batch, state.replica, state.num_replicas, allow_empty=True)
+        return pipeline_rows(batch, self._tnt.replica, self._tnt.num_replicas)
 
     def _tnt_outputs(self, batch: int) -> Any:
         """The model's outputs for the whole batch, on every rank, in the model's output
@@ -301,9 +245,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             assert state.step is not None
             for buf, rows in zip(bufs, keras.tree.flatten(state.step.predictions)):
                 buf[share] = np.asarray(rows)
-        backend = state.runtime.backend
+        backend = state.channel.backend
         if state.num_replicas == 1:
-            flat = [backend.broadcast(buf, root=last) for buf in bufs]
+            flat = state.channel.broadcast_arrays(bufs, last)
         else:
             flat = [backend.allreduce(buf) for buf in bufs]
         return parts.outputs([tf.convert_to_tensor(v) for v in flat])
@@ -313,28 +257,13 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                                      values)
 
     def _tnt_sum(self, value: float) -> float:
-        return float(self._tnt.runtime.backend.allreduce(np.array([value], np.float64))[0])
+        return float(self._tnt.channel.backend.allreduce(np.array([value], np.float64))[0])
 
     def _tnt_batch(self, data: Any) -> tuple[Any, Any, Any, int]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
-        self._tnt_check_batch(x, y, batch)
+        check_same_batch(self._tnt.channel.backend, x, y, batch)  # stage 0 reads x, the last y
         return x, y, sample_weight, batch
-
-    def _tnt_check_batch(self, x: Any, y: Any, batch: int) -> None:
-        """Every rank must hold the same batch (stage 0 reads x, the last stage y): compare
-        a fingerprint, so that data read differently on two ranks fails loudly."""
-        parts = [np.float64(batch)]
-        for t in tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)):
-            parts.append(np.float64(_checksum(t)))
-        words = np.array(parts, np.float64)
-        both = np.concatenate([words, -words])
-        extremes = self._tnt.runtime.backend.allreduce(both, "max")
-        if not np.array_equal(extremes[:words.size], -extremes[words.size:]):
-            raise tnt_core.CommError(
-                "the ranks of a pipelined model read different batches (their batch sizes or "
-                "contents differ): every rank must read the same data in the same order; pass "
-                "the same arrays or dataset on every rank and do not shard it by rank")
 
     def _tnt_loss_tracker(self) -> Any:
         return next((m for m in self.metrics if m.name == "loss"), None)
@@ -402,15 +331,29 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     # -- the loops ---------------------------------------------------------------------------
 
+    def _tnt_rebound(self, channel: Channel) -> None:
+        """A new communicator bound to the job's channel: a stage holds only its partition,
+        and its compiled step talks to the old pipeline, so the model refuses its next loop
+        (in one line, at :meth:`_tnt_start`) instead of training on a broken pipeline."""
+        super()._tnt_rebound(channel)
+        self._tnt.rebound = True
+
     def _tnt_start(self) -> None:
         """Before a loop: after compile, set_weights or load_weights, the replicas of a stage
         (ALL) take replica 0's weights of their partition."""
         state = self._tnt
+        if state.rebound:
+            raise NotSupportedError(
+                "a pipelined model cannot move to a new communicator (each rank holds one "
+                "stage's weights only): resume the job from its last BackupAndRestore backup")
         if state.needs_broadcast:
             if state.replicas is not None:
                 weights = [w for w in state.parts.models[state.stage].weights
                            if not randomness.is_seed_state(w)]
-                _broadcast_variables(state.replicas, weights, [0] * len(weights))
+                values = stage_saving.gather_weights(state.replicas, weights, (0,) * len(weights),
+                                                     state.replica)
+                for w, value in zip(weights, values):
+                    w.assign(value)
             state.needs_broadcast = False
 
     def _tnt_loop_callbacks(self, callbacks: Any) -> list[Any]:
@@ -522,7 +465,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         the stage that holds it. The one explicit gather of a pipelined model: the list
         holds the whole model on every rank for as long as it is kept. Call on every rank."""
         state = self._tnt
-        return stage_saving.gather_weights(comm.Channel(state.runtime, state.pipe), list(self.weights),
+        return stage_saving.gather_weights(state.pipe, list(self.weights),
                                            state.ownership.weights, state.stage)
 
     @user_facing
@@ -545,11 +488,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     def _tnt_write(self, method: str, write: Callable[[str], None], filepath: Any,
                    overwrite: bool, all_devices: bool) -> None:
-        path = str(filepath)
-        if path.endswith((".h5", ".hdf5")) and not path.endswith(".weights.h5"):
-            raise NotSupportedError(
-                f"{method}({path!r}): the legacy HDF5 format reads every weight on the writing rank, "
-                "which a pipelined rank does not hold; use a .keras file (or .weights.h5)")
+        check_file_format(method, filepath)
         self._tnt.saving.write_collectively(self, write, filepath, overwrite=overwrite,
                                             all_devices=all_devices, runtime=self._tnt.runtime)
 
@@ -591,12 +530,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         ``.weights.json``): each rank reads only its own partition's layers and, from a file
         with optimizer state (``save_weights``, ``BackupAndRestore``, ``save``), its own
         stage's slots, so training resumes as serial training would."""
-        path = str(filepath)
-        if path.endswith((".h5", ".hdf5")) and not path.endswith(".weights.h5"):
-            raise NotSupportedError(
-                f"load_weights({path!r}): a pipelined model reads .keras, .weights.h5 and "
-                ".weights.json files; load the legacy HDF5 file into the plain Keras model and "
-                "save it as .weights.h5 first")
+        check_file_format("load_weights", filepath)
         with self._tnt.saving.reading(self):
             super().load_weights(filepath, *args, **kwargs)
 
@@ -608,42 +542,4 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             "export(...) of a pipelined model: no rank holds the whole model. Save it "
             "(model.save('m.keras')), load it with keras.saving.load_model in one process, and "
             "export that model")
-
-
-def _checksum(tensor: Any) -> int:
-    """The sum of ``tensor``'s bit patterns as int32 words, wrapping: equal for equal
-    contents on every rank whatever the reduction order (integer sums are exact), and a
-    view of the data, not a float64 copy of it (faster: docs/pipelining_results.md)."""
-    t = tf.convert_to_tensor(tensor)
-    if t.dtype == tf.string:
-        return int(tf.strings.to_hash_bucket_fast(tf.reshape(t, [-1]), 2**31 - 1)
-                   .numpy().astype(np.int64).sum() % 2**31)
-    width = t.dtype.size
-    if t.dtype.is_bool or width == 1:
-        words = tf.cast(t, tf.int32)
-    elif width == 2:
-        words = tf.cast(tf.bitcast(t, tf.int16), tf.int32)
-    else:  # 4, 8 or 16 bytes: whole int32 words
-        words = t if t.dtype == tf.int32 else tf.bitcast(t, tf.int32)
-    return int(tf.reduce_sum(words))
-
-
-def _broadcast_variables(backend: tnt_core.CommBackend, variables: list[Any],
-                         roots: list[int]) -> None:
-    """Every variable set to its value on its root rank: one broadcast per (root, dtype),
-    in an order every rank derives alike; types the backend does not carry stay as they
-    are."""
-    groups: dict[tuple[int, str], list[Any]] = {}
-    for v, root in zip(variables, roots):
-        if np.dtype(v.dtype) in tnt_core.SUPPORTED_DTYPES:
-            groups.setdefault((root, np.dtype(v.dtype).str), []).append(v)
-    for key in sorted(groups):
-        members = groups[key]
-        values = [np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1) for v in members]
-        flat = backend.broadcast(np.concatenate(values), root=key[0])
-        offset = 0
-        for v, value in zip(members, values):
-            v.assign(flat[offset:offset + value.size].reshape(tuple(v.shape)))
-            offset += value.size
-
 

@@ -1,0 +1,78 @@
+"""A stage's own compute on one micro-batch (``tarantella.stage_passes``), single process,
+float64, no messages: the forward passes of three partitions run one after another and
+their backward passes chained back, micro-batch by micro-batch, give the whole model's
+loss and gradients, a tensor that skips a partition (a residual across two cuts) has its
+gradient passed straight back through the stage between, and the weight regularisation
+is added once."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tarantella.keras.layers import SplitLayer
+from tarantella.micro_batches import micro_batch_sizes, shares, split
+from tarantella.partition import partition
+from tarantella.stage_passes import StagePasses
+
+
+@pytest.fixture
+def float64():
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((4,))
+    skip = keras.layers.Dense(3, activation="tanh", name="d0",
+                              kernel_regularizer=keras.regularizers.L2(0.1))(inp)
+    h = keras.layers.Dense(5, activation="tanh", name="d1")(SplitLayer(name="cut1")(skip))
+    h = keras.layers.Dense(3, name="d2")(SplitLayer(name="cut2")(h))
+    return keras.Model(inp, keras.layers.Add(name="residual")([h, skip]))
+
+
+def test_passes_chained_by_hand_give_the_whole_models_loss_and_gradients(float64):
+    model = _model()
+    parts = partition(model)
+    assert parts.num_partitions == 3
+    loss = keras.losses.MeanSquaredError()
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((7, 4)), rng.standard_normal((7, 3))
+    with tf.GradientTape() as tape:
+        serial_loss = loss(y, model(x, training=True)) + tf.add_n(model.losses)
+    serial = dict(zip([w.path for w in model.trainable_weights],
+                      tape.gradient(serial_loss, model.trainable_weights)))
+
+    stages = [StagePasses(parts, p, loss) for p in range(3)]
+    sizes = micro_batch_sizes(7, 3)
+    total, grads = 0.0, {w.path: 0.0 for w in model.trainable_weights}
+    for k, (xk, yk, share) in enumerate(zip(split(x, sizes), split(y, sizes), shares(sizes, 7))):
+        flights, received = [], []
+        for stage in stages:  # forward, each stage fed what the one before emitted
+            flight = stage.forward(received, xk if stage.first else None, yk, None, share,
+                                   regularise=k == 0)
+            flights.append(flight)
+            received = flight.outputs
+        assert sorted(kind for kind, _ in parts.emits[1]) == ["computed", "received"], \
+            "the residual passes through the middle stage"
+        returned = None
+        for stage, flight in zip(reversed(stages), reversed(flights)):  # and backward
+            if flight.loss is not None:
+                total += float(flight.loss)
+            seed = None if flight.loss is None else tf.ones_like(flight.loss)
+            weight_grads, returned = stage.backward(flight, returned, seed)
+            for w, g in zip(stage.weights, weight_grads):
+                grads[w.path] = grads[w.path] + np.asarray(g)
+        assert returned is None, "the first stage sends nothing back"
+    # the regularisation term is added in float32 (the step reports its loss in float32)
+    assert total == pytest.approx(float(serial_loss), rel=1e-7)
+    assert grads.keys() == serial.keys()
+    for path, g in serial.items():
+        np.testing.assert_allclose(grads[path], np.asarray(g), rtol=1e-12, atol=1e-15, err_msg=path)
