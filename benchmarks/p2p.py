@@ -6,9 +6,9 @@ Two ranks (``tnt run``, the gloo backend) bounce a float32 tensor back and forth
 sends, rank 1 sends back what it received), for sizes from 4 bytes to 32 MB, three ways,
 alternating round by round so that the machine's load falls on all alike:
 
-- ``native graph``: ``tarantella.native_ops.point_to_point`` ops, 8 round trips chained in
+- ``native graph``: ``tarantella.comm.native.point_to_point`` ops, 8 round trips chained in
   one ``tf.function`` (one function call per 8 round trips);
-- ``numpy eager``: what ``tarantella.pipeline.StageStep`` does today: the tensor to numpy,
+- ``numpy eager``: what ``tarantella.pipeline.stage.StageStep`` does today: the tensor to numpy,
   ``send_async``/``recv_async`` on numpy arrays and ``wait``, the array back to a tensor;
 - ``numpy_function``: the same calls in a ``tf.numpy_function`` inside a ``tf.function``
   (8 round trips per call), the graph path of a backend without the native table.
@@ -42,7 +42,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import tarantella  # noqa: F401 - starts the runtime
     import tnt_core
-    from tarantella import native_ops
+    from tarantella.comm import native as native_ops
 
     runtime = tnt_core.init()
     backend = runtime.backend

@@ -184,7 +184,7 @@ ACTIVE: list[Timers] = []  # the timers of the model training now (a pipeline ra
 def instrument_stage_step() -> None:
     """Wrap ``StageStep.train`` with a timer, and read the time its receives waited
     (``StageStep.messages.waited``, kept by the step's receive ops); behaviour unchanged."""
-    from tarantella.pipeline import StageStep
+    from tarantella.pipeline.stage import StageStep
 
     train = StageStep.train
 

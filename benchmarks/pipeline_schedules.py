@@ -1,4 +1,4 @@
-"""GPipe or 1F1B? The two schedules of ``tarantella.pipeline.StageStep`` side by side.
+"""GPipe or 1F1B? The two schedules of ``tarantella.pipeline.stage.StageStep`` side by side.
 
     python benchmarks/pipeline_schedules.py [--micro-batches 8] [--batch-size 512] [--steps 12]
 
@@ -27,9 +27,9 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import tarantella as tnt
     import tnt_core
-    from tarantella import schedule
-    from tarantella.partition import partition
-    from tarantella.pipeline import SCHEDULES, StageStep
+    from tarantella.pipeline import schedule
+    from tarantella.pipeline.partition import partition
+    from tarantella.pipeline.stage import SCHEDULES, StageStep
 
     runtime = tnt_core.init()
     keras.utils.set_random_seed(1)

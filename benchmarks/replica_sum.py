@@ -3,7 +3,7 @@
     python benchmarks/replica_sum.py [--calls 300]
 
 A pipeline stage runs eagerly; under ALL it sums its gradients over its replicas through
-``tarantella.gradients.GradientReducer`` (the reducer of DATA's step). Its ops work both
+``tarantella.comm.gradients.GradientReducer`` (the reducer of DATA's step). Its ops work both
 ways: called eagerly they run one after another on the caller's thread; inside a
 ``tf.function`` (what ``StageStep`` does) the bucket pushes run side by side on
 TensorFlow's threads and the call costs a function dispatch. Two ranks (``tnt run``, the
@@ -36,7 +36,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import tarantella  # noqa: F401 - starts the runtime
     import tnt_core
-    from tarantella.gradients import GradientReducer
+    from tarantella.comm.gradients import GradientReducer
 
     runtime = tnt_core.init()
     group = runtime.backend.split(list(range(runtime.size)))

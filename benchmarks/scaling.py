@@ -23,7 +23,7 @@ thread per process:
 * with --xla, every run above again with ``jit_compile=True`` (Keras on one CPU, tnt on 1
   rank, tnt on N ranks, the comm-free bound): Keras compiles its whole step with XLA,
   tnt the step's body and the optimizer's update, with the collectives between them
-  (``tarantella.xla``). Printed: tnt 1 rank / Keras, both with XLA on one CPU; N ranks /
+  (``tarantella.data_parallel.xla``). Printed: tnt 1 rank / Keras, both with XLA on one CPU; N ranks /
   N x Keras, both with XLA; N ranks with / without XLA.
 
 Every configuration runs --repeats times (5 by default) in interleaved rounds, so that a

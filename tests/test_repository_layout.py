@@ -55,3 +55,13 @@ def test_readme_has_exactly_the_two_setup_commands_and_ci_runs_the_test_one():
     ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()
           if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
     assert ci == ["make test"], ci
+
+
+def test_tnt_keras_keeps_its_rooms():
+    """tnt-keras shows its architecture: the strategies, communication, custom loops and the
+    Keras seams in sub-packages, at most 15 modules left at the top."""
+    top = ROOT / "packages" / "tnt-keras" / "src" / "tarantella"
+    modules = sorted(p.name for p in top.glob("*.py"))
+    assert len(modules) <= 15, modules
+    for room in ("comm", "data_parallel", "pipeline", "loops", "horovod", "keras", "seams"):
+        assert (top / room / "__init__.py").is_file(), room

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import tarantella as tnt
 from tarantella import _keras_compat, environment
-from tarantella.overrides import instance_attributes
+from tarantella.seams.overrides import instance_attributes
 
 SRC = Path(__file__).resolve().parents[2]  # packages/
 

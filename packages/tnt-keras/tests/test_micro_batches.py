@@ -1,4 +1,4 @@
-"""How a pipeline cuts a global batch (``tarantella.micro_batches``), single process: the
+"""How a pipeline cuts a global batch (``tarantella.pipeline.micro_batches``), single process: the
 pipelines' rows cover the batch once, micro-batches differ by at most one sample and are
 never empty, a nest of tensors splits and joins back whole, and each micro-batch's mean
 loss weighted by its share of the batch adds up to Keras' loss of the whole batch, with
@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from tarantella.micro_batches import concat, micro_batch_sizes, pipeline_rows, shares, split
+from tarantella.pipeline.micro_batches import concat, micro_batch_sizes, pipeline_rows, shares, split
 
 
 def test_micro_batches_differ_by_one_sample_at_most_the_larger_first_and_never_empty():

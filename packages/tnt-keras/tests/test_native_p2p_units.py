@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import tnt_core
-from tarantella import native_ops
+from tarantella.comm import native as native_ops
 
 _ALLREDUCE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,

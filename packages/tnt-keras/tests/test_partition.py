@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tarantella as tnt
-from tarantella.partition import PartitionError, partition
+from tarantella.pipeline.partition import PartitionError, partition
 
 SplitLayer = tnt.keras.layers.SplitLayer
 

@@ -1,4 +1,4 @@
-"""The pipelined training step (``tarantella.pipeline.StageStep``) against plain Keras.
+"""The pipelined training step (``tarantella.pipeline.stage.StageStep``) against plain Keras.
 
 Every stage a real process (the ``store`` backend, which has point-to-point), 3 partitions
 (a first, a middle and a last stage; 2 would show nothing more), SGD with momentum and
@@ -22,8 +22,8 @@ import pytest
 import tnt_core
 from tarantella.errors import NotSupportedError
 from tarantella.keras.layers import SplitLayer
-from tarantella.partition import partition
-from tarantella.pipeline import StageStep, micro_batch_sizes
+from tarantella.pipeline.partition import partition
+from tarantella.pipeline.stage import StageStep, micro_batch_sizes
 from tnt_keras_helpers import run_serial, run_workers
 
 pytestmark = pytest.mark.timeout(600)
@@ -85,7 +85,7 @@ def test_every_stage_ends_with_the_serial_weights_and_losses(serial, pipelined):
 
 
 def test_schedules_make_every_pass_once_in_an_order_the_neighbours_share():
-    from tarantella.pipeline import SCHEDULES
+    from tarantella.pipeline.stage import SCHEDULES
 
     class Stage(StageStep):
         def __init__(self, stage, stages, schedule):  # the order only

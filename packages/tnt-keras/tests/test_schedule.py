@@ -1,4 +1,4 @@
-"""Pipeline schedules as lists of actions (``tarantella.schedule``), without TensorFlow: the
+"""Pipeline schedules as lists of actions (``tarantella.pipeline.schedule``), without TensorFlow: the
 generators make every pass once in orders the neighbours share, the dry run times them
 (the bubble of 1F1B and GPipe is ``(P - 1) / (M + P - 1)``, messages take time, a separate
 weight-gradient pass fills the bubble), and broken schedules are caught: a deadlock, a
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from tarantella import schedule
-from tarantella.schedule import (
+from tarantella.pipeline import schedule
+from tarantella.pipeline.schedule import (
     Action,
     Costs,
     Deadlock,
@@ -176,8 +176,8 @@ def test_a_stage_step_refuses_a_broken_schedule_when_traced_before_any_message(m
 
     import tnt_core
     from tarantella.keras.layers import SplitLayer
-    from tarantella.partition import partition
-    from tarantella.pipeline import StageStep
+    from tarantella.pipeline.partition import partition
+    from tarantella.pipeline.stage import StageStep
 
     def no_warm_up(stages: int, count: int) -> list[list[Action]]:
         # stage 0 waits for micro-batch 0's gradients before it sends micro-batch 1, which

@@ -18,10 +18,12 @@ from ml_dtypes import bfloat16
 
 import tarantella as tnt
 import tnt_core
-from tarantella import _keras_compat, heap_release, stage_saving
+from tarantella import _keras_compat
 from tarantella.comm.wire import from_wire, to_wire, wire_buffer
-from tarantella.partition import partition
-from tarantella.pipeline import StageStep
+from tarantella.pipeline import heap_release
+from tarantella.pipeline import saving as stage_saving
+from tarantella.pipeline.partition import partition
+from tarantella.pipeline.stage import StageStep
 
 
 def _net(seed: int = 4) -> keras.Model:

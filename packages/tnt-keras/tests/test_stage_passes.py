@@ -1,4 +1,4 @@
-"""A stage's own compute on one micro-batch (``tarantella.stage_passes``), single process,
+"""A stage's own compute on one micro-batch (``tarantella.pipeline.passes``), single process,
 float64, no messages: the forward passes of three partitions run one after another and
 their backward passes chained back, micro-batch by micro-batch, give the whole model's
 loss and gradients, a tensor that skips a partition (a residual across two cuts) has its
@@ -13,9 +13,9 @@ import pytest
 import tensorflow as tf
 
 from tarantella.keras.layers import SplitLayer
-from tarantella.micro_batches import micro_batch_sizes, shares, split
-from tarantella.partition import partition
-from tarantella.stage_passes import StagePasses
+from tarantella.pipeline.micro_batches import micro_batch_sizes, shares, split
+from tarantella.pipeline.partition import partition
+from tarantella.pipeline.passes import StagePasses
 
 
 @pytest.fixture

@@ -19,8 +19,9 @@ import tensorflow as tf
 
 import tarantella as tnt
 import tnt_core
-from tarantella import batch_scaling, datasets, environment, steps, xla
 from tarantella import callbacks as tcb
+from tarantella import datasets, environment
+from tarantella.data_parallel import batch_scaling, steps, xla
 
 
 def _ids(ds) -> list[list[int]]:
@@ -171,7 +172,7 @@ class _NoXla(keras.layers.Layer):
 @pytest.mark.parametrize("case", ["True", "False", "auto", "default", "uncompiled", "no-xla-layer",
                                   "determinism"])
 def test_jit_compile_resolves_as_keras_resolves_it(case, gpu, monkeypatch):
-    """The step compiles with XLA exactly when plain Keras' step would (``tarantella.xla``).
+    """The step compiles with XLA exactly when plain Keras' step would (``tarantella.data_parallel.xla``).
     On several ranks (or with a timeline) tarantella compiles the step's parts and Keras'
     own flag reads False (its outer function hosts the collectives); on one rank Keras
     compiles the whole step. A GPU is faked in the device list Keras reads, op determinism
@@ -511,7 +512,7 @@ def test_checkpoints_of_master_only_callbacks_are_written_atomically(tmp_path):
 
 def test_a_pipelined_batch_checksum_sees_one_bit_and_ignores_the_reduction_order():
     """What the ranks of a pipelined model compare to know they read the same batch."""
-    from tarantella.batch_fingerprint import checksum as _checksum
+    from tarantella.pipeline.batch_fingerprint import checksum as _checksum
 
     rng = np.random.default_rng(3)
     for array in (rng.random((64, 33), np.float32), rng.random(17), np.arange(9, dtype=np.int64),

@@ -1,4 +1,4 @@
-"""XLA in the distributed step (``tarantella.xla``; ``workers/xla_worker.py``, 2 ranks).
+"""XLA in the distributed step (``tarantella.data_parallel.xla``; ``workers/xla_worker.py``, 2 ranks).
 
 The same script runs in plain Keras with ``jit_compile=True`` and with ``tnt.Model`` on 2
 ranks. Weights, History and the cases' extra results are compared with a relative tolerance

@@ -110,7 +110,7 @@ def batch_norm_moments(layer: keras.layers.BatchNormalization,
                        moments: Any) -> tuple[keras.layers.BatchNormalization, str, Any]:
     """The ``(object, attribute, value)`` that replaces how ``layer`` computes its batch
     moments (``BatchNormalization._moments(inputs, mask)``, the one place Keras computes
-    them), for ``tarantella.overrides.instance_attributes``. Checked on Keras 3.14.1,
+    them), for ``tarantella.seams.overrides.instance_attributes``. Checked on Keras 3.14.1,
     3.15.1."""
     return layer, "_moments", moments
 
@@ -139,7 +139,7 @@ def new_compiled_loss(model: keras.Model, loss: Any, loss_weights: Any) -> keras
     makes the model's (its own trackers, which nobody reads). Checked on Keras 3.15.1."""
     return CompileLoss(loss, loss_weights, output_names=getattr(model, "output_names", None))
 # -- variables without a value (a model built in ``keras.StatelessScope(initialize_variables=
-# False)``; tarantella.stage_variables). Checked on Keras 3.15.1.
+# False)``; tarantella.pipeline.variables). Checked on Keras 3.15.1.
 
 _UNINITIALIZED = "uninitialized_variables"
 

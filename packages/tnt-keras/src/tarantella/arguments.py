@@ -4,7 +4,7 @@ Why a module of its own: a bad argument must fail at the user's call, in one lin
 the argument and says what to pass, before anything runs. In a multi-rank job that means
 before the first collective: every rank holds the same arguments, so every rank decides
 alike and none is left waiting for the others. The data-parallel and the pipelined model
-(:mod:`tarantella.data_parallel`, :mod:`tarantella.pipelined_model`) call the same checks
+(:mod:`tarantella.data_parallel.model`, :mod:`tarantella.pipeline.model`) call the same checks
 at the start of their loops. Where plain Keras' own message is clear, the check raises it
 (or leaves it to Keras); where Keras fails later with a message that does not name the
 culprit, the check says more.

@@ -1,7 +1,7 @@
 """Keras callbacks in a data-parallel run (``tnt_wrap_callback`` for Keras).
 
 Logs are the same on every rank and equal the serial ones (metric states are reduced every
-step, ``tarantella.metrics``), so callbacks that *decide* (EarlyStopping, ReduceLROnPlateau,
+step, ``tarantella.data_parallel.metrics``), so callbacks that *decide* (EarlyStopping, ReduceLROnPlateau,
 LearningRateScheduler, TerminateOnNaN, user callbacks) run on every rank and decide
 identically. Callbacks that *write* (ModelCheckpoint, BackupAndRestore, CSVLogger,
 RemoteMonitor, TensorBoard) run on the master only; BackupAndRestore still restores on every
@@ -29,8 +29,8 @@ import numpy as np
 import tnt_core
 
 from . import comm
+from .data_parallel.weights import broadcast_model_state
 from .files import local_writes
-from .weights import broadcast_model_state
 
 __all__ = ["Callback", "distribute_callbacks", "wrap_callback"]
 

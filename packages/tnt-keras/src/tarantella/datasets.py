@@ -14,7 +14,7 @@ seed from the global seed, which tarantella fixes when the user has not
 (``tarantella.environment``).
 
 Each element of a distributed dataset is ``{BATCH_KEY: micro_batch, INFO_KEY: [n, b]}``
-(``tarantella.steps``): ``n`` the number of real samples of this rank and ``b`` the size of
+(``tarantella.data_parallel.steps``): ``n`` the number of real samples of this rank and ``b`` the size of
 the global batch (``-1`` when the user distributed the data). When a batch has fewer
 samples than ranks, a rank without a sample gets one stand-in sample (the first of the
 batch) with ``n = 0``, so every rank still runs the same step (same collectives) and no
@@ -35,9 +35,9 @@ import tensorflow as tf
 import tnt_core
 
 from ._keras_compat import get_data_adapter
+from .data_parallel.steps import BATCH_KEY, pack
 from .errors import DatasetError
 from .log import logger
-from .steps import BATCH_KEY, pack
 
 __all__ = [
     "DistributedData",

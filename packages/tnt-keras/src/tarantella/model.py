@@ -2,8 +2,8 @@
 
 ``tnt.Model(keras_model)`` returns *the same object*, now an instance of a subclass made
 for its class: ``class <Cls>(<sibling>, Cls)``, where the sibling is the strategy's model
-class, :class:`~tarantella.data_parallel.DataParallelModel` or
-:class:`~tarantella.pipelined_model.PipelinedModel`, both subclasses of :class:`Model`. So
+class, :class:`~tarantella.data_parallel.model.DataParallelModel` or
+:class:`~tarantella.pipeline.model.PipelinedModel`, both subclasses of :class:`Model`. So
 the model stays everything it was (``isinstance(m, keras.Model)`` and ``isinstance(m,
 Cls)`` hold, it nests in other models, ``self.model`` in callbacks is it,
 ``keras.saving.save_model`` takes it), its layers, weights, summary and config are
@@ -37,9 +37,9 @@ import tnt_core
 from tnt_core import TntError
 
 from . import arguments, comm, files
-from .class_swap import disguised_subclass
+from .data_parallel.steps import LocalIncrements
 from .errors import NotSupportedError
-from .steps import LocalIncrements
+from .seams.class_swap import disguised_subclass
 from .tracebacks import user_facing
 
 __all__ = ["DistributedState", "Model", "ParallelStrategy", "keras_model_from_config"]

@@ -6,7 +6,7 @@ then draw the *same* masks for *different* samples (correlated noise, unlike ser
 training, where every sample gets its own draw). Each rank adds a rank-dependent offset to
 the first word of every seed state once, after the model is built, so the streams are
 independent across ranks yet reproducible for a given seed; rank 0 keeps the serial
-stream. The states are rank-local: ``tarantella.weights`` never broadcasts them.
+stream. The states are rank-local: ``tarantella.data_parallel.weights`` never broadcasts them.
 """
 
 from __future__ import annotations

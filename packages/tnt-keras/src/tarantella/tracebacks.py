@@ -6,7 +6,7 @@ tarantella, tnt-core, Keras and TensorFlow dropped (the innermost one kept when 
 is left) and without its chained traceback, as Keras' ``fit`` raises it; the user sees their
 own call and the line that refused. ``keras.config.disable_traceback_filtering()`` shows
 everything. An error of the native gradient path, which TensorFlow re-raises as its own
-``OpError``, is raised as the exception the native path recorded (:mod:`tarantella.native_ops`).
+``OpError``, is raised as the exception the native path recorded (:mod:`tarantella.comm.native`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import keras
 
-from . import native_ops
+from .comm import native as native_ops
 
 __all__ = ["user_facing"]
 

@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.mode == "tnt":
         import tarantella as tnt
+        from tarantella.data_parallel.steps import BATCH_KEY, INFO_KEY
         from tarantella.datasets import prepare_data
-        from tarantella.steps import BATCH_KEY, INFO_KEY
     import tensorflow as tf
 
     result = {}

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
 def _facts(tnt, hvd, keras, tf, mlp) -> dict:
     """The horovod module's names and collectives, and which gradient path ran."""
     import tnt_core
-    from tarantella import native_ops
+    from tarantella.comm import native as native_ops
 
     runtime = tnt_core.init()
     rank = hvd.rank()

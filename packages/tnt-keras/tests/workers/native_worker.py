@@ -44,12 +44,12 @@ import tensorflow as tf
 
 import tarantella as tnt
 import tnt_core
-from tarantella import native_ops
 from tarantella.comm import Channel
-from tarantella.gradients import GradientReducer
-from tarantella.native_ops import NativeReducer
-from tarantella.partition import partition
-from tarantella.pipeline import StageStep
+from tarantella.comm import native as native_ops
+from tarantella.comm.gradients import GradientReducer
+from tarantella.comm.native import NativeReducer
+from tarantella.pipeline.partition import partition
+from tarantella.pipeline.stage import StageStep
 
 
 def _model(dtype: str) -> keras.Model:

@@ -1,4 +1,4 @@
-"""Pipelined training steps (``tarantella.pipeline.StageStep``) next to plain Keras.
+"""Pipelined training steps (``tarantella.pipeline.stage.StageStep``) next to plain Keras.
 
 ``--mode serial``: one plain process, ``model.fit`` of the whole model for every case.
 ``--mode pipeline``: rank ``p`` of a launched job runs stage ``p`` of the same cases.
@@ -87,8 +87,8 @@ def serial(out: Path) -> None:
 def pipeline(out: Path) -> None:
     import tarantella as tnt  # noqa: F401 - starts the runtime
     import tnt_core
-    from tarantella.partition import partition
-    from tarantella.pipeline import StageStep
+    from tarantella.pipeline.partition import partition
+    from tarantella.pipeline.stage import StageStep
 
     runtime = tnt_core.init()
     backend, rank = runtime.backend, runtime.rank

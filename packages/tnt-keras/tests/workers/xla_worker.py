@@ -252,7 +252,7 @@ def structure(model, kind: str, batch: tuple) -> dict:
     import tensorflow as tf
 
     import tnt_core
-    from tarantella import steps
+    from tarantella.data_parallel import steps
 
     size = tnt_core.init().size
     n = len(batch[0]) // size

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from .. import native_ops
+from . import native as native_ops
 from . import order
 from .wire import from_wire, to_wire
 

@@ -2,11 +2,11 @@
 ``broadcast``, ``broadcast_variables``, the reduction ops and the compressors.
 
 They take and return TensorFlow tensors, eagerly or inside a ``tf.function``. The data goes
-through tarantella's user collectives (``tarantella.user_collectives``: every rank checks
+through tarantella's user collectives (``tarantella.collectives``: every rank checks
 that the others passed the same shapes and dtypes before any data moves); inside a
 ``tf.function`` each call is one stateful op of the channel (``tarantella.comm``), ordered
 after the collectives traced before it. The training gradients do not come here: they take the
-fused, native path (``tarantella.loop_gradients``).
+fused, native path (``tarantella.loops.gradients``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import tensorflow as tf
 import tnt_core
 
 from .. import comm
+from ..collectives import ReductionOp
+from ..collectives import allgather as _allgather
+from ..collectives import allreduce as _allreduce
+from ..collectives import broadcast as _broadcast
+from ..comm.gradients import NoCompression
+from ..data_parallel.weights import broadcast_variables
 from ..errors import NotSupportedError
-from ..gradients import NoCompression
 from ..tracebacks import user_facing
-from ..user_collectives import ReductionOp
-from ..user_collectives import allgather as _allgather
-from ..user_collectives import allreduce as _allreduce
-from ..user_collectives import broadcast as _broadcast
-from ..weights import broadcast_variables
 
 __all__ = ["Average", "Compression", "Max", "Min", "Product", "Sum", "allgather", "allreduce",
            "broadcast", "broadcast_variables", "reduction_op"]

@@ -1,5 +1,5 @@
 """Horovod's ``DistributedGradientTape`` and ``DistributedOptimizer``: tarantella's
-custom-loop reduction (``tarantella.loop_gradients``: fused buckets, the native path) with
+custom-loop reduction (``tarantella.loops.gradients``: fused buckets, the native path) with
 Horovod's weights.
 
 Horovod averages the ranks' gradients (or sums them, ``op=hvd.Sum``). A Horovod script
@@ -19,8 +19,8 @@ import tensorflow as tf
 import tnt_core
 
 from ..errors import NotSupportedError
-from ..loop_gradients import DistributedGradientTape as _Tape
-from ..loop_gradients import GradientReduction, distribute_optimizer
+from ..loops.gradients import DistributedGradientTape as _Tape
+from ..loops.gradients import GradientReduction, distribute_optimizer
 from ..tracebacks import user_facing
 from ._collectives import Average, Compression, Sum, reduction_op
 

@@ -19,8 +19,8 @@ import tensorflow as tf
 
 import tnt_core
 
-from ..user_collectives import ReductionOp, allreduce
-from ..weights import broadcast_variables
+from ..collectives import ReductionOp, allreduce
+from ..data_parallel.weights import broadcast_variables
 
 __all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "MetricAverageCallback"]

@@ -3,7 +3,7 @@
 Why a layer: the cut is a property of the model the user writes, so it travels with the
 model code and, being an identity, leaves the model's result unchanged wherever it runs
 (plain Keras, ``ParallelStrategy.DATA``); only pipelining reads it
-(:mod:`tarantella.partition`).
+(:mod:`tarantella.pipeline.partition`).
 """
 
 from __future__ import annotations

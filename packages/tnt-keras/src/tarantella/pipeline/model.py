@@ -1,20 +1,20 @@
 """``tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING)``: the user's model,
-cut into partitions (:mod:`tarantella.partition`: at its SplitLayers, or into
+cut into partitions (:mod:`tarantella.pipeline.partition`: at its SplitLayers, or into
 ``num_pipeline_stages`` automatically), trained as a pipeline with the results of serial
 training.
 
 Why Keras' own loop: ``fit``/``evaluate``/``predict`` stay Keras' (its data adapters,
 callbacks, History, progress bar); only the steps change. Every rank reads the same global
-batches (:mod:`tarantella.batch_fingerprint` checks it); the steps run eagerly (they
+batches (:mod:`tarantella.pipeline.batch_fingerprint` checks it); the steps run eagerly (they
 exchange tensors with the neighbouring stages between micro-batches) and hand the batch to
-this rank's stage (:class:`~tarantella.pipeline.StageStep`; the ranks and groups:
-:mod:`tarantella.pipeline_groups`). The last stage differentiates a loss made as ``compile`` makes the model's
+this rank's stage (:class:`~tarantella.pipeline.stage.StageStep`; the ranks and groups:
+:mod:`tarantella.pipeline.groups`). The last stage differentiates a loss made as ``compile`` makes the model's
 (every output's loss, weighted by ``loss_weights``, summed). After each step the last
 stage's outputs (all of the model's outputs) are broadcast, so that every rank runs Keras'
 compiled loss and metrics on the same values: the per-output losses, metrics, logs and
 History of every rank equal serial Keras'.
 
-A rank holds only its own partition (:mod:`tarantella.stage_variables`): a model built
+A rank holds only its own partition (:mod:`tarantella.pipeline.variables`): a model built
 without values (``keras.StatelessScope(initialize_variables=False)``) gets values for this
 rank's partition only; a model built the ordinary way loses the other partitions' values.
 Nothing gathers the whole model behind the user's back: ``save``, ``save_weights`` and the
@@ -23,10 +23,10 @@ what serial Keras writes, streamed from the stages to the master (:mod:`tarantel
 stage_saving`); ``load_weights`` (and so ``BackupAndRestore``) reads each rank's own layers
 and optimizer slots. ``get_weights``/``set_weights`` are whole-model, the one explicit gather.
 What is not supported yet is refused with a message saying what to do
-(:mod:`tarantella.pipeline_checks`). Callbacks otherwise run as for DATA: writers on the
+(:mod:`tarantella.pipeline.checks`). Callbacks otherwise run as for DATA: writers on the
 master only (the other stages serve the master's saves during their hooks).
 
-:class:`PipelinedModel` is the sibling of :class:`~tarantella.data_parallel.DataParallelModel`
+:class:`PipelinedModel` is the sibling of :class:`~tarantella.data_parallel.model.DataParallelModel`
 over the base :class:`tarantella.model.Model` (identity, saving, the class swap); both run
 the argument checks of :mod:`tarantella.arguments` before their loops.
 """
@@ -42,21 +42,22 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, arguments, files, randomness, stage_saving, timeline
+from .. import _keras_compat, arguments, files, randomness, timeline
+from ..callbacks import distribute_callbacks
+from ..comm import Channel
+from ..comm.gradients import GradientReducer
+from ..errors import NotSupportedError
+from ..model import DistributedState, Model, ParallelStrategy
+from ..tracebacks import user_facing
+from . import saving as stage_saving
 from .batch_fingerprint import check_same_batch
-from .callbacks import distribute_callbacks
-from .comm import Channel
-from .errors import NotSupportedError
-from .gradients import GradientReducer
+from .checks import check_compile, check_distribute, check_file_format
+from .groups import pipeline_groups
 from .micro_batches import pipeline_rows
-from .model import DistributedState, Model, ParallelStrategy
 from .partition import Partitioning, partition, split_layers
-from .pipeline import StageStep
-from .pipeline_checks import check_compile, check_distribute, check_file_format
-from .pipeline_groups import pipeline_groups
-from .stage_saving import StageSaving
-from .stage_variables import Ownership, hold_own_partition
-from .tracebacks import user_facing
+from .saving import StageSaving
+from .stage import StageStep
+from .variables import Ownership, hold_own_partition
 
 __all__ = ["PipelinedModel"]
 
@@ -93,7 +94,7 @@ class _TracedLoss:
 
 
 class _PipelineState(DistributedState):
-    """This rank's stage of its pipeline (:mod:`tarantella.pipeline_groups`: the ranks and
+    """This rank's stage of its pipeline (:mod:`tarantella.pipeline.groups`: the ranks and
     groups), its step, and what it holds."""
 
     def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,

@@ -11,10 +11,10 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import comm
-from .randomness import is_seed_state
-from .tracebacks import user_facing
-from .user_collectives import broadcast
+from .. import comm
+from ..collectives import broadcast
+from ..randomness import is_seed_state
+from ..tracebacks import user_facing
 
 __all__ = ["broadcast_model_state", "broadcast_variables"]
 

@@ -2,7 +2,7 @@
 
 Why lists: a schedule written down as data can be generated, checked and simulated apart from
 TensorFlow (this module imports none), and the stage's compiled step
-(:class:`tarantella.pipeline.StageStep`) traces its own list in order, so what
+(:class:`tarantella.pipeline.stage.StageStep`) traces its own list in order, so what
 :func:`dry_run` proves of the lists holds for the graphs.
 
 An action is one micro-batch's

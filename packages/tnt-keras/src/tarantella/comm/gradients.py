@@ -2,7 +2,7 @@
 
 One :class:`GradientReducer` per call site of ``optimizer.apply`` in a step (a GAN's step
 has two), and one per pipeline stage under ALL, over the group of the stage's replicas
-(:mod:`tarantella.pipeline`): the one way tarantella sums gradients. Its bucket plan is
+(:mod:`tarantella.pipeline.stage`): the one way tarantella sums gradients. Its bucket plan is
 made when the step is traced, with the fusion threshold of ``TNT_FUSION_THRESHOLD_KB``,
 for the tensors in the order they become ready: the gradients in backward order (last
 layer first).
@@ -16,7 +16,7 @@ runs only after it. One call per bucket rather than per tensor: every call into 
 from the step has a fixed cost (docs/performance_results.md), and a bucket cannot start
 before its last tensor anyway.
 
-Weighting (see ``tarantella.losses``): rank ``r`` pushes ``factor_r * g_r`` with
+Weighting (see ``tarantella.data_parallel.losses``): rank ``r`` pushes ``factor_r * g_r`` with
 ``factor_r = scale_r / sum_r divisor_r``; the sum over ranks is the serial gradient. For
 Keras' default loss (a mean over the micro-batch) ``factor_r = n_r / B``, also for uneven
 micro-batches and for a rank with no sample (``n_r = 0``: it pushes zeros).
@@ -33,11 +33,11 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import native_ops
-from . import timeline as _timeline
-from .collectives import gather_slices
-from .comm import Channel, count, previous, record
-from .native_ops import NativeReducer
+from .. import timeline as _timeline
+from . import Channel, count, previous, record
+from . import native as native_ops
+from .graph_ops import gather_slices
+from .native import NativeReducer
 
 __all__ = ["NO_COMPRESSION", "Compression", "GradientReducer", "NoCompression", "dense_gradient",
            "reduce_weighted"]

@@ -6,14 +6,14 @@ Keras' guide "Writing a training loop from scratch" hands the tape's gradients t
 ``optimizer.apply`` (or ``apply_gradients``), so wrapping the optimizer distributes the loop
 unchanged; Horovod's users wrap the tape, whose ``gradient`` then returns the reduced
 gradients. Either way the gradients go through ``fit``'s own reduction
-(:func:`tarantella.gradients.reduce_weighted` over a
-:class:`tarantella.gradients.GradientReducer`: the native path where the backend offers it,
+(:func:`tarantella.comm.gradients.reduce_weighted` over a
+:class:`tarantella.comm.gradients.GradientReducer`: the native path where the backend offers it,
 tnt-core's fused allreducer otherwise), bucket
 by bucket in backward order, from eager code or inside a ``tf.function``; sparse gradients
 (``tf.IndexedSlices``) are gathered row by row, as ``fit`` does.
 
 Rank ``r`` contributes ``w_r g_r``. With :data:`BATCH_SHARE` (the ``tnt.*`` wrappers),
-``w_r = n_r / B``, this rank's share of the global batch (``tarantella.loop_data``): for a
+``w_r = n_r / B``, this rank's share of the global batch (``tarantella.loops.data``): for a
 loss that is a mean over the micro-batch, the sum is the serial gradient, also with uneven
 batches. ``tarantella.horovod`` passes Horovod's fixed weights instead (``1 / R`` for its
 average). Inside ``tnt.Model``'s own step nothing is reduced here: the step reduces what its
@@ -30,13 +30,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from . import comm
-from .class_swap import disguised_subclass
-from .comm import Channel
-from .gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
-from .loop_data import batch_share
-from .steps import current_step
-from .tracebacks import user_facing
+from .. import comm
+from ..comm import Channel
+from ..comm.gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
+from ..data_parallel.steps import current_step
+from ..seams.class_swap import disguised_subclass
+from ..tracebacks import user_facing
+from .data import batch_share
 
 __all__ = ["BATCH_SHARE", "Compression", "DistributedGradientTape", "DistributedOptimizer",
            "GradientReduction", "distribute_optimizer", "reduce_gradients"]

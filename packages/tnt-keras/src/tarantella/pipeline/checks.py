@@ -14,10 +14,10 @@ import keras
 
 import tnt_core
 
-from . import losses
-from ._keras_compat import all_layers
-from .errors import NotSupportedError
-from .model import ParallelStrategy
+from .._keras_compat import all_layers
+from ..data_parallel import losses
+from ..errors import NotSupportedError
+from ..model import ParallelStrategy
 from .partition import Partitioning
 
 __all__ = ["check_compile", "check_distribute", "check_file_format", "check_point_to_point",

@@ -1,16 +1,16 @@
 """One pipelined training step of one stage: micro-batches through the partitions.
 
-Why this shape: rank ``p`` holds partition ``p`` only (:mod:`tarantella.partition`), so a
+Why this shape: rank ``p`` holds partition ``p`` only (:mod:`tarantella.pipeline.partition`), so a
 step is a conversation between neighbours. The pieces, each its own module:
 
-- the micro-batch split (:mod:`tarantella.micro_batches`): the global batch in ``M``
+- the micro-batch split (:mod:`tarantella.pipeline.micro_batches`): the global batch in ``M``
   micro-batches, each weighted by its share of the batch;
-- the schedule (:mod:`tarantella.schedule`): this stage's list of actions, its passes and
+- the schedule (:mod:`tarantella.pipeline.schedule`): this stage's list of actions, its passes and
   messages in order, the same lists the schedule's dry run proves free of deadlocks and
   mix-ups (checked when the step is traced);
-- the stage's own compute on one micro-batch (:mod:`tarantella.stage_passes`): the forward
+- the stage's own compute on one micro-batch (:mod:`tarantella.pipeline.passes`): the forward
   pass under a gradient tape, the backward pass from the gradients the next stage sends;
-- the messages (:mod:`tarantella.stage_messages`): graph ops through the channel
+- the messages (:mod:`tarantella.pipeline.messages`): graph ops through the channel
   (:mod:`tarantella.comm`), native where its communicator offers point-to-point.
 
 The step walks its list of actions once, while it is traced: stage ``p`` receives a
@@ -38,7 +38,7 @@ of ``b_k`` samples contributes its own mean times ``b_k / B``; the accumulated g
 then the full batch's gradient up to float round-off. Weight regularisation is added once
 per step, on the stage that holds the weights. What this step cannot make serial (a
 ``BatchNormalization`` that would see micro-batch statistics, activity regularisers) is
-refused by :func:`~tarantella.pipeline_checks.check_stage_model`.
+refused by :func:`~tarantella.pipeline.checks.check_stage_model`.
 """
 
 from __future__ import annotations
@@ -53,23 +53,23 @@ import tensorflow as tf
 
 import tnt_core
 
+from .._keras_compat import forgetting_custom_gradients
+from ..comm import Channel
+from ..comm.gradients import GradientReducer, dense_gradient
+from ..errors import NotSupportedError
 from . import schedule as schedules
-from ._keras_compat import forgetting_custom_gradients
-from .comm import Channel
-from .errors import NotSupportedError
-from .gradients import GradientReducer, dense_gradient
+from .checks import check_point_to_point, check_stage_model
+from .messages import StageMessages
 from .micro_batches import concat, micro_batch_sizes, shares, split
 from .partition import Partitioning
-from .pipeline_checks import check_point_to_point, check_stage_model
+from .passes import InFlight, StagePasses
 from .schedule import Action, Op
-from .stage_messages import StageMessages
-from .stage_passes import InFlight, StagePasses
 
 __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
 
 #: the tags of a message: ``2 j + direction`` for the ``j``-th tensor crossing a cut
 _FORWARD, _BACKWARD = 0, 1
-#: the orders of a stage's passes (:mod:`tarantella.schedule`), the default first
+#: the orders of a stage's passes (:mod:`tarantella.pipeline.schedule`), the default first
 SCHEDULES = tuple(schedules.SCHEDULES)
 
 
@@ -88,7 +88,7 @@ class StageStep:
         are summed through it, as DATA's are, before each applies the same update.
     :param regularise: whether this stage adds its weight regularisation to the loss (one
         replica of each stage does, so that the sum over replicas counts it once).
-    :param schedule: the name of the schedule (:data:`tarantella.schedule.SCHEDULES`),
+    :param schedule: the name of the schedule (:data:`tarantella.pipeline.schedule.SCHEDULES`),
         ``"1f1b"`` or ``"gpipe"``.
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
@@ -153,7 +153,7 @@ class StageStep:
         every = schedules.SCHEDULES[self.schedule](self.parts.num_partitions, count)
         return [(names[a.op], a.micro_batch) for a in every[self.stage]]
 
-    # -- messages to the neighbours (graph ops: tarantella.stage_messages) -------------------
+    # -- messages to the neighbours (graph ops: tarantella.pipeline.messages) -------------------
 
     def _send(self, tensors: Sequence[Any], to: int, direction: int) -> None:
         for j, t in enumerate(tensors):
@@ -207,7 +207,7 @@ class StageStep:
         """The step's graph: this stage's actions of the schedule, unrolled (``local`` and
         ``batch`` are static, so the micro-batch sizes are), the gradients accumulated,
         summed over the replicas and applied, and the sends completed. The messages run in
-        the schedule's order (:mod:`tarantella.stage_messages`); the compute between them
+        the schedule's order (:mod:`tarantella.pipeline.messages`); the compute between them
         runs as the dataflow allows."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         share = shares(sizes, batch)

@@ -28,7 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ._keras_compat import (
+from .._keras_compat import (
     all_layers,
     forget_uninitialized,
     has_value,
@@ -37,7 +37,7 @@ from ._keras_compat import (
     own_variables,
     release_value,
 )
-from .errors import NotSupportedError
+from ..errors import NotSupportedError
 
 __all__ = ["NotHeld", "Ownership", "deferred_build", "hold_own_partition", "initialize_whole"]
 

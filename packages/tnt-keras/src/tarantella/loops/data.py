@@ -27,9 +27,9 @@ import tensorflow as tf
 
 import tnt_core
 
-from .errors import DatasetError, NotSupportedError
-from .steps import BATCH_KEY, INFO_KEY
-from .tracebacks import user_facing
+from ..data_parallel.steps import BATCH_KEY, INFO_KEY
+from ..errors import DatasetError, NotSupportedError
+from ..tracebacks import user_facing
 
 __all__ = ["BatchShare", "DistributedDataset", "batch_share", "distribute_dataset", "set_batch_share"]
 

@@ -1,6 +1,6 @@
 """Saving and loading a pipelined model in Keras' own formats, with no rank holding it whole.
 
-Why this design: each rank holds only its own partition (:mod:`tarantella.stage_variables`),
+Why this design: each rank holds only its own partition (:mod:`tarantella.pipeline.variables`),
 yet a saved file must be the one serial Keras writes, which plain ``keras.saving.load_model``
 and ``load_weights`` read. So the writing rank runs Keras' own saver (``.keras``,
 ``.weights.h5``, sharded ``.weights.json``), and when Keras asks a layer of another partition
@@ -54,14 +54,14 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import files
-from ._keras_compat import all_layers, own_variables
-from .comm import Channel
-from .comm.wire import from_wire, to_wire, wire_buffer
-from .errors import NotSupportedError
+from .. import files
+from .._keras_compat import all_layers, own_variables
+from ..comm import Channel
+from ..comm.wire import from_wire, to_wire, wire_buffer
+from ..errors import NotSupportedError
+from ..seams.overrides import instance_attributes
 from .heap_release import HeapRelease
-from .overrides import instance_attributes
-from .stage_variables import Ownership
+from .variables import Ownership
 
 __all__ = ["StageSaving", "gather_weights", "whole_optimizer_paths", "zip_directory"]
 

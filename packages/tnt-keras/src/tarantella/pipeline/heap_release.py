@@ -1,7 +1,7 @@
 """Handing the heap that a streamed save or load freed back to the operating system.
 
 Why: a pipelined model is saved and loaded one layer (and one optimizer variable) at a time
-(:mod:`tarantella.stage_saving`), and every step makes transient copies of those values
+(:mod:`tarantella.pipeline.saving`), and every step makes transient copies of those values
 (Keras' ``convert_to_numpy`` before HDF5 writes them, the buffer a stage's values arrive in,
 the array HDF5 reads before ``assign``). Each is freed at once, yet glibc keeps freed chunks
 resident: after a freed mmapped chunk raises its dynamic mmap threshold, copies of a layer's

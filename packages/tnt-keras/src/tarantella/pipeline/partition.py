@@ -48,9 +48,9 @@ from typing import Any
 import keras
 import numpy as np
 
-from ._keras_compat import producer
-from .errors import PartitionError
-from .keras.layers import SplitLayer
+from .._keras_compat import producer
+from ..errors import PartitionError
+from ..keras.layers import SplitLayer
 
 __all__ = ["PartitionError", "Partitioning", "partition", "split_layers"]
 

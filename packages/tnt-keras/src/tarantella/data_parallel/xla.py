@@ -51,16 +51,9 @@ import tensorflow as tf
 
 import tnt_core
 
+from ..seams.overrides import instance_attributes
 from .losses import Normaliser
-from .overrides import instance_attributes
-from .steps import (
-    StepContext,
-    gradient_factor,
-    model_optimizers,
-    reduce_gradients,
-    remaining_factor,
-    tracing,
-)
+from .steps import StepContext, gradient_factor, model_optimizers, reduce_gradients, remaining_factor, tracing
 
 __all__ = ["XlaStep", "take_jit_compile"]
 

@@ -23,11 +23,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ._keras_compat import batch_norm_moments
-from .collectives import allreduce_sum
-from .comm import Channel
-from .errors import NotSupportedError
-from .overrides import instance_attributes
+from .._keras_compat import batch_norm_moments
+from ..comm import Channel
+from ..comm.graph_ops import allreduce_sum
+from ..errors import NotSupportedError
+from ..seams.overrides import instance_attributes
 
 __all__ = ["global_moments", "synchronized_layers"]
 

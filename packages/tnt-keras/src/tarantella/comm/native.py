@@ -16,7 +16,7 @@ allreduces without Python: the op library numbers them in the job's stall ledger
 its waits there (``tnt_stall_ledger.h``, given with the table).
 
 Where the backend offers no table (a third-party backend, the loopback example, MPI), or
-``TNT_NATIVE_OPS=false``, or the library cannot load, :mod:`tarantella.gradients` keeps the
+``TNT_NATIVE_OPS=false``, or the library cannot load, :mod:`tarantella.comm.gradients` keeps the
 ``numpy_function`` path and logs once why.
 
 Point-to-point (:func:`point_to_point`, for the pipeline's stages): three more ops over the
@@ -47,7 +47,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from .log import logger
+from ..log import logger
 
 __all__ = ["NativeReducer", "PointToPoint", "native_table", "p2p_unavailable_reason",
            "point_to_point", "unavailable_reason"]
@@ -68,11 +68,12 @@ _told: set[str] = set()
 
 
 def _library_path() -> Path | None:
-    here = Path(__file__).with_name(_LIBRARY_NAME + ".so")
+    # the library is installed at the top of the package, beside tarantella/__init__.py
+    here = Path(__file__).parent.parent / (_LIBRARY_NAME + ".so")
     if here.exists():
         return here
     # an editable install maps the built library from its build directory
-    spec = importlib.util.find_spec(f"{__package__}.{_LIBRARY_NAME}")
+    spec = importlib.util.find_spec(f"tarantella.{_LIBRARY_NAME}")
     origin = getattr(spec, "origin", None)
     return Path(origin) if origin and Path(origin).exists() else None
 

@@ -33,14 +33,14 @@ What a step's own code does with the metrics is recorded while Keras traces it
   additive: the ranks' weights add up to the global batch's.
 * **The loss.** A ``Mean`` given the loss ``compute_loss`` returned gets, as its total, the
   serial loss of the global batch times its count: the global batch's loss weighs each
-  rank's by its loss normaliser (``tarantella.losses``: valid tokens under a mask, the sum
+  rank's by its loss normaliser (``tarantella.data_parallel.losses``: valid tokens under a mask, the sum
   of the sample weights, ...), which need not be its share of the samples.
 * **States that are not additive.** An ``update_state`` that sets a state to anything but
   the state plus an increment (a maximum, a ratio recomputed from other states) would give
   another number than serial Keras once increments are summed; the writes its trace made
   are read (:func:`check_additive`) and such a metric is refused, naming the state. So is
   an increment that pairs every sample with every other (``(n, 1) == (n,)`` broadcast to
-  ``(n, n)``, ``tarantella.batch_scaling.pairing``): its ranks' parts miss the pairs
+  ``(n, n)``, ``tarantella.data_parallel.batch_scaling.pairing``): its ranks' parts miss the pairs
   across ranks.
 """
 
@@ -53,9 +53,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from ..errors import NotSupportedError
+from ..seams.overrides import instance_attributes
 from .batch_scaling import pairing
-from .errors import NotSupportedError
-from .overrides import instance_attributes
 
 __all__ = ["MetricCalls", "MetricStates", "check_additive"]
 
@@ -271,7 +271,7 @@ class MetricCalls:
                 and id(m.total) in self._positions and id(m.count) in self._positions]
 
     def alias(self, outer: Any, inner: Any) -> None:
-        """``outer`` is what a compiled body returned as ``inner`` (tarantella.xla): if
+        """``outer`` is what a compiled body returned as ``inner`` (tarantella.data_parallel.xla): if
         ``inner`` was a metric's result, so is ``outer``."""
         source = self._results.get(id(inner))
         if source is not None and tf.is_tensor(outer):

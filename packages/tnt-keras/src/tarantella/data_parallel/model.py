@@ -5,7 +5,7 @@ What the data-parallel model adds, only around Keras' own machinery:
 
 * ``fit``/``evaluate``/``predict``/``*_on_batch`` turn the input into this rank's
   micro-batches through Keras' data adapters (``tarantella.datasets``) and run Keras' loop;
-* the steps reduce gradients, metric states and logs across ranks (``tarantella.steps``);
+* the steps reduce gradients, metric states and logs across ranks (``tarantella.data_parallel.steps``);
 * callbacks run on every rank or on the master only (``tarantella.callbacks``);
 * the master's weights are broadcast before every ``fit``/``evaluate``/``predict``, and
   every rank folds its rank into the model's random seeds (``tarantella.randomness``).
@@ -25,23 +25,24 @@ import tensorflow as tf
 
 import tnt_core
 
-from . import _keras_compat, arguments, randomness, steps
-from . import callbacks as tnt_callbacks
-from .batchnorm import synchronized_layers
-from .datasets import (
+from .. import _keras_compat, arguments, randomness
+from .. import callbacks as tnt_callbacks
+from ..comm.gradients import GradientReducer
+from ..datasets import (
     DistributedData,
     class_weights_as_sample_weights,
     prepare_data,
     shard_arrays,
     split_validation,
 )
-from .errors import NotSupportedError
-from .gradients import GradientReducer
+from ..errors import NotSupportedError
+from ..model import DistributedState, Model, ParallelStrategy
+from ..pipeline.variables import initialize_whole
+from ..tracebacks import user_facing
+from . import steps
+from .batchnorm import synchronized_layers
 from .losses import normaliser, summed_terms, weigh_backward
-from .model import DistributedState, Model, ParallelStrategy
-from .stage_variables import initialize_whole
 from .steps import current_step, gradient_factor
-from .tracebacks import user_facing
 from .weights import broadcast_model_state
 from .xla import XlaStep, take_jit_compile
 
@@ -56,7 +57,7 @@ class DataParallelState(DistributedState):
         self._reducers: dict[str, GradientReducer] = {}
         self.seeds_folded = False
         self.warned_batch_norm: set[str] = set()
-        #: the model's BatchNormalization(synchronized=True) layers (tarantella.batchnorm)
+        #: the model's BatchNormalization(synchronized=True) layers (tarantella.data_parallel.batchnorm)
         self.synchronized_bn: list[keras.layers.BatchNormalization] = []
         #: what _tnt_build made ready ("predict": the layers; "train": also metrics and
         #: optimizer), so *_on_batch, called every step, need not walk the model again
@@ -94,7 +95,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """As ``keras.Model.compile``. ``jit_compile`` resolves as in Keras; when it is on, the
         step's body is compiled with XLA and its collectives run between the compiled parts
-        (``tarantella.xla``), so ``self.jit_compile`` (Keras' outer function) reads False."""
+        (``tarantella.data_parallel.xla``), so ``self.jit_compile`` (Keras' outer function) reads False."""
         arguments.check_optimizer(kwargs.get("optimizer", args[0] if args else None))
         super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
         self._tnt_check_compiled()
@@ -200,7 +201,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
             if not isinstance(layer, keras.layers.BatchNormalization):
                 continue
             if getattr(layer, "synchronized", False):
-                continue  # the global batch's moments (tarantella.batchnorm)
+                continue  # the global batch's moments (tarantella.data_parallel.batchnorm)
             if layer.name not in self._tnt.warned_batch_norm and runtime.is_master:
                 self._tnt.warned_batch_norm.add(layer.name)
                 warnings.warn(

@@ -2,8 +2,8 @@
 tape, and its backward pass.
 
 Why apart from the step: these know the partition (what it reads, computes and emits:
-:mod:`tarantella.partition`) and the loss, and nothing of neighbours, schedules or the
-optimizer. The stage's step (:class:`tarantella.pipeline.StageStep`) runs them in its
+:mod:`tarantella.pipeline.partition`) and the loss, and nothing of neighbours, schedules or the
+optimizer. The stage's step (:class:`tarantella.pipeline.stage.StageStep`) runs them in its
 schedule's order, hands them what the neighbours sent and sends what they return, and
 accumulates and applies the weights' gradients they give.
 """
@@ -60,7 +60,7 @@ class StagePasses:
                 share: float, regularise: bool, after: Sequence[tf.Tensor] = ()) -> InFlight:
         """The forward pass of one micro-batch, recorded for its backward pass (after the
         ops ``after``). On the last stage the loss is the micro-batch's mean times its
-        ``share`` of the batch (:func:`tarantella.micro_batches.shares`); ``regularise``
+        ``share`` of the batch (:func:`tarantella.pipeline.micro_batches.shares`); ``regularise``
         adds the partition's weight regularisation (once per step)."""
         with tf.GradientTape() as tape, tf.control_dependencies(list(after)):
             tape.watch(received)

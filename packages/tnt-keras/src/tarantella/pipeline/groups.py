@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .comm import Channel
+from ..comm import Channel
 
 __all__ = ["PipelineGroups", "pipeline_groups"]
 

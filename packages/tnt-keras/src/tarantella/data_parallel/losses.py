@@ -6,7 +6,7 @@ prediction carries a mask), ``mean_with_sample_weight`` by the sum of the sample
 ``sum``/``none`` not at all. The serial loss of the global batch divides by the same count
 over the *global* batch. So rank ``r``, whose Keras loss is ``N_r / D_r``, contributes
 ``D_r / sum_r D_r`` of its gradient, and for ``sum`` all of it (see
-``tarantella.gradients``): the reduced gradient is then exactly the serial one.
+``tarantella.comm.gradients``): the reduced gradient is then exactly the serial one.
 
 :func:`normaliser` finds ``(scale_r, divisor_r)`` for the losses given to ``compile``; a
 combination whose terms have different normalisers (two masked outputs, ``sum`` next to
@@ -15,7 +15,7 @@ a mean, ...) cannot be expressed by one factor per rank and is refused. A loss a
 (:func:`per_sample`), which is Keras' default.
 
 Terms added with ``add_loss`` are read from the traced graph (:func:`summed_terms`,
-``tarantella.batch_scaling``): a mean over the samples (Keras' activity regularizers divide
+``tarantella.data_parallel.batch_scaling``): a mean over the samples (Keras' activity regularizers divide
 by the batch size) or a term free of the batch is weighed like the loss; a *sum* over the
 samples must count once per rank, so ``compute_loss`` adds it divided by this rank's
 weight; a term that is neither (a maximum, a square of a mean) is refused, naming the layer.
@@ -30,9 +30,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ._keras_compat import get_keras_mask
+from .._keras_compat import get_keras_mask
+from ..errors import NotSupportedError
 from .batch_scaling import Scaling, scaling
-from .errors import NotSupportedError
 
 __all__ = ["Normaliser", "normaliser", "per_sample", "reductions", "summed_terms", "weigh_backward"]
 
@@ -68,7 +68,7 @@ def weigh_backward(loss: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
     magnitudes of the serial backward pass (a float16 layer overflows exactly when serial
     does), while the value stays this rank's own loss: what a custom step logs or feeds a
     metric is then a per-rank mean, which the logs reduction averages as it averages
-    everything else (``tarantella.steps``)."""
+    everything else (``tarantella.data_parallel.steps``)."""
 
     @tf.custom_gradient
     def weighed(x: tf.Tensor) -> tuple[tf.Tensor, Any]:

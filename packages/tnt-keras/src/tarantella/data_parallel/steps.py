@@ -6,13 +6,13 @@ what data parallelism needs at three public seams of Keras 3:
 
 * ``optimizer.apply`` (which ``apply_gradients`` calls): while a step is traced, every
   optimizer of the model reduces the gradients it is given across ranks before it applies
-  them (``tarantella.gradients``). Clipping, loss scaling (its skip decision is then the
+  them (``tarantella.comm.gradients``). Clipping, loss scaling (its skip decision is then the
   same on every rank), gradient accumulation and EMA all see the serial gradient.
-* ``compute_loss``: records the loss and its global normaliser (``tarantella.losses``);
+* ``compute_loss``: records the loss and its global normaliser (``tarantella.data_parallel.losses``);
   the terms the layers add with ``add_loss`` while the step is traced are recorded for it
-  (a sum over the batch counts once per rank, see ``tarantella.losses.summed_terms``).
+  (a sum over the batch counts once per rank, see ``tarantella.data_parallel.losses.summed_terms``).
 * the metric states: zeroed before the step, summed across ranks after it and added back
-  (``tarantella.metrics``), so ``result()`` is the serial value. Logs a custom step returns
+  (``tarantella.data_parallel.metrics``), so ``result()`` is the serial value. Logs a custom step returns
   that are not metric results are averaged over the global batch (weighted by samples).
 
 A step is traced once; the context of the trace (:class:`StepContext`) lives only while
@@ -32,15 +32,15 @@ import tensorflow as tf
 
 import tnt_core
 
-from ._keras_compat import all_layers
+from .._keras_compat import all_layers
+from ..comm import record
+from ..comm.gradients import reduce_weighted
+from ..comm.graph_ops import allreduce_sum, gather_rows
+from ..errors import DatasetError, NotSupportedError
+from ..seams.overrides import instance_attributes
 from .batchnorm import global_moments
-from .collectives import allreduce_sum, gather_rows
-from .comm import record
-from .errors import DatasetError, NotSupportedError
-from .gradients import reduce_weighted
 from .losses import Normaliser, per_sample, summed_terms
 from .metrics import MetricCalls, MetricStates
-from .overrides import instance_attributes
 
 __all__ = ["BATCH_KEY", "INFO_KEY", "LocalIncrements", "StepContext", "current_step",
            "gradient_factor", "model_optimizers", "pack", "predict_step", "reduce_gradients",
@@ -135,7 +135,7 @@ class StepContext:
         self.prescaled = False
         #: the model has synchronized BatchNormalization layers: no overlap (see batchnorm)
         self.sync_bn = False
-        #: the step's body is being traced into an XLA function (``tarantella.xla``): no
+        #: the step's body is being traced into an XLA function (``tarantella.data_parallel.xla``): no
         #: collective may be traced, the gradient factor's global part comes after it
         self.compiled = False
         #: (inner, outer) leaves of the outputs of an XLA body: what it returned as the body's
@@ -326,7 +326,7 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
         before = states.begin()
         kept = [(v, tf.identity(tf.convert_to_tensor(v))) for v in model.non_trainable_variables]
     with tracing(step), calls.recording(), _recording_added_losses(model, step):
-        # XLA (tarantella.xla): the body compiled, the collectives around it; None when this
+        # XLA (tarantella.data_parallel.xla): the body compiled, the collectives around it; None when this
         # step cannot be split so
         logs = None if state.xla is None else state.xla.run(step, batch, run, state)
         if logs is None and kind == "train":
@@ -404,7 +404,7 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, ca
     weights = step.weights()
     needs_loss = returned is not None and (
         bool(loss_slots) or any(leaf is returned for _, leaf in flat))
-    if needs_loss:  # the global batch's loss, from each rank's own (see tarantella.losses)
+    if needs_loss:  # the global batch's loss, from each rank's own (see tarantella.data_parallel.losses)
         own = tf.reshape(tf.cast(step.loss, tf.float64), [-1])
         own = tf.reduce_sum(own) / tf.cast(tf.size(own), tf.float64)
         at_loss = vector.add(weights.scale * has_data * own)

@@ -1,7 +1,7 @@
 """A pipeline stage's messages to its neighbours, as ops of the stage's compiled step.
 
 Why graph ops: a stage's whole step (every micro-batch's forward and backward pass, the
-gradient sum, the optimizer) is one ``tf.function`` (:class:`tarantella.pipeline.StageStep`),
+gradient sum, the optimizer) is one ``tf.function`` (:class:`tarantella.pipeline.stage.StageStep`),
 so activations and gradients must leave and arrive inside the graph. The messages are
 chained with control dependencies, each after the one before it in the step as written,
 so they run in the schedule's order: two neighbours, following the same schedule, post
@@ -35,7 +35,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from .comm import Channel, count, previous, record
+from ..comm import Channel, count, previous, record
 
 __all__ = ["StageMessages"]
 
