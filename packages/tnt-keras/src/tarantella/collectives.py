@@ -91,15 +91,19 @@ def gather_rows(flat: Sequence[tf.Tensor], n: tf.Tensor, b: tf.Tensor,
 
 def gather_slices(indices: tf.Tensor, values: tf.Tensor, keep: tf.Tensor,
                   runtime: tnt_core.Runtime, *, after: Sequence[tf.Tensor] = (),
-                  name: str = "tnt_gather_slices") -> tuple[tf.Tensor, tf.Tensor]:
+                  name: str = "tnt_gather_slices",
+                  backend: tnt_core.CommBackend | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """Graph op: a sparse gradient (``tf.IndexedSlices``) of every rank, concatenated in
     rank order, as the serial step has it (rank ``r``'s rows when ``keep`` is true there).
 
     Keras' optimizers treat a sparse gradient row by row (Adam squares each row before
     adding duplicates up), so summing it densely would change the update.
+
+    :param backend: the communicator to gather over (a pipeline stage's replicas); the
+        job's by default.
     """
-    backend = runtime.backend
-    if runtime.size == 1:  # one rank always has samples (keep); no Python in its step
+    backend = runtime.backend if backend is None else backend
+    if backend.size == 1:  # one rank always has samples (keep); no Python in its step
         return indices, values
 
     def run(idx: np.ndarray, vals: np.ndarray, keep_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -88,7 +88,8 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
                     previous: Callable[[], list[tf.Tensor]],
                     record: Callable[[list[tf.Tensor]], None],
                     dense_after: Callable[[list[tf.Tensor]], list[tf.Tensor]] | None = None,
-                    compression: Compression = NO_COMPRESSION, copy: bool = False) -> list[Any]:
+                    compression: Compression = NO_COMPRESSION, copy: bool = False,
+                    backend: tnt_core.CommBackend | None = None) -> list[Any]:
     """``sum_r weight_r g_r`` for each gradient (None stays None): the one reduction of
     ``fit``'s step and of a custom loop. Dense gradients go to ``reducer()`` in backward order
     (the last layer's exist first), after ``previous()`` (and ``dense_after(dense)``);
@@ -98,6 +99,8 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
     of reused buckets (for callers that hand them to user code).
 
     :param variables: the variables of ``grads`` (None where a static shape is unknown).
+    :param backend: the communicator the sparse gradients are gathered over (the one
+        ``reducer()`` sums over; the job's by default).
     """
     out: list[Any] = list(grads)
     present = [i for i, g in enumerate(grads) if g is not None]
@@ -116,7 +119,8 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
     for i in sparse_ids:
         g = grads[i]
         values = g.values * tf.cast(weight, g.values.dtype)
-        indices, values = gather_slices(g.indices, values, keep, runtime, after=previous())
+        indices, values = gather_slices(g.indices, values, keep, runtime, after=previous(),
+                                        backend=backend)
         record([indices])
         out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
     return out

@@ -50,8 +50,9 @@ import tensorflow as tf
 import tnt_core
 
 from ._keras_compat import all_layers, forgetting_custom_gradients
+from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .errors import NotSupportedError
-from .gradients import GradientReducer, dense_gradient
+from .gradients import GradientReducer, reduce_weighted
 from .partition import COMPUTED, Partitioning
 from .stage_messages import StageMessages
 
@@ -168,6 +169,7 @@ class StageStep:
         self.messages = StageMessages(backend, self.ranks, native=native, timeline=timeline,
                                       lane=self._lane)
         self.weights = list(self.model.trainable_weights)
+        self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
 
@@ -229,6 +231,8 @@ class StageStep:
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
             self.optimizer.build(self.weights)
+        if self.replicas is not None and self._rows is None:
+            self._rows = self._sparse_rows(x if self.parts.reads_x(self.stage) else None)
         with self._span("step"):
             total, predictions = self._train_fn(
                 x if self.parts.reads_x(self.stage) else None, y if self.last else None,
@@ -253,7 +257,7 @@ class StageStep:
         self.messages.begin()
         flights: dict[int, _InFlight] = {}
         predictions: dict[int, Any] = {}
-        accumulated: list[Any] = [None] * len(self.weights)
+        accumulated = MicroBatchGradients(self.weights)
         emits = self.parts.emits[self.stage]
         parts: list[tf.Tensor] = []
 
@@ -302,9 +306,7 @@ class StageStep:
                                              unconnected_gradients=tf.UnconnectedGradients.ZERO) \
                     if targets else [tf.zeros_like(s) for s in sources]
             self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"backward {k}", begin=False)
-            for i, g in enumerate(grads[:len(self.weights)]):
-                g = dense_gradient(g, self.weights[i])
-                accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
+            accumulated.add(k, grads[:len(self.weights)])
             if not self.first:
                 back = list(grads[len(self.weights):])
                 for i, grad in through.items():
@@ -313,9 +315,10 @@ class StageStep:
 
         for kind, k in self.order(len(sizes)):
             (forward if kind == "forward" else backward)(k)
-        grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
-        if self.replicas is not None:
-            grads = list(self.replicas.reduce(grads, tf.constant(1.0, tf.float64)))
+        if self.replicas is None:
+            grads = accumulated.whole()
+        else:
+            grads = self._sum_over_replicas(accumulated.whole(self._rows))
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             grads = self._agree_on_finite(grads)
         clipnorm = getattr(self.optimizer, "global_clipnorm", None)
@@ -334,6 +337,52 @@ class StageStep:
             total = tf.identity(total)
         joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
         return total, joined
+
+    def _sum_over_replicas(self, grads: list[Any]) -> list[Any]:
+        """The sum of the stage's replicas' gradients, through the one reduction of DATA's
+        step: dense ones summed, sparse ones gathered row by row in replica order (the
+        order of the batch's shares), as serial Keras' step has them."""
+        replicas = self.replicas
+        assert replicas is not None
+        last: list[tf.Tensor] = []
+
+        def record(outputs: list[tf.Tensor]) -> None:
+            last[:] = outputs
+
+        return reduce_weighted(grads, self.weights, tf.constant(1.0, tf.float64),
+                               lambda: replicas, replicas.runtime,
+                               keep=tf.constant(True), previous=lambda: list(last),
+                               record=record, backend=replicas.backend)
+
+    def _sparse_rows(self, x: Any) -> list[Rows | None]:
+        """Which weights' gradients are sparse, from the stage's structure: one forward and
+        backward pass of the partition with its weight regularisation, traced once and
+        never run. Why: the replicas of a stage must agree (a sparse gradient is gathered,
+        a dense one summed), and what their own passes give can differ: only one adds the
+        regularisation (whose gradient is dense), and one with no sample of a batch makes
+        no pass (:mod:`tarantella.batch_gradients`)."""
+        found: list[Rows | None] = []
+        x = keras.tree.map_structure(tf.convert_to_tensor, x)
+        rows = 1 if x is None else int(keras.tree.flatten(x)[0].shape[0])
+
+        def probe(x: Any) -> tf.Tensor:
+            received = [] if self.first else [
+                tf.zeros((rows, *[int(d) for d in s.shape[1:]]), s.dtype)
+                for s in self.parts.received[self.stage]]
+            with tf.GradientTape() as tape:
+                tape.watch(received)
+                emitted = self._run(received, x, training=True)
+                targets = [tf.reduce_sum(e) for e in emitted if e.dtype.is_floating]
+                targets += [tf.reduce_sum(r) for r in self.model.losses]
+            grads = tape.gradient(targets, self.weights,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO) \
+                if targets else [None] * len(self.weights)
+            found.extend(rows_of(grads))
+            return tf.constant(0)
+
+        with forgetting_custom_gradients():  # the probe's graph is dropped
+            tf.function(probe, autograph=False).get_concrete_function(x)
+        return found
 
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The stage's optimizer applies ``grads`` to its weights.
@@ -387,15 +436,20 @@ class StageStep:
         finite = self.optimizer.check_finite(grads)
         others = self.messages.allreduce_sum(1.0 - tf.cast(finite, tf.float64))
         factor = tf.where(others > 0.0, float("nan"), 1.0)
-        return [g * tf.cast(factor, g.dtype) for g in grads]
+        return [tf.IndexedSlices(g.values * tf.cast(factor, g.dtype), g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else g * tf.cast(factor, g.dtype)
+                for g in grads]
 
     def _clip_by_global_norm(self, grads: list[tf.Tensor], clipnorm: float) -> list[tf.Tensor]:
         """``optimizer.global_clipnorm`` as serial Keras applies it, over the whole model:
         the norm of every stage's gradients, agreed with one scalar allreduce over the
         pipeline's stages (the replicas' gradients are summed already), and Keras' formula
         (``keras.optimizers``: ``clip * min(1 / norm, 1 / clip)``, NaN for a non-finite
-        norm)."""
-        local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float64))) for g in grads]) \
+        norm; a sparse gradient's rows each count, as Keras squares them).
+        The scaled gradients are Keras' ``g * scale``: a sparse one comes back dense, as in
+        serial Keras."""
+        local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(
+            g.values if isinstance(g, tf.IndexedSlices) else g, tf.float64))) for g in grads]) \
             if grads else tf.constant(0.0, tf.float64)
         norm = tf.sqrt(self.messages.allreduce_sum(local))
         norm32 = tf.cast(norm, tf.float32)
