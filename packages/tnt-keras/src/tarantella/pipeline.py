@@ -91,8 +91,9 @@ def check_stage_model(model: keras.Model, stage: int) -> None:
 
 def _micro_batches(x: Any, sizes: Sequence[int]) -> list[Any]:
     """``x`` (a tensor or a list/tuple/dict of them; None stays None) cut into micro-batches
-    of ``sizes`` samples, each in ``x``'s structure."""
-    if x is None:
+    of ``sizes`` samples, each in ``x``'s structure (none for no sizes: a pipeline with no
+    sample of a batch, under ALL)."""
+    if x is None or not sizes:
         return [None] * len(sizes)
     leaves = [tf.split(tf.convert_to_tensor(t), list(sizes), axis=0) for t in keras.tree.flatten(x)]
     return [keras.tree.pack_sequence_as(x, [parts[k] for parts in leaves]) for k in range(len(sizes))]
@@ -273,7 +274,9 @@ class StageStep:
                     predictions[k] = self.parts.outputs(emitted)
                     loss = self.loss(ys[k], predictions[k], sample_weight=sws[k]) * (b / batch)
                 if k == 0 and self.regularise and self.model.losses:  # once per step
-                    regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
+                    # in the loss's dtype (float64 models: float64)
+                    dtype = tf.float64 if loss is None else loss.dtype
+                    regularisation = tf.add_n([tf.cast(r, dtype) for r in self.model.losses])
                     loss = regularisation if loss is None else loss + regularisation
             self._mark(list(emitted) + ([] if loss is None else [loss]), f"forward {k}", begin=False)
             if not self.last:
@@ -298,7 +301,7 @@ class StageStep:
             if flight.loss is not None:
                 targets.append(flight.loss)
                 seeds.append(self._loss_seed(flight.loss))
-                parts.append(tf.cast(flight.loss, tf.float32))
+                parts.append(tf.cast(flight.loss, tf.float64))  # a float64 model's loss
             sources = self.weights + list(flight.inputs)
             begun = self._mark(seeds, f"backward {k}", begin=True)
             with tf.control_dependencies(begun):
@@ -332,7 +335,7 @@ class StageStep:
         else:
             self._apply(grads)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
-        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float32)
+        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
         with tf.control_dependencies([done]):
             total = tf.identity(total)
         joined = _concat([predictions[k] for k in sorted(predictions)]) if self.last else None
@@ -445,15 +448,17 @@ class StageStep:
         the norm of every stage's gradients, agreed with one scalar allreduce over the
         pipeline's stages (the replicas' gradients are summed already), and Keras' formula
         (``keras.optimizers``: ``clip * min(1 / norm, 1 / clip)``, NaN for a non-finite
-        norm; a sparse gradient's rows each count, as Keras squares them).
-        The scaled gradients are Keras' ``g * scale``: a sparse one comes back dense, as in
-        serial Keras."""
+        norm; a sparse gradient's rows each count, as Keras squares them), in the
+        gradients' dtype as Keras computes it (float64 for a float64 model). The scaled
+        gradients are Keras' ``g * scale``: a sparse one comes back dense, as in serial
+        Keras."""
         local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(
             g.values if isinstance(g, tf.IndexedSlices) else g, tf.float64))) for g in grads]) \
             if grads else tf.constant(0.0, tf.float64)
         norm = tf.sqrt(self.messages.allreduce_sum(local))
-        norm32 = tf.cast(norm, tf.float32)
-        scale = clipnorm * tf.minimum(1.0 / norm32, 1.0 / clipnorm) + (norm32 - norm32)
+        widest = max((g.dtype for g in grads), key=lambda d: d.size, default=None)
+        norm = tf.cast(norm, widest or keras.config.floatx())
+        scale = clipnorm * tf.minimum(1.0 / norm, 1.0 / clipnorm) + (norm - norm)
         return [g * tf.cast(scale, g.dtype) for g in grads]
 
     def forward(self, x: Any, batch: int) -> float:
@@ -481,8 +486,8 @@ class StageStep:
                 self._send(emitted, self.stage + 1, _FORWARD)
         done = self.messages.complete(self._tokens)
         losses = self.model.losses if self.regularise else []
-        regularisation = tf.add_n([tf.cast(r, tf.float32) for r in losses]) if losses \
-            else tf.constant(0.0, tf.float32)
+        regularisation = tf.add_n([tf.cast(r, tf.float64) for r in losses]) if losses \
+            else tf.constant(0.0, tf.float64)
         with tf.control_dependencies([done]):
             regularisation = tf.identity(regularisation)
         return regularisation, (_concat(predictions) if self.last else None)
