@@ -365,7 +365,8 @@ class StageStep:
         regularisation (whose gradient is dense), and one with no sample of a batch makes
         no pass (:mod:`tarantella.batch_gradients`)."""
         found: list[Rows | None] = []
-        x = keras.tree.map_structure(tf.convert_to_tensor, x)
+        if x is not None:
+            x = keras.tree.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), x)
         rows = 1 if x is None else int(keras.tree.flatten(x)[0].shape[0])
 
         def probe(x: Any) -> tf.Tensor:
