@@ -7,7 +7,8 @@ batch); a lone pipeline of 2 stages would show nothing these do not. The same la
 train the graphs a pipeline must route (workers/pipeline_graph_worker.py): a residual
 connection across every cut, an input that enters the last partition, three outputs in
 three partitions with their losses, loss_weights and metrics, and a Sequential model cut
-automatically. What is not supported is refused with one line.
+automatically; and models whose gradients are sparse (workers/pipeline_sparse_worker.py),
+in float64 and float32. What is not supported is refused with one line.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ BACKEND = "gloo" if "gloo" in BACKENDS else "store"
 
 #: layout -> (stages, strategy, ranks)
 LAYOUTS = {"3-stages": (3, "pipelining", 3), "2-stages-x-2-pipelines": (2, "all", 4)}
+#: the layout whose serial run also makes the sparse cases' reference (the same for every
+#: layout: their model is cut automatically)
+SPARSE_REFERENCE = "3-stages"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,8 @@ def started(tmp_path_factory) -> Iterator[dict[str, tuple[int, int, Path, list[F
                 pool.submit(run_workers, "pipeline_model_worker.py",
                             ["--mode", "pipeline", "--strategy", strategy, *args], ranks, BACKEND,
                             timeout=400),
-                pool.submit(run_serial, "pipeline_model_worker.py", ["--mode", "serial", *args])])
+                pool.submit(run_serial, "pipeline_model_worker.py", [
+                    "--mode", "serial", *args, *(["--sparse"] if layout == SPARSE_REFERENCE else [])])])
         yield started
 
 
@@ -174,6 +179,32 @@ def test_skips_late_inputs_several_outputs_and_automatic_cuts_train_as_serial(ru
     assert sum(stages) == total and all(0 < n < total for n in stages), stages
     for case in ref:
         assert ref[case]["history"]["loss"][-1] < ref[case]["history"]["loss"][0], case
+
+
+def test_sparse_gradients_train_as_serial_with_adam_rmsprop_and_momentum(runs, started):
+    """Embeddings and a custom tf.gather layer (gradients as tf.IndexedSlices) in the first,
+    a middle and the last stage, cut automatically, 4 micro-batches: Adam and RMSprop treat
+    a sparse gradient row by row, so the stages hand them the rows of every micro-batch (and
+    of every pipeline, under ALL: there the second has no sample of the last batch), as
+    serial Keras hands the batch's. Round-off only: float64 within 1e-12, float32 1e-5."""
+    from pipeline_sparse_worker import CASES
+
+    ranks, _, out = runs
+    _, _, reference, futures = started[SPARSE_REFERENCE]
+    futures[1].result()  # its serial run
+    ref = dict(np.load(reference / "sparse.serial.rank0.npz"))
+    assert len(ref) == len(CASES) * (1 + 11), sorted(ref)  # the losses, 11 weights
+    for rank in range(ranks):
+        got = dict(np.load(out / f"sparse.pipeline.rank{rank}.npz"))
+        assert set(got) == set(ref)
+        for name, value in ref.items():
+            tolerance = 1e-12 if "float64" in name else 1e-5
+            assert got[name].dtype == value.dtype, name
+            rel = np.linalg.norm(got[name] - value) / np.linalg.norm(value)
+            assert rel <= tolerance, f"rank {rank}: {name} differs from serial by {rel:.2e}"
+    for case in {n.rsplit("_", 1)[0] for n in ref}:
+        losses = ref[f"{case}_loss"]
+        assert losses[-1] < losses[0], f"{case} did not train: {losses}"
 
 
 def test_a_model_built_without_values_trains_checkpoints_saves_and_loads_as_serial(runs):

@@ -169,3 +169,38 @@ def test_micro_batch_statistics_and_activity_regularisers_are_refused_naming_the
 def test_a_loss_function_instead_of_a_loss_object_is_refused():
     with pytest.raises(TypeError, match=r"takes a keras\.losses\.Loss"):
         _step(_cut_model(keras.layers.Dense(3)), loss="mse")
+
+
+def test_a_sparse_gradient_reaches_the_optimizer_as_the_batchs_rows_in_batch_order():
+    """What a stage hands its optimizer (tarantella.pipeline.batch_gradients): the micro-batches'
+    sparse gradients as one tf.IndexedSlices, rows in micro-batch order whatever order the
+    backward passes ran in (GPipe runs the last first); dense ones summed; a gradient sparse
+    in one micro-batch and dense in another summed densely, as TensorFlow aggregates a mix;
+    no row (of the right dtypes) for a stage's replica with no sample of the batch."""
+    import tensorflow as tf
+
+    from tarantella.pipeline.batch_gradients import MicroBatchGradients, Rows
+
+    table, kernel = tf.Variable(tf.zeros((5, 2))), tf.Variable(tf.zeros((2,)))
+    rows = [tf.IndexedSlices(tf.fill((2, 2), float(k + 1)), tf.constant([k, 4]), tf.constant([5, 2]))
+            for k in range(3)]
+    grads = MicroBatchGradients([table, kernel])
+    for k in (2, 0, 1):
+        grads.add(k, [rows[k], tf.constant([1.0, float(k)])])
+    assert grads.rows() == [Rows(tf.int32, tf.float32, tf.int32), None]
+    sparse, dense = grads.whole()
+    assert isinstance(sparse, tf.IndexedSlices)
+    assert sparse.indices.numpy().tolist() == [0, 4, 1, 4, 2, 4]
+    assert sparse.values.numpy()[:, 0].tolist() == [1, 1, 2, 2, 3, 3]
+    assert dense.numpy().tolist() == [3.0, 3.0]
+    mixed = MicroBatchGradients([table])
+    mixed.add(0, [tf.ones((5, 2))])  # micro-batch 0 with the weight regulariser's gradient
+    mixed.add(1, [rows[1]])
+    assert mixed.rows() == [None]
+    np.testing.assert_array_equal(mixed.whole()[0], np.ones((5, 2)) + tf.convert_to_tensor(rows[1]))
+    empty = MicroBatchGradients([table, kernel]).whole([Rows(tf.int64, tf.float32, tf.int64), None])
+    assert empty[0].indices.dtype == tf.int64 and empty[0].values.shape == (0, 2)
+    assert empty[1].numpy().tolist() == [0.0, 0.0]
+    with pytest.raises(NotSupportedError, match=r"is sparse \(tf\.IndexedSlices\) in the stage's "
+                       r"structure but dense in this step"):
+        mixed.whole([Rows(tf.int32, tf.float32, tf.int32)])

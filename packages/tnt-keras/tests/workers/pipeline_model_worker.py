@@ -16,6 +16,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pipeline_graph_worker
+import pipeline_sparse_worker
 from pipeline_worker import build, data
 
 EPOCHS, BATCH, MICRO = 3, 16, 3
@@ -191,6 +192,8 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, required=True)
     parser.add_argument("--strategy", choices=["pipelining", "all"], default="pipelining")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sparse", action="store_true",
+                        help="serial: also the sparse cases (one layout's serial run makes them)")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     x, y = data()
@@ -246,6 +249,8 @@ def main() -> int:
     named = dict_inputs(args, x, y)
     workflow = keras_workflow(args, x)
     pipeline_graph_worker.run(args, x, y)  # skips, late inputs, several outputs, automatic cuts
+    if args.mode == "pipeline" or args.sparse:  # sparse gradients, float64 and float32
+        pipeline_sparse_worker.run(args)
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
              **{f"w{i}": w for i, w in enumerate(weights)},

@@ -98,6 +98,8 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
     code).
 
     :param variables: the variables of ``grads`` (None where a static shape is unknown).
+    :param channel: the ranks the gradients are summed (and sparse rows gathered) over: the
+        channel of ``reducer()``.
     """
     out: list[Any] = list(grads)
     present = [i for i, g in enumerate(grads) if g is not None]

@@ -327,7 +327,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 loss = float(compiled) + regularisation
         tracker = self._tnt_loss_tracker()
         if tracker is not None:
-            tracker.update_state(loss, sample_weight=batch)
+            # a NumPy float64: Keras would read a Python float as float32 (a float64 model's
+            # History then differs from serial's by 1e-8)
+            tracker.update_state(np.float64(loss), sample_weight=batch)
         return self.compute_metrics(x, y, y_pred, sample_weight)
 
     # -- the loops ---------------------------------------------------------------------------

@@ -70,7 +70,9 @@ class StagePasses:
                 predictions = self.parts.outputs(emitted)
                 loss = self.loss(y, predictions, sample_weight=sample_weight) * share
             if regularise and self.model.losses:
-                regularisation = tf.add_n([tf.cast(r, tf.float32) for r in self.model.losses])
+                # in the loss's dtype (float64 models: float64)
+                dtype = tf.float64 if loss is None else loss.dtype
+                regularisation = tf.add_n([tf.cast(r, dtype) for r in self.model.losses])
                 loss = regularisation if loss is None else loss + regularisation
         return InFlight(tape, received, emitted, loss, predictions)
 

@@ -55,9 +55,10 @@ import tnt_core
 
 from .._keras_compat import forgetting_custom_gradients
 from ..comm import Channel
-from ..comm.gradients import GradientReducer, dense_gradient
+from ..comm.gradients import GradientReducer, reduce_weighted
 from ..errors import NotSupportedError
 from . import schedule as schedules
+from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
 from .messages import StageMessages
 from .micro_batches import concat, micro_batch_sizes, shares, split
@@ -127,6 +128,7 @@ class StageStep:
         #: this stage's compute on one micro-batch
         self.passes = StagePasses(parts, stage, loss)
         self.weights = self.passes.weights
+        self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
 
@@ -193,6 +195,8 @@ class StageStep:
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
             self.optimizer.build(self.weights)
+        if self.replicas is not None and self._rows is None:
+            self._rows = self._sparse_rows(x if self.parts.reads_x(self.stage) else None)
         with self._span("step"):
             total, predictions = self._train_fn(
                 x if self.parts.reads_x(self.stage) else None, y if self.last else None,
@@ -221,7 +225,7 @@ class StageStep:
         flights: dict[int, InFlight] = {}
         back: dict[int, list[tf.Tensor] | None] = {}
         predictions: dict[int, Any] = {}
-        accumulated: list[Any] = [None] * len(self.weights)
+        accumulated = MicroBatchGradients(self.weights)
         parts: list[tf.Tensor] = []
         for action in self.actions(len(sizes)):
             k, peer = action.micro_batch, action.peer
@@ -241,9 +245,9 @@ class StageStep:
             elif action.op is Op.BACKWARD:
                 flight = flights.pop(k)
                 if flight.loss is not None:
-                    parts.append(tf.cast(flight.loss, tf.float32))
+                    parts.append(tf.cast(flight.loss, tf.float64))  # a float64 model's loss
                 grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None))
-                self._accumulate(accumulated, grads)
+                accumulated.add(k, grads)
             elif action.op is Op.SEND_B:
                 sent = back.pop(k)
                 assert peer is not None and sent is not None
@@ -253,7 +257,7 @@ class StageStep:
                                         f"run {action} (a weight-gradient pass apart) yet")
         self._optimizer_step(accumulated)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
-        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float32)
+        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
         with tf.control_dependencies([done]):
             total = tf.identity(total)
         joined = concat([predictions[k] for k in sorted(predictions)]) if self.last else None
@@ -284,18 +288,14 @@ class StageStep:
 
     # -- the gradients to the optimizer -------------------------------------------------------
 
-    def _accumulate(self, accumulated: list[Any], grads: list[Any]) -> None:
-        """One micro-batch's gradients added to the step's, weight by weight."""
-        for i, g in enumerate(grads):
-            g = dense_gradient(g, self.weights[i])
-            accumulated[i] = g if accumulated[i] is None else accumulated[i] + g
-
-    def _optimizer_step(self, accumulated: list[Any]) -> None:
-        """The step's gradients summed over the stage's replicas, agreed on (loss scaling's
-        finiteness, ``global_clipnorm``) over the pipeline's stages, and applied."""
-        grads = [tf.zeros_like(w) if g is None else g for g, w in zip(accumulated, self.weights)]
-        if self.replicas is not None:
-            grads = list(self.replicas.reduce(grads, tf.constant(1.0, tf.float64)))
+    def _optimizer_step(self, accumulated: MicroBatchGradients) -> None:
+        """The step's gradients (sparse ones as the batch's rows: :mod:`tarantella.pipeline.batch_gradients`)
+        summed over the stage's replicas, agreed on (loss scaling's finiteness,
+        ``global_clipnorm``) over the pipeline's stages, and applied."""
+        if self.replicas is None:
+            grads = accumulated.whole()
+        else:
+            grads = self._sum_over_replicas(accumulated.whole(self._rows))
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             grads = self._agree_on_finite(grads)
         clipnorm = getattr(self.optimizer, "global_clipnorm", None)
@@ -308,6 +308,46 @@ class StageStep:
                 self.optimizer.global_clipnorm = clipnorm
         else:
             self._apply(grads)
+
+    def _sum_over_replicas(self, grads: list[Any]) -> list[Any]:
+        """The sum of the stage's replicas' gradients, through the one reduction of DATA's
+        step: dense ones summed, sparse ones gathered row by row in replica order (the
+        order of the batch's shares), as serial Keras' step has them."""
+        replicas = self.replicas
+        assert replicas is not None
+        return reduce_weighted(grads, self.weights, tf.constant(1.0, tf.float64),
+                               lambda: replicas, replicas.channel, keep=tf.constant(True))
+
+    def _sparse_rows(self, x: Any) -> list[Rows | None]:
+        """Which weights' gradients are sparse, from the stage's structure: one forward and
+        backward pass of the partition with its weight regularisation, traced once and
+        never run. Why: the replicas of a stage must agree (a sparse gradient is gathered,
+        a dense one summed), and what their own passes give can differ: only one adds the
+        regularisation (whose gradient is dense), and one with no sample of a batch makes
+        no pass (:mod:`tarantella.pipeline.batch_gradients`)."""
+        found: list[Rows | None] = []
+        if x is not None:
+            x = keras.tree.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), x)
+        rows = 1 if x is None else int(keras.tree.flatten(x)[0].shape[0])
+
+        def probe(x: Any) -> tf.Tensor:
+            received = [] if self.first else [
+                tf.zeros((rows, *[int(d) for d in s.shape[1:]]), s.dtype)
+                for s in self.parts.received[self.stage]]
+            with tf.GradientTape() as tape:
+                tape.watch(received)
+                emitted = self.passes.run(received, x, training=True)
+                targets = [tf.reduce_sum(e) for e in emitted if e.dtype.is_floating]
+                targets += [tf.reduce_sum(r) for r in self.model.losses]
+            grads = tape.gradient(targets, self.weights,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO) \
+                if targets else [None] * len(self.weights)
+            found.extend(rows_of(grads))
+            return tf.constant(0)
+
+        with forgetting_custom_gradients():  # the probe's graph is dropped
+            tf.function(probe, autograph=False).get_concrete_function(x)
+        return found
 
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The stage's optimizer applies ``grads`` to its weights.
@@ -343,19 +383,26 @@ class StageStep:
         finite = self.optimizer.check_finite(grads)
         others = self.messages.allreduce_sum(1.0 - tf.cast(finite, tf.float64))
         factor = tf.where(others > 0.0, float("nan"), 1.0)
-        return [g * tf.cast(factor, g.dtype) for g in grads]
+        return [tf.IndexedSlices(g.values * tf.cast(factor, g.dtype), g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else g * tf.cast(factor, g.dtype)
+                for g in grads]
 
     def _clip_by_global_norm(self, grads: list[tf.Tensor], clipnorm: float) -> list[tf.Tensor]:
         """``optimizer.global_clipnorm`` as serial Keras applies it, over the whole model:
         the norm of every stage's gradients, agreed with one scalar allreduce over the
         pipeline's stages (the replicas' gradients are summed already), and Keras' formula
         (``keras.optimizers``: ``clip * min(1 / norm, 1 / clip)``, NaN for a non-finite
-        norm)."""
-        local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float64))) for g in grads]) \
+        norm; a sparse gradient's rows each count, as Keras squares them), in the
+        gradients' dtype as Keras computes it (float64 for a float64 model). The scaled
+        gradients are Keras' ``g * scale``: a sparse one comes back dense, as in serial
+        Keras."""
+        local = tf.add_n([tf.reduce_sum(tf.square(tf.cast(
+            g.values if isinstance(g, tf.IndexedSlices) else g, tf.float64))) for g in grads]) \
             if grads else tf.constant(0.0, tf.float64)
         norm = tf.sqrt(self.messages.allreduce_sum(local))
-        norm32 = tf.cast(norm, tf.float32)
-        scale = clipnorm * tf.minimum(1.0 / norm32, 1.0 / clipnorm) + (norm32 - norm32)
+        widest = max((g.dtype for g in grads), key=lambda d: d.size, default=None)
+        norm = tf.cast(norm, widest or keras.config.floatx())
+        scale = clipnorm * tf.minimum(1.0 / norm, 1.0 / clipnorm) + (norm - norm)
         return [g * tf.cast(scale, g.dtype) for g in grads]
 
     def forward(self, x: Any, batch: int) -> float:
@@ -391,8 +438,8 @@ class StageStep:
                 self._send(emitted.pop(k), peer, _FORWARD)
         done = self.messages.complete(self._tokens)
         losses = self.model.losses if self.regularise else []
-        regularisation = tf.add_n([tf.cast(r, tf.float32) for r in losses]) if losses \
-            else tf.constant(0.0, tf.float32)
+        regularisation = tf.add_n([tf.cast(r, tf.float64) for r in losses]) if losses \
+            else tf.constant(0.0, tf.float64)
         with tf.control_dependencies([done]):
             regularisation = tf.identity(regularisation)
         return regularisation, (concat(predictions) if self.last else None)
