@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import tarantella as tnt
 import tnt_core
-from tarantella import user_collectives
+from tarantella import collectives as user_collectives
 from tnt_keras_helpers import NATIVE_PATH, PYTHON_PATH, launch_params
 
 pytestmark = pytest.mark.timeout(300)

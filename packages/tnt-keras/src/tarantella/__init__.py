@@ -61,7 +61,7 @@ __all__ = [
     "get_rank",
     "get_size",
     "is_master_rank",
-    # collectives a script calls, and groups of ranks (user_collectives)
+    # collectives a script calls, and groups of ranks (collectives)
     "Barrier",
     "Group",
     "ReductionOp",
