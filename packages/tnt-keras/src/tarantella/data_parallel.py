@@ -336,6 +336,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                             steps=steps, purpose="prediction", runtime=runtime)
         self._tnt_build(data.batch_spec, data.distributed, predict=True)
         self._tnt_broadcast()
+        self._tnt.predictions_gathered = data.distributed
         callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
                                             add_history=False, data=[data])
         return super().predict(data.dataset, verbose=verbose if runtime.is_master else 0,

@@ -97,6 +97,9 @@ class DistributedState:
         #: the master's weights must reach every rank before the next step
         self.needs_broadcast = True
         self._local = {"train": LocalIncrements(), "test": LocalIncrements()}
+        #: the predictions the current ``predict`` passes its callbacks are the global batch's,
+        #: gathered from micro-batches tarantella split (False: this rank's own already)
+        self.predictions_gathered = False
 
     def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
         """Run a hook of a master-only callback that may save (``run``: on the master; None
@@ -111,6 +114,16 @@ class DistributedState:
         """This rank's own metric increments (what callbacks with ``aggregate_logs=False``
         show); the data-parallel steps record them."""
         return self._local.setdefault(kind, LocalIncrements())
+
+    def own_rows(self, rows: int) -> slice | None:
+        """This rank's rows of the ``rows`` predictions of a global batch (what callbacks
+        with ``aggregate_logs=False`` show); None when they are all this rank's own."""
+        if not self.predictions_gathered or self.runtime.size == 1:
+            return None
+        runtime = self.runtime
+        start = tnt_core.micro_batch_offset(rows, runtime.rank, runtime.size, allow_empty=True)
+        count = tnt_core.micro_batch_size(rows, runtime.rank, runtime.size, allow_empty=True)
+        return slice(start, start + count)
 
 
 def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None,
