@@ -10,7 +10,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tnt_core import Config, ConfigError, StoreClient, StoreServer, TntError, list_backends
+from tnt_core import (
+    Config,
+    ConfigError,
+    StoreClient,
+    StoreServer,
+    TntError,
+    list_backends,
+    unknown_backend_hint,
+)
 from tnt_core.stall import NOT_ARRIVED_KEY
 
 from .agent import read_failures
@@ -56,8 +64,7 @@ def _check_backend(name: str, size: int, local_size: int) -> None:
         raise UsageError(f"cannot list backends: {exc}") from None
     names = [spec.name for spec in specs]
     if name not in names:
-        raise UsageError(f"unknown backend {name!r}; installed: {', '.join(names) or 'none'} "
-                         f"(pip install tnt-comm-{name}?)")
+        raise UsageError(f"unknown backend {name!r}; {unknown_backend_hint(name, names)}")
     # what rank 0 will see (the address is a stand-in: the store does not exist yet)
     config = Config(rank=0, size=size, local_rank=0, local_size=local_size, backend=name,
                     rendezvous="127.0.0.1:1", rendezvous_key="-", launched=True)

@@ -73,6 +73,7 @@ from .runtime import (
     list_backends,
     select_backend,
     shutdown,
+    unknown_backend_hint,
 )
 from .setting_registry import InstalledSettings, SettingsRegistry, installed_settings, read_setting
 from .settings import VARIABLES, SettingGroup, Variable
@@ -173,6 +174,7 @@ __all__ = [
     "settings",
     "shutdown",
     "timeline_path",
+    "unknown_backend_hint",
     "wait_all",
     "__version__",
 ]

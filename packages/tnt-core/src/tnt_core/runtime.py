@@ -7,8 +7,10 @@ for the life of the process. Backend choice is a hook, never an if/elif over nam
 from __future__ import annotations
 
 import atexit
+import difflib
+import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pluggy
 
@@ -25,6 +27,7 @@ __all__ = [
     "Runtime",
     "list_backends",
     "select_backend",
+    "unknown_backend_hint",
     "init",
     "shutdown",
     "is_initialized",
@@ -61,6 +64,24 @@ def _names(specs: Iterable[BackendSpec]) -> str:
     return ", ".join(s.name for s in specs) or "none"
 
 
+def unknown_backend_hint(name: str, installed: Sequence[str]) -> str:
+    """What to say after "unknown backend NAME": the installed backend it likely means (the
+    same name in other case, or a close spelling: ``Gloo``, ``glo``), else what to install."""
+    listing = ", ".join(installed) or "none"
+    by_case = {n.lower(): n for n in installed}
+    close = difflib.get_close_matches(name.lower(), list(by_case), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {by_case[close[0]]}? installed: {listing}"
+    return (f"installed: {listing}. Install the package that provides it, e.g. "
+            f"pip install tnt-comm-{name.lower()}")
+
+
+def _script() -> str:
+    """The script this process runs, as its command line named it (for a message)."""
+    arg = sys.argv[0] if sys.argv else ""
+    return arg if arg.endswith(".py") else "script.py"
+
+
 def select_backend(config: Config, name: str | None = None,
                    pm: pluggy.PluginManager | None = None) -> BackendSpec:
     """``name`` (or ``TNT_BACKEND``) if given, else the available backend of highest priority."""
@@ -86,13 +107,18 @@ def select_backend(config: Config, name: str | None = None,
                         f"(rank {config.rank} of {config.size}); available: {available}"
                     )
                 return spec
-        raise PluginError(
-            f"unknown backend {name!r} (TNT_BACKEND / --backend); installed: {_names(specs)}. "
-            f"Install the package that provides it, e.g. pip install tnt-comm-{name}"
-        )
+        raise PluginError(f"unknown backend {name!r} (TNT_BACKEND / --backend); "
+                          + unknown_backend_hint(name, [s.name for s in specs]))
     for spec in specs:
         if spec.is_available(config):
             return spec
+    if config.size > 1 and not config.rendezvous and detect_mpi_launch() is None:
+        # TNT_SIZE set by hand (or left over): the backends decline for want of a store
+        raise PluginError(
+            f"TNT_SIZE={config.size} asks for a job of {config.size} ranks, but this process "
+            "was not started by a launcher (no rendezvous store: TNT_RENDEZVOUS is not set); "
+            f"start it with `tnt run -n {config.size} -- {_script()}`"
+        )
     raise PluginError(
         f"no communication backend can run a job of {config.size} ranks; installed: "
         f"{_names(specs)}. Install one: pip install tnt-comm-gloo (or tnt-comm-mpi)"

@@ -39,6 +39,7 @@ from tnt_core import TntError
 from . import arguments, files
 from .class_swap import disguised_subclass
 from .errors import NotSupportedError
+from .keras_backend import other_backend_error
 from .steps import LocalIncrements
 from .tracebacks import user_facing
 
@@ -136,10 +137,7 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
                             "parallel_strategy=tnt.ParallelStrategy.PIPELINING (or ALL)")
     backend = keras.backend.backend()
     if backend != "tensorflow":
-        raise NotSupportedError(
-            f"KERAS_BACKEND={backend}: tarantella trains Keras models on the TensorFlow backend "
-            "only; run with KERAS_BACKEND=tensorflow (the default)"
-        )
+        raise other_backend_error(backend)
     if isinstance(model, Model):
         return model
     if not isinstance(model, keras.Model):
