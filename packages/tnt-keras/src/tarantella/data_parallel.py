@@ -42,6 +42,7 @@ from .model import DistributedState, Model, ParallelStrategy
 from .stage_variables import initialize_whole
 from .steps import current_step, gradient_factor
 from .tracebacks import user_facing
+from .user_frames import user_stacklevel
 from .weights import broadcast_model_state
 from .xla import XlaStep, take_jit_compile
 
@@ -208,7 +209,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                     "each rank's micro-batch, not the global batch: training differs from serial "
                     "training (use synchronized=True for the global batch's statistics, increase "
                     "the micro-batch size, or use fewer ranks)",
-                    stacklevel=4,
+                    stacklevel=user_stacklevel(),
                 )
 
     def _tnt_broadcast(self) -> None:

@@ -61,6 +61,7 @@ from .errors import NotSupportedError
 from .heap_release import HeapRelease
 from .overrides import instance_attributes
 from .stage_variables import Ownership
+from .user_frames import user_stacklevel
 
 __all__ = ["StageSaving", "gather_weights", "whole_optimizer_paths", "zip_directory"]
 
@@ -367,7 +368,8 @@ class StageSaving:
         if len(store.keys()) != len(paths):  # what Keras does with a mismatched optimizer
             warnings.warn(f"Skipping variable loading for optimizer '{optimizer.name}', because "
                           f"the model's optimizer has {len(paths)} variables whereas the saved "
-                          f"optimizer has {len(store.keys())} variables.", stacklevel=2)
+                          f"optimizer has {len(store.keys())} variables.",
+                          stacklevel=user_stacklevel())
             return
         position = {path: i for i, path in enumerate(paths)}
         for v in optimizer.variables:

@@ -61,6 +61,7 @@ from .steps import (
     remaining_factor,
     tracing,
 )
+from .user_frames import user_stacklevel
 
 __all__ = ["XlaStep", "take_jit_compile"]
 
@@ -246,4 +247,4 @@ class XlaStep:
         if self.is_master:
             warnings.warn(f"jit_compile: this model's train step runs without XLA, because {why}; "
                           "tarantella compiles a step with XLA only around its gradient "
-                          "reduction", stacklevel=2)
+                          "reduction", stacklevel=user_stacklevel())
