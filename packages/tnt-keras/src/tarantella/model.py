@@ -24,10 +24,13 @@ this module imports neither of them.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
+import io
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -309,5 +312,15 @@ class Model(keras.Model):
                **kwargs: Any) -> None:
         """``keras.Model.export``, written by the master only (every rank waits for it)."""
         parent = super().export
-        files.write_collectively(lambda path: parent(path, *args, **kwargs), filepath,
-                                 all_devices=tnt_save_all_devices, runtime=self._tnt.runtime)
+        printed: list[tuple[str, str]] = []
+
+        def write(path: str) -> None:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                parent(path, *args, **kwargs)
+            printed.append((path, out.getvalue()))
+
+        files.write_collectively(write, filepath, all_devices=tnt_save_all_devices,
+                                 runtime=self._tnt.runtime)
+        for path, text in printed:  # Keras' report names the temporary path: now the user's
+            sys.stdout.write(text.replace(path, os.fspath(filepath)))
+            sys.stdout.flush()
