@@ -63,7 +63,8 @@ class Callback(keras.callbacks.Callback):
     :param keras_callback: the callback to run.
     :param aggregate_logs: True (default): the callback sees the logs of the whole job
         (equal to the serial logs). False: the metrics in the logs are this rank's own,
-        computed from the samples this rank processed (e.g. to look at one rank's data).
+        computed from the samples this rank processed, and ``predict``'s outputs this rank's
+        rows (e.g. to look at one rank's data).
     :param run_on_all_ranks: True (default): run on every rank; False: on the master only
         (e.g. printing or timing). A master-only callback that stops training stops it on
         every rank.
