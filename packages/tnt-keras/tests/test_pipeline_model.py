@@ -242,7 +242,7 @@ def test_the_rank_count_must_match_the_partitions():
                       "(2 pipelines of 2)"),
     ("all", 3, "it has 3: run it with tnt run -n 2 (ParallelStrategy.PIPELINING: one pipeline), "
                "or with -n 4, 6, ... and ParallelStrategy.ALL (several pipelines)"),
-])
+], ids=["pipelining-3-ranks", "pipelining-4-ranks", "all-3-ranks"])
 def test_a_wrong_rank_count_suggests_only_counts_that_work(monkeypatch, strategy, size, advice):
     """A model of 2 partitions in a job of ``size`` ranks (the runtime's size stands in)."""
     import tnt_core

@@ -3,17 +3,15 @@ model is distributed (a script may change it in between only by reloading Keras)
 
 Keras picks its backend when it is first imported (``KERAS_BACKEND``, else ``keras.json``)
 and imports that backend's package at once: ``KERAS_BACKEND=jax`` without JAX installed
-fails inside Keras' own import. The name Keras chose is then read from Keras' own
-configuration module when it got that far (JAX), else from the settings it reads (PyTorch:
-Keras fails inside that module), so the user gets the one line that says what to do
-either way.
+fails inside Keras' own import. The name is then read where Keras reads it
+(``KERAS_BACKEND``, else ``keras.json``), so the user gets the one line that says what to
+do either way.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 from .errors import NotSupportedError
 
@@ -30,8 +28,7 @@ def other_backend_error(name: str) -> NotSupportedError:
 
 def _configured_backend() -> str:
     """The backend Keras' configuration names, read as Keras reads it (``KERAS_BACKEND``,
-    else ``keras.json`` in ``KERAS_HOME`` or ``~/.keras``): for when Keras failed before its
-    configuration module was loaded (``KERAS_BACKEND=torch`` without PyTorch)."""
+    else ``keras.json`` in ``KERAS_HOME`` or ``~/.keras``): for when Keras failed to import."""
     if os.environ.get("KERAS_BACKEND"):
         return os.environ["KERAS_BACKEND"]
     home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
@@ -48,8 +45,7 @@ def check_keras_backend() -> None:
     try:
         import keras
     except ImportError:
-        config = sys.modules.get("keras.src.backend.config")
-        name = config.backend() if config is not None else _configured_backend()
+        name = _configured_backend()
         if name == "tensorflow":
             raise
         raise other_backend_error(name) from None
