@@ -43,7 +43,9 @@ $(STAMP): $(INPUTS)
 
 setup: $(STAMP)
 
-# TF_CPP_MIN_LOG_LEVEL=2 keeps TensorFlow's C++ start-up chatter out of the job's output
+# tnt run keeps TensorFlow's C++ start-up lines out of the job's output (--log-level DEBUG
+# shows them; docs/cli.md); TF_CPP_MIN_LOG_LEVEL=2 hides TensorFlow's C++ warnings, here the
+# graph optimizer's "Not handling type DT_DOUBLE" of the float64 model
 run: setup
 	TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/tnt run -n $(NP) -- examples/quickstart/lenet5.py --compare-serial
 

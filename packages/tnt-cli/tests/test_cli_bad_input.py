@@ -47,6 +47,9 @@ CASES = {
                                  "100000 ranks on this machine, which has "),
     "unknown backend": (lambda t, s: ["--backend", "no-such-backend", "--", s],
                         "unknown backend 'no-such-backend'; installed:"),
+    # the name in other case: it suggested `pip install tnt-comm-Local?`
+    "backend name in other case": (lambda t, s: ["--backend", "Local", "--", s],
+                                   "unknown backend 'Local'; did you mean local? installed: "),
     "backend that cannot serve the job": (lambda t, s: ["-n", "2", "--backend", "local", "--", s],
                                           "backend 'local' cannot run a job of 2 rank(s)"),
     "unknown launcher": (lambda t, s: ["--launcher", "pbs", "--", s], "invalid choice: 'pbs'"),

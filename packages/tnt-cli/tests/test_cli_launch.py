@@ -276,3 +276,21 @@ def test_version_and_help(run_tnt):
                    "--python-interpreter", "--launcher", "--backend", "--timeout"):
         assert option in run_help.stdout, option
     assert run_tnt("--version").stdout.startswith("tnt run (tnt-cli)")
+
+
+def test_tensorflows_start_up_lines_stay_out_of_the_output(run_tnt, tmp_path):
+    """TensorFlow writes INFO lines of its C++ log at start-up whatever TF_CPP_MIN_LOG_LEVEL
+    says (and, without an NVIDIA driver, a failed cuInit at level E): 7 lines before the
+    job's own in ``make run``. One rank of a script that starts TensorFlow shows its own
+    lines only."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("TensorFlow is not installed")
+    script = tmp_path / "tiny_tf.py"
+    script.write_text("import tensorflow as tf\n"
+                      "print('sum', float(tf.reduce_sum(tf.constant([1.0, 2.0]))), flush=True)\n")
+    res = run_tnt("-n", "1", "--", str(script), timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "sum 3.0\n"
+    assert res.stderr == "", res.stderr

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tnt_cli.agent import numactl_prefix, rank_identity
+from tnt_cli.agent import numactl_prefix, rank_identity, startup_filter
 from tnt_cli.errors import UsageError
 from tnt_cli.hostfile import Host, parse_host_list, parse_hostfile
 from tnt_cli.options import parse_run_args
@@ -157,3 +157,39 @@ def test_orphan_segments_are_removed_and_held_ones_kept(tmp_path):
         removed = remove_orphan_segments(before, patterns)
     assert removed == [str(orphan)]
     assert old.exists() and held.exists() and other.exists() and not orphan.exists()
+
+
+#: lines TensorFlow 2.21 wrote at start-up of a CPU rank (TF_CPP_MIN_LOG_LEVEL=2), as seen
+STARTUP_LINES = [
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+    b"I0000 00:00:1795887790.089851   12909 port.cc:153] oneDNN custom operations are on. You may "
+    b"see slightly different numerical results due to floating-point round-off errors from "
+    b"different computation orders. To turn them off, set the environment variable "
+    b"`TF_ENABLE_ONEDNN_OPTS=0`.\n",
+    b"I0000 00:00:1795887790.096094   12909 cudart_stub.cc:31] Could not find cuda drivers on your "
+    b"machine, GPU will not be used.\n",
+    b"I0000 00:00:1795887767.871974   12305 cpu_feature_guard.cc:227] This TensorFlow binary is "
+    b"optimized to use available CPU instructions in performance-critical operations.\n",
+    b"To enable the following instructions: AVX2 AVX512F AVX512_VNNI AVX512_BF16 FMA, in other "
+    b"operations, rebuild TensorFlow with the appropriate compiler flags.\n",
+]
+NO_CUDA = (b"E0000 00:00:1795887795.327956   12909 cuda_platform.cc:52] failed call to cuInit: "
+           b"INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n")
+#: lines that must get through: the job's own, Python's warnings, TensorFlow's warnings/errors
+KEPT = [b"Epoch 1/2\n", b"/x/train.py:3: UserWarning: shuffle\n",
+        b"W0000 00:00:1795888449.798205    4218 util.cc:163] Not handling type DT_DOUBLE\n",
+        b"E0000 00:00:1795888449.798205    4218 bfc_allocator.cc:1] Out of memory\n",
+        b"I0 love my model] really\n"]
+
+
+def test_startup_filter_drops_tensorflows_start_up_lines_only():
+    chatter = startup_filter({}, has_gpu=False)
+    assert chatter is not None
+    assert [line for line in STARTUP_LINES + [NO_CUDA] if not chatter(line)] == []
+    assert [line for line in KEPT if chatter(line)] == []
+    on_gpu = startup_filter({}, has_gpu=True)
+    assert on_gpu is not None and not on_gpu(NO_CUDA), "a GPU rank's failed cuInit is an error"
+    # asked for: everything
+    assert startup_filter({"TNT_LOG_LEVEL": "DEBUG"}, has_gpu=False) is None
+    assert startup_filter({"TF_CPP_MIN_LOG_LEVEL": "0"}, has_gpu=False) is None
+    assert startup_filter({"TF_CPP_MIN_LOG_LEVEL": "2"}, has_gpu=False) is not None

@@ -20,13 +20,42 @@ def test_unknown_backend_lists_installed_ones(clean_runtime):
     assert "unknown backend 'nccl9'" in msg and "local" in msg and "pip install tnt-comm-nccl9" in msg
 
 
+def test_a_backend_name_in_other_case_or_misspelt_says_which_was_meant(clean_runtime):
+    installed = ["mpi", "gloo", "local"]
+    for typed in ("Gloo", "GLOO", "glo", "gloo2"):
+        assert tnt_core.unknown_backend_hint(typed, installed) == (
+            "did you mean gloo? installed: mpi, gloo, local"), typed
+    assert tnt_core.unknown_backend_hint("nccl", installed) == (
+        "installed: mpi, gloo, local. Install the package that provides it, e.g. "
+        "pip install tnt-comm-nccl")
+    clean_runtime.setenv("TNT_BACKEND", "Local")
+    with pytest.raises(PluginError, match=r"^unknown backend 'Local' \(TNT_BACKEND / --backend\); "
+                                          r"did you mean local\? installed: "):
+        tnt_core.init()
+
+
 def test_multi_rank_job_without_a_backend_says_what_to_install(clean_runtime):
     clean_runtime.setenv("TNT_RANK", "0")
     clean_runtime.setenv("TNT_SIZE", "2")
+    clean_runtime.setenv("TNT_RENDEZVOUS", "127.0.0.1:1")  # started by a launcher
     clean_runtime.setenv("TNT_DISABLE_PLUGIN_AUTOLOAD", "1")
     expected = r"no communication backend can run a job of 2 ranks.*tnt-comm-gloo"
     with pytest.raises(PluginError, match=expected):
         tnt_core.init()
+
+
+def test_multi_rank_size_without_a_launcher_says_to_use_tnt_run(clean_runtime):
+    """``TNT_SIZE=2 python train.py``: every backend declines for want of a rendezvous store;
+    the message said to install tnt-comm-gloo, although it was installed."""
+    clean_runtime.setenv("TNT_RANK", "0")
+    clean_runtime.setenv("TNT_SIZE", "2")
+    clean_runtime.setattr("sys.argv", ["train.py"])
+    with pytest.raises(PluginError) as err:
+        tnt_core.init()
+    assert str(err.value) == (
+        "TNT_SIZE=2 asks for a job of 2 ranks, but this process was not started by a launcher "
+        "(no rendezvous store: TNT_RENDEZVOUS is not set); start it with "
+        "`tnt run -n 2 -- train.py`")
 
 
 def test_named_backend_that_cannot_serve_the_job(clean_runtime):

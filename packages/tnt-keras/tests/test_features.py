@@ -122,6 +122,8 @@ def test_batch_norm_warning_on_small_micro_batches(features):
     ranks, nprocs, _ = features
     warned = [r["batch_norm_warning"] for r in ranks]
     assert warned == [nprocs > 1] + [False] * (nprocs - 1), "warned once, on the master, with > 1 rank"
+    if nprocs > 1:  # at the user's fit (it named tarantella/tracebacks.py)
+        assert ranks[0]["batch_norm_warning_at"] == [["features_worker.py", True]]
 
 
 def test_rank_local_logs_with_aggregate_logs_false(features):

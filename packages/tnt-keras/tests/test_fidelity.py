@@ -103,6 +103,11 @@ def test_tnt_model_is_a_keras_model(facts):
         assert f["tnt_saved_class"] == "Sequential", "the file is a plain Keras model"
         assert f["export_exists"] and f["tmp_left"] == []
     assert ranks[0]["saved_class"] == "Sequential"
+    # Keras' report of the export names the user's path (it named the temporary one)
+    printed = ranks[0]["export_printed"]
+    assert printed.startswith(f"Saved artifact at '{ranks[0]['export_dir']}'."), printed[:300]
+    assert "tnt-tmp" not in printed
+    assert all(f["export_printed"] == "" for f in ranks[1:]), "the master writes and reports"
 
 
 def test_each_rank_draws_its_own_random_stream(facts):

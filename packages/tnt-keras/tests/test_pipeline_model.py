@@ -265,6 +265,31 @@ def test_the_rank_count_must_match_the_partitions():
         tnt.Model(_cut_model(), parallel_strategy=tnt.ParallelStrategy.PIPELINING)
 
 
+@pytest.mark.parametrize(("strategy", "size", "advice"), [
+    # ALL cannot run 2 partitions on 3 ranks: it was suggested
+    ("pipelining", 3, "has 3: run it with tnt run -n 2 (ParallelStrategy.PIPELINING: one pipeline), "
+                      "or with -n 4, 6, ... and ParallelStrategy.ALL (several pipelines)"),
+    ("pipelining", 4, "has 4: run it with tnt run -n 2, or keep 4 ranks with ParallelStrategy.ALL "
+                      "(2 pipelines of 2)"),
+    ("all", 3, "it has 3: run it with tnt run -n 2 (ParallelStrategy.PIPELINING: one pipeline), "
+               "or with -n 4, 6, ... and ParallelStrategy.ALL (several pipelines)"),
+], ids=["pipelining-3-ranks", "pipelining-4-ranks", "all-3-ranks"])
+def test_a_wrong_rank_count_suggests_only_counts_that_work(monkeypatch, strategy, size, advice):
+    """A model of 2 partitions in a job of ``size`` ranks (the runtime's size stands in)."""
+    import tnt_core
+
+    real = tnt_core.init()
+
+    class Job:
+        rank, backend = 0, real.backend
+
+    Job.size = size
+    monkeypatch.setattr(tnt_core, "init", lambda *a, **k: Job())
+    with pytest.raises(tnt.NotSupportedError) as err:
+        tnt.Model(_cut_model(), parallel_strategy=strategy)
+    assert str(err.value).endswith(advice), str(err.value)
+
+
 def test_pipelining_arguments_are_checked():
     inp = keras.Input((3,))
     uncut = keras.Model(inp, keras.layers.Dense(1)(inp))

@@ -535,3 +535,20 @@ def test_an_elastic_job_is_refused_in_one_line():
     with pytest.raises(tnt.NotSupportedError, match=r"^tnt-keras does not support elastic jobs yet "
                        r"\(tnt run --min-np.*run without those options"):
         environment.refuse_elastic(SimpleNamespace(membership=object()))
+
+
+def test_warnings_for_a_users_call_name_the_users_line():
+    """Keras' notice that ``shuffle`` is ignored for a dataset, raised while tarantella prepares
+    the data, named ``tarantella/datasets.py``; it names the user's ``fit`` as in plain Keras.
+    (The BatchNormalization warning, which needs 2 ranks: ``test_features``.)"""
+    import sys
+
+    model = tnt.Model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+    model.compile("sgd", "mse")
+    data = tf.data.Dataset.from_tensor_slices((np.zeros((4, 3)), np.zeros((4,)))).batch(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        model.fit(data, shuffle=True, epochs=1, verbose=0)
+    shuffle = [w for w in caught if "`shuffle=True` was passed" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in shuffle] == [(__file__, line)]

@@ -116,8 +116,10 @@ ONE_RANK = SuiteLaunch("local", 1)
 NATIVE_PATH = SuiteLaunch(_NATIVE_BACKENDS[0] if _NATIVE_BACKENDS else None, 3,
                           also=("channel", "small_batches", "collectives"))
 #: 2 ranks on ``store``, tnt-core's reference backend (``launch_ranks`` registers it in the
-#: ranks it starts): no native hand-off, so the Python gradient path.
-PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "collectives"))
+#: ranks it starts): no native hand-off, so the Python gradient path; also the logs wrapped
+#: callbacks receive, against plain Keras in the ranks' own processes (2 ranks: each shard
+#: differs from the global batch).
+PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "callback_logs", "collectives"))
 SUITE_LAUNCHES = (ONE_RANK, NATIVE_PATH, PYTHON_PATH)
 
 

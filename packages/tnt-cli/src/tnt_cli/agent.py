@@ -2,8 +2,8 @@
 
 ``tnt run`` starts one agent per rank (directly, over ssh, or under mpirun/srun). The
 agent reads its job description, starts the rank in a session of its own, applies the
-output policy (master only, or every line prefixed ``[rank]``), and makes sure the rank
-never outlives the job:
+output policy (master only, or every line prefixed ``[rank]``; TensorFlow's start-up lines
+left out: :func:`startup_filter`), and makes sure the rank never outlives the job:
 
 * local and ssh: the description arrives as the first line on stdin and stdin stays open;
   end of file (launcher closed it, died, or the ssh connection dropped) ends the rank;
@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .cleanup import remove_orphan_segments, shm_segments
+from .devices import visible_gpus
 
 __all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE",
            "exception_text", "report_failure", "read_failures"]
@@ -121,6 +122,37 @@ class _Writer:
                     data = data[os.write(self.fd, data):]
             except OSError:
                 self.broken = True
+
+
+#: TensorFlow's native start-up lines (its C++ log, through absl): the notice absl writes
+#: before its log is set up, INFO records (absl writes those before TensorFlow applies
+#: TF_CPP_MIN_LOG_LEVEL, so no level hides them) and the CPU-feature notice's second line
+_ABSL_NOTICE = re.compile(rb"^WARNING: All log messages before absl::InitializeLog\(\) is called "
+                          rb"are written to STDERR\s*$")
+_ABSL_INFO = re.compile(rb"^I\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
+_CPU_FEATURES = re.compile(rb"^To enable the following instructions: .* rebuild TensorFlow with "
+                           rb"the appropriate compiler flags\.\s*$")
+#: CUDA's probe failing on a machine without an NVIDIA driver: noise for a CPU rank
+_NO_CUDA = re.compile(rb"^E\d{4} [^\]]* cuda_platform\.cc:\d+\] failed call to cuInit: ")
+
+
+def startup_filter(env: Mapping[str, str], has_gpu: bool) -> Callable[[bytes], bool] | None:
+    """Whether a line of a rank's error output is TensorFlow's start-up chatter, which ``tnt
+    run`` leaves out (None: show everything, as ``--log-level DEBUG`` and an explicit
+    ``TF_CPP_MIN_LOG_LEVEL=0`` ask). ``has_gpu``: the rank may use a GPU (a failed CUDA
+    probe is then an error worth seeing)."""
+    if env.get("TNT_LOG_LEVEL", "").upper() == "DEBUG" or env.get("TF_CPP_MIN_LOG_LEVEL") == "0":
+        return None
+    patterns = [_ABSL_NOTICE, _ABSL_INFO, _CPU_FEATURES] + ([] if has_gpu else [_NO_CUDA])
+
+    def chatter(line: bytes) -> bool:
+        return any(p.match(line) for p in patterns)
+
+    return chatter
+
+
+def _rank_has_gpu(env: Mapping[str, str]) -> bool:
+    return bool(visible_gpus(dict(env)))
 
 
 def _pump(pipe, sink: Callable[[bytes], None]) -> None:
@@ -235,7 +267,11 @@ class Agent:
             elif master:
                 self.out.write(line)
 
+        chatter = startup_filter(env, _rank_has_gpu(env))
+
         def show_err(line: bytes) -> None:
+            if chatter is not None and chatter(line):
+                return
             text = line.decode(errors="replace").strip()
             if text:
                 self.last_err_line = text

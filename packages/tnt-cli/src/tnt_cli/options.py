@@ -251,7 +251,8 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
     rank.add_argument("--log-level", type=_log_level,
                       metavar="{" + ",".join(LOG_LEVELS) + "}",
                       help="log level of the ranks (TNT_LOG_LEVEL; default "
-                           f"{_default(VARIABLES['TNT_LOG_LEVEL'])})")
+                           f"{_default(VARIABLES['TNT_LOG_LEVEL'])}); DEBUG also shows "
+                           "TensorFlow's start-up lines")
     rank.add_argument("--log-on-all-devices", dest="log_all", action="store_true",
                       help="log on every rank, not only on the master rank")
     rank.add_argument("--output-on-all-devices", dest="output_all", action="store_true",

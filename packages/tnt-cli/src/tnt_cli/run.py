@@ -18,6 +18,7 @@ from tnt_core import (
     StoreServer,
     TntError,
     list_backends,
+    unknown_backend_hint,
 )
 
 from .agent import read_failures
@@ -65,8 +66,7 @@ def _check_backend(name: str, size: int, local_size: int) -> None:
         raise UsageError(f"cannot list backends: {exc}") from None
     names = [spec.name for spec in specs]
     if name not in names:
-        raise UsageError(f"unknown backend {name!r}; installed: {', '.join(names) or 'none'} "
-                         f"(pip install tnt-comm-{name}?)")
+        raise UsageError(f"unknown backend {name!r}; {unknown_backend_hint(name, names)}")
     # what rank 0 will see (the address is a stand-in: the store does not exist yet)
     config = Config(rank=0, size=size, local_rank=0, local_size=local_size, backend=name,
                     rendezvous="127.0.0.1:1", rendezvous_key="-", launched=True)

@@ -25,7 +25,7 @@ from ._backend import (
     check_timeout,
     wait_all,
 )
-from ._backend_choice import list_backends, select_backend
+from ._backend_choice import list_backends, select_backend, unknown_backend_hint
 from ._comm_thread import CommThread, FutureHandle
 from ._config import Config
 from ._elastic import (
@@ -206,6 +206,7 @@ __all__ = [
     "report_position",
     "Timeline",
     "timeline_path",
+    "unknown_backend_hint",
     "__version__",
 ]
 

@@ -6,7 +6,9 @@ the one named (``TNT_BACKEND``, ``--backend``) or the available one of highest p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+import sys
+from collections.abc import Iterable, Sequence
 
 import pluggy
 
@@ -18,7 +20,7 @@ from ._log import logger
 from ._plugins import get_plugin_manager
 from ._watched_backend import WatchedBackend
 
-__all__ = ["list_backends", "select_backend", "start_backend"]
+__all__ = ["list_backends", "select_backend", "start_backend", "unknown_backend_hint"]
 
 
 def list_backends(pm: pluggy.PluginManager | None = None) -> list[BackendSpec]:
@@ -43,6 +45,24 @@ def list_backends(pm: pluggy.PluginManager | None = None) -> list[BackendSpec]:
 
 def _names(specs: Iterable[BackendSpec]) -> str:
     return ", ".join(s.name for s in specs) or "none"
+
+
+def unknown_backend_hint(name: str, installed: Sequence[str]) -> str:
+    """What to say after "unknown backend NAME": the installed backend it likely means (the
+    same name in other case, or a close spelling: ``Gloo``, ``glo``), else what to install."""
+    listing = ", ".join(installed) or "none"
+    by_case = {n.lower(): n for n in installed}
+    close = difflib.get_close_matches(name.lower(), list(by_case), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {by_case[close[0]]}? installed: {listing}"
+    return (f"installed: {listing}. Install the package that provides it, e.g. "
+            f"pip install tnt-comm-{name.lower()}")
+
+
+def _script() -> str:
+    """The script this process runs, as its command line named it (for a message)."""
+    arg = sys.argv[0] if sys.argv else ""
+    return arg if arg.endswith(".py") else "script.py"
 
 
 def select_backend(config: Config, name: str | None = None,
@@ -70,13 +90,18 @@ def select_backend(config: Config, name: str | None = None,
                         f"(rank {config.rank} of {config.size}); available: {available}"
                     )
                 return spec
-        raise PluginError(
-            f"unknown backend {name!r} (TNT_BACKEND / --backend); installed: {_names(specs)}. "
-            f"Install the package that provides it, e.g. pip install tnt-comm-{name}"
-        )
+        raise PluginError(f"unknown backend {name!r} (TNT_BACKEND / --backend); "
+                          + unknown_backend_hint(name, [s.name for s in specs]))
     for spec in specs:
         if spec.is_available(config):
             return spec
+    if config.size > 1 and not config.rendezvous and detect_mpi_launch() is None:
+        # TNT_SIZE set by hand (or left over): the backends decline for want of a store
+        raise PluginError(
+            f"TNT_SIZE={config.size} asks for a job of {config.size} ranks, but this process "
+            "was not started by a launcher (no rendezvous store: TNT_RENDEZVOUS is not set); "
+            f"start it with `tnt run -n {config.size} -- {_script()}`"
+        )
     raise PluginError(
         f"no communication backend can run a job of {config.size} ranks; installed: "
         f"{_names(specs)}. Install one: pip install tnt-comm-gloo (or tnt-comm-mpi)"

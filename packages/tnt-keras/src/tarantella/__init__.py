@@ -15,6 +15,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 import tnt_core as _tnt_core
 
+from . import keras_backend as _keras_backend
+
+try:  # before anything imports Keras: its own error for a missing backend is 20 lines
+    _keras_backend.check_keras_backend()
+except _keras_backend.NotSupportedError as _refusal:
+    raise _refusal.with_traceback(None) from None
+
 from . import environment as _environment
 
 _environment.configure_process(_tnt_core.init())

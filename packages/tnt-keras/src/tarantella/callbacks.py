@@ -64,7 +64,8 @@ class Callback(keras.callbacks.Callback):
     :param keras_callback: the callback to run.
     :param aggregate_logs: True (default): the callback sees the logs of the whole job
         (equal to the serial logs). False: the metrics in the logs are this rank's own,
-        computed from the samples this rank processed (e.g. to look at one rank's data).
+        computed from the samples this rank processed, and ``predict``'s outputs this rank's
+        rows (e.g. to look at one rank's data).
     :param run_on_all_ranks: True (default): run on every rank; False: on the master only
         (e.g. printing or timing). A master-only callback that stops training stops it on
         every rank.
@@ -117,7 +118,7 @@ class Callback(keras.callbacks.Callback):
 
 #: hooks whose logs hold metrics of training ("train") or evaluation ("test")
 _LOG_KIND = {"on_train_batch_end": "train", "on_batch_end": "train", "on_epoch_end": "epoch",
-             "on_test_batch_end": "test", "on_test_end": "test"}
+             "on_test_batch_end": "test", "on_test_end": "test", "on_predict_batch_end": "predict"}
 
 
 def local_metric_logs(model: Any, increments: np.ndarray | None, prefix: str = "") -> dict[str, Any]:
@@ -146,6 +147,13 @@ def _local_logs(callback: Callback, hook: str, logs: dict | None) -> dict | None
     if logs is None or state is None or kind is None or state.runtime.size == 1:
         return logs  # one rank's own logs are the job's
     local = dict(logs)
+    if kind == "predict":  # the global batch's predictions: this rank's rows of them
+        outputs = logs.get("outputs")
+        leaves = keras.tree.flatten(outputs)
+        rows = state.own_rows(len(leaves[0])) if leaves else None
+        if rows is not None:
+            local["outputs"] = keras.tree.map_structure(lambda a: a[rows], outputs)
+        return local
     train, test = state.local_increments("train").total, state.local_increments("test").total
     if kind in ("train", "epoch"):
         local.update(local_metric_logs(callback.model, train))
@@ -215,6 +223,10 @@ def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -
     return Callback(callback)
 
 
+#: the attribute holding Keras' traced step of each kind of rank-local increments
+_STEP_FUNCTION = {"train": "train_function", "test": "test_function"}
+
+
 class _Coordinator(keras.callbacks.Callback):
     """tarantella's own callback, run last on every rank.
 
@@ -223,7 +235,9 @@ class _Coordinator(keras.callbacks.Callback):
     * when master-only callbacks exist, make a stop requested on the master stop every rank;
     * drive the epoch hooks of Keras' data adapters (a ``PyDataset``'s workers start and
       stop there), which Keras' loop now calls on the distributed dataset instead;
-    * reset the rank-local metric increments when Keras resets the metrics.
+    * reset the rank-local metric increments when Keras resets the metrics, and have a step
+      traced anew when it was traced without them and a callback now wants them (or the
+      other way round: the native path back).
     """
 
     def __init__(self, runtime: tnt_core.Runtime, sync_stop: bool, local_logs: bool = False,
@@ -247,9 +261,16 @@ class _Coordinator(keras.callbacks.Callback):
         super().set_model(model)
         for kind in ("train", "test"):  # rank-local metrics only when a callback wants them
             local = self._local(kind)
-            if local is not None:  # one rank's own logs are the job's (and its step calls no
-                local.enabled = self.local_logs and self.runtime.size > 1  # Python: see xla)
-                local.reset()
+            if local is None:
+                continue
+            # one rank's own logs are the job's (and its step calls no Python: see xla)
+            local.enabled = self.local_logs and self.runtime.size > 1
+            local.reset()
+            if local.traced is not None and local.traced != local.enabled:
+                # the step Keras holds records them only if it was traced wanting them: have
+                # Keras trace it anew (as after compile) rather than pass the loop zeros
+                setattr(model, _STEP_FUNCTION[kind], None)
+                local.traced = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.broadcast_weights:

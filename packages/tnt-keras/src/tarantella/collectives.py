@@ -32,7 +32,7 @@ import tnt_core
 from . import comm
 from .comm import Channel
 from .errors import NotSupportedError
-from .tracebacks import user_facing
+from .reporting.tracebacks import user_facing
 
 __all__ = [
     "Barrier",

@@ -37,7 +37,8 @@ import tnt_core
 from ._keras_compat import get_data_adapter
 from .data_parallel.steps import BATCH_KEY, pack
 from .errors import DatasetError
-from .log import logger
+from .reporting.log import logger
+from .reporting.user_frames import warnings_at_user_line
 
 __all__ = [
     "DistributedData",
@@ -256,8 +257,11 @@ def _global_batches(x: Any, y: Any, sample_weight: Any, batch_size: int | None, 
     if isinstance(x, list) and not isinstance(x, tf.data.Dataset):
         x = _lists_as_tuples(x)
     try:
-        adapter = get_data_adapter(x, y, sample_weight, batch_size=batch_size,
-                                   steps_per_epoch=steps, shuffle=shuffle, class_weight=class_weight)
+        # Keras' notices about the user's arguments (shuffle of a dataset is ignored) name
+        # the user's call, as in a plain Keras fit
+        adapter = warnings_at_user_line(get_data_adapter, x, y, sample_weight, batch_size=batch_size,
+                                        steps_per_epoch=steps, shuffle=shuffle,
+                                        class_weight=class_weight)
     except (ValueError, TypeError) as exc:
         raise DatasetError(f"cannot use the {purpose} data: {exc}") from None
     return adapter.get_tf_dataset(), adapter

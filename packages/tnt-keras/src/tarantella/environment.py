@@ -26,7 +26,8 @@ import tensorflow as tf
 import tnt_core
 
 from .errors import NotSupportedError
-from .log import logger
+from .reporting.log import logger
+from .reporting.user_frames import user_stacklevel
 
 __all__ = ["DEFAULT_SHUFFLE_SEED", "configure_process", "intra_op_threads_for"]
 
@@ -66,7 +67,7 @@ def _place_on_gpu(runtime: tnt_core.Runtime) -> bool:
         warnings.warn(
             f"tarantella could not assign GPU {gpu.name} to rank {runtime.rank} ({exc}); "
             "import tarantella before running any TensorFlow code",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     if len(gpus) < runtime.local_size:
         logger.warning("%d ranks on this node share %d GPU(s)", runtime.local_size, len(gpus))
@@ -89,7 +90,7 @@ def _set_cpu_threads(runtime: tnt_core.Runtime) -> None:
             warnings.warn(
                 f"TNT_NUM_THREADS={num_threads} could not be applied because "
                 "TensorFlow already started; import tarantella before running TensorFlow code",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
 

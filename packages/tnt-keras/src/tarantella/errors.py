@@ -1,6 +1,6 @@
 """Errors raised by tnt-keras. All derive from :class:`tnt_core.TntError`.
 
-How they reach the user (Keras' traceback filtering) is :mod:`tarantella.tracebacks`.
+How they reach the user (Keras' traceback filtering) is :mod:`tarantella.reporting.tracebacks`.
 """
 
 from __future__ import annotations

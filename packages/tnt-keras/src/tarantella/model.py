@@ -24,10 +24,13 @@ this module imports neither of them.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
+import io
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -39,8 +42,9 @@ from tnt_core import TntError
 from . import arguments, comm, files
 from .data_parallel.steps import LocalIncrements
 from .errors import NotSupportedError
+from .keras_backend import other_backend_error
+from .reporting.tracebacks import user_facing
 from .seams.class_swap import disguised_subclass
-from .tracebacks import user_facing
 
 __all__ = ["DistributedState", "Model", "ParallelStrategy", "keras_model_from_config"]
 
@@ -99,6 +103,9 @@ class DistributedState:
         #: the master's weights must reach every rank before the next step
         self.needs_broadcast = True
         self._local = {"train": LocalIncrements(), "test": LocalIncrements()}
+        #: the predictions the current ``predict`` passes its callbacks are the global batch's,
+        #: gathered from micro-batches tarantella split (False: this rank's own already)
+        self.predictions_gathered = False
 
     def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
         """Run a hook of a master-only callback that may save (``run``: on the master; None
@@ -114,6 +121,16 @@ class DistributedState:
         show); the data-parallel steps record them."""
         return self._local.setdefault(kind, LocalIncrements())
 
+    def own_rows(self, rows: int) -> slice | None:
+        """This rank's rows of the ``rows`` predictions of a global batch (what callbacks
+        with ``aggregate_logs=False`` show); None when they are all this rank's own."""
+        if not self.predictions_gathered or self.runtime.size == 1:
+            return None
+        runtime = self.runtime
+        start = tnt_core.micro_batch_offset(rows, runtime.rank, runtime.size, allow_empty=True)
+        count = tnt_core.micro_batch_size(rows, runtime.rank, runtime.size, allow_empty=True)
+        return slice(start, start + count)
+
 
 def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None,
                 num_pipeline_stages: Any = None) -> Model:
@@ -125,10 +142,7 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
                             "parallel_strategy=tnt.ParallelStrategy.PIPELINING (or ALL)")
     backend = keras.backend.backend()
     if backend != "tensorflow":
-        raise NotSupportedError(
-            f"KERAS_BACKEND={backend}: tarantella trains Keras models on the TensorFlow backend "
-            "only; run with KERAS_BACKEND=tensorflow (the default)"
-        )
+        raise other_backend_error(backend)
     if isinstance(model, Model):
         return model
     if not isinstance(model, keras.Model):
@@ -307,5 +321,15 @@ class Model(keras.Model):
                **kwargs: Any) -> None:
         """``keras.Model.export``, written by the master only (every rank waits for it)."""
         parent = super().export
-        files.write_collectively(lambda path: parent(path, *args, **kwargs), filepath,
-                                 all_devices=tnt_save_all_devices, runtime=self._tnt.runtime)
+        printed: list[tuple[str, str]] = []
+
+        def write(path: str) -> None:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                parent(path, *args, **kwargs)
+            printed.append((path, out.getvalue()))
+
+        files.write_collectively(write, filepath, all_devices=tnt_save_all_devices,
+                                 runtime=self._tnt.runtime)
+        for path, text in printed:  # Keras' report names the temporary path: now the user's
+            sys.stdout.write(text.replace(path, os.fspath(filepath)))
+            sys.stdout.flush()

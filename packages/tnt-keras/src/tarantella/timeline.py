@@ -17,7 +17,7 @@ import threading
 
 import tnt_core
 
-from .log import logger
+from .reporting.log import logger
 
 __all__ = ["close", "get"]
 

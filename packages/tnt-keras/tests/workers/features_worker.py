@@ -191,8 +191,12 @@ def main(argv: list[str] | None = None) -> None:
         bn.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            fit_line = sys._getframe().f_lineno + 1
             bn.fit(train, epochs=1, verbose=0)  # global batch 9: micro-batches of <= 9
         result["batch_norm_warning"] = any("BatchNormalization" in str(w.message) for w in caught)
+        result["batch_norm_warning_at"] = [
+            [os.path.basename(w.filename), w.lineno == fit_line] for w in caught
+            if "BatchNormalization" in str(w.message)]
 
         # -- what is not supported: a clear error -----------------------------------------------
         errors = {}

@@ -10,6 +10,8 @@ the case is about precision (mixed precision), so round-off cannot hide a real d
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import sys
@@ -416,7 +418,10 @@ def _tnt_facts(tnt, keras, tf, out: str, who: str) -> dict:
     m.save(path)  # a collective: the master writes, every rank returns once the file exists
     facts["tnt_saved_class"] = json.loads(zipfile.ZipFile(path).read("config.json"))["class_name"]
     export_dir = os.path.join(shared, "exported")
-    m.export(export_dir)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        m.export(export_dir)
+    facts["export_printed"] = printed.getvalue()
+    facts["export_dir"] = export_dir
     facts["export_exists"] = os.path.isdir(export_dir)
     facts["tmp_left"] = sorted(f for f in os.listdir(shared) if "tnt-tmp" in f)
     try:

@@ -4,11 +4,12 @@
 ``DIR/data``), ``train_worker`` (``DIR/train``), ``fidelity_worker`` (``DIR/fidelity``),
 ``loop_worker`` (``DIR/loops``; on 3 ranks only), ``xla_worker`` (``DIR/xla``; 2-rank
 launches only) and ``features_worker`` (``DIR/features``; it changes the working directory)
-with the same arguments. ``--also channel,small_batches,collectives`` (``--mode tnt``) then
-runs the workers that compare within the rank or against NumPy and so have no serial part:
-``channel_worker`` (``DIR/channel``), ``small_batch_worker`` (``DIR/small_batches``) and
-``user_collectives_worker`` (``DIR/collectives``; last, since its refusal cases make the ranks
-disagree on purpose).
+with the same arguments. ``--also channel,small_batches,callback_logs,collectives``
+(``--mode tnt``) then runs the workers that compare within the rank or against NumPy or plain
+Keras in the rank's own process, and so have no serial part: ``channel_worker``
+(``DIR/channel``), ``small_batch_worker`` (``DIR/small_batches``), ``callback_logs_worker``
+(``DIR/callback_logs``) and ``user_collectives_worker`` (``DIR/collectives``; last, since its
+refusal cases make the ranks disagree on purpose).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import xla_worker
 #: ``--also`` names -> modules; imported only when asked for: they import tarantella, which
 #: the plain-Keras serial process never does
 ALSO = {"channel": "channel_worker", "small_batches": "small_batch_worker",
+        "callback_logs": "callback_logs_worker",
         "collectives": "user_collectives_worker"}
 
 

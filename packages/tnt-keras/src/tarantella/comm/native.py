@@ -47,7 +47,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from ..log import logger
+from ..reporting.log import logger
 
 __all__ = ["NativeReducer", "PointToPoint", "native_table", "p2p_unavailable_reason",
            "point_to_point", "unavailable_reason"]

@@ -38,7 +38,8 @@ from ..datasets import (
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
 from ..pipeline.variables import initialize_whole
-from ..tracebacks import user_facing
+from ..reporting.tracebacks import user_facing
+from ..reporting.user_frames import user_stacklevel
 from . import steps
 from .batchnorm import synchronized_layers
 from .losses import normaliser, summed_terms, weigh_backward
@@ -209,7 +210,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                     "each rank's micro-batch, not the global batch: training differs from serial "
                     "training (use synchronized=True for the global batch's statistics, increase "
                     "the micro-batch size, or use fewer ranks)",
-                    stacklevel=4,
+                    stacklevel=user_stacklevel(),
                 )
 
     def _tnt_broadcast(self) -> None:
@@ -337,6 +338,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                             steps=steps, purpose="prediction", runtime=runtime)
         self._tnt_build(data.batch_spec, data.distributed, predict=True)
         self._tnt_broadcast()
+        self._tnt.predictions_gathered = data.distributed
         callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
                                             add_history=False, data=[data])
         return super().predict(data.dataset, verbose=verbose if runtime.is_master else 0,

@@ -97,10 +97,17 @@ def unpack(data: Any) -> tuple[Any, tf.Tensor, tf.Tensor]:
 
 class LocalIncrements:
     """This rank's own metric increments since the metrics were reset (rank-local logs of
-    callbacks wrapped with ``aggregate_logs=False``)."""
+    callbacks wrapped with ``aggregate_logs=False``).
+
+    Only a step traced while ``enabled`` records them (the others keep the native path,
+    with no Python in the step), so ``traced`` says how the step Keras holds was traced:
+    a loop that wants them from a step traced without them must have the step traced anew
+    (``tarantella.callbacks``)."""
 
     def __init__(self) -> None:
         self.enabled = False
+        #: ``enabled`` when the step function was last traced; None: not traced yet
+        self.traced: bool | None = None
         self.total: np.ndarray | None = None
 
     def reset(self) -> None:
@@ -410,6 +417,7 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, ca
         at_loss = vector.add(weights.scale * has_data * own)
         at_divisor = vector.add(weights.divisor * has_data)
     local = state.local_increments(step.kind)
+    local.traced = local.enabled
     total = allreduce_sum(tf.concat(vector.parts, axis=0), state.channel,
                           name=f"tnt_{step.kind}_metrics",
                           local=(lambda v: local.add(v, size)) if local.enabled else None)

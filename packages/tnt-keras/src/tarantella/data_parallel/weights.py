@@ -14,7 +14,7 @@ import tnt_core
 from .. import comm
 from ..collectives import broadcast
 from ..randomness import is_seed_state
-from ..tracebacks import user_facing
+from ..reporting.tracebacks import user_facing
 
 __all__ = ["broadcast_model_state", "broadcast_variables"]
 

@@ -51,6 +51,7 @@ import tensorflow as tf
 
 import tnt_core
 
+from ..reporting.user_frames import user_stacklevel
 from ..seams.overrides import instance_attributes
 from .losses import Normaliser
 from .steps import StepContext, gradient_factor, model_optimizers, reduce_gradients, remaining_factor, tracing
@@ -239,4 +240,4 @@ class XlaStep:
         if self.is_master:
             warnings.warn(f"jit_compile: this model's train step runs without XLA, because {why}; "
                           "tarantella compiles a step with XLA only around its gradient "
-                          "reduction", stacklevel=2)
+                          "reduction", stacklevel=user_stacklevel())

@@ -27,7 +27,7 @@ from ..collectives import broadcast as _broadcast
 from ..comm.gradients import NoCompression
 from ..data_parallel.weights import broadcast_variables
 from ..errors import NotSupportedError
-from ..tracebacks import user_facing
+from ..reporting.tracebacks import user_facing
 
 __all__ = ["Average", "Compression", "Max", "Min", "Product", "Sum", "allgather", "allreduce",
            "broadcast", "broadcast_variables", "reduction_op"]

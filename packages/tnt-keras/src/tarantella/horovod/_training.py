@@ -21,7 +21,7 @@ import tnt_core
 from ..errors import NotSupportedError
 from ..loops.gradients import DistributedGradientTape as _Tape
 from ..loops.gradients import GradientReduction, distribute_optimizer
-from ..tracebacks import user_facing
+from ..reporting.tracebacks import user_facing
 from ._collectives import Average, Compression, Sum, reduction_op
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer"]

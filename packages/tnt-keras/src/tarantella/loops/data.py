@@ -29,7 +29,7 @@ import tnt_core
 
 from ..data_parallel.steps import BATCH_KEY, INFO_KEY
 from ..errors import DatasetError, NotSupportedError
-from ..tracebacks import user_facing
+from ..reporting.tracebacks import user_facing
 
 __all__ = ["BatchShare", "DistributedDataset", "batch_share", "distribute_dataset", "set_batch_share"]
 

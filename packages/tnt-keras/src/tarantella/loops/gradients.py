@@ -34,8 +34,8 @@ from .. import comm
 from ..comm import Channel
 from ..comm.gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
 from ..data_parallel.steps import current_step
+from ..reporting.tracebacks import user_facing
 from ..seams.class_swap import disguised_subclass
-from ..tracebacks import user_facing
 from .data import batch_share
 
 __all__ = ["BATCH_SHARE", "Compression", "DistributedGradientTape", "DistributedOptimizer",

@@ -67,13 +67,12 @@ def check_distribute(model: keras.Model, strategy: ParallelStrategy, runtime: tn
         raise NotSupportedError(
             f"tnt.Model(parallel_strategy=PIPELINING): model {model.name!r} has {stages} "
             f"partitions ({len(parts.cuts)} cuts), which need exactly {stages} ranks; this job "
-            f"has {runtime.size} (tnt run -n {stages} ...; for several pipelines use "
-            "ParallelStrategy.ALL)")
+            f"has {runtime.size}: {_rank_counts_that_work(stages, runtime.size)}")
     if strategy is ParallelStrategy.ALL and runtime.size % stages:
         raise NotSupportedError(
             f"tnt.Model(parallel_strategy=ALL): model {model.name!r} has {stages} partitions, "
             f"so the job needs a multiple of {stages} ranks (one pipeline per {stages}); it "
-            f"has {runtime.size}")
+            f"has {runtime.size}: {_rank_counts_that_work(stages, runtime.size)}")
     check_point_to_point(runtime.backend)
     if getattr(model, "compiled", False):
         raise NotSupportedError(
@@ -85,6 +84,17 @@ def check_distribute(model: keras.Model, strategy: ParallelStrategy, runtime: tn
             "backend does not provide; use one that does (gloo, mpi)")
     stage = runtime.rank % stages
     check_stage_model(parts.models[stage], stage)
+
+
+def _rank_counts_that_work(stages: int, size: int) -> str:
+    """What to run a model of ``stages`` partitions with instead of ``size`` ranks: only
+    what can work (ALL needs a multiple of ``stages``)."""
+    if size % stages == 0:  # PIPELINING was asked for: ALL serves this job as it is
+        return (f"run it with tnt run -n {stages}, or keep {size} ranks with "
+                f"ParallelStrategy.ALL ({size // stages} pipelines of {stages})")
+    multiples = ", ".join(str(stages * k) for k in range(2, 4))
+    return (f"run it with tnt run -n {stages} (ParallelStrategy.PIPELINING: one pipeline), or "
+            f"with -n {multiples}, ... and ParallelStrategy.ALL (several pipelines)")
 
 
 def check_compile(model: keras.Model, base: type, loss: Any, steps_per_execution: int) -> None:

@@ -48,7 +48,7 @@ from ..comm import Channel
 from ..comm.gradients import GradientReducer
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
-from ..tracebacks import user_facing
+from ..reporting.tracebacks import user_facing
 from . import saving as stage_saving
 from .batch_fingerprint import check_same_batch
 from .checks import check_compile, check_distribute, check_file_format

@@ -59,6 +59,7 @@ from .._keras_compat import all_layers, own_variables
 from ..comm import Channel
 from ..comm.wire import from_wire, to_wire, wire_buffer
 from ..errors import NotSupportedError
+from ..reporting.user_frames import user_stacklevel
 from ..seams.overrides import instance_attributes
 from .heap_release import HeapRelease
 from .variables import Ownership
@@ -322,7 +323,8 @@ class StageSaving:
         if len(store.keys()) != len(paths):  # what Keras does with a mismatched optimizer
             warnings.warn(f"Skipping variable loading for optimizer '{optimizer.name}', because "
                           f"the model's optimizer has {len(paths)} variables whereas the saved "
-                          f"optimizer has {len(store.keys())} variables.", stacklevel=2)
+                          f"optimizer has {len(store.keys())} variables.",
+                          stacklevel=user_stacklevel())
             return
         position = {path: i for i, path in enumerate(paths)}
         for v in optimizer.variables:

@@ -12,33 +12,18 @@ everything. An error of the native gradient path, which TensorFlow re-raises as 
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import keras
 
-from .comm import native as native_ops
+from ..comm import native as native_ops
+from .user_frames import is_library_file, library_dirs
 
 __all__ = ["user_facing"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: the packages whose frames a user-facing error leaves out (those imported, by top-level name)
-_LIBRARIES = ("tarantella", "tnt_core", "keras", "tensorflow", "numpy", "h5py", "optree")
-
-
-def _library_dirs() -> tuple[str, ...]:
-    dirs = []
-    for name, module in list(sys.modules.items()):
-        if "." in name or not (name in _LIBRARIES or name.startswith("tnt_comm")):
-            continue
-        path = getattr(module, "__file__", None)
-        if path:
-            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return tuple(dirs)
 
 
 def _filtered(tb: TracebackType | None) -> TracebackType | None:
@@ -47,10 +32,10 @@ def _filtered(tb: TracebackType | None) -> TracebackType | None:
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
-    dirs = _library_dirs()
+    dirs = library_dirs()
     kept: TracebackType | None = None
     for entry in reversed(entries):
-        if not os.path.abspath(entry.tb_frame.f_code.co_filename).startswith(dirs):
+        if not is_library_file(entry.tb_frame.f_code.co_filename, dirs):
             kept = TracebackType(kept, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
     if kept is None and len(entries) > 1:  # (one entry: the call itself failed, in wrapper)
         last = entries[-1]
