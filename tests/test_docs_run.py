@@ -196,8 +196,6 @@ if tnt.is_master_rank():   # the writer (the other ranks do not wait for its las
 assert open(f"log.rank{tnt.get_rank()}.txt").read().count("\\n") == 10
 """,
         },
-        known_failures={2: ("EpochSummary reads logs['val_accuracy'] of a fit without validation data "
-                            "(issue 39; fixed on branch newcomer)", "KeyError: 'val_accuracy'")},
     ),
     "save_load.md": Page(
         prelude=SMALL_CLASSIFIER.format(n=32) + """
@@ -369,8 +367,6 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
               "7:0": "ends every process of this user that runs a train.py, other jobs' too; "
                      "packages/tnt-cli/tests/test_cli_launch.py runs --cleanup on a script of a "
                      "unique name and checks this line"},
-        known_failures={"1:0": ("the page lists the test-only 'store' backend, which `tnt backends` "
-                                "does not list (issue 39; fixed on branch newcomer)", "store")},
         quoted={5: MESSAGE, 6: MESSAGE},
     ),
     "examples.md": Page(
