@@ -364,10 +364,15 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         expect={"0:0": r"rank 0 of 4 on gloo; args \['--batch_size=64'\]",
                 "0:1": r"rank 0 of 4 on gloo; args \['--batch_size=64'\]"},
         skip={"4:0": "-H node1:2,node2:2: two hosts reachable by ssh",
-              "7:0": "ends every process of this user that runs a train.py, other jobs' too; "
-                     "packages/tnt-cli/tests/test_cli_launch.py runs --cleanup on a script of a "
-                     "unique name and checks this line"},
-        quoted={5: MESSAGE, 6: MESSAGE},
+              7: "elastic runs of a training script that ranks die in (and a host discovery "
+                 "script); packages/tnt-cli/tests/test_cli_elastic.py runs the elastic options "
+                 "with a loop of allreduces, killing ranks, and checks these lines",
+              "10:0": "ends every process of this user that runs a train.py, other jobs' too; "
+                      "packages/tnt-cli/tests/test_cli_launch.py runs --cleanup on a script of a "
+                      "unique name and checks this line"},
+        quoted={5: MESSAGE, 6: MESSAGE,
+                8: "the output of an elastic run above (test_cli_elastic.py checks these lines)",
+                9: "the output of an elastic run above (test_cli_elastic.py checks this line)"},
     ),
     "examples.md": Page(
         skip=dict.fromkeys((0, 2, 3), "an example's full-length run (minutes); tests/test_examples.py "
@@ -376,9 +381,9 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
                    "of a short run)",
                 4: "the output of the full-length run above (tests/test_examples.py checks a short run's)"},
     ),
-    "performance.md": Page(skip=dict.fromkeys((0, 1, 2, 3), "a benchmark run (minutes of training or of "
+    "performance.md": Page(skip=dict.fromkeys(range(6), "a benchmark run (minutes of training or of "
                                               "allreduces); its output is what the results pages show")),
-    "performance_results.md": Page(skip=dict.fromkeys(range(6), "the benchmark runs that produced the "
+    "performance_results.md": Page(skip=dict.fromkeys(range(8), "the benchmark runs that produced the "
                                                                 "page's tables (minutes each)")),
 }
 

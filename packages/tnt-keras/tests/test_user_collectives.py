@@ -22,6 +22,7 @@ import tensorflow as tf
 import tarantella as tnt
 import tnt_core
 from tarantella import collectives as user_collectives
+from tarantella.comm import Channel
 from tnt_keras_helpers import NATIVE_PATH, PYTHON_PATH, launch_params
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,7 +96,8 @@ def test_groups_at_one_rank():
 def _pair(backend=None) -> tnt.Group:
     """A two-rank group as a rank of a larger job sees it (``backend`` None: not a member)."""
     group = object.__new__(tnt.Group)
-    group._ranks, group._backend = (0, 1), backend
+    group._ranks = (0, 1)
+    group._channel = None if backend is None else Channel(tnt_core.init(), backend)
     return group
 
 

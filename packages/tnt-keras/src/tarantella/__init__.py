@@ -28,9 +28,8 @@ _environment.configure_process(_tnt_core.init())
 
 from tnt_core import get_master_rank, get_rank, get_size, is_master_rank  # noqa: E402
 
-# data_parallel and pipeline: the model class of each strategy, which registers with
-# tnt.Model in its class statement (each package imports its model module)
-from . import data_parallel, keras, models, pipeline  # noqa: E402, F401
+# the model class of each strategy, which registers with tnt.Model in its class statement
+from . import keras, models  # noqa: E402
 from .collectives import (  # noqa: E402
     Barrier,
     Group,
@@ -44,11 +43,13 @@ from .collectives import (  # noqa: E402
     get_group_master_rank,
     is_group_master_rank,
 )
+from .data_parallel import model as _data_parallel_model  # noqa: E402, F401
 from .data_parallel.weights import broadcast_variables  # noqa: E402
 from .errors import DatasetError, NotSupportedError, PartitionError, TntKerasError  # noqa: E402
 from .loops.data import DistributedDataset, distribute_dataset, set_batch_share  # noqa: E402
 from .loops.gradients import DistributedGradientTape, DistributedOptimizer  # noqa: E402
 from .model import Model, ParallelStrategy  # noqa: E402
+from .pipeline import model as _pipelined_model  # noqa: E402, F401
 from .pipeline.variables import deferred_build  # noqa: E402
 
 try:

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     from tarantella import comm
 
     rank, size = tnt.get_rank(), tnt.get_size()
+    keras.config.set_floatx("float32")  # a worker before this one may have left float64
+    keras.config.set_dtype_policy("float32")
     rng = np.random.default_rng(7)
     x = rng.integers(0, 20, size=(24, 4)).astype("int32")
     y = rng.integers(0, 2, size=(24,)).astype("int32")
