@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     from tarantella import comm
 
     rank, size = tnt.get_rank(), tnt.get_size()
-    keras.config.set_floatx("float32")  # a worker before this one may have left float64
+    # this worker's models are float32; the workers after it find what the one before left
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float32")
     keras.config.set_dtype_policy("float32")
     rng = np.random.default_rng(7)
     x = rng.integers(0, 20, size=(24, 4)).astype("int32")
@@ -169,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
                    "same_weights": all(np.array_equal(a, b) for a, b in zip(steady, rebound)),
                    "losses": [steady_losses, rebound_losses]},
     }))
-    print(f"channel worker rank {rank}: {len(traced)} step kinds traced", flush=True)
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
+    print(f"channel worker rank {rank}: {len(traced)} kinds of traces compared", flush=True)
 
 
 if __name__ == "__main__":
