@@ -374,6 +374,12 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
                 8: "the output of an elastic run above (test_cli_elastic.py checks these lines)",
                 9: "the output of an elastic run above (test_cli_elastic.py checks this line)"},
     ),
+    "elastic.md": Page(
+        skip={0: "an elastic run that ranks die in; packages/tnt-keras/tests/test_elastic_fit.py "
+                 "runs one (tnt run -n 3 --min-np 1, two ranks SIGKILLed) against plain Keras",
+              2: "a Slurm allocation of several hosts reachable by ssh"},
+        quoted={1: "the output of an elastic run above (test_elastic_fit.py checks its lines)"},
+    ),
     "examples.md": Page(
         skip=dict.fromkeys((0, 2, 3), "an example's full-length run (minutes); tests/test_examples.py "
                                       "runs every example under tnt run -n 2 with short settings"),

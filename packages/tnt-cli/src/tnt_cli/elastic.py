@@ -268,7 +268,7 @@ class ElasticJob:
             rank, host = everyone.index(m), self.known[m].slot.host
             slot = dataclasses.replace(self.known[m].slot, local_rank=hosts[:rank].count(host),
                                        local_size=hosts.count(host))
-            env = {"TNT_ELASTIC": "1", "TNT_MEMBER_ID": str(m),
+            env = {"TNT_ELASTIC": "1", "TNT_ELASTIC_JOINS": "1", "TNT_MEMBER_ID": str(m),
                    "TNT_GENERATION": str(self.generation), "TNT_RANK": str(rank),
                    "TNT_SIZE": str(len(everyone)), "TNT_LOCAL_RANK": str(slot.local_rank),
                    "TNT_LOCAL_SIZE": str(slot.local_size)}

@@ -230,7 +230,11 @@ def _run(options: RunOptions, prog: str) -> int:
         elastic, discovery = None, None
         if options.elastic:
             elastic, discovery = _elastic_job(job, launcher, rendezvous, store, procs, prog)
-            procs = [with_env(proc, {"TNT_ELASTIC": "1"}, job) for proc in procs]
+            limits = elastic_limits(job.options, job.placement.size)
+            joins = limits.max_restarts > 0 or limits.max_np > job.placement.size \
+                or discovery is not None
+            procs = [with_env(proc, {"TNT_ELASTIC": "1", "TNT_ELASTIC_JOINS": "1" if joins else "0"},
+                              job) for proc in procs]
         supervisor = Supervisor(procs, job.grace_s, prog=prog,
                                 not_arrived=_not_arrived_reader(store), rank_reports=reported,
                                 elastic=elastic)

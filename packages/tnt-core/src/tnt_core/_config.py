@@ -45,6 +45,7 @@ _FIELD_VARIABLES: dict[str, S.Variable] = {
     "native_ops": S.TNT_NATIVE_OPS,
     "tensorboard_on_all_devices": S.TNT_TENSORBOARD_ON_ALL_DEVICES,
     "elastic": S.TNT_ELASTIC,
+    "elastic_joins": S.TNT_ELASTIC_JOINS,
     "member_id": S.TNT_MEMBER_ID,
     "generation": S.TNT_GENERATION,
 }
@@ -81,6 +82,8 @@ class Config:
     tensorboard_on_all_devices: bool = False
     #: TNT_ELASTIC: ranks may come and go; the membership lives in the rendezvous store
     elastic: bool = False
+    #: TNT_ELASTIC_JOINS: processes started later may join the elastic job
+    elastic_joins: bool = False
     #: TNT_MEMBER_ID: this process's name in an elastic job, kept when its rank changes
     #: (None: its first rank)
     member_id: int | None = None

@@ -470,6 +470,9 @@ TNT_AGENT_SPEC = INTERNAL.declare("TNT_AGENT_SPEC", "str", None,
 TNT_ELASTIC = INTERNAL.declare("TNT_ELASTIC", "bool", False,
                                "the job is elastic: `tnt run` publishes membership generations "
                                "in the rendezvous store (`--min-np`, `--max-restarts`)")
+TNT_ELASTIC_JOINS = INTERNAL.declare("TNT_ELASTIC_JOINS", "bool", False,
+                                     "an elastic job may start processes that join it later "
+                                     "(`--max-restarts`, `--max-np`, `--host-discovery-script`)")
 TNT_MEMBER_ID = INTERNAL.declare("TNT_MEMBER_ID", "int", None,
                                  "an elastic job's name for this process, kept across "
                                  "generations", default_doc="`TNT_RANK`", minimum=0)

@@ -272,9 +272,18 @@ class _Coordinator(keras.callbacks.Callback):
                 setattr(model, _STEP_FUNCTION[kind], None)
                 local.traced = None
 
+    def _elastic(self) -> Any:
+        """The model's elastic loop (``tarantella.data_parallel.elastic``), or None."""
+        state = getattr(self.model, "_tnt", None)
+        return getattr(state, "elastic", None)
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.broadcast_weights:
-            broadcast_model_state(self.model, self.runtime)
+            elastic = self._elastic()
+            if elastic is None:
+                broadcast_model_state(self.model, self.runtime)
+            else:  # redone over the new membership when a rank leaves meanwhile
+                elastic.host("weights", lambda: broadcast_model_state(self.model, self.runtime))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         local = self._local("train")  # Keras reset the metrics before this hook
@@ -303,9 +312,15 @@ class _Coordinator(keras.callbacks.Callback):
         self._adapter(0, "on_epoch_end")
 
     def _sync_stop(self) -> None:
-        flag = np.array([1 if getattr(self.model, "stop_training", False) else 0], dtype=np.int32)
-        comm.world(self.runtime).backend.allreduce(flag, "max")
-        if flag[0]:
+        mine = 1 if getattr(self.model, "stop_training", False) else 0
+
+        def agree() -> int:
+            flag = np.array([mine], dtype=np.int32)
+            comm.world(self.runtime).backend.allreduce(flag, "max")
+            return int(flag[0])
+
+        elastic = self._elastic()
+        if (agree() if elastic is None else int(elastic.host("sync", agree))):
             self.model.stop_training = True
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:

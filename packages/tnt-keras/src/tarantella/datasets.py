@@ -42,6 +42,7 @@ from .reporting.user_frames import warnings_at_user_line
 
 __all__ = [
     "DistributedData",
+    "Resharder",
     "class_weights_as_sample_weights",
     "mark_undistributed",
     "prepare_data",
@@ -110,33 +111,55 @@ def _batched_components(dataset: tf.data.Dataset, what: str) -> list[int]:
     return batched
 
 
-def micro_batch_of(b: tf.Tensor, rank: int, size: int) -> tuple[tf.Tensor, tf.Tensor]:
+def micro_batch_of(b: tf.Tensor, rank: Any, size: Any) -> tuple[tf.Tensor, tf.Tensor]:
     """Graph op: ``(offset, count)`` of ``rank``'s samples in a batch of ``b`` (int64), the
-    arithmetic of ``tnt_core.micro_batch_slice``."""
+    arithmetic of ``tnt_core.micro_batch_slice`` (``rank``, ``size``: numbers or int64 tensors)."""
+    size = tf.cast(size, tf.int64)
     base, extra = b // size, b % size
-    r = tf.constant(rank, tf.int64)
+    r = tf.cast(rank, tf.int64)
     count = base + tf.cast(r < extra, tf.int64)
     offset = r * base + tf.minimum(r, extra)
     return offset, count
 
 
+def micro_batch(element: Any, batched: list[int], rank: Any, size: Any) -> dict[str, Any]:
+    """Graph ops: ``rank``'s micro-batch of one global batch, packed with ``[n, b]``;
+    ``batched``: the indices of the element's components that have a batch dimension."""
+    flat = tf.nest.flatten(element, expand_composites=False)
+    b = _batch_dim(flat[batched[0]])
+    offset, n = micro_batch_of(b, rank, size)
+    start = tf.where(n > 0, offset, tf.zeros_like(offset))
+    take = tf.maximum(n, 1)  # a stand-in sample when this rank has none (n == 0)
+    parts = [_take(t, start, take) for t in flat]
+    batch = tf.nest.pack_sequence_as(element, parts, expand_composites=False)
+    return pack(batch, tf.stack([n, b]))
+
+
 def shard_dataset(dataset: tf.data.Dataset, context: tnt_core.ShardContext) -> tf.data.Dataset:
     """This rank's micro-batches of a dataset of global batches (any batch size)."""
     rank, size = context.rank, context.size
-    spec = dataset.element_spec
     batched = _batched_components(dataset, "dataset")
+    return dataset.map(_element_fn(dataset.element_spec,
+                                   lambda element: micro_batch(element, batched, rank, size)))
 
-    def split(element: Any) -> dict[str, Any]:
+
+class Resharder:
+    """An elastic job's split: the micro-batch of a global batch for the rank and size of the
+    moment (they change when ranks leave), taken when the step runs rather than in the
+    dataset, so that a step redone over fewer ranks splits the same global batch anew."""
+
+    def __init__(self) -> None:
+        self._split = tf.function(self._micro_batch, reduce_retracing=True, autograph=False)
+
+    @staticmethod
+    def _micro_batch(element: Any, rank: tf.Tensor, size: tf.Tensor) -> dict[str, Any]:
         flat = tf.nest.flatten(element, expand_composites=False)
-        b = _batch_dim(flat[batched[0]])
-        offset, n = micro_batch_of(b, rank, size)
-        start = tf.where(n > 0, offset, tf.zeros_like(offset))
-        take = tf.maximum(n, 1)  # a stand-in sample when this rank has none (n == 0)
-        parts = [_take(t, start, take) for t in flat]
-        batch = tf.nest.pack_sequence_as(element, parts, expand_composites=False)
-        return pack(batch, tf.stack([n, b]))
+        batched = [i for i, t in enumerate(flat)
+                   if not (isinstance(t, tf.Tensor) and t.shape.rank == 0)]
+        return micro_batch(element, batched, rank, size)
 
-    return dataset.map(_element_fn(spec, split))
+    def __call__(self, element: Any, rank: int, size: int) -> dict[str, Any]:
+        return self._split(element, tf.constant(rank, tf.int64), tf.constant(size, tf.int64))
 
 
 def mark_undistributed(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -244,11 +267,14 @@ class DistributedData:
     adapter: Any  # Keras' data adapter: its epoch hooks drive PyDataset workers
     distributed: bool
     steps: int | None  # batches per epoch when known
+    #: the dataset yields whole global batches, split at each step (:class:`Resharder`)
+    global_batches: bool = False
 
     @property
     def batch_spec(self) -> Any:
         """Element spec of one micro-batch (without the batch info)."""
-        return self.dataset.element_spec[BATCH_KEY]
+        spec = self.dataset.element_spec
+        return spec if self.global_batches else spec[BATCH_KEY]
 
 
 def _global_batches(x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool,
@@ -271,8 +297,12 @@ def prepare_data(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size
                  shuffle: bool = False, micro_batch_size: int | None = None,
                  distribute: bool = True, class_weight: Mapping[int, float] | None = None,
                  steps: int | None = None, purpose: str = "training",
-                 runtime: tnt_core.Runtime | None = None) -> DistributedData:
-    """Turn what the user passed to fit/evaluate/predict into this rank's dataset."""
+                 runtime: tnt_core.Runtime | None = None,
+                 global_batches: bool = False) -> DistributedData:
+    """Turn what the user passed to fit/evaluate/predict into this rank's dataset.
+
+    :param global_batches: yield the global batches whole (an elastic job splits them at
+        each step, :class:`Resharder`)."""
     runtime = runtime or tnt_core.init()
     size, rank = runtime.size, runtime.rank
     if micro_batch_size is not None:
@@ -297,6 +327,15 @@ def prepare_data(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size
     if known is not None and int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY:
         # Keras' adapter knows its length (arrays, PyDataset): tell Keras' loop too
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(int(known)))
+    if global_batches:
+        if not distribute:
+            raise DatasetError(
+                f"tnt_distribute_dataset=False: in an elastic job tarantella must split the "
+                f"{purpose} data itself, to split each global batch anew when ranks leave; give "
+                "every rank the same data (the global batches) and drop that argument")
+        _batched_components(dataset, f"{purpose} data")
+        return DistributedData(dataset, adapter, True, _steps(adapter, dataset, steps),
+                               global_batches=True)
     if not distribute:
         logger.info("%s data is not distributed (tnt_distribute_dataset=False): every rank "
                     "uses the data it was given", purpose)

@@ -29,7 +29,7 @@ from .errors import NotSupportedError
 from .reporting.log import logger
 from .reporting.user_frames import user_stacklevel
 
-__all__ = ["DEFAULT_SHUFFLE_SEED", "configure_process", "intra_op_threads_for"]
+__all__ = ["DEFAULT_SHUFFLE_SEED", "configure_process", "intra_op_threads_for", "refuse_in_elastic_job"]
 
 #: The global TensorFlow seed set when the user has none: TensorFlow's DEFAULT_GRAPH_SEED
 #: (what ``tf.compat.v1.random.get_seed`` pairs an op seed with when there is no global
@@ -105,16 +105,25 @@ def _set_default_seed() -> None:
 
 
 def refuse_elastic(runtime: tnt_core.Runtime) -> None:
-    """An elastic job (``tnt run --min-np``/``--max-restarts``/``--host-discovery-script``)
-    is refused in one line: tnt-keras does not yet move a model to a new membership (its
-    channel can take a new communicator, ``tarantella.comm.Channel.bind``, but ``fit`` does
-    not yet redo the failed step over it), and a survivor's ``fit`` would only fail later."""
+    """An elastic job that may take new processes (``tnt run --max-restarts``, ``--max-np``,
+    ``--host-discovery-script``) is refused in one line: tnt-keras goes on over the
+    survivors when ranks leave (``tarantella.data_parallel.elastic``), but does not yet
+    bring a process that joins a running ``fit`` to its step."""
+    if getattr(runtime, "membership", None) is not None and runtime.config.elastic_joins:
+        raise NotSupportedError(
+            "tnt-keras does not yet take new ranks into a running job (tnt run --max-restarts, "
+            "--max-np, --host-discovery-script): use --min-np alone, with which training goes "
+            "on over the ranks that are left when ranks die")
+
+
+def refuse_in_elastic_job(what: str) -> None:
+    """What an elastic job cannot go on with after a rank left is refused before it starts."""
+    runtime = tnt_core.init()
     if getattr(runtime, "membership", None) is not None:
         raise NotSupportedError(
-            "tnt-keras does not support elastic jobs yet (tnt run --min-np, --max-np, "
-            "--max-restarts, --host-discovery-script): run without those options (a dead "
-            "rank then ends the job, named, and BackupAndRestore resumes it from the last "
-            "epoch)")
+            f"{what} cannot go on when ranks leave an elastic job (tnt run --min-np): only "
+            "the data-parallel tnt.Model's fit, evaluate and predict can; run without the "
+            "elastic options")
 
 
 def configure_process(runtime: tnt_core.Runtime) -> None:

@@ -42,6 +42,7 @@ from ..reporting.tracebacks import user_facing
 from ..reporting.user_frames import user_stacklevel
 from . import steps
 from .batchnorm import synchronized_layers
+from .elastic import ElasticFunction, ElasticLoop
 from .losses import normaliser, summed_terms, weigh_backward
 from .steps import current_step, gradient_factor
 from .weights import broadcast_model_state
@@ -65,6 +66,8 @@ class DataParallelState(DistributedState):
         self.ready: set[str] = set()
         #: compiles the steps' bodies with XLA when Keras' jit_compile resolved to True
         self.xla: XlaStep | None = None
+        #: an elastic job's loop state (tarantella.data_parallel.elastic); None otherwise
+        self.elastic: ElasticLoop | None = None
 
     def gradient_reducer(self, name: str) -> GradientReducer:
         reducer = self._reducers.get(name)
@@ -82,11 +85,13 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
                         num_micro_batches: Any, num_pipeline_stages: Any = None) -> Model:
         initialize_whole(model)  # built without values (tnt.deferred_build): trained whole
-        distributed = cls._tnt_adopt(model, DataParallelState(tnt_core.init(), strategy))
+        state = DataParallelState(tnt_core.init(), strategy)
+        distributed = cls._tnt_adopt(model, state)
+        if state.runtime.membership is not None:  # an elastic job: survive a rank's departure
+            state.elastic = ElasticLoop(distributed, state)
         if getattr(distributed, "compiled", False):
             distributed._tnt_check_compiled()  # noqa: SLF001 (the model is this class's now)
         else:  # predict without compile: Keras resolves "auto" (XLA on a GPU machine)
-            state = distributed._tnt  # noqa: SLF001 (the model is this class's now)
             state.xla = take_jit_compile(distributed, state.runtime)
         return distributed
 
@@ -214,8 +219,47 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                 )
 
     def _tnt_broadcast(self) -> None:
-        broadcast_model_state(self, self._tnt.runtime)
+        elastic = self._tnt.elastic
+        if elastic is None:
+            broadcast_model_state(self, self._tnt.runtime)
+        else:
+            elastic.host("weights", lambda: broadcast_model_state(self, self._tnt.runtime))
         self._tnt.needs_broadcast = False
+
+    # -- an elastic job: Keras' step functions, redone over a new membership ---------------------
+
+    def _tnt_rebound(self, channel: Any) -> None:
+        super()._tnt_rebound(channel)
+        if self._tnt.elastic is not None:  # Keras' loop may be running: it finds functions
+            self._tnt.elastic.rebound()
+
+    def _tnt_elastic_function(self, kind: str, attribute: str) -> Any:
+        function = getattr(self, attribute)
+        elastic = self._tnt.elastic
+        if elastic is not None and function is not None and not isinstance(function, ElasticFunction):
+            function = ElasticFunction(elastic, kind, function)
+            setattr(self, attribute, function)
+        return function
+
+    def make_train_function(self, force: bool = False) -> Any:
+        if force or _no_function(self.train_function):
+            super().make_train_function(force=True)
+        return self._tnt_elastic_function("train", "train_function")
+
+    def make_test_function(self, force: bool = False) -> Any:
+        if force or _no_function(self.test_function):
+            super().make_test_function(force=True)
+        return self._tnt_elastic_function("test", "test_function")
+
+    def make_predict_function(self, force: bool = False) -> Any:
+        if force or _no_function(self.predict_function):
+            super().make_predict_function(force=True)
+        return self._tnt_elastic_function("predict", "predict_function")
+
+    def reset_metrics(self) -> None:
+        if self._tnt.elastic is not None:
+            self._tnt.elastic.before_reset()
+        super().reset_metrics()
 
     def _tnt_callbacks(self, callbacks: Any, *, verbose: Any, epochs: int, steps: int | None,
                        add_history: bool, data: list[DistributedData]) -> keras.callbacks.CallbackList:
@@ -267,10 +311,11 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
                                                                       validation_split)
         runtime = self._tnt.runtime
+        elastic = self._tnt.elastic is not None
         train = prepare_data(x, y, sample_weight, batch_size=batch_size, shuffle=bool(shuffle),
                              micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
                              class_weight=class_weight, steps=steps_per_epoch, purpose="training",
-                             runtime=runtime)
+                             runtime=runtime, global_batches=elastic)
         loops = [train]
         val = None
         if validation_data is not None:
@@ -279,7 +324,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                                (validation_batch_size or batch_size),
                                micro_batch_size=tnt_validation_micro_batch_size,
                                distribute=tnt_distribute_validation_dataset, steps=validation_steps,
-                               purpose="validation", runtime=runtime)
+                               purpose="validation", runtime=runtime, global_batches=elastic)
             loops.append(val)
         self._tnt_build(train.batch_spec, train.distributed)
         callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=epochs,
@@ -316,7 +361,8 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         runtime = self._tnt.runtime
         data = prepare_data(x, y, sample_weight, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
-                            steps=steps, purpose="evaluation", runtime=runtime)
+                            steps=steps, purpose="evaluation", runtime=runtime,
+                            global_batches=self._tnt.elastic is not None)
         self._tnt_build(data.batch_spec, data.distributed)
         self._tnt_broadcast()
         callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=1, steps=data.steps,
@@ -335,7 +381,8 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         runtime = self._tnt.runtime
         data = prepare_data(x, None, None, batch_size=batch_size,
                             micro_batch_size=tnt_micro_batch_size, distribute=tnt_distribute_dataset,
-                            steps=steps, purpose="prediction", runtime=runtime)
+                            steps=steps, purpose="prediction", runtime=runtime,
+                            global_batches=self._tnt.elastic is not None)
         self._tnt_build(data.batch_spec, data.distributed, predict=True)
         self._tnt_broadcast()
         self._tnt.predictions_gathered = data.distributed
@@ -382,6 +429,11 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         """``keras.Model.predict_on_batch`` on the global batch; every rank gets all rows."""
         packed = self._tnt_on_batch((x,), predict=True)
         return super().predict_on_batch(packed)
+
+
+def _no_function(function: Any) -> bool:
+    """Whether Keras must make the step function (none, or an elastic job's emptied one)."""
+    return function is None or (isinstance(function, ElasticFunction) and function.keras_function is None)
 
 
 def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:

@@ -44,7 +44,7 @@ from .metrics import MetricCalls, MetricStates
 
 __all__ = ["BATCH_KEY", "INFO_KEY", "LocalIncrements", "StepContext", "current_step",
            "gradient_factor", "model_optimizers", "pack", "predict_step", "reduce_gradients",
-           "remaining_factor", "test_step", "tracing", "train_step", "unpack"]
+           "remaining_factor", "SeveralUpdates", "test_step", "tracing", "train_step", "unpack"]
 
 #: keys of the elements tarantella's datasets yield: the micro-batch and ``[n, b]``
 BATCH_KEY = "tnt_micro_batch"
@@ -123,6 +123,11 @@ class LocalIncrements:
             self.total += part
 
 
+class SeveralUpdates(Exception):
+    """Raised while an elastic job's step is traced: it applies updates more than once, so
+    they cannot wait for its last collective; the loop traces it again applying at once."""
+
+
 class StepContext:
     """What one trace of a distributed step knows (lives while Keras traces the step)."""
 
@@ -151,6 +156,22 @@ class StepContext:
         #: the micro-batch's tensors in this trace, and the (layer, term) added with add_loss
         self.batch: list[Any] = []
         self.added_losses: list[tuple[keras.layers.Layer, Any]] = []
+        #: in an elastic job, the optimizers' updates, run after the step's last collective
+        #: (:meth:`after_collectives`); None: at once
+        self.pending: list[Callable[[], Any]] | None = None
+
+    def after_collectives(self, update: Callable[[], Any]) -> Any:
+        """Run ``update`` (an optimizer's apply) now, or, in an elastic job, once the step's
+        last collective has finished: a step a failed collective ends is then applied on no
+        rank or whole (``tarantella.data_parallel.elastic``)."""
+        if self.pending is None:
+            return update()
+        if self.pending:  # a second update may be read by what the step traces next (a GAN)
+            raise SeveralUpdates()
+        self.pending.append(update)
+        return None
+
+
 
     def weights(self) -> Normaliser:
         return self.normaliser if self.normaliser is not None else per_sample(self.n, self.b)
@@ -215,10 +236,14 @@ def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
             return apply(grads, trainable_variables)
         factor = tf.constant(1.0, tf.float64) if step.prescaled else gradient_factor(step, state)
         out, reducer = reduce_gradients(step, optimizer, grads, variables, factor, state)
-        result = apply(out, trainable_variables)
-        if reducer is not None and reducer.timeline is not None and variables:
-            reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
-        return result
+
+        def update() -> Any:
+            result = apply(out, trainable_variables)
+            if reducer is not None and reducer.timeline is not None and variables:
+                reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
+            return result
+
+        return step.after_collectives(update)
 
     return reduced_apply
 
@@ -322,6 +347,8 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
     batch, n, b = unpack(data)
     step = StepContext(model, kind, n, b)
     step.batch = keras.tree.flatten(batch)
+    if getattr(state, "elastic", None) is not None and state.elastic.defer_updates:
+        step.pending = []
     variables = model.metrics_variables
     states = MetricStates(variables)
     # the loss compute_loss returned in the trace being recorded (an XLA body's own context)
@@ -421,6 +448,10 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, ca
     total = allreduce_sum(tf.concat(vector.parts, axis=0), state.channel,
                           name=f"tnt_{step.kind}_metrics",
                           local=(lambda v: local.add(v, size)) if local.enabled else None)
+    if step.pending:  # elastic: the updates once the last collective has finished
+        with tf.control_dependencies([total]):
+            for update in step.pending:
+                update()
     summed = total[:size]
     samples = tf.maximum(total[at_samples][0], 1.0)
     if at_per_step is not None:  # the global batch's value, with weight 1 per update

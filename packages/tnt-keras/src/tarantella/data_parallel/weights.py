@@ -19,8 +19,10 @@ from ..reporting.tracebacks import user_facing
 __all__ = ["broadcast_model_state", "broadcast_variables"]
 
 
-def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None:
-    """Overwrite weights (and built optimizer state) on every rank with the master's.
+def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime,
+                          root: int | None = None) -> None:
+    """Overwrite weights (and built optimizer state) on every rank with the master's (or
+    ``root``'s).
 
     The random seed states stay as they are: each rank has its own (``tarantella.randomness``).
     """
@@ -40,7 +42,8 @@ def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime) -> None
     channel = comm.world(runtime)
     _check_same_model(variables, channel)
     values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
-    for v, value in zip(variables, channel.broadcast_arrays(values, tnt_core.get_master_rank())):
+    root = tnt_core.get_master_rank() if root is None else root
+    for v, value in zip(variables, channel.broadcast_arrays(values, root)):
         v.assign(value)
 
 

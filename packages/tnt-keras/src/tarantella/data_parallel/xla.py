@@ -150,6 +150,16 @@ def _compiled_apply(optimizer: keras.optimizers.Optimizer,
     return tf.function(tnt_xla_apply, jit_compile=True, autograph=False)
 
 
+def _update(optimizer: keras.optimizers.Optimizer, variables: list[Any] | None, reduced: list[Any],
+            reducer: Any) -> Callable[[], None]:
+    def update() -> None:
+        _compiled_apply(optimizer, variables)(reduced)
+        if reducer is not None and reducer.timeline is not None and variables:
+            reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
+
+    return update
+
+
 class XlaStep:
     """Runs the bodies of a model's steps as XLA functions (one per model)."""
 
@@ -228,9 +238,7 @@ class XlaStep:
                           else gradient_factor(step, state))
                 reduced, reducer = reduce_gradients(step, optimizer, grads, variables, factor,
                                                     state)
-            _compiled_apply(optimizer, variables)(reduced)
-            if reducer is not None and reducer.timeline is not None and variables:
-                reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
+            step.after_collectives(_update(optimizer, variables, reduced, reducer))
         return out["outputs"]
 
     def _warn(self, key: str, why: str) -> None:

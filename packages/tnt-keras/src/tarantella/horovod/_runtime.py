@@ -6,6 +6,7 @@ from typing import Any
 
 import tnt_core
 
+from ..environment import refuse_in_elastic_job
 from ..errors import NotSupportedError
 
 __all__ = ["init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size"]
@@ -20,6 +21,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             "`tnt run`; call hvd.init() without arguments (groups of ranks: tnt.Group(ranks))"
         )
     tnt_core.init()
+    refuse_in_elastic_job("a Horovod script (hvd.init)")
 
 
 def shutdown() -> None:

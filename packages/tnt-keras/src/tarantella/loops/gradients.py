@@ -34,6 +34,7 @@ from .. import comm
 from ..comm import Channel
 from ..comm.gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
 from ..data_parallel.steps import current_step
+from ..environment import refuse_in_elastic_job
 from ..reporting.tracebacks import user_facing
 from ..seams.class_swap import disguised_subclass
 from .data import batch_share
@@ -135,6 +136,7 @@ class DistributedGradientTape:
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape; got "
                             f"{type(tape).__name__}")
+        refuse_in_elastic_job("a custom training loop (tnt.DistributedGradientTape)")
         self._tape = tape
         self._reduction = reduction
 

@@ -46,6 +46,7 @@ from .. import _keras_compat, arguments, files, randomness, timeline
 from ..callbacks import distribute_callbacks
 from ..comm import Channel
 from ..comm.gradients import GradientReducer
+from ..environment import refuse_in_elastic_job
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
 from ..reporting.tracebacks import user_facing
@@ -151,6 +152,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them.
         The cuts are the model's SplitLayers, else ``num_pipeline_stages`` automatic ones
         (under PIPELINING, by default one partition per rank)."""
+        refuse_in_elastic_job("a pipelined tnt.Model (a stage is held by its ranks alone)")
         num_micro_batches = arguments.check_num_micro_batches(
             1 if num_micro_batches is None else num_micro_batches)
         wanted = arguments.check_num_pipeline_stages(num_pipeline_stages)

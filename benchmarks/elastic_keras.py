@@ -1,0 +1,126 @@
+"""Elastic Keras training: recovery time of ``fit`` when a rank dies, and what the elastic
+mode costs a step that nothing disturbs.
+
+    python benchmarks/elastic_keras.py [--repeats 3] [--ranks 3]
+
+* **recovery** (``tnt run -n RANKS --min-np RANKS-1``): an MLP (784-256-256-10, global batch
+  256, float32) trains 60 steps; member 1 writes the time and SIGKILLs itself as step 20
+  begins. Seconds after the kill, on the master: the survivor's collective fails, the new
+  communicator is bound and the ranks agreed (``tnt_core.rejoin``, one allgather), the
+  step redone is complete (Keras traces the step anew for the new communicator: most of
+  the time); beside them, the master's median undisturbed step.
+* **steady state**: the same training on RANKS-1 ranks, elastic (``--min-np``) and not,
+  interleaved; samples/s of each and their ratio (the elastic step takes each global batch
+  whole from the input, splits it on the host and keeps a copy of the metric and
+  non-trainable variables).
+
+Prints the median and every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KILL_STEP, STEPS, BATCH = 20, 60, 256
+
+
+def rank_main(out: Path, kill: bool) -> None:
+    import keras
+    import numpy as np
+
+    import tarantella as tnt
+
+    member = int(os.environ.get("TNT_RANK", "0"))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS * BATCH, 784)).astype("float32")
+    y = rng.integers(0, 10, size=(STEPS * BATCH,))
+    model = tnt.Model(keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                                        keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]))
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    ends: list[float] = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if kill and member == 1 and batch == KILL_STEP:
+                (out / "killed").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.time())
+
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[Clock()], verbose=0)
+    if tnt.get_rank() == 0:
+        elastic = model._tnt.elastic  # the benchmark reads the loop's clock
+        (out / "master.json").write_text(json.dumps(
+            {"ends": ends, "events": [] if elastic is None else elastic.events}))
+
+
+def launch(args: list[str], out: Path, kill: bool) -> dict:
+    tnt = Path(sys.executable).with_name("tnt")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_TIMEOUT_S": "60"}
+    cmd = [str(tnt), "run", *args, "--", __file__, "--rank", str(out)] + (["--kill"] if kill else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads((out / "master.json").read_text())
+
+
+def _line(name: str, samples: list[float], unit: str = "s") -> str:
+    shown = ", ".join(f"{s:.3f}" for s in samples)
+    return f"  {name:<40} median {statistics.median(samples):8.3f} {unit}   samples [{shown}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--rank", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.rank is not None:
+        rank_main(options.rank, options.kill)
+        return
+    n = options.ranks
+    failed, agreed, redone, step = [], [], [], []
+    rates: dict[str, list[float]] = {"elastic": [], "not elastic": []}
+    for _ in range(options.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            master = launch(["-n", str(n), "--min-np", str(n - 1)], out, kill=True)
+            killed = float((out / "killed").read_text())
+            seen, bound = master["events"][0]
+            failed.append(seen - killed)
+            agreed.append(bound - killed)
+            redone.append(next(t for t in master["ends"] if t > killed) - killed)
+            gaps = [b - a for a, b in zip(master["ends"], master["ends"][1:])]
+            step.append(statistics.median(gaps))
+        for name, extra in (("elastic", ["--min-np", str(n - 1)]), ("not elastic", [])):
+            with tempfile.TemporaryDirectory() as tmp:
+                ends = launch(["-n", str(n - 1), *extra], Path(tmp), kill=False)["ends"]
+                warm = ends[5:]  # after the trace
+                rates[name].append(BATCH * (len(warm) - 1) / (warm[-1] - warm[0]))
+    print(f"recovery: tnt run -n {n} --min-np {n - 1}, member 1 SIGKILLed as step {KILL_STEP} begins "
+          "(seconds after the kill, on the master)")
+    print(_line("collective failed", failed))
+    print(_line("new communicator bound, ranks agreed", agreed))
+    print(_line("the step redone, complete", redone))
+    print(_line("an undisturbed step (context)", step))
+    print(f"steady state: {n - 1} ranks, samples/s (interleaved runs)")
+    for name, samples in rates.items():
+        print(_line(name, samples, "/s"))
+    ratios = [e / p for e, p in zip(rates["elastic"], rates["not elastic"])]
+    print(_line("elastic / not elastic", ratios, "x"))
+
+
+if __name__ == "__main__":
+    main()

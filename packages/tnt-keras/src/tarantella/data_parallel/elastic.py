@@ -1,0 +1,320 @@
+"""Elastic data parallelism: a rank dies, the survivors redo the step that failed over the
+new membership, and ``fit`` goes on with the result of serial training.
+
+Why this is possible: every survivor holds the whole model and optimizer state, and a global
+batch gives the same step on any number of ranks. What has to be exact:
+
+* **The step in flight.** A step changes state before its collectives finish (BatchNorm
+  statistics and random seed states in the forward pass, metric states zeroed and updated),
+  so each step starts from a snapshot of those variables (host copies, small), restored
+  when it fails. The optimizers' updates wait for the step's last collective
+  (``steps.StepContext.after_collectives``): a step either is applied whole on a rank or
+  not at all.
+* **Which steps happened.** Every collective operation of the loop (a step, the weights'
+  broadcast, the stop flag's agreement) is numbered on each rank; a survivor may have
+  finished one more than another (its last collective completed, a peer's did not). After
+  the new communicator is bound, the ranks compare their numbers: if one is ahead, its
+  state after that operation and the operation's outputs (the step's logs) go to the ranks
+  behind, whose operation then counts as done; everyone else redoes it. Nothing else is
+  redone, nothing is skipped.
+* **The data.** The dataset yields whole global batches; each step takes this rank's
+  micro-batch for the membership of the moment (:class:`tarantella.datasets.Resharder`),
+  so a redone step splits the same global batch over the survivors.
+
+The communicator: :meth:`tnt_core.Runtime.rejoin` gives the backend over the next
+membership, :meth:`tarantella.comm.Channel.bind` sends every later collective to it and
+drops the traced steps, which Keras traces anew.
+
+Not here: a rank that joins a running job (``tnt run --max-restarts``/``--max-np``, refused
+by :func:`tarantella.environment.configure_process`); pipelining; custom loops.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tnt_core
+
+from ..comm import native as native_ops
+from ..datasets import Resharder
+from ..reporting.log import logger
+from .steps import SeveralUpdates, model_optimizers
+from .weights import broadcast_model_state
+
+__all__ = ["ElasticFunction", "ElasticLoop", "is_membership_failure"]
+
+#: the collective operations of a loop, numbered alike on every rank
+KINDS = ("train", "test", "predict", "sync", "weights")
+#: the Keras attribute and factory of each kind of step function
+_FUNCTIONS = {"train": ("train_function", "make_train_function"),
+              "test": ("test_function", "make_test_function"),
+              "predict": ("predict_function", "make_predict_function")}
+
+
+def is_membership_failure(exc: BaseException, runtime: tnt_core.Runtime) -> bool:
+    """Whether ``exc`` is a collective's failure that a new membership answers (a rank left:
+    its peers' collectives fail with ``CommError``, the native path's as TensorFlow's
+    ``OpError`` carrying it, the Python path's as the ``numpy_function``'s error)."""
+    if isinstance(exc, tnt_core.CommError):
+        return True
+    if isinstance(exc, tf.errors.OpError):
+        if isinstance(native_ops.original(exc), tnt_core.CommError):
+            return True
+        if "CommError" in (exc.message or ""):
+            return True
+    return runtime.membership_changed()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's type and the first line of its message that says something."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line for line in lines if "Error" in line and "Graph execution error" not in line]
+    return f"{type(exc).__name__}: {(said or lines or [''])[0]}"
+
+
+def _as_numpy(outputs: Any) -> Any:
+    return keras.tree.map_structure(
+        lambda t: np.asarray(t) if tf.is_tensor(t) or isinstance(t, np.ndarray) else t, outputs)
+
+
+class ElasticLoop:
+    """The loop state of one model in an elastic job (see the module doc)."""
+
+    def __init__(self, model: keras.Model, state: Any) -> None:
+        self._model = weakref.ref(model)
+        self.state = state
+        self.resharder = Resharder()
+        #: collective operations this rank finished, and the outputs of the last one
+        self.done = 0
+        self.last: Any = None
+        #: metric states saved when Keras reset them after the last operation (the values
+        #: that operation left, which a rank behind needs)
+        self._metrics_at_reset: list[np.ndarray] | None = None
+        #: seconds from each failure to its recovery, for the log and the benchmark
+        self.recoveries: list[float] = []
+        #: wall-clock times (``time.time()``) of each failure seen and of its recovery
+        self.events: list[tuple[float, float]] = []
+        #: the optimizers' updates wait for the step's last collective; False for a step
+        #: that applies more than once (then a failure after its first update is refused)
+        self.defer_updates = True
+
+    @property
+    def model(self) -> keras.Model:
+        model = self._model()
+        if model is None:
+            raise tnt_core.TntError("the elastic loop outlived its model")
+        return model
+
+    # -- state kept across a failure --------------------------------------------------------------
+
+    def _snapshot_variables(self) -> list[Any]:
+        seen: set[int] = set()
+        out = []
+        for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+        return out
+
+    def _snapshot(self) -> list[tuple[Any, np.ndarray]]:
+        return [(v, np.array(keras.ops.convert_to_numpy(v), copy=True))
+                for v in self._snapshot_variables()]
+
+    def _iterations(self) -> list[int]:
+        return [int(keras.ops.convert_to_numpy(opt.iterations))
+                for opt in model_optimizers(self.model)]
+
+    @staticmethod
+    def _restore(snapshot: list[tuple[Any, np.ndarray]]) -> None:
+        for v, value in snapshot:
+            v.assign(value)
+
+    def before_reset(self) -> None:
+        """Keras resets the metrics (an epoch or an evaluation begins): keep what the last
+        operation left in them, once."""
+        if self._metrics_at_reset is None:
+            self._metrics_at_reset = [np.array(keras.ops.convert_to_numpy(v), copy=True)
+                                      for v in self.model.metrics_variables]
+
+    def _metrics_after_last(self) -> list[np.ndarray]:
+        if self._metrics_at_reset is not None:
+            return self._metrics_at_reset
+        return [np.array(keras.ops.convert_to_numpy(v), copy=True)
+                for v in self.model.metrics_variables]
+
+    def _completed(self, outputs: Any) -> Any:
+        self.done += 1
+        self.last = outputs
+        self._metrics_at_reset = None
+        return outputs
+
+    # -- the operations -----------------------------------------------------------------------------
+
+    def step(self, kind: str, element: Any) -> Any:
+        """One step of ``kind`` on a global batch, redone over the new membership when a rank
+        leaves while it runs; its outputs (the logs, or the predictions)."""
+        snapshot = self._snapshot() if kind != "predict" else []
+        iterations = self._iterations() if kind == "train" else []
+        while True:
+            channel = self.state.channel
+            try:
+                packed = self.resharder(element, channel.rank, channel.size)
+                outputs = self.keras_function(kind)([packed])
+            except SeveralUpdates:
+                self.defer_updates = False
+                setattr(self.model, _FUNCTIONS[kind][0], None)  # traced anew, applying at once
+                continue
+            except Exception as exc:
+                if not is_membership_failure(exc, self.state.runtime):
+                    raise
+                if kind == "train" and iterations != self._iterations():
+                    raise tnt_core.TntError(
+                        f"rank {channel.rank}: ranks left while this rank's train step had "
+                        "applied part of its updates (the step calls optimizer.apply more than "
+                        "once, so they cannot wait for its last collective); it cannot be "
+                        "redone exactly. Resume the job from its last checkpoint "
+                        f"(keras.callbacks.BackupAndRestore). The failure: {_first_line(exc)}") from exc
+                self._restore(snapshot)
+                if self._recover(kind, exc):
+                    return self.last
+                continue
+            return self._completed(outputs)
+
+    def host(self, kind: str, operation: Callable[[], Any]) -> Any:
+        """A collective of the loop run on the host (``kind`` "sync" or "weights"), redone
+        over the new membership when a rank leaves while it runs."""
+        while True:
+            try:
+                outputs = operation()
+            except Exception as exc:
+                if not is_membership_failure(exc, self.state.runtime):
+                    raise
+                if self._recover(kind, exc):
+                    return self.last
+                continue
+            return self._completed(outputs)
+
+    def keras_function(self, kind: str) -> Callable[[Any], Any]:
+        """Keras' own step function of ``kind`` (traced anew after a rebind)."""
+        attribute, make = _FUNCTIONS[kind]
+        model = self.model
+        function = getattr(model, attribute)
+        if function is None or (isinstance(function, ElasticFunction) and function.keras_function is None):
+            getattr(model, make)(force=True)
+            function = getattr(model, attribute)
+        inner = function.keras_function if isinstance(function, ElasticFunction) else function
+        if inner is None:
+            raise tnt_core.TntError(f"Keras made no {attribute}")
+        return inner
+
+    def rebound(self) -> None:
+        """A new communicator was bound: Keras' traced functions go (they hold the old one),
+        while the loop Keras runs keeps calling ``model.train_function``: what stays there is
+        a function that has Keras trace anew at its next step."""
+        model = self.model
+        for kind, (attribute, _) in _FUNCTIONS.items():
+            setattr(model, attribute, ElasticFunction(self, kind, None))
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def _recover(self, kind: str, failure: BaseException) -> bool:
+        """Bind the communicator over the next membership and agree on the operation in
+        flight; True when a rank ahead finished it for this one (``last`` holds its outputs)."""
+        runtime = self.state.runtime
+        failed_at = time.time()
+        logger.info("elastic: the %s operation #%d failed (%s); rejoining", kind, self.done + 1,
+                    _first_line(failure))
+        started = time.monotonic()
+        while True:
+            backend = runtime.rejoin()  # CommError when evicted or no membership comes
+            self.state.channel.bind(backend)
+            try:
+                done_by_root = self._agree(kind)
+                break
+            except Exception as exc:
+                if not is_membership_failure(exc, runtime):
+                    raise
+        took = time.monotonic() - started
+        self.recoveries.append(took)
+        self.events.append((failed_at, time.time()))
+        if runtime.is_master:
+            membership = runtime.membership
+            change = membership.describe_change() if membership is not None else "new membership"
+            logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, the %s "
+                           "step in flight %s", change, runtime.size, took, kind,
+                           "finished by a rank ahead" if done_by_root else "redone")
+        return done_by_root
+
+    def _agree(self, kind: str) -> bool:
+        channel = self.state.channel
+        mine = np.array([self.done, KINDS.index(kind)], dtype=np.int64)
+        every = np.asarray(channel.backend.allgather(mine)).reshape(-1, 2)
+        top = int(every[:, 0].max())
+        behind = every[:, 0] < top
+        if not behind.any():
+            return False
+        root = int(np.flatnonzero(every[:, 0] == top)[0])
+        needed = KINDS[int(every[behind][0, 1])]  # the operation the ranks behind are in
+        payload = b""
+        if channel.rank == root:
+            metrics = self._metrics_after_last() if needed in ("train", "test") else None
+            payload = pickle.dumps({"outputs": _as_numpy(self.last), "metrics": metrics})
+        received = _broadcast_bytes(channel, payload, root)
+        if needed in ("train", "weights"):
+            broadcast_model_state(self.model, self.state.runtime, root=root)
+        if self.done == top:
+            return False
+        answer = pickle.loads(received)
+        if answer["metrics"] is not None:
+            for v, value in zip(self.model.metrics_variables, answer["metrics"]):
+                v.assign(value)
+        self.done = top
+        self.last = answer["outputs"]
+        self._metrics_at_reset = None
+        return True
+
+
+def _broadcast_bytes(channel: Any, payload: bytes, root: int) -> bytes:
+    length = channel.broadcast_arrays([np.array([len(payload)], dtype=np.int64)], root)[0]
+    buffer = np.frombuffer(payload, dtype=np.uint8) if channel.rank == root \
+        else np.zeros(int(length[0]), dtype=np.uint8)
+    return channel.broadcast_arrays([buffer], root)[0].tobytes()
+
+
+class ElasticFunction:
+    """What Keras' loop calls as ``model.train_function`` (``test_``, ``predict_``) in an
+    elastic job: it takes the global batches from Keras' iterator and runs each as an
+    :meth:`ElasticLoop.step` through Keras' own function (:attr:`keras_function`)."""
+
+    def __init__(self, loop: ElasticLoop, kind: str,
+                 keras_function: Callable[[Any], Any] | None) -> None:
+        self.loop = loop
+        self.kind = kind
+        self.keras_function = keras_function
+
+    def __call__(self, data: Any) -> Any:
+        if self.kind == "predict":  # Keras' predict loop passes the elements it fetched
+            parts = [self.loop.step("predict", element) for element in data]
+            if len(parts) == 1:
+                return parts[0]
+            return keras.tree.map_structure(lambda *rows: tf.concat(rows, axis=0), *parts)
+        if not isinstance(data, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return self.loop.keras_function(self.kind)(data)  # *_on_batch: one batch, split already
+        outputs: Any = None
+        for i in range(max(1, int(self.loop.model.steps_per_execution))):
+            try:
+                element = data.get_next()
+            except tf.errors.OutOfRangeError:
+                if i == 0:
+                    raise  # the epoch's end, as Keras' own function says it
+                break
+            outputs = self.loop.step(self.kind, element)
+        return outputs

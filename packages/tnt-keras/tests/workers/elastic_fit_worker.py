@@ -1,0 +1,75 @@
+"""An elastic job's Keras training, as a user writes it, against plain Keras running the same
+script: ``elastic_fit_worker.py serial|tnt OUT [KILLS]``.
+
+KILLS lists ``member:phase:epoch:batch`` (``phase`` train or test): the process that started
+as rank ``member`` SIGKILLs itself when that batch begins, as an OOM kill or a lost host
+would end it. The float64 model has BatchNormalization(synchronized=True) (collectives in
+the forward pass, statistics moved there), Adam, metrics, shuffled array data with a short
+last batch and validation data.
+Rank 0 of the end writes the final weights and History to OUT/result-<mode>.npz, and the
+times of its recoveries to OUT/recoveries.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+kills = [tuple(k.split(":")) for k in (sys.argv[3].split(",") if len(sys.argv) > 3 else [])]
+keras.config.set_floatx("float64")
+keras.utils.set_random_seed(7)
+if mode == "tnt":
+    import tarantella as tnt
+
+me = int(os.environ.get("TNT_RANK", "0"))  # the rank this process started as: its member id
+
+
+class Killer(keras.callbacks.Callback):
+    def _maybe(self, phase: str, batch: int) -> None:
+        for member, when, epoch, at in kills:
+            if int(member) == me and when == phase and int(epoch) == self.epoch and int(at) == batch:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._maybe("train", batch)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._maybe("test", batch)
+
+
+rng = np.random.default_rng(3)
+x = rng.normal(size=(230, 6))
+y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(230, 1)) > 0).astype("float64")
+vx, vy = x[:64] * 0.5, y[:64]
+
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.BatchNormalization(synchronized=True),
+                          keras.layers.Dense(1, activation="sigmoid")])
+if mode == "tnt":
+    model = tnt.Model(model)
+model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy",
+              metrics=["accuracy", keras.metrics.AUC(name="auc")])
+callbacks = [Killer()] if mode == "tnt" else []
+history = model.fit(x, y, batch_size=32, epochs=3, shuffle=True, validation_data=(vx, vy),
+                    callbacks=callbacks, verbose=0)
+evaluated = model.evaluate(vx, vy, batch_size=24, verbose=0, return_dict=True)
+
+if mode == "serial" or tnt.get_rank() == 0:
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    arrays.update({f"h_{k}": np.array(v) for k, v in history.history.items()})
+    arrays.update({f"e_{k}": np.array(v) for k, v in evaluated.items()})
+    np.savez(out / f"result-{mode}.npz", **arrays)
+    if mode == "tnt":
+        (out / "recoveries.json").write_text(json.dumps(
+            {"recoveries": model._tnt.elastic.recoveries, "size": tnt.get_size()}))
