@@ -7,9 +7,10 @@ number of ranks) come from a single launch of ``workers/suite_worker.py``, and a
 references from one plain process; the test modules compare their files. The launches are
 ``tnt_keras_helpers.SUITE_LAUNCHES``: 1 rank; 3 on gloo; 2 on store.
 
-A session starts every run its tests need at the first test that asks for one, up to three
-side by side (``SuiteRuns.start_needed``): the tests of one launch then find the others under
-way or done, and the two cores work while a launch waits on its peers.
+A session starts every run its tests need once they are collected, up to three side by side
+(``SuiteRuns.start_needed``): they work while the other packages' tests run, the tests of
+one launch find the others under way or done, and the two cores work while a launch waits
+on its peers.
 """
 
 from __future__ import annotations
@@ -109,13 +110,34 @@ class SuiteRuns:
         return out
 
 
+_RUNS = pytest.StashKey[SuiteRuns]()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    """Start every run the session's tests need as soon as they are collected: the launches
+    then work while the other packages' tests (mostly waiting on their peers and timeouts)
+    run, rather than after them."""
+    # pytest's own factory behind the tmp_path_factory fixture (no fixture exists yet here)
+    runs = SuiteRuns(config._tmp_path_factory)  # type: ignore[attr-defined]
+    runs.start_needed(items)
+    config.stash[_RUNS] = runs
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    runs = session.config.stash.get(_RUNS, None)
+    if runs is not None:
+        runs.close()
+
+
 @pytest.fixture(scope="session")
 def suite_runs(request, tmp_path_factory):
-    """The session's ``SuiteRuns``; every run its tests need starts now."""
-    runs = SuiteRuns(tmp_path_factory)
-    runs.start_needed(request.session.items)
-    yield runs
-    runs.close()
+    """The session's ``SuiteRuns``, started when the session's tests were collected."""
+    runs = request.config.stash.get(_RUNS, None)
+    if runs is None:  # collected without this conftest's hook (e.g. a plugin reordered)
+        runs = request.config.stash[_RUNS] = SuiteRuns(tmp_path_factory)
+        runs.start_needed(request.session.items)
+    return runs
 
 
 @pytest.fixture(scope="session")
