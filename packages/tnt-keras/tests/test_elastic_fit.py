@@ -4,6 +4,9 @@ still plain Keras' running the same script (``workers/elastic_fit_worker.py``).
 One launch, ``tnt run -n 3 --min-np 1``, two failures: rank 2 is SIGKILLed as a train
 step begins in the first epoch (3 -> 2 ranks), rank 1 as a validation step begins in the
 second (2 -> 1). Float64, so a difference beyond round-off is a wrong step, not noise.
+
+A rank one operation ahead of another (its last collective completed, the other's failed)
+is placed there by ``workers/elastic_agree_worker.py`` in the suite's 2-rank launch.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tnt_keras_helpers import BACKENDS, QUIET, WORKERS, run_serial
+from tnt_keras_helpers import BACKENDS, PYTHON_PATH, QUIET, WORKERS, launch_params, run_serial
 
-pytestmark = pytest.mark.skipif("gloo" not in BACKENDS,
-                                reason=f"elastic jobs need the gloo backend (launchable: {BACKENDS})")
+NO_GLOO = pytest.mark.skipif("gloo" not in BACKENDS,
+                             reason=f"elastic jobs need the gloo backend (launchable: {BACKENDS})")
 
 TNT = Path(sys.executable).with_name("tnt")
 
@@ -29,6 +32,7 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+@NO_GLOO
 def test_two_ranks_die_and_fit_still_gives_plain_keras_result(tmp_path):
     run_serial("elastic_fit_worker.py", ["serial", str(tmp_path)])
     before = _shm()
@@ -54,3 +58,20 @@ def test_two_ranks_die_and_fit_still_gives_plain_keras_result(tmp_path):
     for key in sorted(serial):
         np.testing.assert_allclose(elastic[key], serial[key], rtol=1e-9, atol=1e-12, err_msg=key)
     assert _shm() <= before, sorted(_shm() - before)
+
+
+@pytest.fixture(scope="module", params=launch_params([PYTHON_PATH]))
+def agreed(request, suite_runs) -> list[dict]:
+    out, nprocs, _ = suite_runs.get(request.param)
+    return [json.loads((out / "elastic_agree" / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+@pytest.mark.timeout(1500)  # the first test of a launch waits for it
+def test_a_rank_behind_takes_the_state_and_logs_of_the_rank_ahead(agreed):
+    behind, ahead = agreed
+    assert behind["finished_for_me"] is True and ahead["finished_for_me"] is False
+    assert behind["done"] == ahead["done"] == 5
+    assert behind["state"] == ahead["state"] == ahead["ahead"]  # weights, slots, metric states
+    assert behind["last"] == ahead["last"] == {"loss": 0.25, "mae": 0.5}
+    assert behind["again"] is False and ahead["again"] is False  # level: both redo
+    assert behind["state_again"] == behind["state"] and ahead["state_again"] == ahead["state"]

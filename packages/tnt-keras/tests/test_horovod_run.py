@@ -1,5 +1,6 @@
 """``horovod.run`` (``import tarantella.horovod as horovod``): Horovod's examples call it when
-started as a plain script; its ranks are a ``tnt run`` job and it returns their results."""
+started as a plain script; its ranks are a ``tnt run`` job and it returns their results.
+Horovod's module paths, with ``horovod`` renamed ``tarantella.horovod``, are tarantella's."""
 
 from __future__ import annotations
 
@@ -55,3 +56,20 @@ def test_run_refuses_what_it_cannot_launch(call, message):
     with pytest.raises((TypeError, ValueError)) as err:
         call()
     assert message in str(err.value)
+
+
+def test_horovods_module_paths_renamed_are_tarantellas():
+    """Moving a script is one rename: ``horovod.tensorflow[.keras[.callbacks]]`` becomes
+    ``tarantella.horovod.tensorflow[...]``, the same objects as ``tarantella.horovod[.keras]``."""
+    import importlib
+
+    import tarantella.horovod.keras as keras_api
+
+    for path, same_as in (("tarantella.horovod.tensorflow", horovod),
+                          ("tarantella.horovod.tensorflow.keras", keras_api),
+                          ("tarantella.horovod.tensorflow.keras.callbacks", horovod.callbacks)):
+        module = importlib.import_module(path)
+        names = [n for n in module.__all__ if n != "callbacks"]
+        assert names, path
+        for name in names:
+            assert getattr(module, name) is getattr(same_as, name), f"{path}.{name}"

@@ -118,8 +118,9 @@ NATIVE_PATH = SuiteLaunch(_NATIVE_BACKENDS[0] if _NATIVE_BACKENDS else None, 3,
 #: 2 ranks on ``store``, tnt-core's reference backend (``launch_ranks`` registers it in the
 #: ranks it starts): no native hand-off, so the Python gradient path; also the logs wrapped
 #: callbacks receive, against plain Keras in the ranks' own processes (2 ranks: each shard
-#: differs from the global batch).
-PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "callback_logs", "collectives"))
+#: differs from the global batch); and an elastic job's agreement of two ranks.
+PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "callback_logs", "collectives",
+                                            "elastic_agree"))
 SUITE_LAUNCHES = (ONE_RANK, NATIVE_PATH, PYTHON_PATH)
 
 

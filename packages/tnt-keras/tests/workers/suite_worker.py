@@ -33,7 +33,7 @@ import xla_worker
 #: the plain-Keras serial process never does
 ALSO = {"channel": "channel_worker", "small_batches": "small_batch_worker",
         "callback_logs": "callback_logs_worker",
-        "collectives": "user_collectives_worker"}
+        "collectives": "user_collectives_worker", "elastic_agree": "elastic_agree_worker"}
 
 
 def main() -> None:
