@@ -101,7 +101,7 @@ def main() -> None:
             seen, bound = master["events"][0]
             failed.append(seen - killed)
             agreed.append(bound - killed)
-            redone.append(next(t for t in master["ends"] if t > killed) - killed)
+            redone.append(next(t for t in master["ends"] if t > bound) - killed)
             gaps = [b - a for a, b in zip(master["ends"], master["ends"][1:])]
             step.append(statistics.median(gaps))
         for name, extra in (("elastic", ["--min-np", str(n - 1)]), ("not elastic", [])):

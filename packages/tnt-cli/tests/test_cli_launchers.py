@@ -97,12 +97,24 @@ def test_srun_dry_run_inside_an_allocation(run_tnt, h, tmp_path):
 
 
 @needs_mpiexec
-def test_backend_mpi_picks_mpirun(run_tnt, h):
+def test_backend_mpi_picks_mpirun_and_passes_the_ssh_args_to_its_bootstrap(run_tnt, h):
     res = run_tnt("--dry-run", "-n", "2", "--backend", "mpi", "--", h.rank_script("marker.py"))
     if res.returncode == 2 and "unknown backend 'mpi'" in res.stderr:
         pytest.skip("tnt-comm-mpi is not installed")
     assert res.returncode == 0, res.stderr
     assert "launcher: mpirun;" in res.stdout
+    hosts = ["-H", "localhost:1,node-b.invalid:1", "--rendezvous-host", "198.18.0.1"]
+    res = run_tnt("--dry-run", "--backend", "mpi", *hosts, "--ssh-args", "-F cluster.conf -p 2222", "--",
+                  h.rank_script("marker.py"))
+    assert res.returncode == 0, res.stderr
+    start = next(line for line in res.stdout.splitlines() if line.strip().startswith("start:"))
+    words = shlex.split(start.split("start:", 1)[1])
+    assert "HYDRA_LAUNCHER_EXTRA_ARGS=-F cluster.conf -p 2222" in words or \
+        words[words.index("plm_rsh_args") + 1] == "-F cluster.conf -p 2222", start
+    res = run_tnt("--dry-run", "--backend", "mpi", *hosts, "--ssh-args", "-o 'ProxyJump a b'", "--",
+                  h.rank_script("marker.py"))
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert "mpiexec splits its ssh arguments at spaces" in res.stderr
 
 
 def test_pin_to_socket_runs_under_numactl(run_tnt, h):

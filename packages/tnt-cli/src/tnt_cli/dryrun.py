@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from .agent import numactl_prefix
+from .agent import SPEC_ENV, numactl_prefix
 from .devices import numa_nodes
 from .job import Job, Rendezvous
 from .launchers.base import Launcher, ProcessSpec
@@ -46,7 +46,8 @@ def render_dry_run(job: Job, launcher: Launcher, procs: Sequence[ProcessSpec],
         lines.append("")
         start = shlex.join(proc.argv)
         if proc.env:
-            start = " ".join(f"{k}=<job description>" for k in proc.env) + " " + start
+            start = " ".join(f"{k}=<job description>" if k == SPEC_ENV else f"{k}={shlex.quote(v)}"
+                             for k, v in proc.env.items()) + " " + start
         for spec in proc.specs:
             if spec["rank"] is None:
                 lines.append(f"[ranks 0-{placement.size - 1}, placed by {proc.argv[0]}]")

@@ -72,8 +72,24 @@ class MpirunLauncher(Launcher):
         if len(counts) > 1 or job.options.names_hosts:
             hosts = ",".join(f"{h}:{c}" for h, c in counts)
             argv += ["--host", hosts] if openmpi else ["-hosts", hosts]
+        env = {SPEC_ENV: job.encode(spec)}
+        ssh_args = _ssh_args(job.options.ssh_args)
         if openmpi:
             argv += ["-x", SPEC_ENV]
+            if ssh_args:  # Open MPI's ssh starter
+                argv += ["--mca", "plm_rsh_args", ssh_args]
+        elif ssh_args:  # MPICH's Hydra (and Intel MPI's) ssh bootstrap
+            env["HYDRA_LAUNCHER_EXTRA_ARGS"] = ssh_args
         argv += job.agent_command()
         return [ProcessSpec(argv=argv, host="", ranks=tuple(range(placement.size)), specs=[spec],
-                            env={SPEC_ENV: job.encode(spec)}, stop_signal=self.stop_signal)]
+                            env=env, stop_signal=self.stop_signal)]
+
+
+def _ssh_args(words: list[str]) -> str:
+    """``--ssh-args`` as mpiexec's ssh bootstrap takes them: one string it splits at spaces."""
+    spaced = [w for w in words if any(c.isspace() for c in w)]
+    if spaced:
+        raise UsageError(f"--ssh-args: mpiexec splits its ssh arguments at spaces, so {spaced[0]!r} "
+                         "cannot reach ssh through it; put the option in an ssh config file "
+                         "(--ssh-args \"-F FILE\") or use --launcher ssh")
+    return " ".join(words)

@@ -63,6 +63,9 @@ class SrunLauncher(Launcher):
         if shutil.which("srun") is None:
             raise UsageError("--launcher srun: srun is not on PATH; run inside a Slurm "
                              "allocation (salloc/sbatch) or pick another --launcher")
+        if job.options.ssh_args:
+            raise UsageError("--ssh-args: srun starts the ranks without ssh; drop --ssh-args, or "
+                             "use --launcher ssh or mpirun")
 
     def processes(self, job: Job, rendezvous: Rendezvous) -> list[ProcessSpec]:
         spec = job.agent_spec(None, rendezvous, remote=True)
