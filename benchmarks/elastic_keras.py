@@ -9,8 +9,9 @@ mode costs a step that nothing disturbs.
   communicator is bound and the ranks agreed (``tnt_core.rejoin``, one allgather), the
   step redone is complete (Keras traces the step anew for the new communicator: most of
   the time); beside them, the master's median undisturbed step.
-* **steady state**: the same training on RANKS-1 ranks, elastic (``--min-np``) and not,
-  interleaved; samples/s of each and their ratio (the elastic step takes each global batch
+* **steady state**: the same training (5 epochs) on RANKS-1 ranks, elastic (``--min-np``)
+  and not, interleaved; samples/s of each (the global batch over the median step) and
+  their ratio (the elastic step takes each global batch
   whole from the input, splits it on the host and keeps a copy of the metric and
   non-trainable variables).
 
@@ -20,6 +21,7 @@ Prints the median and every sample.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -33,7 +35,7 @@ from pathlib import Path
 KILL_STEP, STEPS, BATCH = 20, 60, 256
 
 
-def rank_main(out: Path, kill: bool) -> None:
+def rank_main(out: Path, kill: bool, epochs: int) -> None:
     import keras
     import numpy as np
 
@@ -58,17 +60,18 @@ def rank_main(out: Path, kill: bool) -> None:
         def on_train_batch_end(self, batch, logs=None):
             ends.append(time.time())
 
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[Clock()], verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, callbacks=[Clock()], verbose=0)
     if tnt.get_rank() == 0:
         elastic = model._tnt.elastic  # the benchmark reads the loop's clock
         (out / "master.json").write_text(json.dumps(
             {"ends": ends, "events": [] if elastic is None else elastic.events}))
 
 
-def launch(args: list[str], out: Path, kill: bool) -> dict:
+def launch(args: list[str], out: Path, kill: bool, epochs: int = 1) -> dict:
     tnt = Path(sys.executable).with_name("tnt")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_TIMEOUT_S": "60"}
-    cmd = [str(tnt), "run", *args, "--", __file__, "--rank", str(out)] + (["--kill"] if kill else [])
+    cmd = [str(tnt), "run", *args, "--", __file__, "--rank", str(out), "--epochs", str(epochs)] \
+        + (["--kill"] if kill else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -86,9 +89,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--rank", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.rank is not None:
-        rank_main(options.rank, options.kill)
+        rank_main(options.rank, options.kill, options.epochs)
         return
     n = options.ranks
     failed, agreed, redone, step = [], [], [], []
@@ -106,9 +110,9 @@ def main() -> None:
             step.append(statistics.median(gaps))
         for name, extra in (("elastic", ["--min-np", str(n - 1)]), ("not elastic", [])):
             with tempfile.TemporaryDirectory() as tmp:
-                ends = launch(["-n", str(n - 1), *extra], Path(tmp), kill=False)["ends"]
-                warm = ends[5:]  # after the trace
-                rates[name].append(BATCH * (len(warm) - 1) / (warm[-1] - warm[0]))
+                ends = launch(["-n", str(n - 1), *extra], Path(tmp), kill=False, epochs=5)["ends"]
+                gaps = [b - a for a, b in itertools.pairwise(ends[5:])]  # after the trace
+                rates[name].append(BATCH / statistics.median(gaps))
     print(f"recovery: tnt run -n {n} --min-np {n - 1}, member 1 SIGKILLed as step {KILL_STEP} begins "
           "(seconds after the kill, on the master)")
     print(_line("collective failed", failed))

@@ -150,6 +150,7 @@ class Resharder:
 
     def __init__(self) -> None:
         self._split = tf.function(self._micro_batch, reduce_retracing=True, autograph=False)
+        self._place: tuple[int, int, tf.Tensor, tf.Tensor] | None = None
 
     @staticmethod
     def _micro_batch(element: Any, rank: tf.Tensor, size: tf.Tensor) -> dict[str, Any]:
@@ -159,7 +160,9 @@ class Resharder:
         return micro_batch(element, batched, rank, size)
 
     def __call__(self, element: Any, rank: int, size: int) -> dict[str, Any]:
-        return self._split(element, tf.constant(rank, tf.int64), tf.constant(size, tf.int64))
+        if self._place is None or self._place[:2] != (rank, size):  # tensors made once a place
+            self._place = (rank, size, tf.constant(rank, tf.int64), tf.constant(size, tf.int64))
+        return self._split(element, self._place[2], self._place[3])
 
 
 def mark_undistributed(dataset: tf.data.Dataset) -> tf.data.Dataset:

@@ -102,6 +102,7 @@ class ElasticLoop:
         self.recoveries: list[float] = []
         #: wall-clock times (``time.time()``) of each failure seen and of its recovery
         self.events: list[tuple[float, float]] = []
+        self._reader: tuple[tuple[int, ...], Callable[[], list[tf.Tensor]]] | None = None
         #: the optimizers' updates wait for the step's last collective; False for a step
         #: that applies more than once (then a failure after its first update is refused)
         self.defer_updates = True
@@ -115,18 +116,26 @@ class ElasticLoop:
 
     # -- state kept across a failure --------------------------------------------------------------
 
-    def _snapshot_variables(self) -> list[Any]:
+    def _snapshot(self) -> list[tuple[Any, np.ndarray]]:
+        """What a step changes before its collectives end (non-trainable and metric
+        variables), and the optimizers' step counters last; read in one call."""
         seen: set[int] = set()
-        out = []
-        for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]:
+        variables = []
+        for v in [*self.model.non_trainable_variables, *self.model.metrics_variables,
+                  *(opt.iterations for opt in model_optimizers(self.model))]:
             if id(v) not in seen:
                 seen.add(id(v))
-                out.append(v)
-        return out
+                variables.append(v)
+        return list(zip(variables, self._read(variables)))
 
-    def _snapshot(self) -> list[tuple[Any, np.ndarray]]:
-        return [(v, np.array(keras.ops.convert_to_numpy(v), copy=True))
-                for v in self._snapshot_variables()]
+    def _read(self, variables: list[Any]) -> list[np.ndarray]:
+        """The values of ``variables``, through one traced function per set of variables
+        (a read per variable costs a TensorFlow call each, per step)."""
+        key = tuple(id(v) for v in variables)
+        if self._reader is None or self._reader[0] != key:
+            held = list(variables)
+            self._reader = (key, tf.function(lambda: [tf.identity(v) for v in held], autograph=False))
+        return [t.numpy() for t in self._reader[1]()]
 
     def _iterations(self) -> list[int]:
         return [int(keras.ops.convert_to_numpy(opt.iterations))
@@ -162,7 +171,8 @@ class ElasticLoop:
         """One step of ``kind`` on a global batch, redone over the new membership when a rank
         leaves while it runs; its outputs (the logs, or the predictions)."""
         snapshot = self._snapshot() if kind != "predict" else []
-        iterations = self._iterations() if kind == "train" else []
+        iterations = [int(value) for _, value in snapshot[-len(model_optimizers(self.model)):]] \
+            if kind == "train" else []
         while True:
             channel = self.state.channel
             try:
