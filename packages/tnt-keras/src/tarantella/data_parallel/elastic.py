@@ -261,6 +261,11 @@ class ElasticLoop:
             logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, the %s "
                            "step in flight %s", change, runtime.size, took, kind,
                            "finished by a rank ahead" if done_by_root else "redone")
+            if membership is not None and any(d.rank == 0 for d in membership.departed):
+                logger.warning("elastic: the master rank left: the progress bar and the "
+                               "master-only callbacks of this fit (ModelCheckpoint, CSVLogger, "
+                               "...) ran there and do not go on here; this rank is the master "
+                               "from now on (tnt.get_rank() == 0)")
         return done_by_root
 
     def _agree(self, kind: str) -> bool:
