@@ -113,6 +113,7 @@ class SuiteRuns:
 _RUNS = pytest.StashKey[SuiteRuns]()
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselected what will not run
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
     """Start every run the session's tests need as soon as they are collected: the launches

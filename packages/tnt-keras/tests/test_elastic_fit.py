@@ -3,7 +3,8 @@ still plain Keras' running the same script (``workers/elastic_fit_worker.py``).
 
 One launch, ``tnt run -n 3 --min-np 1``, two failures: rank 2 is SIGKILLed as a train
 step begins in the first epoch (3 -> 2 ranks), rank 1 as a validation step begins in the
-second (2 -> 1). Float64, so a difference beyond round-off is a wrong step, not noise.
+second (2 -> 1); then ``evaluate``, ``predict`` and ``predict_on_batch`` on the survivor.
+Float64, so a difference beyond round-off is a wrong step, not noise.
 
 A rank one operation ahead of another (its last collective completed, the other's failed)
 is placed there by ``workers/elastic_agree_worker.py`` in the suite's 2-rank launch.
@@ -33,19 +34,18 @@ def _shm() -> set[str]:
 
 
 @NO_GLOO
-def test_two_ranks_die_and_fit_still_gives_plain_keras_result(tmp_path):
+def test_ranks_die_and_fit_still_gives_plain_keras_results(tmp_path):
     run_serial("elastic_fit_worker.py", ["serial", str(tmp_path)])
     before = _shm()
-    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "60"}
+    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "30"}
     proc = subprocess.run(
         [str(TNT), "run", "-n", "3", "--min-np", "1", "--backend", "gloo", "--",
          str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path), "2:train:0:3,1:test:1:1"],
         env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    assert "going on with 2 rank(s), generation 1" in output, output[-4000:]
-    assert "going on with 1 rank(s), generation 2" in output, output[-4000:]
-    for says in ("training goes on with 2 rank(s) after", "the train step in flight redone",
+    for says in ("going on with 2 rank(s), generation 1", "going on with 1 rank(s), generation 2",
+                 "training goes on with 2 rank(s) after", "the train step in flight redone",
                  "training goes on with 1 rank(s) after", "the test step in flight redone"):
         assert says in output, output[-4000:]
     recoveries = json.loads((tmp_path / "recoveries.json").read_text())
@@ -54,7 +54,8 @@ def test_two_ranks_die_and_fit_still_gives_plain_keras_result(tmp_path):
     serial = dict(np.load(tmp_path / "result-serial.npz"))
     elastic = dict(np.load(tmp_path / "result-tnt.npz"))
     assert sorted(serial) == sorted(elastic)
-    assert {"h_loss", "h_accuracy", "h_auc", "h_val_loss", "h_val_auc", "e_loss"} <= set(serial)
+    assert {"h_loss", "h_accuracy", "h_auc", "h_val_loss", "h_val_auc", "e_loss", "predicted",
+            "on_batch"} <= set(serial)
     for key in sorted(serial):
         np.testing.assert_allclose(elastic[key], serial[key], rtol=1e-9, atol=1e-12, err_msg=key)
     assert _shm() <= before, sorted(_shm() - before)

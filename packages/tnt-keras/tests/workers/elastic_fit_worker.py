@@ -1,7 +1,8 @@
 """An elastic job's Keras training, as a user writes it, against plain Keras running the same
 script: ``elastic_fit_worker.py serial|tnt OUT [KILLS]``.
 
-KILLS lists ``member:phase:epoch:batch`` (``phase`` train or test): the process that started
+KILLS lists ``member:phase:epoch:batch`` (``phase`` train, test or predict, whose epoch
+does not count): the process that started
 as rank ``member`` SIGKILLs itself when that batch begins, as an OOM kill or a lost host
 would end it. The float64 model has BatchNormalization(synchronized=True) (collectives in
 the forward pass, statistics moved there), Adam, metrics, shuffled array data with a short
@@ -34,7 +35,8 @@ me = int(os.environ.get("TNT_RANK", "0"))  # the rank this process started as: i
 class Killer(keras.callbacks.Callback):
     def _maybe(self, phase: str, batch: int) -> None:
         for member, when, epoch, at in kills:
-            if int(member) == me and when == phase and int(epoch) == self.epoch and int(at) == batch:
+            in_epoch = phase == "predict" or int(epoch) == self.epoch
+            if int(member) == me and when == phase and in_epoch and int(at) == batch:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -45,6 +47,9 @@ class Killer(keras.callbacks.Callback):
 
     def on_test_batch_begin(self, batch, logs=None):
         self._maybe("test", batch)
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._maybe("predict", batch)
 
 
 rng = np.random.default_rng(3)
@@ -63,12 +68,15 @@ callbacks = [Killer()] if mode == "tnt" else []
 history = model.fit(x, y, batch_size=32, epochs=3, shuffle=True, validation_data=(vx, vy),
                     callbacks=callbacks, verbose=0)
 evaluated = model.evaluate(vx, vy, batch_size=24, verbose=0, return_dict=True)
+predicted = model.predict(vx, batch_size=20, verbose=0, callbacks=callbacks)
+on_batch = model.predict_on_batch(vx[:9])
 
 if mode == "serial" or tnt.get_rank() == 0:
     out.mkdir(parents=True, exist_ok=True)
     arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
     arrays.update({f"h_{k}": np.array(v) for k, v in history.history.items()})
     arrays.update({f"e_{k}": np.array(v) for k, v in evaluated.items()})
+    arrays.update(predicted=predicted, on_batch=on_batch)
     np.savez(out / f"result-{mode}.npz", **arrays)
     if mode == "tnt":
         (out / "recoveries.json").write_text(json.dumps(

@@ -46,7 +46,7 @@ import tnt_core
 from ..comm import native as native_ops
 from ..datasets import Resharder
 from ..reporting.log import logger
-from .steps import SeveralUpdates, model_optimizers
+from .steps import SeveralUpdates, is_distributed, model_optimizers
 from .weights import broadcast_model_state
 
 __all__ = ["ElasticFunction", "ElasticLoop", "is_membership_failure"]
@@ -316,6 +316,8 @@ class ElasticFunction:
         self.keras_function = keras_function
 
     def __call__(self, data: Any) -> Any:
+        if self.kind == "predict" and any(is_distributed(element) for element in data):
+            return self.loop.keras_function("predict")(data)  # predict_on_batch: split already
         if self.kind == "predict":  # Keras' predict loop passes the elements it fetched
             parts = [self.loop.step("predict", element) for element in data]
             if len(parts) == 1:
