@@ -116,17 +116,18 @@ class ElasticLoop:
 
     # -- state kept across a failure --------------------------------------------------------------
 
-    def _snapshot(self) -> list[tuple[Any, np.ndarray]]:
+    def _snapshot(self) -> tuple[list[tuple[Any, np.ndarray]], list[int]]:
         """What a step changes before its collectives end (non-trainable and metric
-        variables), and the optimizers' step counters last; read in one call."""
+        variables), and the optimizers' step counters; read in one call."""
         seen: set[int] = set()
         variables = []
-        for v in [*self.model.non_trainable_variables, *self.model.metrics_variables,
-                  *(opt.iterations for opt in model_optimizers(self.model))]:
+        for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]:
             if id(v) not in seen:
                 seen.add(id(v))
                 variables.append(v)
-        return list(zip(variables, self._read(variables)))
+        counters = [opt.iterations for opt in model_optimizers(self.model)]
+        values = self._read(variables + counters)
+        return list(zip(variables, values)), [int(c) for c in values[len(variables):]]
 
     def _read(self, variables: list[Any]) -> list[np.ndarray]:
         """The values of ``variables``, through one traced function per set of variables
@@ -170,9 +171,7 @@ class ElasticLoop:
     def step(self, kind: str, element: Any) -> Any:
         """One step of ``kind`` on a global batch, redone over the new membership when a rank
         leaves while it runs; its outputs (the logs, or the predictions)."""
-        snapshot = self._snapshot() if kind != "predict" else []
-        iterations = [int(value) for _, value in snapshot[-len(model_optimizers(self.model)):]] \
-            if kind == "train" else []
+        snapshot, iterations = self._snapshot() if kind != "predict" else ([], [])
         while True:
             channel = self.state.channel
             try:

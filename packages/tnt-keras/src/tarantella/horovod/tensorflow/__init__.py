@@ -4,46 +4,7 @@ rename of ``horovod`` to ``tarantella.horovod`` in its imports."""
 
 from __future__ import annotations
 
-from .. import (
-    Average,
-    Compression,
-    DistributedGradientTape,
-    DistributedOptimizer,
-    Max,
-    Min,
-    Product,
-    Sum,
-    allgather,
-    allreduce,
-    broadcast,
-    broadcast_variables,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
+from .. import *  # noqa: F403 (the same objects under Horovod's module path)
+from .. import __all__ as _horovod_names
 
-__all__ = [
-    "Average",
-    "Compression",
-    "DistributedGradientTape",
-    "DistributedOptimizer",
-    "Max",
-    "Min",
-    "Product",
-    "Sum",
-    "allgather",
-    "allreduce",
-    "broadcast",
-    "broadcast_variables",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "shutdown",
-    "size",
-]
+__all__ = [name for name in _horovod_names if name != "run"]  # horovod.run is Horovod's top level

@@ -4,48 +4,7 @@ is ``import tarantella.horovod.keras as hvd`` (its callbacks also as
 
 from __future__ import annotations
 
-from ...keras import (
-    Average,
-    Compression,
-    DistributedGradientTape,
-    DistributedOptimizer,
-    Max,
-    Min,
-    Product,
-    Sum,
-    allgather,
-    allreduce,
-    broadcast,
-    broadcast_variables,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from . import callbacks
+from ...keras import *  # noqa: F403 (the same objects under Horovod's module path)
+from ...keras import __all__ as _names
 
-__all__ = [
-    "Average",
-    "Compression",
-    "DistributedGradientTape",
-    "DistributedOptimizer",
-    "Max",
-    "Min",
-    "Product",
-    "Sum",
-    "allgather",
-    "allreduce",
-    "broadcast",
-    "broadcast_variables",
-    "callbacks",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "shutdown",
-    "size",
-]
+__all__ = list(_names)

@@ -3,12 +3,7 @@
 
 from __future__ import annotations
 
-from ...callbacks import (
-    BroadcastGlobalVariablesCallback,
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-    MetricAverageCallback,
-)
+from ...callbacks import *  # noqa: F403 (the same objects under Horovod's module path)
+from ...callbacks import __all__ as _names
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "MetricAverageCallback"]
+__all__ = list(_names)
