@@ -51,6 +51,11 @@ def test_publish_and_read_the_newest_generation(server):
         publish_membership(store, Membership(1, (0, 2), ("h",) * 2))
         assert latest_generation(store) == 1
         assert read_membership(store, 1, 1.0).members == (0, 2)
+        # the launcher between a record and its pointer: the record is the newest
+        store.set("tnt/elastic/membership/2", Membership(2, (0,), ("h",)).to_json())
+        assert int(store.get("tnt/elastic/latest")) == 1
+        assert latest_generation(store) == 2 and latest_generation(store, 1) == 2
+        assert latest_generation(store, 3) == 3  # what its caller read counts
 
 
 def test_an_elastic_ranks_store_wait_ends_when_the_job_moves_on(server):

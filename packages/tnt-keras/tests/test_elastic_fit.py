@@ -1,9 +1,10 @@
 """An elastic job's ``fit`` goes on over the survivors when ranks die, and its result is
 still plain Keras' running the same script (``workers/elastic_fit_worker.py``).
 
-One launch, ``tnt run -n 3 --min-np 1``, two failures: rank 2 is SIGKILLed as a train
-step begins in the first epoch (3 -> 2 ranks), rank 1 as a validation step begins in the
-second (2 -> 1); then ``evaluate``, ``predict`` and ``predict_on_batch`` on the survivor.
+One launch, ``tnt run -n 3 --min-np 1``, two failures: rank 2 is SIGKILLed as a validation
+step begins in the first epoch (3 -> 2 ranks: two survivors connect anew in mid-validation),
+rank 1 as a train step begins in the second (2 -> 1); then ``evaluate``, ``predict`` and
+``predict_on_batch`` on the survivor.
 Float64, so a difference beyond round-off is a wrong step, not noise.
 
 A rank one operation ahead of another (its last collective completed, the other's failed)
@@ -40,13 +41,13 @@ def test_ranks_die_and_fit_still_gives_plain_keras_results(tmp_path):
     env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "30"}
     proc = subprocess.run(
         [str(TNT), "run", "-n", "3", "--min-np", "1", "--backend", "gloo", "--",
-         str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path), "2:train:0:3,1:test:1:1"],
+         str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path), "2:test:0:1,1:train:1:3"],
         env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     for says in ("going on with 2 rank(s), generation 1", "going on with 1 rank(s), generation 2",
-                 "training goes on with 2 rank(s) after", "the train step in flight redone",
-                 "training goes on with 1 rank(s) after", "the test step in flight redone"):
+                 "training goes on with 2 rank(s) after", "the test step in flight redone",
+                 "training goes on with 1 rank(s) after", "the train step in flight redone"):
         assert says in output, output[-4000:]
     recoveries = json.loads((tmp_path / "recoveries.json").read_text())
     assert recoveries["size"] == 1 and len(recoveries["recoveries"]) == 2, recoveries

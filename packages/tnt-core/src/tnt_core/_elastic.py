@@ -151,11 +151,19 @@ def interrupt_on_change(store: Any, generation: int) -> Callable[[], str | None]
     return interrupt
 
 
-def latest_generation(store: Any) -> int:
-    """The newest generation published, 0 when none was."""
-    if not store.check([LATEST_KEY]):
-        return 0
-    return int(store.get(LATEST_KEY))
+def latest_generation(store: Any, at_least: int = 0) -> int:
+    """The newest generation published (0 when none was), and at least ``at_least`` (a
+    generation its caller has read).
+
+    The pointer is set after the record it points to, so a reader between the two sets
+    finds it one behind: the records decide. A rank that took the pointer there would
+    connect the previous generation's communicator again, with the addresses its peers
+    left in the store, and wait there while they connect the new one."""
+    generation = int(store.get(LATEST_KEY)) if store.check([LATEST_KEY]) else 0
+    generation = max(generation, at_least)
+    while store.check([MEMBERSHIP_KEY.format(generation=generation + 1)]):
+        generation += 1
+    return generation
 
 
 def read_membership(store: Any, generation: int, timeout: float | None = None) -> Membership:
@@ -178,7 +186,7 @@ def join_membership(store: Any, member: int, timeout: float) -> Membership:
                             f"{timeout:g}s (tnt run publishes a generation with it once "
                             "it is ready)", operation="join")
         membership = read_membership(store, membership.generation + 1, left)
-    return read_membership(store, max(membership.generation, latest_generation(store)), timeout)
+    return read_membership(store, latest_generation(store, membership.generation), timeout)
 
 
 class GenerationWatcher:

@@ -123,7 +123,8 @@ class Runtime:
 
         def changed(newer: Membership) -> None:
             owner, comm = runtime(), backend()
-            if owner is not None:
+            # a watcher stopped by a rejoin may call back after the runtime moved on
+            if owner is not None and newer.generation > owner.generation:
                 owner.pending_membership = newer
             if comm is not None:
                 logger.info("elastic: %s; aborting the communicator of generation %d",
@@ -169,12 +170,13 @@ class Runtime:
                                 f"generation {self.generation}", rank=self.rank,
                                 operation="rejoin") from None
             while True:
-                newest = read_membership(store, latest_generation(store), wait)
+                newest = read_membership(store, latest_generation(store, self.generation + 1),
+                                         wait)
                 try:
                     self._bind(newest)
                     return self.backend
                 except CommError:
-                    if latest_generation(store) == newest.generation:
+                    if latest_generation(store, newest.generation) == newest.generation:
                         raise
                     # another change while connecting: the newest generation is the one
         finally:
