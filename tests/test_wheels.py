@@ -3,7 +3,10 @@
 ``ci/build-wheels.sh`` builds the five wheels (cached by source hash, so a repeated run
 copies them); then, in a mount namespace of its own, with Gloo's headers, library and
 CMake package and every compiler and CMake hidden (empty mounts over them), a fresh venv
-gets them with the README's command, and
+gets them with the README's command: pip resolves it (``--dry-run``: every requirement of
+the five wheels found, from the wheels and the index), and uv's pip interface installs
+that same set (pip would spend most of this test unpacking TensorFlow; uv links it from its
+cache). Then
 
 * the installed ``tnt_comm_gloo`` is the manylinux wheel, with no libgloo it needs;
 * ``tnt run -n 2`` trains the quick-start example (``examples/quickstart/lenet5.py``) for
@@ -37,6 +40,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: uv (ci/requirements-test.txt), the installer of the fresh venv
+UV = Path(sys.executable).with_name("uv")
 BUILD_TIMEOUT_S = 900   # the first build on a machine fetches and compiles Gloo (~2 min here)
 pytestmark = pytest.mark.timeout(1800)
 
@@ -156,11 +161,15 @@ def test_clean_install_trains_and_passes_conformance(dist: Path, tmp_path: Path)
         echo "T-INSTALL-START $(stamp)"
         timeout 60 {q(base_python)} -m venv {q(str(venv))}
         # the README's command; scikit-learn: the quick start's data set, [test]: pytest for
-        # the conformance suite. Third-party wheels come from PyPI (pip's cache makes it quick).
-        timeout 900 pip install --disable-pip-version-check -q --find-links {q(str(dist))} \\
-            tnt-keras 'tnt-comm-gloo[test]' tnt-cli scikit-learn >"$work/pip.log" 2>&1 \\
-          || {{ cat "$work/pip.log"; echo "CHECK-FAILED: pip install failed"; exit 1; }}
+        # the conformance suite. Third-party wheels come from PyPI. pip resolves, uv installs.
+        requirements="tnt-keras tnt-comm-gloo[test] tnt-cli scikit-learn"
+        timeout 900 pip install --dry-run --disable-pip-version-check -q \\
+            --find-links {q(str(dist))} $requirements >"$work/pip.log" 2>&1 \\
+          || {{ cat "$work/pip.log"; echo "CHECK-FAILED: pip cannot resolve the install"; exit 1; }}
         grep -v '^WARNING: Location' "$work/pip.log" || true   # this machine's pip.conf noise
+        timeout 900 {q(str(UV))} pip install -q --compile-bytecode \\
+            --python {q(str(venv / "bin" / "python"))} --find-links {q(str(dist))} $requirements \\
+          || {{ echo "CHECK-FAILED: the install failed"; exit 1; }}
         echo "T-INSTALL-END $(stamp)"
         timeout 120 python - <<'EOF'
         import ctypes, pathlib, subprocess, sys
