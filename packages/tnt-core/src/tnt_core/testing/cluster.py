@@ -173,7 +173,9 @@ def remove_leftover_clusters() -> list[str]:
 
 class EmulatedCluster:
     """``hosts`` emulated hosts on one switch, each link limited to ``rate_mbit`` Mbit/s in
-    each direction (None: as fast as the machine goes).
+    each direction (None: as fast as the machine goes). Host ``i`` is ``node<i>`` at
+    ``198.18.<subnet>.<i+1>`` (subnets past 255 continue in 198.19). Keys, configs and logs go
+    to ``workdir``, by default a temporary directory removed on close.
 
     Use it as a context manager (or call :meth:`start` and :meth:`close`)::
 
@@ -403,9 +405,10 @@ class EmulatedCluster:
         """``tnt run --hostfile ... --launcher ssh`` started on ``host`` (the first by default),
         reaching the others over ssh with the cluster's keys; ``env`` goes to every rank
         (``-x``); ``args`` follow (options, then ``--`` and the script)."""
-        tnt = str(Path(sys.executable).parent / "tnt")
+        script = Path(sys.executable).parent / "tnt"
+        tnt = [str(script)] if script.exists() else [sys.executable, "-m", "tnt_cli"]
         xs = [f"{k}={v}" for k, v in env.items()]
-        return self.argv(host, [tnt, "run", "--hostfile", os.fspath(hostfile or self.hostfile),
+        return self.argv(host, [*tnt, "run", "--hostfile", os.fspath(hostfile or self.hostfile),
                                 "--launcher", "ssh", "--ssh-args", f"-F {self.ssh_config}",
                                 *(["-x", *xs] if xs else []), *args], cwd)
 
