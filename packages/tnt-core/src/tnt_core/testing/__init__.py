@@ -1,6 +1,8 @@
 """Test support for backends and frameworks: real multi-process launches, the backend
-conformance suite (``tnt_core.testing.suite.BackendConformance``, which needs pytest) and
-the reference ``store`` backend, which production processes never load.
+conformance suite (``tnt_core.testing.suite.BackendConformance``, which needs pytest), the
+reference ``store`` backend, which production processes never load, and an emulated
+cluster of network namespaces (``tnt_core.testing.cluster``) for tests and benchmarks
+across hosts.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._fusion import FusedAllreducer
+from .cluster import ClusterUnavailable, EmulatedCluster, cluster_unavailable
 from .conformance import CASE_NAMES
 from .launch import LaunchResult, RankResult, launch_ranks, rank_env
 from .store_backend import STORE_PLUGIN, enable_store_backend
@@ -18,8 +21,11 @@ from .store_backend import STORE_PLUGIN, enable_store_backend
 __all__ = [
     "CASE_NAMES",
     "STORE_PLUGIN",
+    "ClusterUnavailable",
+    "EmulatedCluster",
     "LaunchResult",
     "RankResult",
+    "cluster_unavailable",
     "enable_store_backend",
     "fused_allreduce",
     "launch_ranks",
