@@ -37,6 +37,14 @@ Environment (besides the launcher's ``TNT_*`` contract; declared in
     host, else Gloo over TCP; ``0``: always Gloo over TCP; ``1``: shared memory or a
     :class:`tnt_core.ConfigError` saying why not. Broadcast, allgather and barrier always
     use TCP.
+``TNT_GLOO_HIERARCHY``
+    ``auto`` (default): when the ranks are on several hosts and every host holds as many
+    of them, at least 2, allreduce hierarchically: reduce-scatter through shared memory
+    within each host (local rank l keeps slice l), allreduce of each slice over TCP
+    among the ranks with the same local rank on every host (all of a host's ranks on
+    the network at once), allgather through shared memory. ``0``: the flat TCP
+    algorithms; ``1``: shared memory (hierarchical across hosts) or a
+    :class:`tnt_core.ConfigError` saying why not. Needs ``TNT_GLOO_SHM`` not ``0``.
 ``TNT_GLOO_SHM_CHUNK_BYTES``
     bytes per shared-memory slot (default :data:`DEFAULT_SHM_CHUNK_BYTES`); each rank's
     segment holds two slots. The same on every rank.
@@ -133,6 +141,7 @@ class GlooSettings:
     bcube_max_bytes: int = DEFAULT_BCUBE_MAX_BYTES
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     shm: str = "auto"
+    hierarchy: str = "auto"
     shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES
     shm_spin_us: int | None = None  # None: the native default
     shm_host_id: str | None = None
@@ -147,6 +156,7 @@ class GlooSettings:
             bcube_max_bytes=gloo_settings.TNT_GLOO_BCUBE_MAX_BYTES.read(env),
             doubling_max_bytes=gloo_settings.TNT_GLOO_DOUBLING_MAX_BYTES.read(env),
             shm=gloo_settings.TNT_GLOO_SHM.read(env),
+            hierarchy=gloo_settings.TNT_GLOO_HIERARCHY.read(env),
             # its rule (a multiple of 64 in [4096, 64 MiB]) is declared, so tnt run checks it
             shm_chunk_bytes=gloo_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env),
             shm_spin_us=gloo_settings.TNT_GLOO_SHM_SPIN_US.read(env),
@@ -326,6 +336,7 @@ class GlooBackend(CommBackend):
                     shm_prefix=f"tnt-gloo-{_job_token(config)}-{generation}-",
                     shm_host_id=settings.shm_host_id or "",
                     shm_chunk_bytes=settings.shm_chunk_bytes, shm_spin_us=spin_us,
+                    hierarchy=settings.hierarchy,
                 )
         finally:
             if store is not None:
@@ -337,25 +348,37 @@ class GlooBackend(CommBackend):
     def _check_transport(self, config: Config) -> None:
         # Every rank got the same decision and the same reason from the native set-up, so
         # every rank raises alike and rank 0 alone explains a fallback.
-        if self.allreduce_transport == "shm":
+        transport = self.allreduce_transport
+        if transport == "shm":
             return
         reason = self._comm.shm_reason
-        if self._settings.shm == "1":
+        if transport == "tcp" and "1" in (self._settings.shm, self._settings.hierarchy):
             self._comm.close(5.0)
             self._closed = True
+            variable = "TNT_GLOO_SHM" if self._settings.shm == "1" else "TNT_GLOO_HIERARCHY"
+            what = "shared-memory" if variable == "TNT_GLOO_SHM" else "hierarchical"
             raise ConfigError(
-                f"TNT_GLOO_SHM=1 but the shared-memory allreduce cannot be used: {reason}; "
+                f"{variable}=1 but the {what} allreduce cannot be used: {reason}; "
                 "unset it (or set auto) to fall back to TCP"
             )
-        if self.rank == 0 and self._settings.shm == "auto":
+        if self.rank != 0:
+            return
+        if transport == "hierarchical":
+            hosts, per_host = self._comm.host_layout
+            log.info("allreduce hierarchical: %d hosts x %d ranks, shared memory within a "
+                     "host, TCP between the hosts (one connection set per local rank)",
+                     hosts, per_host)
+        elif self._settings.shm == "auto":
             # one node by the launcher's account: shared memory was expected to work
             level = logging.WARNING if config.local_size == config.size else logging.INFO
             log.log(level, "allreduce over TCP, not shared memory: %s", reason)
 
     @property
     def allreduce_transport(self) -> str:
-        """``"shm"`` (shared memory, all ranks on this host) or ``"tcp"`` (Gloo's
-        algorithms): what :meth:`allreduce_async` runs over; the same on every rank."""
+        """``"shm"`` (shared memory, all ranks on this host), ``"hierarchical"`` (shared
+        memory within each host, TCP between hosts) or ``"tcp"`` (Gloo's algorithms
+        across all ranks): what :meth:`allreduce_async` runs over; the same on every
+        rank."""
         return self._comm.allreduce_transport
 
     def __repr__(self) -> str:
