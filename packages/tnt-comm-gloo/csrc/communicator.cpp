@@ -8,7 +8,11 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
+#include <condition_variable>
+#include <exception>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
 #include "errors.h"
 #include "gloo_compat.h"
@@ -145,35 +149,141 @@ std::string join_ranks(const std::vector<int>& ranks) {
   return text;
 }
 
+// A buffer larger than this many bytes per local rank is cut into blocks for the
+// hierarchical allreduce's pipeline; at most kMaxBlocks of them.
+constexpr std::size_t kBlockBytesPerRank = 1 << 20;
+constexpr std::size_t kMaxBlocks = 8;
+
 // Reduce-scatter within the host, so that local rank l holds slice l reduced over its
 // host; that slice allreduced with the ranks holding slice l on the other hosts (every
-// local rank on the network at once); allgather within the host. One deadline for the
-// three steps: the operation's timeout.
+// local rank on the network at once); allgather within the host. A large buffer goes
+// in blocks, pipelined: a helper thread moves block k between the hosts while this
+// one reduce-scatters block k+1 and allgathers block k-1, so the shared-memory steps
+// hide behind the network's. One deadline for it all: the operation's timeout.
 void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DType dtype,
                             ReduceOp op, Algorithm algorithm) {
   Hierarchy& h = *exec.hierarchy;
   const auto deadline = std::chrono::steady_clock::now() + exec.timeout;
-  h.local->reduce_scatter(data, count, dtype, op, exec.timeout, deadline);
-  const auto mine = ShmAllreduce::slice(count, h.layout.local_size, h.layout.local_rank);
-  if (mine.second > mine.first) {
+  const std::size_t es = element_size(dtype);
+  const int local_size = h.layout.local_size;
+  const std::size_t blocks = std::max<std::size_t>(1, std::min(
+      kMaxBlocks, count * es / (kBlockBytesPerRank * static_cast<std::size_t>(local_size))));
+  auto block = [&](std::size_t k) {
+    return ShmAllreduce::slice(count, static_cast<int>(blocks), static_cast<int>(k));
+  };
+  char* const bytes = static_cast<char*>(data);
+  const int hosts = h.layout.hosts;
+  if (algorithm == Algorithm::kDoubling && (hosts & (hosts - 1)) != 0) {
+    algorithm = Algorithm::kRing;
+  }
+  // Between the hosts: this rank's slice of block k.
+  auto exchange = [&](std::size_t k) {
+    const auto range = block(k);
+    const auto mine = ShmAllreduce::slice(range.second - range.first, local_size,
+                                          h.layout.local_rank);
+    if (mine.second == mine.first) return;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-    const Exec cross{h.cross, std::max(left, std::chrono::milliseconds(1)), exec.tag,
-                     exec.scratch};
-    const int hosts = h.layout.hosts;
-    if (algorithm == Algorithm::kDoubling && (hosts & (hosts - 1)) != 0) {
-      algorithm = Algorithm::kRing;
+    if (left.count() <= 0) {
+      throw GlooError("did not complete within " +
+                      std::to_string(std::chrono::duration<double>(exec.timeout).count()) +
+                      "s (TNT_TIMEOUT_S)");
     }
+    const Exec cross{h.cross, left, h.next_tag++, exec.scratch};
+    allreduce_tcp(cross, bytes + (range.first + mine.first) * es, mine.second - mine.first,
+                  dtype, op, algorithm);
+  };
+  auto within = [&](bool reduce, std::size_t k) {
+    const auto range = block(k);
+    if (reduce) {
+      h.local->reduce_scatter(bytes + range.first * es, range.second - range.first, dtype, op,
+                              exec.timeout, deadline);
+    } else {
+      h.local->allgather(bytes + range.first * es, range.second - range.first, dtype,
+                         exec.timeout, deadline);
+    }
+  };
+  auto between_failed = [&h](std::exception_ptr error) {
+    return GlooError("the allreduce between the hosts (ranks " +
+                     join_ranks(h.layout.cross_ranks) + ") failed: " +
+                     describe_exception(error));
+  };
+  if (blocks == 1) {
+    within(true, 0);
     try {
-      allreduce_tcp(cross, static_cast<char*>(data) + mine.first * element_size(dtype),
-                    mine.second - mine.first, dtype, op, algorithm);
+      exchange(0);
     } catch (...) {
-      throw GlooError("the allreduce between the hosts (ranks " +
-                      join_ranks(h.layout.cross_ranks) + ") failed: " +
-                      describe_exception(std::current_exception()));
+      throw between_failed(std::current_exception());
     }
+    within(false, 0);
+    return;
   }
-  h.local->allgather(data, count, dtype, exec.timeout, deadline);
+  // The helper takes block k once it is reduce-scattered (`ready` > k) and reports
+  // `done`; on failure it stores the error and stops.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t ready = 0, done = 0;
+  bool stop = false;
+  std::exception_ptr error;
+  std::thread helper([&] {
+    for (std::size_t k = 0; k < blocks; ++k) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return ready > k || stop; });
+        if (stop) return;
+      }
+      try {
+        exchange(k);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = std::current_exception();
+        stop = true;
+        cv.notify_all();
+        return;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      done = k + 1;
+      cv.notify_all();
+    }
+  });
+  // Waits for block k's exchange; throws the helper's error.
+  auto exchanged = [&](std::size_t k) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done > k || error; });
+    if (error) throw between_failed(error);
+  };
+  try {
+    for (std::size_t k = 0; k < blocks; ++k) {
+      within(true, k);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ready = k + 1;
+      }
+      cv.notify_all();
+      if (k > 0) {
+        exchanged(k - 1);
+        within(false, k - 1);
+      }
+    }
+    exchanged(blocks - 1);
+    within(false, blocks - 1);
+  } catch (...) {
+    // The helper may be inside Gloo, waiting for a peer: closing our ends ends its wait
+    // now (the communicator is being poisoned anyway) and the peers' with it.
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    try {
+      h.cross->closeConnections();
+    } catch (...) {
+      // already broken
+    }
+    helper.join();
+    throw;
+  }
+  helper.join();
 }
 
 }  // namespace

@@ -86,6 +86,7 @@ struct Hierarchy {
   std::shared_ptr<ShmAllreduce> local;
   std::shared_ptr<gloo::Context> cross;
   HostLayout layout;
+  std::uint32_t next_tag = 0;  // of `cross`; used by one thread at a time
 };
 
 // What a queued body gets: the context to itself, the timeout, a fresh tag, a

@@ -450,13 +450,14 @@ def hierarchy(report: Report, victim_after: float) -> None:
     per_slot = int(os.environ["TNT_GLOO_SHM_CHUNK_BYTES"])
     for dtype in _SHM_DTYPES:
         itemsize = np.dtype(dtype).itemsize
-        # tiny (fewer elements than ranks); uneven slices over several slot-fulls; 2 MiB
+        # tiny (fewer elements than ranks); uneven slices over several slot-fulls; 6 MiB
+        # (3 pipelined blocks)
         sizes = (0, 1, size - 1, 3 * per_slot // itemsize + 5)
         for op, ufunc in _UFUNCS.items():
             large = op == "sum" and dtype in ("float32", "int64")
 
             def check(dtype=dtype, op=op, ufunc=ufunc, itemsize=itemsize,
-                      sizes=sizes + (((2 << 20) // itemsize + 3,) if large else ())) -> None:
+                      sizes=sizes + (((6 << 20) // itemsize + 3,) if large else ())) -> None:
                 for n in sizes:
                     inputs = [_shm_input(r, n, dtype, op) for r in range(size)]
                     got = backend.allreduce_async(inputs[rank].copy(), op).wait()
