@@ -384,8 +384,10 @@ def shm_kill(report: Report, backend, after: float) -> None:
 def shm_setup(report: Report, variant: str) -> None:
     """Start-up decisions, with this rank's environment changed first."""
     rank = int(os.environ["TNT_RANK"])
-    if variant in ("hosts-auto", "hosts-required"):
+    if variant in ("hosts-auto", "hosts-required", "hosts-hierarchy-required"):
         os.environ["TNT_GLOO_SHM_HOST_ID"] = f"host-{rank}"  # as if on different hosts
+    if variant == "hosts-hierarchy-required":
+        os.environ["TNT_GLOO_HIERARCHY"] = "1"
     if variant == "hosts-unequal":  # ranks 0 and 1 on one host, rank 2 on another
         os.environ["TNT_GLOO_SHM_HOST_ID"] = f"host-{rank // 2}"
     if variant == "hosts-required":
@@ -450,14 +452,14 @@ def hierarchy(report: Report, victim_after: float) -> None:
     per_slot = int(os.environ["TNT_GLOO_SHM_CHUNK_BYTES"])
     for dtype in _SHM_DTYPES:
         itemsize = np.dtype(dtype).itemsize
-        # tiny (fewer elements than ranks); uneven slices over several slot-fulls; 6 MiB
-        # (3 pipelined blocks)
+        # tiny (fewer elements than ranks); uneven slices over several slot-fulls; 4 MiB
+        # (2 pipelined blocks)
         sizes = (0, 1, size - 1, 3 * per_slot // itemsize + 5)
         for op, ufunc in _UFUNCS.items():
-            large = op == "sum" and dtype in ("float32", "int64")
+            large = op == "sum" and dtype == "float32"
 
             def check(dtype=dtype, op=op, ufunc=ufunc, itemsize=itemsize,
-                      sizes=sizes + (((6 << 20) // itemsize + 3,) if large else ())) -> None:
+                      sizes=sizes + (((4 << 20) // itemsize + 3,) if large else ())) -> None:
                 for n in sizes:
                     inputs = [_shm_input(r, n, dtype, op) for r in range(size)]
                     got = backend.allreduce_async(inputs[rank].copy(), op).wait()
@@ -481,7 +483,7 @@ def hierarchy(report: Report, victim_after: float) -> None:
 
     backend.barrier()
     victim = size - 1
-    buf = np.ones(4 << 20, np.float32)  # 16 MiB: many slot-fulls, the exit lands inside
+    buf = np.ones(2 << 20, np.float32)  # 8 MiB: 4 blocks of many slot-fulls each
     if rank == victim:
         report.data["info"]["dies_at"] = time.time() + victim_after
         report.write()

@@ -56,12 +56,17 @@ def test_peer_exiting_mid_allreduce_fails_the_others_fast(scenario, nprocs: int)
     _assert_no_leftovers(run.reports)
 
 
-def test_required_but_ranks_on_different_hosts_is_a_config_error(scenario) -> None:
-    run = scenario("shm-setup", 2, args=["--variant", "hosts-required"])
+@pytest.mark.parametrize(("variant", "variable", "why"), [
+    ("hosts-required", "TNT_GLOO_SHM=1", "not all on one host"),
+    ("hosts-hierarchy-required", "TNT_GLOO_HIERARCHY=1", "one rank per host"),
+])
+def test_required_but_ranks_on_different_hosts_is_a_config_error(
+        scenario, variant: str, variable: str, why: str) -> None:
+    run = scenario("shm-setup", 2, args=["--variant", variant])
     assert run.result.ok, run.result.describe()
     for report in run.reports.values():
         error = report["info"].get("error", "")
-        assert "TNT_GLOO_SHM=1" in error and "not all on one host" in error, report
+        assert variable in error and why in error, report
 
 
 @pytest.mark.parametrize(("variant", "reason"), [
