@@ -8,7 +8,8 @@ by a bridge in a namespace of its own; each host's link is limited to ``--rate-m
 each way with ``tc tbf``. Addresses are in 198.18.0.0/15 (reserved for benchmarking).
 Everything made is removed on the way out, whatever happens. Needs root and ``ip``.
 
-For each of ``TNT_GLOO_HIERARCHY=0`` (the flat TCP algorithms) and ``1``: one warm-up
+For each of ``TNT_GLOO_HIERARCHY=0`` (the flat TCP algorithms) and ``1`` (with more
+than one rank per host): one warm-up
 allreduce (checked), then ``--iters`` timed ones of a ``--mib`` MiB float32 buffer, each
 after a barrier; rank 0 prints the median and its ratio to the link bound
 2(H-1)/H * n / R, the least time any allreduce of n bytes needs when every host's link
@@ -142,7 +143,8 @@ def main() -> None:
     if args.drive:
         return drive(args)
     with Cluster(args.hosts, args.rate_mbit) as cluster:
-        for hierarchy in ("0", "1"):
+        # one rank per host has no hierarchy (TNT_GLOO_HIERARCHY=1 refuses it)
+        for hierarchy in ("0",) if args.per_host == 1 else ("0", "1"):
             subprocess.run(["ip", "netns", "exec", cluster.hosts[0], sys.executable, HERE,
                             "--drive", ",".join(cluster.hosts), "--hierarchy", hierarchy,
                             "--per-host", str(args.per_host), "--rate-mbit",
