@@ -272,7 +272,9 @@ def _job_token(config: Config) -> str:
 
 class GlooBackend(CommBackend):
     """A communicator over all ranks through Gloo's full-mesh TCP transport, with the
-    allreduce over shared memory when every rank runs on one host."""
+    allreduce over shared memory when every rank runs on one host, or hierarchical
+    (shared memory within each host, TCP between hosts) on several hosts holding as many
+    ranks each."""
 
     name = "gloo"
     #: point-to-point over Gloo's unbound buffers, groups as new Gloo contexts
