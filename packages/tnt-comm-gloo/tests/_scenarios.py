@@ -481,6 +481,19 @@ def hierarchy(report: Report, victim_after: float) -> None:
             report.check(f"{dtype}-{op}", check)
     flat.close()
 
+    def native() -> None:  # the native hand-off's allreduce takes the same path
+        table = tnt_core.native_comm(runtime.backend)
+        dones = NativeDone()
+        for key, n in enumerate((size - 1, 1001)):
+            python_buf = _shm_input(rank, n, "float64", "sum")
+            native_buf = python_buf.copy()
+            backend.allreduce_async(python_buf).wait(timeout=30)
+            table.allreduce_async(native_buf, "sum", dones.callback(key))
+            dones.wait([key])
+            assert dones.once(key) is None, dones.once(key)
+            assert np.array_equal(python_buf.view("u8"), native_buf.view("u8")), n
+
+    report.check("native", native)
     backend.barrier()
     victim = size - 1
     buf = np.ones(2 << 20, np.float32)  # 8 MiB: 4 blocks of many slot-fulls each
