@@ -448,6 +448,14 @@ def hierarchy(report: Report, victim_after: float) -> None:
     flat = GlooBackend(backend._config, dataclasses.replace(
         backend._settings, hierarchy="0", algorithm="ring"))
     report.check("flat-is-tcp", lambda: _expect(flat.allreduce_transport == "tcp", repr(flat)))
+
+    def algorithm_between_hosts() -> None:
+        # `auto` chooses for what crosses TCP: a half-size slice between 2 hosts
+        choices = [backend.allreduce_algorithm(n << 10) for n in (100, 1536, 3072)]
+        assert choices == ["doubling", "doubling", "ring"], choices
+        assert backend._settings.algorithm_for(100 << 10, backend.size) == "bcube"  # flat, 4 ranks
+
+    report.check("algorithm-between-hosts", algorithm_between_hosts)
     size = backend.size
     per_slot = int(os.environ["TNT_GLOO_SHM_CHUNK_BYTES"])
     for dtype in _SHM_DTYPES:

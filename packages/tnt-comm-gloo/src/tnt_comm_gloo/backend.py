@@ -186,9 +186,11 @@ class GlooSettings:
             "set TNT_GLOO_IFACE to the interface the ranks reach each other on (e.g. eth0), "
             "or TNT_GLOO_HOSTNAME to this node's address")), ""
 
-    def algorithm_for(self, nbytes: int, size: int) -> str:
+    def algorithm_for(self, nbytes: int, size: int, per_host: int = 1) -> str:
         """The TCP allreduce algorithm for a buffer of ``nbytes`` on ``size`` ranks
-        (ignored when the allreduce runs over shared memory).
+        (ignored when the allreduce runs over shared memory). In the hierarchical
+        allreduce ``size`` is the number of hosts and ``per_host`` the ranks on each: the
+        algorithm runs between the hosts on one slice, ``nbytes // per_host``.
 
         Large buffers take Gloo's ring (bandwidth-optimal, pipelined). Small ones need few
         steps: recursive doubling (log2 p exchanges of the whole buffer) on a power-of-two
@@ -199,17 +201,18 @@ class GlooSettings:
         """
         if self.algorithm != "auto":
             return self.algorithm
+        nbytes //= per_host
         if nbytes > self.bcube_max_bytes:
             return "ring"
         if _is_power_of_two(size) and (size == 2 or nbytes <= self.doubling_max_bytes):
             return "doubling"
         return "bcube"
 
-    def algorithm_plan(self, size: int) -> list[tuple[int, str]]:
-        """:meth:`algorithm_for` on ``size`` ranks as steps ``(max_bytes, algorithm)``: a
-        buffer takes the first step it fits in (the last step fits every buffer). The
-        native hand-off's table is given this, so its allreduces choose as the Python
-        path does."""
+    def algorithm_plan(self, size: int, per_host: int = 1) -> list[tuple[int, str]]:
+        """:meth:`algorithm_for` on ``size`` ranks (``per_host`` as there) as steps
+        ``(max_bytes, algorithm)``: a buffer takes the first step it fits in (the last
+        step fits every buffer). The native hand-off's table is given this, so its
+        allreduces choose as the Python path does."""
         if self.algorithm != "auto":
             return [(_UNBOUNDED, self.algorithm)]
         steps = []
@@ -217,7 +220,10 @@ class GlooSettings:
             limit = self.bcube_max_bytes if size == 2 else min(self.doubling_max_bytes,
                                                                self.bcube_max_bytes)
             steps.append((limit, "doubling"))
-        return [*steps, (self.bcube_max_bytes, "bcube"), (_UNBOUNDED, "ring")]
+        steps.append((self.bcube_max_bytes, "bcube"))
+        # a slice of nbytes // per_host bytes fits `limit` up to (limit + 1) * per_host - 1
+        return [*((min((limit + 1) * per_host - 1, _UNBOUNDED), algorithm)
+                  for limit, algorithm in steps), (_UNBOUNDED, "ring")]
 
 
 def _file_store_dir(rendezvous: str) -> str | None:
@@ -344,6 +350,10 @@ class GlooBackend(CommBackend):
             if store is not None:
                 store.close()
         self._check_transport(config)
+        # the TCP algorithm runs among these ranks, on slices of nbytes // per host
+        hosts, per_host = self._comm.host_layout
+        self._tcp_layout = ((hosts, per_host) if self.allreduce_transport == "hierarchical"
+                            else (self.size, 1))
         log.debug("rank %d/%d connected (listening on %s; allreduce over %s)", self.rank,
                   self.size, iface or hostname, self.allreduce_transport)
 
@@ -374,6 +384,13 @@ class GlooBackend(CommBackend):
             # one node by the launcher's account: shared memory was expected to work
             level = logging.WARNING if config.local_size == config.size else logging.INFO
             log.log(level, "allreduce over TCP, not shared memory: %s", reason)
+
+    def allreduce_algorithm(self, nbytes: int) -> str:
+        """The TCP algorithm an allreduce of ``nbytes`` takes (:meth:`GlooSettings.algorithm_for`):
+        over all ranks, or in the hierarchical allreduce between the hosts on this
+        rank's slice; unused over shared memory alone."""
+        ranks, per_host = self._tcp_layout
+        return self._settings.algorithm_for(nbytes, ranks, per_host)
 
     @property
     def allreduce_transport(self) -> str:
@@ -450,7 +467,7 @@ class GlooBackend(CommBackend):
         array = check_buffer(buf, "allreduce")
         self._check_open("allreduce")
         name = self._name("allreduce")
-        algorithm = self._settings.algorithm_for(array.nbytes, self.size)
+        algorithm = self.allreduce_algorithm(array.nbytes)
         try:
             work = self._comm.allreduce(array, op, algorithm, name)
         except _gloo.GlooError as exc:  # not _translate: this is the hot path
@@ -472,7 +489,7 @@ class GlooBackend(CommBackend):
             except TypeError:
                 capsule = tensor.__dlpack__()
         name = self._name("allreduce" if device_type == _KDL_CPU else "allreduce (device)")
-        algorithm = self._settings.algorithm_for(_gloo.dlpack_nbytes(capsule), self.size)
+        algorithm = self.allreduce_algorithm(_gloo.dlpack_nbytes(capsule))
         with self._translate(name):
             work = self._comm.allreduce_dlpack(capsule, op, algorithm, name)
         return self._track(GlooHandle(self, work, name, tensor, (capsule,)))
@@ -513,7 +530,7 @@ class GlooBackend(CommBackend):
     def native_comm(self) -> Any:
         """The C function table of ``tnt_native_comm.h`` in a PyCapsule (one per backend).
         Its ``allreduce_async`` goes into the same worker queue as :meth:`allreduce_async`
-        (shared memory or the TCP algorithm :meth:`GlooSettings.algorithm_for` picks), so
+        (shared memory or the TCP algorithm :meth:`allreduce_algorithm` picks), so
         both paths' collectives run in the order they were issued; it calls no Python and
         takes no GIL. The capsule keeps what the table needs alive; once the backend is
         closed the table refuses. Failures read ``[rank R: native allreduce #N] ...``."""
@@ -521,7 +538,7 @@ class GlooBackend(CommBackend):
         if self._native is None:
             with self._translate("native_comm"):
                 self._native = self._comm.native_comm(
-                    self._settings.algorithm_plan(self.size))
+                    self._settings.algorithm_plan(*self._tcp_layout))
         return self._native
 
     # -- point-to-point
