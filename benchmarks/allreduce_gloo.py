@@ -110,7 +110,7 @@ def _worker(sizes: list[int], iters: int, out: Path) -> int:
             "iters": total,
             "ours_transport": transport,
             "ours_algorithm": ("shm" if transport == "shm"
-                               else backend._settings.algorithm_for(size, backend.size)),
+                               else backend.allreduce_algorithm(size)),
             "ours_p10_us": float(np.percentile(ours, 10)) * 1e6,
             "baseline_p10_us": float(np.percentile(base, 10)) * 1e6,
         }

@@ -8,7 +8,11 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
+#include <condition_variable>
+#include <exception>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 
 #include "errors.h"
 #include "gloo_compat.h"
@@ -123,12 +127,8 @@ void allreduce_typed(const Exec& exec, void* data, std::size_t count, ReduceOp o
   gloo::allreduce(opts);
 }
 
-}  // namespace
-
-void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
+void allreduce_tcp(const Exec& exec, void* data, std::size_t count, DType dtype,
                    ReduceOp op, Algorithm algorithm) {
-  if (count == 0 || exec.context->size == 1) return;
-  if (exec.shm != nullptr) return exec.shm->allreduce(data, count, dtype, op, exec.timeout);
   switch (dtype) {
     case DType::kFloat16:
       return allreduce_typed<gloo::float16>(exec, data, count, op, dtype, algorithm);
@@ -141,6 +141,161 @@ void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
     case DType::kInt64:
       return allreduce_typed<std::int64_t>(exec, data, count, op, dtype, algorithm);
   }
+}
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string text;
+  for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
+}
+
+// A buffer larger than this many bytes per local rank is cut into blocks for the
+// hierarchical allreduce's pipeline; at most kMaxBlocks of them.
+constexpr std::size_t kBlockBytesPerRank = 1 << 20;
+constexpr std::size_t kMaxBlocks = 8;
+
+// Reduce-scatter within the host, so that local rank l holds slice l reduced over its
+// host; that slice allreduced with the ranks holding slice l on the other hosts (every
+// local rank on the network at once); allgather within the host. A large buffer goes
+// in blocks, pipelined: a helper thread moves block k between the hosts while this
+// one reduce-scatters block k+1 and allgathers block k-1, so the shared-memory steps
+// hide behind the network's. One deadline for it all: the operation's timeout.
+void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DType dtype,
+                            ReduceOp op, Algorithm algorithm) {
+  Hierarchy& h = *exec.hierarchy;
+  const auto deadline = std::chrono::steady_clock::now() + exec.timeout;
+  const std::size_t es = element_size(dtype);
+  const int local_size = h.layout.local_size;
+  const std::size_t blocks = std::max<std::size_t>(1, std::min(
+      kMaxBlocks, count * es / (kBlockBytesPerRank * static_cast<std::size_t>(local_size))));
+  auto block = [&](std::size_t k) {
+    return ShmAllreduce::slice(count, static_cast<int>(blocks), static_cast<int>(k));
+  };
+  char* const bytes = static_cast<char*>(data);
+  const int hosts = h.layout.hosts;
+  if (algorithm == Algorithm::kDoubling && (hosts & (hosts - 1)) != 0) {
+    algorithm = Algorithm::kRing;
+  }
+  // Between the hosts: this rank's slice of block k.
+  auto exchange = [&](std::size_t k) {
+    const auto range = block(k);
+    const auto mine = ShmAllreduce::slice(range.second - range.first, local_size,
+                                          h.layout.local_rank);
+    if (mine.second == mine.first) return;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      throw GlooError("did not complete within " +
+                      std::to_string(std::chrono::duration<double>(exec.timeout).count()) +
+                      "s (TNT_TIMEOUT_S)");
+    }
+    const Exec cross{h.cross, left, h.next_tag++, exec.scratch};
+    allreduce_tcp(cross, bytes + (range.first + mine.first) * es, mine.second - mine.first,
+                  dtype, op, algorithm);
+  };
+  auto within = [&](bool reduce, std::size_t k) {
+    const auto range = block(k);
+    if (reduce) {
+      h.local->reduce_scatter(bytes + range.first * es, range.second - range.first, dtype, op,
+                              exec.timeout, deadline);
+    } else {
+      h.local->allgather(bytes + range.first * es, range.second - range.first, dtype,
+                         exec.timeout, deadline);
+    }
+  };
+  auto between_failed = [&h](std::exception_ptr error) {
+    return GlooError("the allreduce between the hosts (ranks " +
+                     join_ranks(h.layout.cross_ranks) + ") failed: " +
+                     describe_exception(error));
+  };
+  if (blocks == 1) {
+    within(true, 0);
+    try {
+      exchange(0);
+    } catch (...) {
+      throw between_failed(std::current_exception());
+    }
+    within(false, 0);
+    return;
+  }
+  // The helper takes block k once it is reduce-scattered (`ready` > k) and reports
+  // `done`; on failure it stores the error and stops.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t ready = 0, done = 0;
+  bool stop = false;
+  std::exception_ptr error;
+  std::thread helper([&] {
+    for (std::size_t k = 0; k < blocks; ++k) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return ready > k || stop; });
+        if (stop) return;
+      }
+      try {
+        exchange(k);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = std::current_exception();
+        stop = true;
+        cv.notify_all();
+        return;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      done = k + 1;
+      cv.notify_all();
+    }
+  });
+  // Waits for block k's exchange; throws the helper's error.
+  auto exchanged = [&](std::size_t k) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done > k || error; });
+    if (error) throw between_failed(error);
+  };
+  try {
+    for (std::size_t k = 0; k < blocks; ++k) {
+      within(true, k);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ready = k + 1;
+      }
+      cv.notify_all();
+      if (k > 0) {
+        exchanged(k - 1);
+        within(false, k - 1);
+      }
+    }
+    exchanged(blocks - 1);
+    within(false, blocks - 1);
+  } catch (...) {
+    // The helper may be inside Gloo, waiting for a peer: closing our ends ends its wait
+    // now (the communicator is being poisoned anyway) and the peers' with it.
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    try {
+      h.cross->closeConnections();
+    } catch (...) {
+      // already broken
+    }
+    helper.join();
+    throw;
+  }
+  helper.join();
+}
+
+}  // namespace
+
+void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
+                   ReduceOp op, Algorithm algorithm) {
+  if (count == 0 || exec.context->size == 1) return;
+  if (exec.shm != nullptr) return exec.shm->allreduce(data, count, dtype, op, exec.timeout);
+  if (exec.hierarchy != nullptr) {
+    return allreduce_hierarchical(exec, data, count, dtype, op, algorithm);
+  }
+  allreduce_tcp(exec, data, count, dtype, op, algorithm);
 }
 
 void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root) {
@@ -186,8 +341,9 @@ struct Communicator::Shared {
   std::shared_ptr<gloo::Context> context;
   std::chrono::milliseconds timeout{0};
   // Set before the worker starts, released by close() after it exited; poison() reads
-  // it under `mu`.
+  // them under `mu`. At most one is set.
   std::shared_ptr<ShmAllreduce> shm;
+  std::shared_ptr<Hierarchy> hierarchy;
   // Sends and receives, beside the worker (see p2p.h); set before the worker starts.
   std::shared_ptr<PointToPoint> p2p;
 
@@ -210,8 +366,10 @@ struct Communicator::Shared {
 
 Communicator::Communicator(const ConnectOptions& options,
                            const std::shared_ptr<gloo::rendezvous::Store>& store)
-    : rank_(options.rank), size_(options.size), shared_(std::make_shared<Shared>()) {
+    : rank_(options.rank), size_(options.size), shared_(std::make_shared<Shared>()),
+      host_layout_(1, options.size) {
   shared_->timeout = options.timeout;
+  std::shared_ptr<gloo::transport::Device> device;
   try {
     gloo::transport::tcp::attr attr;
     if (!options.iface.empty()) {
@@ -219,7 +377,7 @@ Communicator::Communicator(const ConnectOptions& options,
     } else {
       attr.hostname = options.hostname;
     }
-    auto device = gloo::transport::tcp::CreateDevice(attr);
+    device = gloo::transport::tcp::CreateDevice(attr);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     context->setTimeout(options.timeout);
     connect_full_mesh(*context, store, device);
@@ -228,18 +386,41 @@ Communicator::Communicator(const ConnectOptions& options,
     throw GlooError("building the full TCP mesh failed: " +
                     describe_exception(std::current_exception()));
   }
+  ShmSetup setup;
   try {
     ShmOptions shm = options.shm;
     shm.rank = rank_;
     shm.size = size_;
     shm.timeout = options.timeout;
-    ShmSetup setup = setup_shm(shm, *store);
-    shared_->shm = std::move(setup.shm);
+    setup = setup_shm(shm, *store);
     shm_reason_ = std::move(setup.reason);
-    if (shared_->shm) shm_name_ = shared_->shm->segment_name();
+    if (setup.shm) shm_name_ = setup.shm->segment_name();
   } catch (...) {
     throw GlooError("setting up the shared-memory allreduce failed: " +
                     describe_exception(std::current_exception()));
+  }
+  if (setup.hierarchical) {
+    // The ranks with this local index on every host, on the same device and store under
+    // a prefix of their own (all of them connect theirs at once).
+    const HostLayout& layout = setup.layout;
+    try {
+      auto cross = std::make_shared<gloo::rendezvous::Context>(layout.host_index, layout.hosts);
+      cross->setTimeout(options.timeout);
+      connect_full_mesh(*cross,
+                        make_prefix_store("hier" + std::to_string(layout.local_rank), store),
+                        device);
+      shared_->hierarchy = std::make_shared<Hierarchy>(
+          Hierarchy{std::move(setup.shm), std::move(cross), layout});
+    } catch (...) {
+      throw GlooError("connecting the ranks " + join_ranks(layout.cross_ranks) +
+                      " (local rank " + std::to_string(layout.local_rank) +
+                      " of every host) failed: " +
+                      describe_exception(std::current_exception()));
+    }
+    hierarchical_ = true;
+    host_layout_ = {layout.hosts, layout.local_size};
+  } else {
+    shared_->shm = std::move(setup.shm);
   }
   // A failed send or receive fails the communicator, as a failed collective does.
   std::weak_ptr<Shared> weak = shared_;
@@ -276,11 +457,14 @@ std::shared_ptr<Work> Communicator::submit_to(Shared& shared, std::string name, 
 
 void Communicator::poison(Shared& shared, const std::string& reason) {
   std::shared_ptr<ShmAllreduce> shm;
+  std::shared_ptr<Hierarchy> hierarchy;
   {
     std::lock_guard<std::mutex> lock(shared.mu);
     if (shared.failure.empty()) shared.failure = reason;
     shm = shared.shm;
+    hierarchy = shared.hierarchy;
   }
+  if (hierarchy) shm = hierarchy->local;
   // Peers waiting in a shared-memory allreduce see the flag and fail now (and so does
   // our own worker if it waits there).
   if (shm) shm->abort(ShmAllreduce::kFailed);
@@ -297,6 +481,13 @@ void Communicator::poison(Shared& shared, const std::string& reason) {
   } catch (...) {
     // The connections may already be broken; there is nothing left to release.
   }
+  if (hierarchy) {
+    try {
+      hierarchy->cross->closeConnections();
+    } catch (...) {
+      // as above
+    }
+  }
 }
 
 void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
@@ -306,7 +497,8 @@ void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
   } else {
     std::lock_guard<std::mutex> guard(s.context_mu);
     try {
-      task.body(Exec{s.context, s.timeout, s.next_tag++, s.scratch, s.shm.get()});
+      task.body(Exec{s.context, s.timeout, s.next_tag++, s.scratch, s.shm.get(),
+                     s.hierarchy.get()});
     } catch (...) {
       error = describe_exception(std::current_exception());
     }
@@ -383,7 +575,7 @@ std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t 
     if (!shared_->failure.empty()) {
       throw GlooError("an earlier collective failed: " + shared_->failure);
     }
-    if (shm && !shared_->shm) {
+    if (shm && !shared_->shm && !shared_->hierarchy) {
       throw std::invalid_argument("this communicator's allreduce does not use shared memory");
     }
   }
@@ -394,7 +586,8 @@ std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t 
     for (int i = 0; i < iters; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
       run_allreduce(Exec{shared_->context, shared_->timeout, shared_->next_tag++,
-                         shared_->scratch, shm ? shared_->shm.get() : nullptr},
+                         shared_->scratch, shm ? shared_->shm.get() : nullptr,
+                         shm ? shared_->hierarchy.get() : nullptr},
                     data, count, dtype, ReduceOp::kSum, algorithm);
       seconds.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -469,15 +662,19 @@ bool Communicator::close(std::chrono::milliseconds grace) {
   worker_.join();
   std::shared_ptr<gloo::Context> context;
   std::shared_ptr<ShmAllreduce> shm;
+  std::shared_ptr<Hierarchy> hierarchy;
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     context = std::move(shared_->context);
     shm = std::move(shared_->shm);
+    hierarchy = std::move(shared_->hierarchy);
   }
+  if (hierarchy) shm = hierarchy->local;
   // A peer still waiting for us in an allreduce we will never join fails at once.
   // (Peers still reading our last chunk keep their mapping of it: unaffected.)
   if (shm) shm->abort(ShmAllreduce::kClosed);
   shm.reset();  // unmaps the segments
+  hierarchy.reset();  // the same for the hierarchy's context
   context.reset();  // closes the sockets and stops using the device
   return true;
 }

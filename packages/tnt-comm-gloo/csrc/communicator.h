@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gloo/context.h>
@@ -77,19 +78,34 @@ struct ConnectOptions {
   ShmOptions shm;
 };
 
+// The hierarchical allreduce's parts, for ranks on several hosts holding as many ranks
+// each: shared memory among this host's ranks, and a Gloo context over the ranks with
+// this rank's local index on every host (one per local index, so that all of a host's
+// ranks use the network at once).
+struct Hierarchy {
+  std::shared_ptr<ShmAllreduce> local;
+  std::shared_ptr<gloo::Context> cross;
+  HostLayout layout;
+  std::uint32_t next_tag = 0;  // of `cross`; used by one thread at a time
+};
+
 // What a queued body gets: the context to itself, the timeout, a fresh tag, a
 // scratch buffer that only the thread running the body uses (reused between calls), and
-// the shared-memory allreduce when all ranks share a host (null: Gloo over TCP).
+// the shared-memory allreduce when all ranks share a host, or the hierarchy's parts
+// (both null: Gloo over TCP).
 struct Exec {
   const std::shared_ptr<gloo::Context>& context;
   std::chrono::milliseconds timeout;
   std::uint32_t tag;
   std::vector<char>& scratch;
   ShmAllreduce* shm = nullptr;
+  Hierarchy* hierarchy = nullptr;
 };
 
 // Synchronous collectives (in place where it applies); they throw on failure.
-// run_allreduce uses exec.shm when set, else `algorithm` over Gloo's TCP transport.
+// run_allreduce uses exec.shm when set, else the hierarchy when set (reduce-scatter
+// within the host, `algorithm` over TCP on this rank's slice between the hosts,
+// allgather within the host), else `algorithm` over Gloo's TCP transport.
 void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
                    ReduceOp op, Algorithm algorithm);
 void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root);
@@ -108,8 +124,12 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  // "shm" or "tcp": what allreduce runs over; the same on every rank.
-  const char* allreduce_transport() const { return shm_name_.empty() ? "tcp" : "shm"; }
+  // "shm", "hierarchical" or "tcp": what allreduce runs over; the same on every rank.
+  const char* allreduce_transport() const {
+    return shm_name_.empty() ? "tcp" : hierarchical_ ? "hierarchical" : "shm";
+  }
+  // (hosts, ranks per host) of the hierarchical allreduce; (1, size) without it.
+  std::pair<int, int> host_layout() const { return host_layout_; }
   // Why shared memory is not used ("" when it is).
   const std::string& shm_reason() const { return shm_reason_; }
   // The (already unlinked) name of this rank's segment, "" without shared memory.
@@ -196,6 +216,8 @@ class Communicator {
   std::thread worker_;
   std::string shm_reason_;
   std::string shm_name_;
+  bool hierarchical_ = false;
+  std::pair<int, int> host_layout_;
   bool closed_ = false;  // close() ran; only close() and the destructor use it
 };
 

@@ -299,7 +299,7 @@ ShmMode parse_shm_mode(const std::string& mode) {
   if (mode == "auto") return ShmMode::kAuto;
   if (mode == "0") return ShmMode::kOff;
   if (mode == "1") return ShmMode::kRequired;
-  throw std::invalid_argument("shm mode must be 'auto', '0' or '1', not '" + mode + "'");
+  throw std::invalid_argument("mode must be 'auto', '0' or '1', not '" + mode + "'");
 }
 
 std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_client,
@@ -308,7 +308,8 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
                                         double timeout_s, const std::string& shm,
                                         const std::string& shm_prefix,
                                         const std::string& shm_host_id,
-                                        std::size_t shm_chunk_bytes, int shm_spin_us) {
+                                        std::size_t shm_chunk_bytes, int shm_spin_us,
+                                        const std::string& hierarchy) {
   if (size < 1 || rank < 0 || rank >= size) {
     throw std::invalid_argument("rank " + std::to_string(rank) + " is not in [0, " +
                     std::to_string(size) + ")");
@@ -326,6 +327,7 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
   options.iface = iface;
   options.timeout = to_ms(timeout_s, "timeout");
   options.shm.mode = parse_shm_mode(shm);
+  options.shm.hierarchy = parse_shm_mode(hierarchy);
   if (shm_prefix.empty() || shm_prefix.find('/') != std::string::npos) {
     throw std::invalid_argument("shm_prefix must be a non-empty name without '/'");
   }
@@ -416,6 +418,9 @@ NB_MODULE(_gloo, m) {
       .def_prop_ro("shm_reason", [](PyCommunicator& c) { return c.comm().shm_reason(); })
       .def_prop_ro("shm_segment_name",
                    [](PyCommunicator& c) { return c.comm().shm_segment_name(); })
+      .def_prop_ro("host_layout", [](PyCommunicator& c) { return c.comm().host_layout(); },
+                   "(hosts, ranks per host) of the hierarchical allreduce; (1, size) "
+                   "without it.")
       .def("allreduce", &PyCommunicator::allreduce, "buf"_a.noconvert(), "op"_a,
            "algorithm"_a, "name"_a, "Queue an in-place allreduce of a host array.")
       .def("allreduce_dlpack", &PyCommunicator::allreduce_dlpack, "capsule"_a, "op"_a,
@@ -469,9 +474,10 @@ NB_MODULE(_gloo, m) {
   m.def("connect", &connect, "rank"_a, "size"_a, "store"_a.none(), "file_store"_a,
         "prefix"_a, "hostname"_a, "iface"_a, "timeout_s"_a, "shm"_a = "auto",
         "shm_prefix"_a = "tnt-gloo-", "shm_host_id"_a = "", "shm_chunk_bytes"_a = 1 << 20,
-        "shm_spin_us"_a = -1,
+        "shm_spin_us"_a = -1, "hierarchy"_a = "auto",
         "Build the full TCP mesh (blocking, GIL released) through the store client or the "
         "file store directory; then, collectively, the shared-memory allreduce when every "
         "rank is on this host (shm: 'auto', '0' off, '1' try even so; the caller decides "
-        "what a failure means).");
+        "what a failure means), or the hierarchical one when the ranks are on several "
+        "hosts holding as many (>= 2) each (hierarchy: 'auto', '0' off, '1' as auto).");
 }

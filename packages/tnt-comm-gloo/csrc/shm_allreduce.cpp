@@ -329,65 +329,125 @@ ShmSetup setup_shm(const ShmOptions& o, gloo::rendezvous::Store& store) {
     out.reason = "a single rank";
     return out;
   }
-  // Round 1: "<mode> <host id>" from every rank. Even with the setting off a rank takes
-  // part, so that a setting that differs between ranks cannot leave some waiting.
+  // Round 1: "<mode> <hierarchy mode> <host id>" from every rank. Even with the setting
+  // off a rank takes part, so that a setting that differs between ranks cannot leave
+  // some waiting.
   const std::string host = o.host_id.empty() ? default_host_id() : o.host_id;
-  const auto hosts = exchange(store, o, "host", std::string(mode_name(o.mode)) + " " + host);
+  const auto hosts = exchange(store, o, "host",
+                              std::string(mode_name(o.mode)) + " " +
+                                  mode_name(o.hierarchy) + " " + host);
   for (int r = 0; r < o.size; ++r) {
     if (hosts[r].rfind("0 ", 0) == 0) {
       out.reason = "TNT_GLOO_SHM=0 on rank " + std::to_string(r);
       return out;
     }
   }
-  auto host_of = [&](int r) { return hosts[r].substr(hosts[r].find(' ') + 1); };
-  for (int r = 1; r < o.size; ++r) {
-    if (host_of(r) != host_of(0)) {
-      out.reason = "the ranks are not all on one host (rank 0: '" + host_of(0) + "', rank " +
-                   std::to_string(r) + ": '" + host_of(r) + "')";
+  auto host_of = [&](int r) { return hosts[r].substr(hosts[r].find(' ', hosts[r].find(' ') + 1) + 1); };
+  auto hierarchy_of = [&](int r) { return hosts[r].substr(hosts[r].find(' ') + 1, 1); };
+  // Hosts in the order of their lowest rank; the ranks on each in rank order.
+  std::vector<std::string> host_ids;
+  std::vector<std::vector<int>> members;
+  std::vector<int> host_index(static_cast<std::size_t>(o.size));
+  for (int r = 0; r < o.size; ++r) {
+    const auto it = std::find(host_ids.begin(), host_ids.end(), host_of(r));
+    host_index[r] = static_cast<int>(it - host_ids.begin());
+    if (it == host_ids.end()) {
+      host_ids.push_back(host_of(r));
+      members.emplace_back();
+    }
+    members[host_index[r]].push_back(r);
+  }
+  std::vector<int> group = members[0];  // the ranks this rank's segments are shared with
+  if (host_ids.size() > 1) {
+    const int other = members[1][0];
+    out.reason = "the ranks are not all on one host (rank 0: '" + host_of(0) + "', rank " +
+                 std::to_string(other) + ": '" + host_of(other) + "')";
+    for (int r = 0; r < o.size; ++r) {
+      if (hierarchy_of(r) == "0") {
+        out.reason += "; TNT_GLOO_HIERARCHY=0 on rank " + std::to_string(r);
+        return out;
+      }
+    }
+    std::size_t most = 0;
+    for (const auto& ranks : members) most = std::max(most, ranks.size());
+    if (most < 2) {
+      out.reason += "; one rank per host, so nothing to share";
       return out;
     }
+    for (std::size_t h = 1; h < members.size(); ++h) {
+      if (members[h].size() != members[0].size()) {
+        out.reason += "; the hierarchical allreduce needs as many ranks on every host, and "
+                      "rank 0's host has " + std::to_string(members[0].size()) +
+                      ", rank " + std::to_string(members[h][0]) + "'s " +
+                      std::to_string(members[h].size());
+        return out;
+      }
+    }
+    group = members[host_index[o.rank]];
+    out.hierarchical = true;
+    HostLayout& layout = out.layout;
+    layout.hosts = static_cast<int>(members.size());
+    layout.host_index = host_index[o.rank];
+    layout.local_size = static_cast<int>(group.size());
+    layout.local_rank =
+        static_cast<int>(std::find(group.begin(), group.end(), o.rank) - group.begin());
+    layout.local_ranks = group;
+    for (const auto& ranks : members) layout.cross_ranks.push_back(ranks[layout.local_rank]);
   }
+  // This rank among the ranks of its group: what its segment says and is checked against.
+  ShmOptions local = o;
+  local.size = static_cast<int>(group.size());
+  local.rank = static_cast<int>(std::find(group.begin(), group.end(), o.rank) - group.begin());
   // Round 2: every rank creates its segment and says how that went.
-  std::vector<std::unique_ptr<Segment>> segments(static_cast<std::size_t>(o.size));
+  std::vector<std::unique_ptr<Segment>> segments(group.size());
   std::string status;
   const std::string name =
       "/" + o.name_prefix + "r" + std::to_string(o.rank) + "-" + random_token();
   try {
-    segments[o.rank] = create_segment(name, o);
+    segments[local.rank] = create_segment(name, local);
     status = "ok " + name;
   } catch (const std::exception& e) {
     status = std::string("error ") + e.what();
   }
+  auto failed_setup = [&out](std::string reason) {
+    out.reason = std::move(reason);
+    out.hierarchical = false;
+    out.layout = HostLayout();
+    return out;
+  };
   const auto created = exchange(store, o, "created", status);
   std::string message;
   int failed = first_failure(created, &message);
   if (failed >= 0) {
-    out.reason = "rank " + std::to_string(failed) + " could not create its segment: " + message;
-    return out;  // our segment, if any, is unlinked and unmapped here
+    // our segment, if any, is unlinked and unmapped on return
+    return failed_setup("rank " + std::to_string(failed) +
+                        " could not create its segment: " + message);
   }
-  // Round 3: every rank maps every peer's segment. Once all have reported, every name has
-  // been opened by everyone who needs it: unlink ours, so that nothing is left in
-  // /dev/shm whatever happens to this process later.
+  // Round 3: every rank maps the segments of its group. Once all have reported, every
+  // name has been opened by everyone who needs it: unlink ours, so that nothing is left
+  // in /dev/shm whatever happens to this process later.
   try {
-    for (int r = 0; r < o.size; ++r) {
-      if (r != o.rank) segments[r] = map_segment(created[r].substr(3), r, o);
+    for (int l = 0; l < local.size; ++l) {
+      if (l != local.rank) segments[l] = map_segment(created[group[l]].substr(3), l, local);
     }
     status = "ok";
   } catch (const std::exception& e) {
     status = std::string("error ") + e.what();
   }
   const auto mapped = exchange(store, o, "mapped", status);
-  segments[o.rank]->unlink();
+  segments[local.rank]->unlink();
   failed = first_failure(mapped, &message);
   if (failed >= 0) {
-    out.reason = "rank " + std::to_string(failed) + " could not map the segments: " + message;
-    return out;
+    return failed_setup("rank " + std::to_string(failed) + " could not map the segments: " +
+                        message);
   }
-  std::vector<ShmAllreduce::Peer> peers(static_cast<std::size_t>(o.size));
-  for (int r = 0; r < o.size; ++r) {
-    if (r != o.rank) peers[r] = watch(*segments[r]->control());
+  std::vector<ShmAllreduce::Peer> peers(group.size());
+  for (int l = 0; l < local.size; ++l) {
+    if (l != local.rank) peers[l] = watch(*segments[l]->control());
   }
-  out.shm = std::make_shared<ShmAllreduce>(o, std::move(segments), std::move(peers));
+  out.reason.clear();
+  out.shm = std::make_shared<ShmAllreduce>(local, std::move(segments), std::move(peers),
+                                           std::move(group));
   return out;
 }
 
@@ -395,7 +455,7 @@ ShmSetup setup_shm(const ShmOptions& o, gloo::rendezvous::Store& store) {
 
 ShmAllreduce::ShmAllreduce(const ShmOptions& options,
                            std::vector<std::unique_ptr<Segment>> segments,
-                           std::vector<Peer> peers)
+                           std::vector<Peer> peers, std::vector<int> names)
     : rank_(options.rank),
       size_(options.size),
       chunk_bytes_(options.chunk_bytes),
@@ -403,7 +463,8 @@ ShmAllreduce::ShmAllreduce(const ShmOptions& options,
       owner_pid_(getpid()),
       own_name_(segments[options.rank]->name),
       segments_(std::move(segments)),
-      peers_(std::move(peers)) {}
+      peers_(std::move(peers)),
+      names_(std::move(names)) {}
 
 ShmAllreduce::~ShmAllreduce() {
   for (auto& peer : peers_) {
@@ -437,7 +498,7 @@ std::string ShmAllreduce::check_peers(int waiting_for, std::chrono::milliseconds
   if (liveness || late || aborted >= 0) {
     for (int r = 0; r < size_; ++r) {
       if (r != rank_ && exited(peers_[r])) {
-        return "rank " + std::to_string(r) + " (pid " + std::to_string(peers_[r].pid) +
+        return "rank " + std::to_string(names_[r]) + " (pid " + std::to_string(peers_[r].pid) +
                ") exited during the shared-memory allreduce";
       }
     }
@@ -449,13 +510,14 @@ std::string ShmAllreduce::check_peers(int waiting_for, std::chrono::milliseconds
   if (aborted >= 0) {
     const bool closed =
         segments_[aborted]->control()->abort.load(std::memory_order_acquire) == kClosed;
-    return "rank " + std::to_string(aborted) + " (pid " + std::to_string(peers_[aborted].pid) +
+    return "rank " + std::to_string(names_[aborted]) + " (pid " +
+           std::to_string(peers_[aborted].pid) +
            ") " + (closed ? "closed its communicator" : "failed (its communicator is poisoned)") +
            " during the shared-memory allreduce";
   }
   if (late) {
     std::ostringstream text;
-    text << "rank " << waiting_for << " (pid " << peers_[waiting_for].pid
+    text << "rank " << names_[waiting_for] << " (pid " << peers_[waiting_for].pid
          << ") did not arrive within " << std::chrono::duration<double>(timeout).count()
          << "s (TNT_TIMEOUT_S) in the shared-memory allreduce; it may be hung";
     return text.str();
@@ -557,6 +619,84 @@ void ShmAllreduce::allreduce(void* data, std::size_t count, DType dtype, ReduceO
       }
     }
     publish(base + 3);  // consumed: our reads of this chunk's slots are done
+  }
+}
+
+std::pair<std::size_t, std::size_t> ShmAllreduce::slice(std::size_t count, int parts,
+                                                       int index) {
+  const std::size_t p = static_cast<std::size_t>(parts), i = static_cast<std::size_t>(index);
+  const std::size_t base = count / p, extra = count % p;
+  const std::size_t first = i * base + std::min(i, extra);
+  return {first, first + base + (i < extra ? 1 : 0)};
+}
+
+void ShmAllreduce::reduce_scatter(void* data, std::size_t count, DType dtype, ReduceOp op,
+                                  std::chrono::milliseconds timeout,
+                                  Clock::time_point deadline) {
+  slices(true, data, count, dtype, op, timeout, deadline);
+}
+
+void ShmAllreduce::allgather(void* data, std::size_t count, DType dtype,
+                             std::chrono::milliseconds timeout, Clock::time_point deadline) {
+  slices(false, data, count, dtype, ReduceOp::kSum, timeout, deadline);
+}
+
+void ShmAllreduce::slices(bool reduce_step, void* data, std::size_t count, DType dtype,
+                          ReduceOp op, std::chrono::milliseconds timeout,
+                          Clock::time_point deadline) {
+  if (count == 0 || size_ < 2) return;
+  const auto reduce = reduce_function(dtype, op);
+  const std::size_t es = element_size(dtype);
+  // A slot holds one piece of every slice, piece j at j * piece_bytes (whole cache
+  // lines, so no two ranks write one line), so every rank has work in every chunk.
+  std::size_t piece_bytes = chunk_bytes_ / static_cast<std::size_t>(size_) / kLine * kLine;
+  if (piece_bytes < es) piece_bytes = chunk_bytes_ / static_cast<std::size_t>(size_);
+  const std::size_t per_piece = piece_bytes / es;
+  const std::size_t longest = slice(count, size_, 0).second;  // slice 0 is the longest
+  char* const user = static_cast<char*>(data);
+  // Piece `step` of slice `r`: [first, first + n) elements, n == 0 past its end.
+  auto piece = [&](int r, std::size_t step, std::size_t* n) {
+    const auto range = slice(count, size_, r);
+    const std::size_t first = range.first + step * per_piece;
+    *n = first < range.second ? std::min(per_piece, range.second - first) : 0;
+    return first;
+  };
+  for (std::size_t step = 0; step * per_piece < longest; ++step) {
+    // Slots alternate and one phase per chunk suffices: a rank publishes chunk k+1's
+    // "data in" only after its reads of chunk k, and a slot is written again two chunks
+    // later, after everybody's "data in" of the chunk in between.
+    const unsigned s = static_cast<unsigned>(next_chunk_++ & 1);
+    const std::uint32_t target = ++next_seq_;
+    std::size_t n = 0;
+    if (reduce_step) {
+      for (int r = 0; r < size_; ++r) {
+        const std::size_t first = piece(r, step, &n);
+        if (n > 0) std::memcpy(slot(rank_, s) + r * piece_bytes, user + first * es, n * es);
+      }
+    } else {
+      const std::size_t first = piece(rank_, step, &n);
+      if (n > 0) {
+        std::memcpy(slot(rank_, s) + rank_ * piece_bytes, user + first * es, n * es);
+      }
+    }
+    publish(target);  // data in
+    for (int k = 1; k < size_; ++k) wait_for_peer((rank_ + k) % size_, target, deadline, timeout);
+    if (reduce_step) {
+      // Our piece, reduced in rank order from every slot (ours included).
+      const std::size_t first = piece(rank_, step, &n);
+      if (n > 0) {
+        char* const out = user + first * es;
+        const std::size_t off = rank_ * piece_bytes;
+        reduce(out, slot(0, s) + off, slot(1, s) + off, n);
+        for (int r = 2; r < size_; ++r) reduce(out, out, slot(r, s) + off, n);
+      }
+    } else {
+      for (int k = 1; k < size_; ++k) {
+        const int r = (rank_ + k) % size_;
+        const std::size_t first = piece(r, step, &n);
+        if (n > 0) std::memcpy(user + first * es, slot(r, s) + r * piece_bytes, n * es);
+      }
+    }
   }
 }
 

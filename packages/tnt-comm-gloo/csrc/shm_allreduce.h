@@ -1,4 +1,5 @@
-// Allreduce through POSIX shared memory, for jobs whose ranks all run on one host.
+// Allreduce through POSIX shared memory, for jobs whose ranks all run on one host, and
+// the intra-host steps of the hierarchical allreduce (ranks on several hosts).
 //
 // Gloo's only transport here is TCP, which over loopback costs ~230 µs for 4 KiB and
 // ~0.5 GB/s for large buffers on a small VM; plain loads and stores through a shared
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gloo/rendezvous/store.h>
@@ -38,6 +40,8 @@ struct ShmOptions {
   std::string name_prefix = "tnt-gloo-";
   // This rank's host identity; empty: host name + kernel boot id.
   std::string host_id;
+  // The hierarchical allreduce when the ranks are on several hosts (see setup_shm).
+  ShmMode hierarchy = ShmMode::kAuto;
   std::size_t chunk_bytes = 1 << 20;
   // Spin this long before sleeping on the futex; < 0: the default (50 µs).
   int spin_us = -1;
@@ -46,15 +50,34 @@ struct ShmOptions {
 
 class ShmAllreduce;
 
+// Where the ranks are, when the hierarchical allreduce runs: `hosts` hosts (numbered in
+// the order of their lowest rank) holding `local_size` ranks each; this rank is local
+// rank `local_rank` (by global rank) on host `host_index`.
+struct HostLayout {
+  int hosts = 1;
+  int host_index = 0;
+  int local_size = 1;
+  int local_rank = 0;
+  std::vector<int> local_ranks;  // the global ranks on this host, by local rank
+  std::vector<int> cross_ranks;  // the global ranks with this local rank, by host index
+};
+
 struct ShmSetup {
-  std::shared_ptr<ShmAllreduce> shm;  // null: the job keeps Gloo's TCP algorithms
-  std::string reason;                 // why not; the same text on every rank
+  // null: the job keeps Gloo's TCP algorithms. Spans this host's ranks only when
+  // `hierarchical`, else every rank.
+  std::shared_ptr<ShmAllreduce> shm;
+  std::string reason;  // why not; the same text on every rank
+  bool hierarchical = false;
+  HostLayout layout;   // meaningful when hierarchical
 };
 
 // Collective: every rank of the communicator calls it, whatever its mode. Exchanges
 // modes and host identities through `store`, creates and maps the segments, and agrees:
 // either all ranks get a ShmAllreduce or none does (reason says why, the same text on
-// every rank). Throws only when the store itself fails.
+// every rank). On several hosts holding the same number (>= 2) of ranks each, and no
+// rank's hierarchy mode off, every rank gets one over the ranks of its host and
+// `hierarchical`; other layouts of several hosts get none. Throws only when the store
+// itself fails.
 ShmSetup setup_shm(const ShmOptions& options, gloo::rendezvous::Store& store);
 
 class ShmAllreduce {
@@ -71,8 +94,10 @@ class ShmAllreduce {
     unsigned long long start_time = 0;
   };
 
+  // options.rank and options.size: this rank among the segments' ranks; `names`: the
+  // communicator's rank of each, for messages.
   ShmAllreduce(const ShmOptions& options, std::vector<std::unique_ptr<Segment>> segments,
-               std::vector<Peer> peers);
+               std::vector<Peer> peers, std::vector<int> names);
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
@@ -83,6 +108,23 @@ class ShmAllreduce {
   // is poisoned anyway).
   void allreduce(void* data, std::size_t count, DType dtype, ReduceOp op,
                  std::chrono::milliseconds timeout);
+
+  // The hierarchical allreduce's intra-host steps. The buffer is cut into size()
+  // contiguous slices (slice(count, size(), r)); reduce_scatter leaves in slice rank()
+  // of `data` the reduction of that slice over the ranks, in rank order (the rest of
+  // `data` is left as it was); allgather copies every rank's slice into the others'
+  // `data`. Both fail as allreduce does, at `deadline` at the latest (`timeout` is for
+  // the message).
+  void reduce_scatter(void* data, std::size_t count, DType dtype, ReduceOp op,
+                      std::chrono::milliseconds timeout,
+                      std::chrono::steady_clock::time_point deadline);
+  void allgather(void* data, std::size_t count, DType dtype, std::chrono::milliseconds timeout,
+                 std::chrono::steady_clock::time_point deadline);
+  // [first, last) elements of slice `index` of `parts`: the first count % parts slices
+  // are one element longer; slices of a buffer shorter than `parts` may be empty.
+  static std::pair<std::size_t, std::size_t> slice(std::size_t count, int parts, int index);
+  int rank() const { return rank_; }
+  int size() const { return size_; }
 
   // Tell the peers (and our own waiting thread) to give up: sets this rank's abort flag
   // and wakes every sleeper on every segment. Any thread, any time; idempotent.
@@ -102,6 +144,10 @@ class ShmAllreduce {
   std::string check_peers(int waiting_for, std::chrono::milliseconds timeout,
                           std::chrono::steady_clock::time_point deadline, bool liveness);
   char* slot(int rank, unsigned index) const;
+  // One pass over the slices, a piece of every slice per chunk (see reduce_scatter).
+  void slices(bool reduce, void* data, std::size_t count, DType dtype, ReduceOp op,
+              std::chrono::milliseconds timeout,
+              std::chrono::steady_clock::time_point deadline);
 
   const int rank_;
   const int size_;
@@ -111,7 +157,10 @@ class ShmAllreduce {
   std::string own_name_;
   std::vector<std::unique_ptr<Segment>> segments_;  // by rank
   std::vector<Peer> peers_;                         // by rank (ours unused)
-  std::uint32_t next_seq_ = 0;   // 3 per chunk, across operations; same on every rank
+  std::vector<int> names_;                          // by rank: the communicator's rank
+  // 3 per chunk of allreduce, 1 per chunk of the slice steps, across operations; the
+  // same on every rank
+  std::uint32_t next_seq_ = 0;
   std::uint64_t next_chunk_ = 0;  // picks the slot: chunks alternate between the two
 };
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import gc
 import json
@@ -383,8 +384,12 @@ def shm_kill(report: Report, backend, after: float) -> None:
 def shm_setup(report: Report, variant: str) -> None:
     """Start-up decisions, with this rank's environment changed first."""
     rank = int(os.environ["TNT_RANK"])
-    if variant in ("hosts-auto", "hosts-required"):
+    if variant in ("hosts-auto", "hosts-required", "hosts-hierarchy-required"):
         os.environ["TNT_GLOO_SHM_HOST_ID"] = f"host-{rank}"  # as if on different hosts
+    if variant == "hosts-hierarchy-required":
+        os.environ["TNT_GLOO_HIERARCHY"] = "1"
+    if variant == "hosts-unequal":  # ranks 0 and 1 on one host, rank 2 on another
+        os.environ["TNT_GLOO_SHM_HOST_ID"] = f"host-{rank // 2}"
     if variant == "hosts-required":
         os.environ["TNT_GLOO_SHM"] = "1"
     if variant == "chunks-differ":  # rank 1's segments cannot be mapped by the others
@@ -409,6 +414,114 @@ def shm_setup(report: Report, variant: str) -> None:
         backend.barrier()
 
     report.check("collectives", collectives)
+
+
+def _float_tolerance(inputs: list[np.ndarray], op: str) -> np.ndarray | float:
+    """How far two orders of reducing ``inputs`` may differ: each order's rounding error
+    is at most (p - 1) units of round-off (eps / 2) of sum |x| (sum) or |product|."""
+    eps = float(np.finfo(inputs[0].dtype).eps)
+    wide = [x.astype(np.float64) for x in inputs]
+    if op == "sum":
+        scale = sum(np.abs(x) for x in wide)
+    elif op == "product":
+        scale = np.abs(functools.reduce(np.multiply, wide))
+    else:
+        return 0.0  # min and max pick an input: exact in any order
+    return (len(inputs) - 1) * eps * scale
+
+
+def hierarchy(report: Report, victim_after: float) -> None:
+    """Ranks 2h and 2h+1 on "host" h (TNT_GLOO_SHM_HOST_ID): the hierarchical allreduce
+    against numpy and against the flat ring over the same ranks, then the last rank
+    exits in the middle of a stream of allreduces."""
+    rank = int(os.environ["TNT_RANK"])
+    os.environ["TNT_GLOO_SHM_HOST_ID"] = f"host-{rank // 2}"
+    runtime = tnt_core.init()
+    backend = runtime.backend
+    _shm_info(report, backend)
+    report.data["info"]["layout"] = list(backend._comm.host_layout)
+    report.check("transport-is-hierarchical", lambda: _expect(
+        backend.allreduce_transport == "hierarchical" and "hierarchical" in repr(backend),
+        f"{backend!r}: {backend._comm.shm_reason}"))
+    from tnt_comm_gloo.backend import GlooBackend  # a second communicator, flat
+
+    flat = GlooBackend(backend._config, dataclasses.replace(
+        backend._settings, hierarchy="0", algorithm="ring"))
+    report.check("flat-is-tcp", lambda: _expect(flat.allreduce_transport == "tcp", repr(flat)))
+
+    def algorithm_between_hosts() -> None:
+        # `auto` chooses for what crosses TCP: a half-size slice between 2 hosts
+        choices = [backend.allreduce_algorithm(n << 10) for n in (100, 1536, 3072)]
+        assert choices == ["doubling", "doubling", "ring"], choices
+        assert backend._settings.algorithm_for(100 << 10, backend.size) == "bcube"  # flat, 4 ranks
+
+    report.check("algorithm-between-hosts", algorithm_between_hosts)
+    size = backend.size
+    per_slot = int(os.environ["TNT_GLOO_SHM_CHUNK_BYTES"])
+    for dtype in _SHM_DTYPES:
+        itemsize = np.dtype(dtype).itemsize
+        # tiny (fewer elements than ranks); uneven slices over several slot-fulls; 4 MiB
+        # (2 pipelined blocks)
+        sizes = (0, 1, size - 1, 3 * per_slot // itemsize + 5)
+        for op, ufunc in _UFUNCS.items():
+            large = op == "sum" and dtype == "float32"
+
+            def check(dtype=dtype, op=op, ufunc=ufunc, itemsize=itemsize,
+                      sizes=sizes + (((4 << 20) // itemsize + 3,) if large else ())) -> None:
+                for n in sizes:
+                    inputs = [_shm_input(r, n, dtype, op) for r in range(size)]
+                    got = backend.allreduce_async(inputs[rank].copy(), op).wait()
+                    ring = flat.allreduce_async(inputs[rank].copy(), op).wait()
+                    # within a host in rank order, then the two hosts' partial results
+                    want = ufunc(ufunc(inputs[0], inputs[1]), ufunc(inputs[2], inputs[3]))
+                    bits = f"u{itemsize}"
+                    diff = np.flatnonzero(got.view(bits) != want.view(bits))
+                    assert diff.size == 0, (
+                        f"n={n}: {diff.size} elements differ from numpy, e.g. index {diff[0]}: "
+                        f"got {got[diff[0]]!r}, numpy {want[diff[0]]!r}")
+                    if dtype.startswith("int"):
+                        assert np.array_equal(got, ring), f"n={n}: differs from the ring"
+                    else:
+                        gap = np.abs(got.astype(np.float64) - ring.astype(np.float64))
+                        tolerance = _float_tolerance(inputs, op)
+                        assert np.all(gap <= tolerance), (
+                            f"n={n}: the ring differs by up to {gap.max()!r}")
+            report.check(f"{dtype}-{op}", check)
+    flat.close()
+
+    def native() -> None:  # the native hand-off's allreduce takes the same path
+        table = tnt_core.native_comm(runtime.backend)
+        dones = NativeDone()
+        for key, n in enumerate((size - 1, 1001)):
+            python_buf = _shm_input(rank, n, "float64", "sum")
+            native_buf = python_buf.copy()
+            backend.allreduce_async(python_buf).wait(timeout=30)
+            table.allreduce_async(native_buf, "sum", dones.callback(key))
+            dones.wait([key])
+            assert dones.once(key) is None, dones.once(key)
+            assert np.array_equal(python_buf.view("u8"), native_buf.view("u8")), n
+
+    report.check("native", native)
+    backend.barrier()
+    victim = size - 1
+    buf = np.ones(2 << 20, np.float32)  # 8 MiB: 4 blocks of many slot-fulls each
+    if rank == victim:
+        report.data["info"]["dies_at"] = time.time() + victim_after
+        report.write()
+        threading.Timer(victim_after, lambda: os._exit(0)).start()
+        while True:
+            backend.allreduce(buf)
+
+    def fails() -> None:
+        try:
+            for _ in range(10_000):
+                backend.allreduce(buf)
+        except CommError as exc:
+            report.data["info"].update(error=str(exc), failed_at=time.time())
+        else:
+            raise AssertionError("allreduce went on after a peer exited")
+
+    report.check("dead-peer-fails", fails)
 
 
 # ------------------------------------------------------------------ point-to-point
@@ -872,7 +985,7 @@ def main() -> int:
     parser.add_argument("scenario", choices=("file-store", "float16", "dlpack", "timeout",
                                              "shm-reduce", "shm-kill", "shm-setup", "p2p",
                                              "p2p-dead-peer", "p2p-peer-closes", "native",
-                                             "native-failure"))
+                                             "native-failure", "hierarchy"))
     parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--fake-cudart", default="")
     parser.add_argument("--hang", type=float, default=0.0)
@@ -883,6 +996,14 @@ def main() -> int:
     if args.scenario == "shm-setup":
         shm_setup(Report(args.report, int(os.environ["TNT_RANK"])), args.variant)
         tnt_core.shutdown()
+        return 0
+    if args.scenario == "hierarchy":
+        report = Report(args.report, int(os.environ["TNT_RANK"]))
+        hierarchy(report, args.after)
+        t0 = time.monotonic()
+        tnt_core.shutdown()
+        report.data["info"]["close_s"] = time.monotonic() - t0
+        report.write()
         return 0
     runtime = tnt_core.init()
     report = Report(args.report, runtime.rank)

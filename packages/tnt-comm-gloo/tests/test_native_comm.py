@@ -55,15 +55,19 @@ def test_native_failure_calls_done_once(scenario, variant: str, shm: str) -> Non
     GlooSettings(algorithm="ring"),
     GlooSettings(algorithm="bcube"),
 ], ids=["defaults", "doubling-below-bcube", "doubling-above-bcube", "zero", "ring", "bcube"])
-def test_algorithm_plan_is_algorithm_for(settings: GlooSettings, size: int) -> None:
-    """The plan the native table is given chooses as the Python path does."""
-    plan = settings.algorithm_plan(size)
+@pytest.mark.parametrize("per_host", [1, 3])
+def test_algorithm_plan_is_algorithm_for(settings: GlooSettings, size: int, per_host: int) -> None:
+    """The plan the native table is given chooses as the Python path does (per_host 3: the
+    hierarchical allreduce, whose TCP algorithm runs on slices of a third)."""
+    plan = settings.algorithm_plan(size, per_host)
     assert plan[-1][0] >= 2**62, "the last step must fit every buffer"
 
     def from_plan(nbytes: int) -> str:
         return next(algorithm for limit, algorithm in plan if nbytes <= limit)
 
-    edges = {settings.bcube_max_bytes, settings.doubling_max_bytes}
-    sizes = {0, 1, 4096, 10**9} | {e + d for e in edges for d in (-1, 0, 1) if e + d >= 0}
+    edges = {e * per_host for e in (settings.bcube_max_bytes, settings.doubling_max_bytes)}
+    sizes = {0, 1, 4096, 10**9} | {e + d for e in edges for d in (-1, 0, 1, per_host - 1,
+                                                                  per_host, per_host + 1)
+                                   if e + d >= 0}
     for nbytes in sorted(sizes):
-        assert from_plan(nbytes) == settings.algorithm_for(nbytes, size), (nbytes, plan)
+        assert from_plan(nbytes) == settings.algorithm_for(nbytes, size, per_host), (nbytes, plan)

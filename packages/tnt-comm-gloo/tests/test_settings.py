@@ -21,13 +21,14 @@ def test_defaults() -> None:
     s = GlooSettings.from_env({})
     assert (s.iface, s.hostname, s.algorithm, s.bcube_max_bytes, s.doubling_max_bytes) == (
         None, None, "auto", DEFAULT_BCUBE_MAX_BYTES, DEFAULT_DOUBLING_MAX_BYTES)
-    assert (s.shm, s.shm_chunk_bytes, s.shm_spin_us, s.shm_host_id) == (
-        "auto", DEFAULT_SHM_CHUNK_BYTES, None, None)
+    assert (s.shm, s.shm_chunk_bytes, s.shm_spin_us, s.shm_host_id, s.hierarchy) == (
+        "auto", DEFAULT_SHM_CHUNK_BYTES, None, None, "auto")
 
 
 def test_shm_settings() -> None:
     for raw, value in (("auto", "auto"), (" AUTO ", "auto"), ("0", "0"), ("1", "1"), ("", "auto")):
         assert GlooSettings.from_env({"TNT_GLOO_SHM": raw}).shm == value
+        assert GlooSettings.from_env({"TNT_GLOO_HIERARCHY": raw}).hierarchy == value
     s = GlooSettings.from_env({"TNT_GLOO_SHM_CHUNK_BYTES": "65536", "TNT_GLOO_SHM_SPIN_US": "0",
                                "TNT_GLOO_SHM_HOST_ID": " box-7 "})
     assert (s.shm_chunk_bytes, s.shm_spin_us, s.shm_host_id) == (65536, 0, "box-7")
@@ -40,6 +41,7 @@ def test_shm_settings() -> None:
     ({"TNT_GLOO_DOUBLING_MAX_BYTES": "1e3"}, "TNT_GLOO_DOUBLING_MAX_BYTES"),
     ({"TNT_GLOO_SHM": "yes"}, r"TNT_GLOO_SHM='yes' is not one of auto .*, 0 .* or 1"),
     ({"TNT_GLOO_SHM": "2"}, "TNT_GLOO_SHM"),
+    ({"TNT_GLOO_HIERARCHY": "on"}, r"TNT_GLOO_HIERARCHY='on' is not one of auto .*, 0 .* or 1"),
     ({"TNT_GLOO_SHM_CHUNK_BYTES": "1000"}, "multiple of 64 between 4096 and"),
     ({"TNT_GLOO_SHM_CHUNK_BYTES": str(1 << 30)}, "TNT_GLOO_SHM_CHUNK_BYTES"),
     ({"TNT_GLOO_SHM_SPIN_US": "fast"}, "TNT_GLOO_SHM_SPIN_US"),

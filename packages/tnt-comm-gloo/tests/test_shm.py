@@ -56,16 +56,22 @@ def test_peer_exiting_mid_allreduce_fails_the_others_fast(scenario, nprocs: int)
     _assert_no_leftovers(run.reports)
 
 
-def test_required_but_ranks_on_different_hosts_is_a_config_error(scenario) -> None:
-    run = scenario("shm-setup", 2, args=["--variant", "hosts-required"])
+@pytest.mark.parametrize(("variant", "variable", "why"), [
+    ("hosts-required", "TNT_GLOO_SHM=1", "not all on one host"),
+    ("hosts-hierarchy-required", "TNT_GLOO_HIERARCHY=1", "one rank per host"),
+])
+def test_required_but_ranks_on_different_hosts_is_a_config_error(
+        scenario, variant: str, variable: str, why: str) -> None:
+    run = scenario("shm-setup", 2, args=["--variant", variant])
     assert run.result.ok, run.result.describe()
     for report in run.reports.values():
         error = report["info"].get("error", "")
-        assert "TNT_GLOO_SHM=1" in error and "not all on one host" in error, report
+        assert variable in error and why in error, report
 
 
 @pytest.mark.parametrize(("variant", "reason"), [
     ("hosts-auto", "not all on one host"),
+    ("hosts-unequal", "needs as many ranks on every host, and rank 0's host has 2, rank 2's 1"),
     ("chunks-differ", "TNT_GLOO_SHM_CHUNK_BYTES must be the same on every rank"),
     ("one-rank-off", "TNT_GLOO_SHM=0 on rank 1"),
 ])
@@ -81,4 +87,23 @@ def test_auto_falls_back_to_tcp_on_every_rank(scenario, variant: str, reason: st
     assert stderr.count("allreduce over TCP, not shared memory") == 1, stderr
     assert reason in stderr, stderr
     assert all("not shared memory" not in r.stderr for r in run.result.ranks[1:])
+    _assert_no_leftovers(run.reports)
+
+
+def test_hierarchical_allreduce_across_emulated_hosts(scenario) -> None:
+    # 4 ranks, 2 per "host" (per-rank TNT_GLOO_SHM_HOST_ID); 4 KiB slots: many steps
+    run = scenario("hierarchy", 4, args=["--after", "0.3"],
+                   env={"TNT_GLOO_SHM_CHUNK_BYTES": "4096", "TNT_LOG_LEVEL": "INFO"},
+                   tnt_timeout_s=60.0, timeout=90.0)
+    assert not run.result.timed_out, run.result.describe()
+    assert sorted(run.reports) == [0, 1, 2, 3], run.result.describe()
+    assert not run.failures, "\n".join(run.failures)
+    assert all(r["info"]["layout"] == [2, 2] for r in run.reports.values())
+    assert "allreduce hierarchical: 2 hosts x 2 ranks" in run.result.ranks[0].stderr
+    dies_at = run.reports[3]["info"]["dies_at"]
+    for rank in range(3):
+        info = run.reports[rank]["info"]
+        assert info["failed_at"] - dies_at < 3.0, info
+        assert info["close_s"] < 2.0, info
+    assert "rank 3" in run.reports[2]["info"]["error"], run.reports[2]["info"]
     _assert_no_leftovers(run.reports)

@@ -45,6 +45,12 @@ class Communicator:
     @property
     def shm_segment_name(self) -> str: ...
 
+    @property
+    def host_layout(self) -> tuple[int, int]:
+        """
+        (hosts, ranks per host) of the hierarchical allreduce; (1, size) without it.
+        """
+
     def allreduce(self, buf: Annotated[NDArray, dict(order='C', device='cpu')], op: str, algorithm: str, name: str) -> Work:
         """Queue an in-place allreduce of a host array."""
 
@@ -98,7 +104,7 @@ class Communicator:
 def dlpack_nbytes(capsule: object) -> int:
     """Bytes of the tensor in an unconsumed DLPack capsule (checks it too)."""
 
-def connect(rank: int, size: int, store: object | None, file_store: str, prefix: str, hostname: str, iface: str, timeout_s: float, shm: str = 'auto', shm_prefix: str = 'tnt-gloo-', shm_host_id: str = '', shm_chunk_bytes: int = 1048576, shm_spin_us: int = -1) -> Communicator:
+def connect(rank: int, size: int, store: object | None, file_store: str, prefix: str, hostname: str, iface: str, timeout_s: float, shm: str = 'auto', shm_prefix: str = 'tnt-gloo-', shm_host_id: str = '', shm_chunk_bytes: int = 1048576, shm_spin_us: int = -1, hierarchy: str = 'auto') -> Communicator:
     """
-    Build the full TCP mesh (blocking, GIL released) through the store client or the file store directory; then, collectively, the shared-memory allreduce when every rank is on this host (shm: 'auto', '0' off, '1' try even so; the caller decides what a failure means).
+    Build the full TCP mesh (blocking, GIL released) through the store client or the file store directory; then, collectively, the shared-memory allreduce when every rank is on this host (shm: 'auto', '0' off, '1' try even so; the caller decides what a failure means), or the hierarchical one when the ranks are on several hosts holding as many (>= 2) each (hierarchy: 'auto', '0' off, '1' as auto).
     """

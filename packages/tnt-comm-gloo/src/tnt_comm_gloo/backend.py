@@ -37,6 +37,14 @@ Environment (besides the launcher's ``TNT_*`` contract; declared in
     host, else Gloo over TCP; ``0``: always Gloo over TCP; ``1``: shared memory or a
     :class:`tnt_core.ConfigError` saying why not. Broadcast, allgather and barrier always
     use TCP.
+``TNT_GLOO_HIERARCHY``
+    ``auto`` (default): when the ranks are on several hosts and every host holds as many
+    of them, at least 2, allreduce hierarchically: reduce-scatter through shared memory
+    within each host (local rank l keeps slice l), allreduce of each slice over TCP
+    among the ranks with the same local rank on every host (all of a host's ranks on
+    the network at once), allgather through shared memory. ``0``: the flat TCP
+    algorithms; ``1``: shared memory (hierarchical across hosts) or a
+    :class:`tnt_core.ConfigError` saying why not. Needs ``TNT_GLOO_SHM`` not ``0``.
 ``TNT_GLOO_SHM_CHUNK_BYTES``
     bytes per shared-memory slot (default :data:`DEFAULT_SHM_CHUNK_BYTES`); each rank's
     segment holds two slots. The same on every rank.
@@ -133,6 +141,7 @@ class GlooSettings:
     bcube_max_bytes: int = DEFAULT_BCUBE_MAX_BYTES
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     shm: str = "auto"
+    hierarchy: str = "auto"
     shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES
     shm_spin_us: int | None = None  # None: the native default
     shm_host_id: str | None = None
@@ -147,6 +156,7 @@ class GlooSettings:
             bcube_max_bytes=gloo_settings.TNT_GLOO_BCUBE_MAX_BYTES.read(env),
             doubling_max_bytes=gloo_settings.TNT_GLOO_DOUBLING_MAX_BYTES.read(env),
             shm=gloo_settings.TNT_GLOO_SHM.read(env),
+            hierarchy=gloo_settings.TNT_GLOO_HIERARCHY.read(env),
             # its rule (a multiple of 64 in [4096, 64 MiB]) is declared, so tnt run checks it
             shm_chunk_bytes=gloo_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env),
             shm_spin_us=gloo_settings.TNT_GLOO_SHM_SPIN_US.read(env),
@@ -176,9 +186,11 @@ class GlooSettings:
             "set TNT_GLOO_IFACE to the interface the ranks reach each other on (e.g. eth0), "
             "or TNT_GLOO_HOSTNAME to this node's address")), ""
 
-    def algorithm_for(self, nbytes: int, size: int) -> str:
+    def algorithm_for(self, nbytes: int, size: int, per_host: int = 1) -> str:
         """The TCP allreduce algorithm for a buffer of ``nbytes`` on ``size`` ranks
-        (ignored when the allreduce runs over shared memory).
+        (ignored when the allreduce runs over shared memory). In the hierarchical
+        allreduce ``size`` is the number of hosts and ``per_host`` the ranks on each: the
+        algorithm runs between the hosts on one slice, ``nbytes // per_host``.
 
         Large buffers take Gloo's ring (bandwidth-optimal, pipelined). Small ones need few
         steps: recursive doubling (log2 p exchanges of the whole buffer) on a power-of-two
@@ -189,17 +201,18 @@ class GlooSettings:
         """
         if self.algorithm != "auto":
             return self.algorithm
+        nbytes //= per_host
         if nbytes > self.bcube_max_bytes:
             return "ring"
         if _is_power_of_two(size) and (size == 2 or nbytes <= self.doubling_max_bytes):
             return "doubling"
         return "bcube"
 
-    def algorithm_plan(self, size: int) -> list[tuple[int, str]]:
-        """:meth:`algorithm_for` on ``size`` ranks as steps ``(max_bytes, algorithm)``: a
-        buffer takes the first step it fits in (the last step fits every buffer). The
-        native hand-off's table is given this, so its allreduces choose as the Python
-        path does."""
+    def algorithm_plan(self, size: int, per_host: int = 1) -> list[tuple[int, str]]:
+        """:meth:`algorithm_for` on ``size`` ranks (``per_host`` as there) as steps
+        ``(max_bytes, algorithm)``: a buffer takes the first step it fits in (the last
+        step fits every buffer). The native hand-off's table is given this, so its
+        allreduces choose as the Python path does."""
         if self.algorithm != "auto":
             return [(_UNBOUNDED, self.algorithm)]
         steps = []
@@ -207,7 +220,10 @@ class GlooSettings:
             limit = self.bcube_max_bytes if size == 2 else min(self.doubling_max_bytes,
                                                                self.bcube_max_bytes)
             steps.append((limit, "doubling"))
-        return [*steps, (self.bcube_max_bytes, "bcube"), (_UNBOUNDED, "ring")]
+        steps.append((self.bcube_max_bytes, "bcube"))
+        # a slice of nbytes // per_host bytes fits `limit` up to (limit + 1) * per_host - 1
+        return [*((min((limit + 1) * per_host - 1, _UNBOUNDED), algorithm)
+                  for limit, algorithm in steps), (_UNBOUNDED, "ring")]
 
 
 def _file_store_dir(rendezvous: str) -> str | None:
@@ -262,7 +278,9 @@ def _job_token(config: Config) -> str:
 
 class GlooBackend(CommBackend):
     """A communicator over all ranks through Gloo's full-mesh TCP transport, with the
-    allreduce over shared memory when every rank runs on one host."""
+    allreduce over shared memory when every rank runs on one host, or hierarchical
+    (shared memory within each host, TCP between hosts) on several hosts holding as many
+    ranks each."""
 
     name = "gloo"
     #: point-to-point over Gloo's unbound buffers, groups as new Gloo contexts
@@ -326,36 +344,60 @@ class GlooBackend(CommBackend):
                     shm_prefix=f"tnt-gloo-{_job_token(config)}-{generation}-",
                     shm_host_id=settings.shm_host_id or "",
                     shm_chunk_bytes=settings.shm_chunk_bytes, shm_spin_us=spin_us,
+                    hierarchy=settings.hierarchy,
                 )
         finally:
             if store is not None:
                 store.close()
         self._check_transport(config)
+        # the TCP algorithm runs among these ranks, on slices of nbytes // per host
+        hosts, per_host = self._comm.host_layout
+        self._tcp_layout = ((hosts, per_host) if self.allreduce_transport == "hierarchical"
+                            else (self.size, 1))
         log.debug("rank %d/%d connected (listening on %s; allreduce over %s)", self.rank,
                   self.size, iface or hostname, self.allreduce_transport)
 
     def _check_transport(self, config: Config) -> None:
         # Every rank got the same decision and the same reason from the native set-up, so
         # every rank raises alike and rank 0 alone explains a fallback.
-        if self.allreduce_transport == "shm":
+        transport = self.allreduce_transport
+        if transport == "shm":
             return
         reason = self._comm.shm_reason
-        if self._settings.shm == "1":
+        if transport == "tcp" and "1" in (self._settings.shm, self._settings.hierarchy):
             self._comm.close(5.0)
             self._closed = True
+            variable = "TNT_GLOO_SHM" if self._settings.shm == "1" else "TNT_GLOO_HIERARCHY"
+            what = "shared-memory" if variable == "TNT_GLOO_SHM" else "hierarchical"
             raise ConfigError(
-                f"TNT_GLOO_SHM=1 but the shared-memory allreduce cannot be used: {reason}; "
+                f"{variable}=1 but the {what} allreduce cannot be used: {reason}; "
                 "unset it (or set auto) to fall back to TCP"
             )
-        if self.rank == 0 and self._settings.shm == "auto":
+        if self.rank != 0:
+            return
+        if transport == "hierarchical":
+            hosts, per_host = self._comm.host_layout
+            log.info("allreduce hierarchical: %d hosts x %d ranks, shared memory within a "
+                     "host, TCP between the hosts (one connection set per local rank)",
+                     hosts, per_host)
+        elif self._settings.shm == "auto":
             # one node by the launcher's account: shared memory was expected to work
             level = logging.WARNING if config.local_size == config.size else logging.INFO
             log.log(level, "allreduce over TCP, not shared memory: %s", reason)
 
+    def allreduce_algorithm(self, nbytes: int) -> str:
+        """The TCP algorithm an allreduce of ``nbytes`` takes (:meth:`GlooSettings.algorithm_for`):
+        over all ranks, or in the hierarchical allreduce between the hosts on this
+        rank's slice; unused over shared memory alone."""
+        ranks, per_host = self._tcp_layout
+        return self._settings.algorithm_for(nbytes, ranks, per_host)
+
     @property
     def allreduce_transport(self) -> str:
-        """``"shm"`` (shared memory, all ranks on this host) or ``"tcp"`` (Gloo's
-        algorithms): what :meth:`allreduce_async` runs over; the same on every rank."""
+        """``"shm"`` (shared memory, all ranks on this host), ``"hierarchical"`` (shared
+        memory within each host, TCP between hosts) or ``"tcp"`` (Gloo's algorithms
+        across all ranks): what :meth:`allreduce_async` runs over; the same on every
+        rank."""
         return self._comm.allreduce_transport
 
     def __repr__(self) -> str:
@@ -425,7 +467,7 @@ class GlooBackend(CommBackend):
         array = check_buffer(buf, "allreduce")
         self._check_open("allreduce")
         name = self._name("allreduce")
-        algorithm = self._settings.algorithm_for(array.nbytes, self.size)
+        algorithm = self.allreduce_algorithm(array.nbytes)
         try:
             work = self._comm.allreduce(array, op, algorithm, name)
         except _gloo.GlooError as exc:  # not _translate: this is the hot path
@@ -447,7 +489,7 @@ class GlooBackend(CommBackend):
             except TypeError:
                 capsule = tensor.__dlpack__()
         name = self._name("allreduce" if device_type == _KDL_CPU else "allreduce (device)")
-        algorithm = self._settings.algorithm_for(_gloo.dlpack_nbytes(capsule), self.size)
+        algorithm = self.allreduce_algorithm(_gloo.dlpack_nbytes(capsule))
         with self._translate(name):
             work = self._comm.allreduce_dlpack(capsule, op, algorithm, name)
         return self._track(GlooHandle(self, work, name, tensor, (capsule,)))
@@ -488,7 +530,7 @@ class GlooBackend(CommBackend):
     def native_comm(self) -> Any:
         """The C function table of ``tnt_native_comm.h`` in a PyCapsule (one per backend).
         Its ``allreduce_async`` goes into the same worker queue as :meth:`allreduce_async`
-        (shared memory or the TCP algorithm :meth:`GlooSettings.algorithm_for` picks), so
+        (shared memory or the TCP algorithm :meth:`allreduce_algorithm` picks), so
         both paths' collectives run in the order they were issued; it calls no Python and
         takes no GIL. The capsule keeps what the table needs alive; once the backend is
         closed the table refuses. Failures read ``[rank R: native allreduce #N] ...``."""
@@ -496,7 +538,7 @@ class GlooBackend(CommBackend):
         if self._native is None:
             with self._translate("native_comm"):
                 self._native = self._comm.native_comm(
-                    self._settings.algorithm_plan(self.size))
+                    self._settings.algorithm_plan(*self._tcp_layout))
         return self._native
 
     # -- point-to-point

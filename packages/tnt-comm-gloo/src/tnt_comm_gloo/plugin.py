@@ -65,8 +65,8 @@ def tnt_comm_backends() -> list[BackendSpec]:
             factory=make_backend,
             priority=PRIORITY,
             available=is_available,
-            description=("Gloo over full-mesh TCP (allreduce through shared memory on one host); "
-                         "native worker thread"),
+            description=("Gloo over full-mesh TCP (allreduce through shared memory within a "
+                         "host); native worker thread"),
         )
     ]
 

@@ -17,6 +17,7 @@ __all__ = [
     "TNT_GLOO_BCUBE_MAX_BYTES",
     "TNT_GLOO_CUDART",
     "TNT_GLOO_DOUBLING_MAX_BYTES",
+    "TNT_GLOO_HIERARCHY",
     "TNT_GLOO_HOSTNAME",
     "TNT_GLOO_IFACE",
     "TNT_GLOO_SHM",
@@ -54,6 +55,13 @@ TNT_GLOO_SHM = GLOO.declare(
     "allreduce through shared memory when every rank is on one host", case="lower",
     choices=(("auto", "shared memory when every rank is on this host"), ("0", "always TCP"),
              ("1", "shared memory, else fail")))
+TNT_GLOO_HIERARCHY = GLOO.declare(
+    "TNT_GLOO_HIERARCHY", "choice", "auto",
+    "hierarchical allreduce when the ranks are on several hosts, several on some (shared "
+    "memory within a host, TCP between hosts)", case="lower",
+    choices=(("auto", "hierarchical when every host holds as many ranks, >= 2"),
+             ("0", "the flat TCP algorithms across hosts"),
+             ("1", "hierarchical, else fail")))
 #: two slots per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's default is 64 MiB)
 TNT_GLOO_SHM_CHUNK_BYTES = GLOO.declare(
     "TNT_GLOO_SHM_CHUNK_BYTES", "int", 1 << 20,
