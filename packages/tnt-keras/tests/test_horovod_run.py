@@ -59,17 +59,20 @@ def test_run_refuses_what_it_cannot_launch(call, message):
 
 
 def test_horovods_module_paths_renamed_are_tarantellas():
-    """Moving a script is one rename: ``horovod.tensorflow[.keras[.callbacks]]`` becomes
-    ``tarantella.horovod.tensorflow[...]``, the same objects as ``tarantella.horovod[.keras]``."""
+    """Moving a script is one rename: ``horovod.tensorflow[.keras[.callbacks|.elastic]]``
+    becomes ``tarantella.horovod.tensorflow[...]``, the same objects as
+    ``tarantella.horovod[.keras]``."""
     import importlib
 
     import tarantella.horovod.keras as keras_api
 
     for path, same_as in (("tarantella.horovod.tensorflow", horovod),
                           ("tarantella.horovod.tensorflow.keras", keras_api),
-                          ("tarantella.horovod.tensorflow.keras.callbacks", horovod.callbacks)):
+                          ("tarantella.horovod.tensorflow.keras.callbacks", horovod.callbacks),
+                          ("tarantella.horovod.tensorflow.elastic", horovod.elastic),
+                          ("tarantella.horovod.tensorflow.keras.elastic", keras_api.elastic)):
         module = importlib.import_module(path)
-        names = [n for n in module.__all__ if n != "callbacks"]
+        names = [n for n in module.__all__ if n not in ("callbacks", "elastic")]
         assert names, path
         for name in names:
             assert getattr(module, name) is getattr(same_as, name), f"{path}.{name}"

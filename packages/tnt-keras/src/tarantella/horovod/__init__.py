@@ -13,7 +13,7 @@ share of the global batch (see the guide "Custom training loops and Horovod scri
 
 from __future__ import annotations
 
-from . import _keras2, callbacks
+from . import _keras2, callbacks, elastic
 from ._collectives import (
     Average,
     Compression,
@@ -24,6 +24,7 @@ from ._collectives import (
     allgather,
     allreduce,
     broadcast,
+    broadcast_object,
     broadcast_variables,
 )
 from ._launch import run
@@ -44,8 +45,10 @@ __all__ = [
     "allgather",
     "allreduce",
     "broadcast",
+    "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "elastic",
     "init",
     "is_initialized",
     "local_rank",
