@@ -173,8 +173,12 @@ def test_outside_an_elastic_job_run_calls_once_and_failures_go_through():
 def test_keras_2s_opt_lr_is_the_learning_rate():
     """Horovod's elastic examples scale the learning rate in their reset callbacks through
     Keras 2's ``opt.lr``."""
+    import tensorflow as tf
+
     optimizer = keras.optimizers.Adam(0.1)
     optimizer.lr.assign(0.5)
     assert float(keras.ops.convert_to_numpy(optimizer.learning_rate)) == 0.5
+    tf.keras.backend.set_value(optimizer.lr, 0.75)  # Keras 2's: it takes TensorFlow's variable
+    assert float(keras.ops.convert_to_numpy(optimizer.learning_rate)) == 0.75
     optimizer.lr = 0.25
     assert float(keras.ops.convert_to_numpy(optimizer.lr)) == 0.25

@@ -12,9 +12,12 @@ on Keras 3 before any Horovod name matters:
   ``list`` subclass, so what Keras and TensorFlow do with it (iterate, index, ``len``,
   ``tf.nest``) is unchanged; Keras' TensorFlow backend applies no ``keras.tree`` function
   to it (an ``optree`` tree takes a list subclass for a leaf).
-* ``opt.lr`` (the elastic examples' reset callbacks assign the learning rate scaled with the
-  new number of ranks through it). Keras 2's short name of ``learning_rate``; here the same
-  property under that name, on the optimizer classes that have no ``lr`` of their own.
+* ``opt.lr`` (the elastic examples' reset callbacks set the learning rate scaled with the
+  new number of ranks through it, ``opt.lr.assign(...)`` and
+  ``tf.keras.backend.set_value(opt.lr, ...)``). Keras 2's name of ``learning_rate``, which
+  gave TensorFlow's variable; here too: the ``tf.Variable`` that holds Keras 3's
+  ``learning_rate`` (a schedule's current value when the rate is a schedule). Setting
+  ``opt.lr = x`` sets ``learning_rate``.
 
 Importing ``tarantella.horovod`` installs them on Keras' classes (once; importing
 ``tarantella`` alone changes nothing), since the scripts call them on plain Keras objects.
@@ -71,13 +74,15 @@ def _callable_variables(variables: property) -> property:
 
 def _learning_rate_alias() -> property:
     def getter(self: keras.optimizers.Optimizer) -> Any:
-        return self.learning_rate
+        rate = self.learning_rate
+        held = getattr(rate, "value", None)  # a Keras variable's TensorFlow variable
+        return held if isinstance(held, tf.Variable) else rate
 
     def setter(self: keras.optimizers.Optimizer, value: Any) -> None:
         self.learning_rate = value
 
     _OURS.add(getter)
-    return property(getter, setter, doc="Keras 2's name of ``learning_rate``.")
+    return property(getter, setter, doc="Keras 2's name of ``learning_rate`` (TensorFlow's variable).")
 
 
 def _optimizer_classes() -> list[type]:
