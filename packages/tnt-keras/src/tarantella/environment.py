@@ -122,8 +122,9 @@ def refuse_in_elastic_job(what: str) -> None:
     if getattr(runtime, "membership", None) is not None:
         raise NotSupportedError(
             f"{what} cannot go on when ranks leave an elastic job (tnt run --min-np): only "
-            "the data-parallel tnt.Model's fit, evaluate and predict can; run without the "
-            "elastic options")
+            "the data-parallel tnt.Model's fit, evaluate and predict, and a loop with "
+            "hvd.DistributedGradientTape under hvd.elastic.run (tarantella.horovod), can; "
+            "run without the elastic options")
 
 
 def configure_process(runtime: tnt_core.Runtime) -> None:
