@@ -25,11 +25,16 @@ from tnt_keras_helpers import BACKENDS, QUIET, WORKERS
 TNT = Path(sys.executable).with_name("tnt")
 
 
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 @pytest.mark.skipif("gloo" not in BACKENDS, reason="elastic jobs need the gloo backend")
 def test_a_rank_dies_and_the_loop_rolls_back_to_its_commit_and_gives_serial_results(tmp_path):
     """3 ranks, the third SIGKILLed as batch 5 begins; commits after batches 1, 3, 5, 7: the
     survivors undo batch 4 (done, not committed), redo 4 and 5 over 2 ranks, and end where
-    serial training of the same global batches does (float64)."""
+    serial training of the same global batches does (float64); nothing is left in /dev/shm."""
+    before = _shm()
     proc = subprocess.run(
         [str(TNT), "run", "-n", "3", "--min-np", "1", "--backend", "gloo", "--",
          str(WORKERS / "horovod_elastic_worker.py"), str(tmp_path), "2:5"],
@@ -46,6 +51,7 @@ def test_a_rank_dies_and_the_loop_rolls_back_to_its_commit_and_gives_serial_resu
     np.testing.assert_allclose(r["losses"], r["serial_losses"], rtol=1e-12)  # hvd.allreduce's average
     for i in range(4):
         np.testing.assert_allclose(r[f"w{i}"], r[f"serial_w{i}"], rtol=1e-12, atol=1e-14, err_msg=f"w{i}")
+    assert _shm() <= before, sorted(_shm() - before)
 
 
 def _model_and_adam():
