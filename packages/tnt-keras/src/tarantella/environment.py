@@ -110,10 +110,10 @@ def refuse_elastic(runtime: tnt_core.Runtime) -> None:
     survivors when ranks leave (``tarantella.data_parallel.elastic``), but does not yet
     bring a process that joins a running ``fit`` to its step."""
     if getattr(runtime, "membership", None) is not None and runtime.config.elastic_joins:
-        raise NotSupportedError(
+        raise tnt_core.bad_input(NotSupportedError(  # one line: raised by `import tarantella`
             "tnt-keras does not yet take new ranks into a running job (tnt run --max-restarts, "
             "--max-np, --host-discovery-script): use --min-np alone, with which training goes "
-            "on over the ranks that are left when ranks die")
+            "on over the ranks that are left when ranks die"))
 
 
 def refuse_in_elastic_job(what: str) -> None:

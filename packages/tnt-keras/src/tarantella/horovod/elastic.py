@@ -47,7 +47,7 @@ from ..reporting.log import logger
 from ._collectives import broadcast_object
 from ._runtime import rank
 
-__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
+__all__ = ["HostsUpdatedInterrupt", "KerasState", "ObjectState", "State", "TensorFlowKerasState",
            "TensorFlowState", "run"]
 
 
@@ -212,6 +212,14 @@ class TensorFlowKerasState(ObjectState):
         broadcast_variables(self._variables(), root_rank=0)
         self._save_model()
         super().sync()
+
+
+class KerasState(TensorFlowKerasState):
+    """A Keras model's and its optimizer's variables, and plain values as keyword arguments
+    (Horovod's name for Keras; the same as :class:`TensorFlowKerasState` on Keras 3)."""
+
+    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        super().__init__(model, optimizer=optimizer, **kwargs)
 
 
 class TensorFlowState(ObjectState):

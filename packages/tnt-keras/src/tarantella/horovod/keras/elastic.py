@@ -15,6 +15,7 @@ import keras
 
 from ..elastic import (
     HostsUpdatedInterrupt,
+    KerasState,
     ObjectState,
     State,
     TensorFlowKerasState,
@@ -25,13 +26,6 @@ from ..elastic import (
 __all__ = ["CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState", "State",
            "TensorFlowKerasState", "TensorFlowState", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run"]
-
-
-class KerasState(TensorFlowKerasState):
-    """A Keras model's and its optimizer's variables, and plain values as keyword arguments."""
-
-    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        super().__init__(model, optimizer=optimizer, **kwargs)
 
 
 class CommitStateCallback(keras.callbacks.Callback):
