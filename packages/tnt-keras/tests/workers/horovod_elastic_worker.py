@@ -1,5 +1,5 @@
 """A Horovod elastic custom loop, as Horovod's TensorFlow 2 example writes it, with one rank
-SIGKILLed: ``horovod_elastic_worker.py OUT MEMBER:BATCH``.
+SIGKILLed: ``horovod_elastic_worker.py OUT MEMBER:BATCH[,MEMBER:BATCH...]``.
 
 The process that started as rank ``MEMBER`` kills itself as batch ``BATCH`` begins. Every
 step trains one global batch of ``GLOBAL`` rows, split evenly over the ranks there are at
@@ -31,7 +31,7 @@ import tensorflow as tf
 import tarantella.horovod.tensorflow as hvd  # the one line changed: `import horovod.tensorflow as hvd`
 
 out = Path(sys.argv[1])
-kill_member, kill_batch = (int(v) for v in sys.argv[2].split(":"))
+kills = {tuple(int(v) for v in kill.split(":")) for kill in sys.argv[2].split(",")}
 me = int(os.environ["TNT_RANK"])  # the rank this process started as: its member id
 keras.config.set_floatx("float64")
 keras.utils.set_random_seed(7)
@@ -79,7 +79,7 @@ reset_sizes: list[int] = []
 def train(state):
     while state.batch < STEPS:
         b = state.batch
-        if b == kill_batch and me == kill_member:
+        if (me, b) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = global_batch(b)
         share = GLOBAL // hvd.size()
