@@ -188,3 +188,16 @@ def test_keras_2s_opt_lr_is_the_learning_rate():
     assert float(keras.ops.convert_to_numpy(optimizer.learning_rate)) == 0.75
     optimizer.lr = 0.25
     assert float(keras.ops.convert_to_numpy(optimizer.lr)) == 0.25
+
+
+def test_a_loop_with_tnts_optimizer_is_refused_in_an_elastic_job(monkeypatch):
+    """Its traced reduction keeps the communicator it was traced for (only Horovod's, under
+    hvd.elastic.run, reach the next one), so it is refused before it reduces anything."""
+    import tarantella as tnt
+
+    model, _ = _model_and_adam()
+    optimizer = tnt.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    monkeypatch.setattr(tnt_core, "init", lambda: SimpleNamespace(membership=object()))
+    with pytest.raises(NotSupportedError, match=r"tnt.DistributedOptimizer\) cannot go on when ranks "
+                                                r"leave.*hvd.DistributedGradientTape under hvd.elastic.run"):
+        _step(model, optimizer)

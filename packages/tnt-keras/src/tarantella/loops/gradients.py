@@ -105,6 +105,8 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
     grads = list(grads)
     if current_step() is not None:  # inside tnt.Model's step: it reduces what is applied
         return grads
+    if not reduction.rebinding:  # its trace would keep the communicator of the moment
+        refuse_in_elastic_job("a custom training loop (tnt.DistributedOptimizer)")
     channel = comm.world()
     if reduction.sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
