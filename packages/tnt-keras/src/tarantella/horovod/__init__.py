@@ -9,6 +9,8 @@ tarantella's fused, native gradient path; ``hvd.allreduce`` averages by default.
 results with any batch (a short last batch included), use ``tnt.distribute_dataset`` with
 ``tnt.DistributedGradientTape``/``tnt.DistributedOptimizer``, which weigh each rank by its
 share of the global batch (see the guide "Custom training loops and Horovod scripts").
+``hvd.elastic`` is Horovod's elastic API: under ``tnt run --min-np`` a function decorated
+with ``hvd.elastic.run`` goes on over the ranks that are left when ranks die.
 """
 
 from __future__ import annotations
