@@ -51,7 +51,8 @@ def _top_level() -> None:
     (lambda: horovod.run(_top_level, np=0), "np must be a positive number of ranks, got 0"),
     (lambda: horovod.run(_top_level, np=2, use_gloo=True, use_mpi=True), "ask for two backends"),
     (lambda: horovod.run(_top_level, np=2, use_spark=True), "unexpected keyword argument(s) 'use_spark'"),
-], ids=["lambda", "np=0", "two-backends", "unknown-argument"])
+    (lambda: horovod.run(_top_level, num_proc=2, np=3), "num_proc=2 and the older np=3 disagree"),
+], ids=["lambda", "np=0", "two-backends", "unknown-argument", "num_proc-and-np"])
 def test_run_refuses_what_it_cannot_launch(call, message):
     with pytest.raises((TypeError, ValueError)) as err:
         call()
