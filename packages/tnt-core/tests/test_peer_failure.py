@@ -68,3 +68,19 @@ def test_comm_error_of_follows_the_chain():
             raise KeyError("outer") from exc
     except KeyError as outer:
         assert comm_error_of(outer) is inner
+
+
+def test_a_handled_comm_error_explains_no_later_failure(monkeypatch):
+    """An elastic rank's membership watcher polls the store with timeouts (each a CommError)
+    and a recovered failure is over: neither may turn a later ValueError of the user's into
+    a peer's failure."""
+    import tnt_core._errors as errors
+
+    monkeypatch.setattr(errors, "_first_comm_error", [])  # a fresh process's
+    polled = CommError("keys were not set within the timeout", operation="wait")
+    errors.handled(polled)
+    assert comm_error_of(ValueError("the user's own")) is None
+    failed = CommError("peer 2 closed the connection", rank=0)
+    assert comm_error_of(ValueError("after it")) is failed
+    errors.handled()  # recovered
+    assert comm_error_of(ValueError("later")) is None

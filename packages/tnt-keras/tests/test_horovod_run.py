@@ -51,7 +51,8 @@ def _top_level() -> None:
     (lambda: horovod.run(_top_level, np=0), "np must be a positive number of ranks, got 0"),
     (lambda: horovod.run(_top_level, np=2, use_gloo=True, use_mpi=True), "ask for two backends"),
     (lambda: horovod.run(_top_level, np=2, use_spark=True), "unexpected keyword argument(s) 'use_spark'"),
-], ids=["lambda", "np=0", "two-backends", "unknown-argument"])
+    (lambda: horovod.run(_top_level, num_proc=2, np=3), "num_proc=2 and the older np=3 disagree"),
+], ids=["lambda", "np=0", "two-backends", "unknown-argument", "num_proc-and-np"])
 def test_run_refuses_what_it_cannot_launch(call, message):
     with pytest.raises((TypeError, ValueError)) as err:
         call()
@@ -59,17 +60,20 @@ def test_run_refuses_what_it_cannot_launch(call, message):
 
 
 def test_horovods_module_paths_renamed_are_tarantellas():
-    """Moving a script is one rename: ``horovod.tensorflow[.keras[.callbacks]]`` becomes
-    ``tarantella.horovod.tensorflow[...]``, the same objects as ``tarantella.horovod[.keras]``."""
+    """Moving a script is one rename: ``horovod.tensorflow[.keras[.callbacks|.elastic]]``
+    becomes ``tarantella.horovod.tensorflow[...]``, the same objects as
+    ``tarantella.horovod[.keras]``."""
     import importlib
 
     import tarantella.horovod.keras as keras_api
 
     for path, same_as in (("tarantella.horovod.tensorflow", horovod),
                           ("tarantella.horovod.tensorflow.keras", keras_api),
-                          ("tarantella.horovod.tensorflow.keras.callbacks", horovod.callbacks)):
+                          ("tarantella.horovod.tensorflow.keras.callbacks", horovod.callbacks),
+                          ("tarantella.horovod.tensorflow.elastic", horovod.elastic),
+                          ("tarantella.horovod.tensorflow.keras.elastic", keras_api.elastic)):
         module = importlib.import_module(path)
-        names = [n for n in module.__all__ if n != "callbacks"]
+        names = [n for n in module.__all__ if n not in ("callbacks", "elastic")]
         assert names, path
         for name in names:
             assert getattr(module, name) is getattr(same_as, name), f"{path}.{name}"

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import CommError, TntError
+from ._errors import CommError, TntError, handled
 
 __all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
            "Membership", "interrupt_on_change", "join_membership", "latest_generation",
@@ -223,7 +223,8 @@ class GenerationWatcher:
             while not self._stop.is_set():
                 try:
                     store.wait([key], timeout=_WATCH_POLL_S)
-                except CommError:
+                except CommError as timeout:
+                    handled(timeout)  # polled again: it explains nothing that fails later
                     if not store.check([key]):  # a timeout; a lost store raises here
                         continue
                 if self._stop.is_set():

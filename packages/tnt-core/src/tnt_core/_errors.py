@@ -44,6 +44,14 @@ class CommError(TntError):
 _first_comm_error: list[CommError] = []
 
 
+def handled(exc: CommError | None = None) -> None:
+    """A CommError the program dealt with (a store wait that timed out and is polled again, a
+    failure an elastic job recovered from) explains no later exception: forget ``exc``, or
+    every one recorded when None, so the next CommError is the one recorded."""
+    if exc is None or (_first_comm_error and _first_comm_error[0] is exc):
+        _first_comm_error.clear()
+
+
 class CollectiveMismatchError(TntError, ValueError):
     """The ranks called different collectives, or the same one with buffers of different
     shape or dtype, a different reduction or root. Every rank raises it, before any data

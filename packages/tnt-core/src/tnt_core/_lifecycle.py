@@ -93,8 +93,8 @@ def _start_elastic(config: Config, name: str | None, pm: pluggy.PluginManager
             membership = join_membership(store, member, config.timeout_s)
             config = in_membership(config.with_overrides(member_id=member), membership)
             configure_logging(config)
-            try:
-                comm, spec = start_backend(config, name, pm)
+            try:  # alone in its generation: the local backend (a named one needs peers)
+                comm, spec = start_backend(config, "local" if config.size == 1 else name, pm)
             except CommError:
                 if latest_generation(store) == membership.generation:
                     raise

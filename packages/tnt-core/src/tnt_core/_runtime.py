@@ -14,7 +14,7 @@ import pluggy
 from ._backend import BackendSpec, CommBackend
 from ._config import Config
 from ._elastic import GenerationWatcher, Membership, latest_generation, read_membership
-from ._errors import CommError, ConfigError
+from ._errors import CommError, ConfigError, handled
 from ._log import configure_logging, logger
 from ._rendezvous import StoreClient, connect_store
 from ._stall_inspector import StallInspector, start_inspector
@@ -174,6 +174,7 @@ class Runtime:
                                          wait)
                 try:
                     self._bind(newest)
+                    handled()  # the job moved on: the failures of before explain nothing later
                     return self.backend
                 except CommError:
                     if latest_generation(store, newest.generation) == newest.generation:

@@ -110,10 +110,10 @@ def refuse_elastic(runtime: tnt_core.Runtime) -> None:
     survivors when ranks leave (``tarantella.data_parallel.elastic``), but does not yet
     bring a process that joins a running ``fit`` to its step."""
     if getattr(runtime, "membership", None) is not None and runtime.config.elastic_joins:
-        raise NotSupportedError(
+        raise tnt_core.bad_input(NotSupportedError(  # one line: raised by `import tarantella`
             "tnt-keras does not yet take new ranks into a running job (tnt run --max-restarts, "
             "--max-np, --host-discovery-script): use --min-np alone, with which training goes "
-            "on over the ranks that are left when ranks die")
+            "on over the ranks that are left when ranks die"))
 
 
 def refuse_in_elastic_job(what: str) -> None:
@@ -122,8 +122,9 @@ def refuse_in_elastic_job(what: str) -> None:
     if getattr(runtime, "membership", None) is not None:
         raise NotSupportedError(
             f"{what} cannot go on when ranks leave an elastic job (tnt run --min-np): only "
-            "the data-parallel tnt.Model's fit, evaluate and predict can; run without the "
-            "elastic options")
+            "the data-parallel tnt.Model's fit, evaluate and predict, and a loop with "
+            "hvd.DistributedGradientTape under hvd.elastic.run (tarantella.horovod), can; "
+            "run without the elastic options")
 
 
 def configure_process(runtime: tnt_core.Runtime) -> None:

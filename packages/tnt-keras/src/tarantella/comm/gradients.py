@@ -39,8 +39,8 @@ from . import native as native_ops
 from .graph_ops import gather_slices
 from .native import NativeReducer
 
-__all__ = ["NO_COMPRESSION", "Compression", "GradientReducer", "NoCompression", "dense_gradient",
-           "reduce_weighted"]
+__all__ = ["NO_COMPRESSION", "Compression", "CurrentAllreducer", "GradientReducer", "NoCompression",
+           "dense_gradient", "reduce_weighted"]
 
 #: bucket views start at multiples of this (TensorFlow's EIGEN_MAX_ALIGN_BYTES with AVX-512):
 #: the reduced tensors are handed to TensorFlow without a copy
@@ -146,6 +146,35 @@ def _spec(t: tf.Tensor) -> tnt_core.TensorSpec:
     return spec
 
 
+class CurrentAllreducer:
+    """The Python path's fused allreducer of one bucket plan over the communicator the
+    channel holds when a step runs: a new one after each :meth:`Channel.bind`.
+
+    The plan depends on the tensors only, so a graph traced once keeps its buckets and its
+    overlap with backprop, whichever communicator (and number of ranks) it runs over."""
+
+    def __init__(self, channel: Channel, plan: tnt_core.BucketPlan, overlap: bool,
+                 timeline: tnt_core.Timeline | None) -> None:
+        self.channel = channel
+        self.plan = plan
+        self._overlap = overlap
+        self._timeline = timeline
+        self._bound: tuple[int, tnt_core.FusedAllreducer] | None = None
+
+    def current(self) -> tnt_core.FusedAllreducer:
+        generation = self.channel.generation
+        if self._bound is None or self._bound[0] != generation:
+            self._bound = (generation, tnt_core.FusedAllreducer(
+                self.channel.backend, self.plan, overlap=self._overlap, timeline=self._timeline))
+        return self._bound[1]
+
+    def push(self, tensor_id: int, array: Any, scale: float | None = None) -> None:
+        self.current().push(tensor_id, array, scale)
+
+    def finish(self, timeout: float | None = None) -> list[np.ndarray]:
+        return self.current().finish(timeout)
+
+
 class GradientReducer:
     """Pushes one step's gradients into a fused allreducer from graph ops; finishes it.
 
@@ -155,10 +184,15 @@ class GradientReducer:
     ``numpy_function``) and the same overlap.
 
     :param channel: the channel whose ranks the gradients are summed over.
+    :param rebinding: the traced reduction must outlive its communicator: a graph traced by
+        user code that tarantella cannot trace again (a custom loop's ``tf.function`` in an
+        elastic Horovod job) reaches whatever communicator the channel holds when it runs.
+        It takes the Python path (a native reducer is made for one communicator).
     """
 
-    def __init__(self, channel: Channel, name: str) -> None:
+    def __init__(self, channel: Channel, name: str, *, rebinding: bool = False) -> None:
         self.channel = channel
+        self.rebinding = rebinding
         self.runtime = runtime = channel.runtime
         self.name = name
         self.threshold_bytes = runtime.config.fusion_threshold_bytes
@@ -168,7 +202,7 @@ class GradientReducer:
         self._backprop_start: float | None = None
         self._push_times: list[float] = []
         self._finished_at = 0.0
-        self._plans: dict[tuple, tnt_core.FusedAllreducer | NativeReducer] = {}
+        self._plans: dict[tuple, tnt_core.FusedAllreducer | NativeReducer | CurrentAllreducer] = {}
         self._native: NativeReducer | None = None  # the plan of the last trace, when native
         self._zeros: dict[tuple[int, int], np.ndarray] = {}
         channel.on_bind(self._forget_plans)
@@ -178,9 +212,14 @@ class GradientReducer:
         self._plans.clear()
         self._native = None
 
-    def _reducer_for(self, tensors: Sequence[tf.Tensor]) -> tnt_core.FusedAllreducer | NativeReducer:
+    def _reducer_for(self, tensors: Sequence[tf.Tensor]
+                     ) -> tnt_core.FusedAllreducer | NativeReducer | CurrentAllreducer:
         specs = tuple(_spec(t) for t in tensors)
         reducer = self._plans.get(specs)
+        if reducer is None and self.rebinding:
+            plan = tnt_core.plan_buckets(specs, self.threshold_bytes, align_bytes=_ALIGN)
+            reducer = self._plans[specs] = CurrentAllreducer(self.channel, plan, self.overlap,
+                                                             self.timeline)
         if reducer is None:
             plan = tnt_core.plan_buckets(specs, self.threshold_bytes, align_bytes=_ALIGN)
             why = self.channel.native_reason()
@@ -222,7 +261,7 @@ class GradientReducer:
         count(*tokens, outs[0])
         return outs
 
-    def _push_bucket(self, reducer: tnt_core.FusedAllreducer, ids: Sequence[int],
+    def _push_bucket(self, reducer: tnt_core.FusedAllreducer | CurrentAllreducer, ids: Sequence[int],
                      tensors: Sequence[tf.Tensor], scale: tf.Tensor) -> tf.Tensor:
         push_times = self._push_times if self.timeline is not None else None
         ids = tuple(ids)
@@ -249,7 +288,7 @@ class GradientReducer:
         return tf.numpy_function(run, [*tensors, scale], tf.int64, stateful=True,
                                  name=f"tnt_push_{self.name}_bucket_{ids[0]}")
 
-    def _finish(self, reducer: tnt_core.FusedAllreducer, tokens: Sequence[tf.Tensor],
+    def _finish(self, reducer: tnt_core.FusedAllreducer | CurrentAllreducer, tokens: Sequence[tf.Tensor],
                 like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         timeout = self.runtime.config.timeout_s
         timeline = self.timeline

@@ -9,11 +9,13 @@ tarantella's fused, native gradient path; ``hvd.allreduce`` averages by default.
 results with any batch (a short last batch included), use ``tnt.distribute_dataset`` with
 ``tnt.DistributedGradientTape``/``tnt.DistributedOptimizer``, which weigh each rank by its
 share of the global batch (see the guide "Custom training loops and Horovod scripts").
+``hvd.elastic`` is Horovod's elastic API: under ``tnt run --min-np`` a function decorated
+with ``hvd.elastic.run`` goes on over the ranks that are left when ranks die.
 """
 
 from __future__ import annotations
 
-from . import _keras2, callbacks
+from . import _keras2, callbacks, elastic
 from ._collectives import (
     Average,
     Compression,
@@ -24,6 +26,7 @@ from ._collectives import (
     allgather,
     allreduce,
     broadcast,
+    broadcast_object,
     broadcast_variables,
 )
 from ._launch import run
@@ -44,8 +47,10 @@ __all__ = [
     "allgather",
     "allreduce",
     "broadcast",
+    "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "elastic",
     "init",
     "is_initialized",
     "local_rank",

@@ -11,13 +11,12 @@ fused, native path (``tarantella.loops.gradients``).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
-
-import tnt_core
 
 from .. import comm
 from ..collectives import ReductionOp
@@ -30,7 +29,7 @@ from ..errors import NotSupportedError
 from ..reporting.tracebacks import user_facing
 
 __all__ = ["Average", "Compression", "Max", "Min", "Product", "Sum", "allgather", "allreduce",
-           "broadcast", "broadcast_variables", "reduction_op"]
+           "broadcast", "broadcast_object", "broadcast_variables", "current_size", "reduction_op"]
 
 #: Horovod's reduction ops
 Average = ReductionOp.AVERAGE
@@ -95,6 +94,28 @@ def _gather(tensor: tf.Tensor, name: str) -> tf.Tensor:
     return out
 
 
+def current_size() -> tf.Tensor:
+    """The number of ranks as an int64 tensor: in a traced function of an elastic job, read
+    when the function runs (ranks leave, and ``hvd.elastic.run`` does not trace the user's
+    functions again); elsewhere a constant."""
+    channel = comm.world()
+    if tf.executing_eagerly() or channel.runtime.membership is None:
+        return tf.constant(channel.size, tf.int64)
+    link = channel.link
+
+    def size() -> np.int64:
+        return np.int64(link.backend.size)
+
+    out = tf.numpy_function(size, [], tf.int64, stateful=True, name="hvd_size")
+    out.set_shape([])
+    return out
+
+
+def _divided(t: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+    """``t`` over the number of ranks (TensorFlow's division rule: integers give float64)."""
+    return t / tf.cast(size, t.dtype)
+
+
 def _scaled(t: tf.Tensor, factor: float) -> tf.Tensor:
     return t if factor == 1.0 else t * tf.cast(factor, t.dtype)
 
@@ -113,7 +134,6 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     """
     where = "hvd.allreduce"
     op = reduction_op(op, average, where)
-    size = tnt_core.init().size
     label = name or "hvd_allreduce"
     if isinstance(tensor, tf.IndexedSlices):
         if op not in (Average, Sum):
@@ -124,7 +144,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         values = _gather(tensor.values, label + "_values")
         indices = _gather(tensor.indices, label + "_indices")
         if op is Average:
-            values = values / tf.cast(size, values.dtype)
+            values = _divided(values, current_size())
         return tf.IndexedSlices(values, indices, tensor.dense_shape)
     t = _scaled(tf.convert_to_tensor(tensor), prescale_factor)
     wire, context = compression.compress(t)
@@ -133,7 +153,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     reduced.set_shape(wire.shape)
     result = compression.decompress(reduced, context)
     if op is Average:
-        result = result / (tf.cast(size, result.dtype) if result.dtype.is_floating else size)
+        result = _divided(result, current_size())
     return _scaled(result, postscale_factor)
 
 
@@ -154,3 +174,15 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> tf.Tensor
                    name or "hvd_broadcast")[0]
     out.set_shape(t.shape)
     return out
+
+
+@user_facing
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """``root_rank``'s ``obj`` on every rank (any picklable object; eagerly, on the host)."""
+    channel = comm.world()
+    payload = pickle.dumps(obj) if channel.rank == root_rank else b""
+    length = channel.broadcast_arrays([np.array([len(payload)], dtype=np.int64)], root_rank)[0]
+    buffer = np.frombuffer(payload, dtype=np.uint8) if channel.rank == root_rank \
+        else np.zeros(int(length[0]), dtype=np.uint8)
+    received = channel.broadcast_arrays([buffer], root_rank)[0].tobytes()
+    return obj if channel.rank == root_rank else pickle.loads(received)  # the job's own ranks sent it

@@ -1,7 +1,7 @@
-"""The two Keras 2 spellings of Horovod's TensorFlow 2 examples, accepted on Keras 3.
+"""The Keras 2 spellings of Horovod's TensorFlow 2 examples, accepted on Keras 3.
 
-Horovod's examples were written for Keras 2 (``tf.keras``), and two of their calls fail on
-Keras 3 before any Horovod name matters:
+Horovod's examples were written for Keras 2 (``tf.keras``), and three of their spellings fail
+on Keras 3 before any Horovod name matters:
 
 * ``model.compile(..., experimental_run_tf_function=False)``. Keras 2 took the argument and
   ignored it from TensorFlow 2.2 on (its step was always a ``tf.function``); Keras 3 refuses
@@ -12,8 +12,14 @@ Keras 3 before any Horovod name matters:
   ``list`` subclass, so what Keras and TensorFlow do with it (iterate, index, ``len``,
   ``tf.nest``) is unchanged; Keras' TensorFlow backend applies no ``keras.tree`` function
   to it (an ``optree`` tree takes a list subclass for a leaf).
+* ``opt.lr`` (the elastic examples' reset callbacks set the learning rate scaled with the
+  new number of ranks through it, ``opt.lr.assign(...)`` and
+  ``tf.keras.backend.set_value(opt.lr, ...)``). Keras 2's name of ``learning_rate``, which
+  gave TensorFlow's variable; here too: the ``tf.Variable`` that holds Keras 3's
+  ``learning_rate`` (a schedule's current value when the rate is a schedule). Setting
+  ``opt.lr = x`` sets ``learning_rate``.
 
-Importing ``tarantella.horovod`` installs both on Keras' classes (once; importing
+Importing ``tarantella.horovod`` installs them on Keras' classes (once; importing
 ``tarantella`` alone changes nothing), since the scripts call them on plain Keras objects.
 ``compile`` is replaced on the class that defines it, which is where loading a model looks
 for Keras' own ``compile`` (``tarantella._keras_compat.compile_owner``).
@@ -66,6 +72,19 @@ def _callable_variables(variables: property) -> property:
     return property(getter, doc=variables.__doc__)
 
 
+def _learning_rate_alias() -> property:
+    def getter(self: keras.optimizers.Optimizer) -> Any:
+        rate = self.learning_rate
+        held = getattr(rate, "value", None)  # a Keras variable's TensorFlow variable
+        return held if isinstance(held, tf.Variable) else rate
+
+    def setter(self: keras.optimizers.Optimizer, value: Any) -> None:
+        self.learning_rate = value
+
+    _OURS.add(getter)
+    return property(getter, setter, doc="Keras 2's name of ``learning_rate`` (TensorFlow's variable).")
+
+
 def _optimizer_classes() -> list[type]:
     """Keras' public optimizer classes that define ``variables`` themselves."""
     classes = [keras.optimizers.Optimizer]
@@ -76,7 +95,7 @@ def _optimizer_classes() -> list[type]:
 
 
 def install() -> None:
-    """Accept both spellings on Keras' classes (idempotent)."""
+    """Accept the spellings on Keras' classes (idempotent)."""
     owner = compile_owner()  # where loading a model looks for Keras' own compile
     compile_ = vars(owner)["compile"]
     if compile_ not in _OURS:
@@ -85,3 +104,7 @@ def install() -> None:
         variables = inspect.getattr_static(cls, "variables")
         if isinstance(variables, property) and variables.fget not in _OURS:
             cls.variables = _callable_variables(variables)  # type: ignore[attr-defined]
+    base = keras.optimizers.Optimizer
+    alias = inspect.getattr_static(base, "lr", None)
+    if alias is None:
+        base.lr = _learning_rate_alias()

@@ -25,10 +25,18 @@ __all__ = ["run"]
 
 #: Horovod's arguments of ``run`` that only tune its own launcher: accepted, without effect
 _LAUNCHER_TUNING = frozenset({
-    "min_np", "max_np", "slots", "reset_limit", "cooldown_range", "elastic_timeout",
-    "start_timeout", "ssh_port", "ssh_identity_file", "disable_cache", "output_filename",
-    "verbose", "use_jsrun", "mpi_args", "network_interface", "executable",
+    "slots", "reset_limit", "cooldown_range", "elastic_timeout", "start_timeout", "ssh_port",
+    "ssh_identity_file", "disable_cache", "output_filename", "verbose", "use_jsrun", "mpi_args",
+    "network_interface", "network_interfaces", "executable",
 })
+
+
+def _one_of(where: str, new: str, old: str, values: dict[str, Any]) -> Any:
+    """Horovod's argument ``new`` or its deprecated spelling ``old`` (not both, unless equal)."""
+    a, b = values.get(new), values.get(old)
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"{where}: {new}={a!r} and the older {old}={b!r} disagree; pass one")
+    return a if a is not None else b
 
 
 def _where(func: Callable[..., Any]) -> tuple[str, str]:
@@ -62,21 +70,43 @@ def _tnt_run_command() -> list[str]:
     return [sys.executable, "-m", "tnt_cli", "run"]
 
 
-def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, np: int = 1,
-        hosts: str | None = None, hostfile: str | None = None, use_gloo: bool | None = None,
-        use_mpi: bool | None = None, env: dict[str, str] | None = None, **launcher: Any) -> list[Any]:
-    """Run ``func(*args, **kwargs)`` on ``np`` ranks (``hosts`` as horovodrun's ``-H``, or a
-    ``hostfile`` with ``slots=``) and return each rank's result, in rank order; a failed
-    rank raises ``RuntimeError`` here, as in Horovod."""
+def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+        num_proc: int | None = None, min_num_proc: int | None = None,
+        max_num_proc: int | None = None, hosts: str | None = None, hostfile: str | None = None,
+        host_discovery_script: str | None = None, use_gloo: bool | None = None,
+        use_mpi: bool | None = None, env: dict[str, str] | None = None, np: int | None = None,
+        min_np: int | None = None, max_np: int | None = None, **launcher: Any) -> list[Any]:
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` ranks (``hosts`` as horovodrun's ``-H``,
+    or a ``hostfile`` with ``slots=``) and return each rank's result, in rank order; a failed
+    rank raises ``RuntimeError`` here, as in Horovod. ``np``, ``min_np``, ``max_np`` are
+    Horovod's older spellings.
+
+    Elastic: ``min_num_proc`` starts the job with ``tnt run --min-np`` (a function under
+    ``hvd.elastic.run`` goes on over the ranks that are left; the results are then those of
+    the ranks at the end). ``max_num_proc`` above ``num_proc`` and ``host_discovery_script``
+    ask for ranks that join, which tnt-keras refuses in one line when it is imported.
+    """
     unknown = sorted(set(launcher) - _LAUNCHER_TUNING)
     if unknown:
         raise TypeError(f"horovod.run() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
     if use_gloo and use_mpi:
         raise ValueError("horovod.run: use_gloo=True and use_mpi=True ask for two backends; choose one")
-    if not isinstance(np, int) or isinstance(np, bool) or np < 1:
-        raise ValueError(f"horovod.run: np must be a positive number of ranks, got {np!r}")
+    given = {"num_proc": num_proc, "np": np, "min_num_proc": min_num_proc, "min_np": min_np,
+             "max_num_proc": max_num_proc, "max_np": max_np}
+    nprocs = _one_of("horovod.run", "num_proc", "np", given)
+    nprocs = 1 if nprocs is None else nprocs
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"horovod.run: np must be a positive number of ranks, got {nprocs!r}")
+    least = _one_of("horovod.run", "min_num_proc", "min_np", given)
+    most = _one_of("horovod.run", "max_num_proc", "max_np", given)
     kind, place = _where(func)
-    command = _tnt_run_command() + ["-n", str(np)]
+    command = _tnt_run_command() + ["-n", str(nprocs)]
+    if least is not None:
+        command += ["--min-np", str(least)]
+    if most is not None and most > nprocs:
+        command += ["--max-np", str(most)]
+    if host_discovery_script:
+        command += ["--host-discovery-script", str(host_discovery_script)]
     if hosts:
         command += ["-H", hosts]
     if hostfile:
@@ -94,11 +124,14 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
         ended = subprocess.run(command, check=False)
         if ended.returncode != 0:
             raise RuntimeError(  # as Horovod's run raises it
-                f"horovod.run: the job of {np} rank(s) failed with exit code {ended.returncode} "
+                f"horovod.run: the job of {nprocs} rank(s) failed with exit code {ended.returncode} "
                 "(the failing rank's output is above)"
             )
         results = []
-        for rank in range(np):
-            with open(job / f"result.rank{rank}.pickle", "rb") as f:
+        for rank in range(nprocs):
+            path = job / f"result.rank{rank}.pickle"
+            if least is not None and not path.exists():
+                break  # an elastic job that ended with fewer ranks: theirs, in their final order
+            with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results

@@ -6,7 +6,6 @@ from typing import Any
 
 import tnt_core
 
-from ..environment import refuse_in_elastic_job
 from ..errors import NotSupportedError
 
 __all__ = ["init", "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size"]
@@ -14,14 +13,15 @@ __all__ = ["init", "is_initialized", "local_rank", "local_size", "rank", "shutdo
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start the job's runtime if it is not running (``tnt run`` gave the ranks their places;
-    importing tarantella started it already, so this is usually a no-op)."""
+    importing tarantella started it already, so this is usually a no-op). In an elastic job
+    (``tnt run --min-np``), training goes on after ranks leave inside ``hvd.elastic.run``;
+    elsewhere a collective that loses a rank fails."""
     if comm is not None or process_sets is not None:
         raise NotSupportedError(
             "hvd.init(comm=..., process_sets=...): the ranks and their communicator come from "
             "`tnt run`; call hvd.init() without arguments (groups of ranks: tnt.Group(ranks))"
         )
     tnt_core.init()
-    refuse_in_elastic_job("a Horovod script (hvd.init)")
 
 
 def shutdown() -> None:

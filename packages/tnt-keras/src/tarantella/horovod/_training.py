@@ -22,7 +22,7 @@ from ..errors import NotSupportedError
 from ..loops.gradients import DistributedGradientTape as _Tape
 from ..loops.gradients import GradientReduction, distribute_optimizer
 from ..reporting.tracebacks import user_facing
-from ._collectives import Average, Compression, Sum, reduction_op
+from ._collectives import Average, Compression, Sum, current_size, reduction_op
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer"]
 
@@ -36,13 +36,16 @@ def _reduction(where: str, compression: Any, sparse_as_dense: bool, op: Any,
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise ValueError(f"{where}: gradient_predivide_factor needs op=hvd.Average")
     # where the division by the number of ranks happens (gradient_predivide_factor) changes
-    # only round-off: every rank's gradient is weighted 1 / size before the sum
-    weight = 1.0 / tnt_core.init().size if op is Average else 1.0
+    # only round-off: every rank's gradient is weighted 1 / size before the sum; the size
+    # of the moment the step runs (an elastic job's ranks leave, its traced steps stay)
+    elastic = tnt_core.init().membership is not None
 
-    def fixed() -> tf.Tensor:
-        return tf.constant(weight, tf.float64)
+    def weight() -> tf.Tensor:
+        if op is not Average:
+            return tf.constant(1.0, tf.float64)
+        return 1.0 / tf.cast(current_size(), tf.float64)
 
-    return GradientReduction(fixed, compression, bool(sparse_as_dense))
+    return GradientReduction(weight, compression, bool(sparse_as_dense), rebinding=elastic)
 
 
 @tf.autograph.experimental.do_not_convert  # tarantella's code: plain Python while traced

@@ -51,11 +51,15 @@ class GradientReduction:
         result is ``sum_r w_r g_r``.
     :param compression: the wire format of dense gradients.
     :param sparse_as_dense: reduce ``tf.IndexedSlices`` densely instead of gathering rows.
+    :param rebinding: what is traced must reach the communicator current when it runs (an
+        elastic job's custom loop under ``hvd.elastic.run``: its ``tf.function`` is not
+        traced again after ranks leave); see :class:`~tarantella.comm.gradients.GradientReducer`.
     """
 
     weight: Callable[[], tf.Tensor]
     compression: Compression = NO_COMPRESSION
     sparse_as_dense: bool = False
+    rebinding: bool = False
 
 
 def _batch_share_weight() -> tf.Tensor:
@@ -70,20 +74,21 @@ BATCH_SHARE = GradientReduction(_batch_share_weight)
 #: one reducer per call site of a traced graph (the i-th reduction of a graph uses the i-th),
 #: shared by every graph and by eager calls: reductions of one graph are ordered, different
 #: graphs run one after the other, and each reducer keeps a plan per set of tensor shapes
-_reducers: dict[tuple[int, int], tuple[Channel, GradientReducer]] = {}
+_reducers: dict[tuple[int, int, bool], tuple[Channel, GradientReducer]] = {}
 _calls: weakref.WeakKeyDictionary[tf.Graph, int] = weakref.WeakKeyDictionary()
 
 
-def _reducer(channel: Channel) -> GradientReducer:
+def _reducer(channel: Channel, rebinding: bool) -> GradientReducer:
     index = 0
     if not tf.executing_eagerly():
         graph = tf.compat.v1.get_default_graph()
         index = _calls.get(graph, 0)
         _calls[graph] = index + 1
-    key = (id(channel), index)
+    key = (id(channel), index, rebinding)
     entry = _reducers.get(key)
     if entry is None:
-        entry = _reducers[key] = (channel, GradientReducer(channel, f"loop_{index}"))
+        entry = _reducers[key] = (channel, GradientReducer(channel, f"loop_{index}",
+                                                           rebinding=rebinding))
     return entry[1]
 
 
@@ -100,6 +105,8 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
     grads = list(grads)
     if current_step() is not None:  # inside tnt.Model's step: it reduces what is applied
         return grads
+    if not reduction.rebinding:  # its trace would keep the communicator of the moment
+        refuse_in_elastic_job("a custom training loop (tnt.DistributedOptimizer)")
     channel = comm.world()
     if reduction.sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -108,8 +115,9 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
         return grads
     weight = tf.cast(reduction.weight(), tf.float64)
     like = None if variables is None else [v if _has_shape(v) else None for v in variables]
-    copy = keep_outputs and channel.size > 1 and channel.native_reason() is not None
-    return reduce_weighted(grads, like, weight, lambda: _reducer(channel), channel,
+    python_path = reduction.rebinding or channel.native_reason() is not None
+    copy = keep_outputs and channel.size > 1 and python_path
+    return reduce_weighted(grads, like, weight, lambda: _reducer(channel, reduction.rebinding), channel,
                            keep=tf.not_equal(weight, 0.0), compression=reduction.compression,
                            copy=copy)
 
@@ -136,7 +144,8 @@ class DistributedGradientTape:
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape; got "
                             f"{type(tape).__name__}")
-        refuse_in_elastic_job("a custom training loop (tnt.DistributedGradientTape)")
+        if not reduction.rebinding:
+            refuse_in_elastic_job("a custom training loop (tnt.DistributedGradientTape)")
         self._tape = tape
         self._reduction = reduction
 

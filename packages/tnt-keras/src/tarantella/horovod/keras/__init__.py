@@ -6,8 +6,8 @@ wrapper and one set of collectives serve both of Horovod's modules.
 
 from __future__ import annotations
 
-from . import callbacks
-from ._collectives import (
+from .. import callbacks
+from .._collectives import (
     Average,
     Compression,
     Max,
@@ -17,10 +17,12 @@ from ._collectives import (
     allgather,
     allreduce,
     broadcast,
+    broadcast_object,
     broadcast_variables,
 )
-from ._runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
-from ._training import DistributedGradientTape, DistributedOptimizer
+from .._runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
+from .._training import DistributedGradientTape, DistributedOptimizer
+from . import elastic
 
 __all__ = [
     "Average",
@@ -34,8 +36,10 @@ __all__ = [
     "allgather",
     "allreduce",
     "broadcast",
+    "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "elastic",
     "init",
     "is_initialized",
     "local_rank",
