@@ -90,6 +90,37 @@ def test_the_rank_still_running_is_named_when_only_consequences_failed():
     assert took < SETTLE_S + 4.0
 
 
+@pytest.mark.parametrize(("said", "verdict"), [
+    ((), "rank 1 on node1.invalid failed: exited with code 255 (ssh could not reach "
+         "node1.invalid? `ssh node1.invalid true` must work without a prompt); ending the other ranks"),
+    (("started node1",), "lost host node1.invalid (node1) during the job (rank 1): its ssh "
+                         "connection ended (exit 255) after it had started; the link to the host "
+                         "or the host itself went down; ending the other ranks"),
+    (("started node1", "exited 255"), "rank 1 on node1.invalid failed: exited with code 255; "
+                                      "ending the other ranks"),
+], ids=["never-reached", "lost", "rank-exited-255"])
+def test_an_ssh_exit_255_is_told_by_what_the_agent_said(said, verdict, tmp_path):
+    """ssh's 255: no rank started (ssh never reached the host), the rank started and the
+    connection ended (the host was lost), or the agent said its rank exited with 255."""
+    ssh = tmp_path / "ssh"  # a Python named ssh stands for it
+    ssh.symlink_to(sys.executable)
+    lines = "".join(f"sys.stderr.buffer.write({line!r}); "
+                    for line in (agent.STATUS_PREFIX + s.encode() + b"\n" for s in said))
+    remote = ProcessSpec(argv=[str(ssh), "-c", f"import os, sys; {lines}sys.stderr.flush(); "
+                               "os._exit(255)"],
+                         host="node1.invalid", ranks=(1,), specs=[], lost_connection_code=255,
+                         failure_hints={255: "ssh could not reach node1.invalid? `ssh node1.invalid "
+                                             "true` must work without a prompt"})
+    local = ProcessSpec(argv=[sys.executable, "-c", "import sys; sys.stdin.read()"], host="localhost",
+                        ranks=(0,), specs=[], stdin=b"")
+    err = BytesIO()
+    code = Supervisor([local, remote], grace_s=1.0, stdout=BytesIO(), stderr=err).run()
+    assert code == 255
+    text = err.getvalue().decode()
+    assert "tnt-agent" not in text  # status lines are read, never shown
+    assert text.strip().splitlines() == [f"tnt run: {verdict}"]
+
+
 def test_only_consequences_and_nothing_running_names_the_first():
     code, err, _ = _supervise(
         f"import sys; sys.exit({agent.PEER_FAILURE_EXIT_CODE})",

@@ -70,7 +70,10 @@ def test_ssh_dry_run_shows_each_host(run_tnt, h, tmp_path):
     assert "[rank 2 on node-b.invalid, local rank 1 of 2]" in out
     ssh_lines = [line for line in out.splitlines() if line.strip().startswith("start: ssh ")]
     assert len(ssh_lines) == 2
-    assert all("-o BatchMode=yes" in line and "-p 2222 node-b.invalid" in line for line in ssh_lines)
+    # the user's ssh options first: ssh takes the first value of an option, so theirs win;
+    # the keep-alive gives a lost host up after 3 x 15 s (the default TNT_TIMEOUT_S is long)
+    assert all("-o BatchMode=yes" in line and "-p 2222 -o ServerAliveInterval=15 -o "
+               "ServerAliveCountMax=2 node-b.invalid" in line for line in ssh_lines)
     assert "TNT_RENDEZVOUS='10.1.2.3:<free port picked at start>'" in out
     assert not list(tmp_path.glob("ran.*"))
 

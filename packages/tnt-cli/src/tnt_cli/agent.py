@@ -35,7 +35,7 @@ from .cleanup import remove_orphan_segments, shm_segments
 from .devices import visible_gpus
 
 __all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE",
-           "exception_text", "report_failure", "read_failures"]
+           "STATUS_PREFIX", "exception_text", "report_failure", "read_failures"]
 
 SPEC_ENV = "TNT_AGENT_SPEC"
 #: a rank's exit code when it failed because a peer failed: tnt_core.PEER_FAILURE_EXIT_CODE
@@ -50,6 +50,12 @@ _EXCEPTION_LINE = re.compile(r"^(?:\[\d+\] )?(?:[A-Za-z_]\w*\.)*"
                              r"([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .*)?)$")
 #: the longest exception text quoted in the launcher's verdict
 _CAUSE_CHARS = 300
+#: starts the agent's status lines on its error output when the job description asks for
+#: them (``"status": true``, agents started over ssh): ``started HOSTNAME`` once the rank
+#: runs, ``exited CODE`` as the agent ends. ``tnt run`` reads and drops them; they tell it a
+#: connection lost after the rank started (no ``exited`` line) from ssh never reaching the
+#: host (no ``started``) and from the rank's own exit code 255 (``exited 255``)
+STATUS_PREFIX = b"\x1etnt-agent "
 
 
 def exception_text(line: str) -> str | None:
@@ -308,6 +314,8 @@ class Agent:
             self.err.write(f"[{rank}] tnt: cannot start rank {rank} on {self.host}: {what}: "
                            f"{exc.strerror or exc}\n".encode())
             return 127
+        if spec.get("status"):
+            self.err.write(STATUS_PREFIX + f"started {socket.gethostname()}\n".encode())
         pumps = [threading.Thread(target=_pump, args=(self.proc.stdout, show_out), daemon=True),
                  threading.Thread(target=_pump, args=(self.proc.stderr, show_err), daemon=True)]
         for t in pumps:
@@ -340,7 +348,10 @@ class Agent:
             if spec.get("rank") is None:  # under mpirun/srun only the agent can name the rank
                 self.err.write(f"[{rank}] tnt: rank {rank} on {self.host} {describe_exit(code)}\n".encode())
                 report_failure(env, rank, code, self.last_exception_line or self.last_err_line)
-        return 128 - code if code < 0 else code
+        exit_code = 128 - code if code < 0 else code
+        if spec.get("status"):
+            self.err.write(STATUS_PREFIX + f"exited {exit_code}\n".encode())
+        return exit_code
 
 
 #: store keys an agent under mpirun/srun sets when its rank fails: mpirun/srun may wait for

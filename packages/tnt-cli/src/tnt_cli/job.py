@@ -221,7 +221,9 @@ class Job:
         ``argv`` command of the rank · ``cwd`` · ``env`` ordered ``[name, value]`` pairs ·
         ``rank`` (None: taken from mpirun/srun variables at run time) · ``size`` · ``host``
         · ``output_all`` · ``pin_cpu`` / ``pin_memory`` · ``gpus`` GPU ids of a node, mapped
-        by local rank when the rank is known only at run time · ``hide_gpus`` · ``grace_s``.
+        by local rank when the rank is known only at run time · ``hide_gpus`` · ``grace_s``
+        · ``status`` (optional, set by the ssh launcher): the agent writes its status lines
+        (``agent.STATUS_PREFIX``).
         """
         base = self.forwarded_env() if remote else []
         if slot is None:

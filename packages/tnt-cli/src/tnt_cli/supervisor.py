@@ -26,6 +26,11 @@
   instead: the next generation goes on without it, processes started for the job (a
   replacement, ranks on discovered slots) join once ready, a rank the stall inspector
   found hung is killed; the job ends only below ``--min-np``.
+* A host lost during the job: ssh (``ProcessSpec.lost_connection_code``) ends after its
+  agent said the rank started and before it said the rank exited (the agent's status
+  lines, :data:`~tnt_cli.agent.STATUS_PREFIX`, read here and never shown). The verdict names
+  the host and its ranks, and the other connections to that host are killed at once: a
+  closed stdin cannot reach a host that is gone.
 * Every process runs in a session of its own, so a terminal's Ctrl+C reaches only
   ``tnt run``, which ends the ranks in order rather than leaving half of them running.
 """
@@ -46,7 +51,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, BinaryIO
 
-from .agent import PEER_FAILURE_EXIT_CODE, describe_exit, exception_text
+from .agent import PEER_FAILURE_EXIT_CODE, STATUS_PREFIX, describe_exit, exception_text
 from .elastic import ElasticJob
 from .launchers.base import ProcessSpec
 
@@ -72,6 +77,15 @@ HUNG_POLL_S = 1.0
 _AGENT_EXIT_LINE = re.compile(rb"^\[(\d+)\] tnt: rank (\d+) on \S+ (?:exited|was killed)")
 
 
+#: what a connection lost after its rank started means
+_WENT_DOWN = "the link to the host or the host itself went down"
+
+
+def _connection_ended(spec: ProcessSpec, value: int, who: str) -> str:
+    tool = os.path.basename(spec.argv[0]) if spec.argv else "launcher"
+    return f"its {tool} connection ended (exit {value}) after {who} had started"
+
+
 class _Sink:
     """A shared output stream written one whole line at a time."""
 
@@ -91,9 +105,14 @@ class _Sink:
                 self.broken = True
 
 
-def _pump(pipe: BinaryIO, sink: _Sink, seen: Callable[[bytes], None] | None = None) -> None:
+def _pump(pipe: BinaryIO, sink: _Sink, seen: Callable[[bytes], None] | None = None,
+          status: Callable[[bytes], None] | None = None) -> None:
+    """Forward ``pipe`` to ``sink`` line by line; an agent's status line goes to ``status``."""
     with pipe:
         for line in iter(pipe.readline, b""):
+            if status is not None and line.startswith(STATUS_PREFIX):
+                status(line[len(STATUS_PREFIX):])
+                continue
             sink.write(line if line.endswith(b"\n") else line + b"\n")
             if seen is not None:
                 seen(line)
@@ -151,6 +170,10 @@ class Supervisor:
         #: per rank reported by an agent under mpirun/srun: its last exception line
         self.rank_causes: dict[int, str] = {}
         self.err_pumps: dict[int, threading.Thread] = {}
+        #: per process whose agent said so (status lines): the host name its rank started
+        #: on, and the exit code the agent ended with
+        self.agent_started: dict[int, str] = {}
+        self.agent_exited: dict[int, int] = {}
         #: failures because a peer failed, in order, before the verdict: (kind, index)
         self.secondary: list[tuple[str, int]] = []
         self.settle_until: float | None = None
@@ -229,8 +252,16 @@ class Supervisor:
                     self.agent_lines.add(int(said.group(1)))
                     self._agent_line.notify_all()
 
-        for pipe, sink, watch in ((proc.stdout, self.out, None), (proc.stderr, self.err, seen)):
-            t = threading.Thread(target=_pump, args=(pipe, sink, watch), daemon=True)
+        def status(text: bytes) -> None:
+            what, _, value = text.decode(errors="replace").strip().partition(" ")
+            if what == "started":
+                self.agent_started[index] = value
+            elif what == "exited" and value.lstrip("-").isdigit():
+                self.agent_exited[index] = int(value)
+
+        for pipe, sink, watch, told in ((proc.stdout, self.out, None, None),
+                                        (proc.stderr, self.err, seen, status)):
+            t = threading.Thread(target=_pump, args=(pipe, sink, watch, told), daemon=True)
             t.start()
             self.threads.append(t)
         self.err_pumps[index] = t
@@ -352,7 +383,11 @@ class Supervisor:
         it (a replacement joins later, while restarts last), or the job ends below --min-np."""
         assert self.elastic is not None
         cause = self.last_exception.get(index)  # not waited for: the survivors wait on us
-        why = describe_exit(value) + (f" ({cause})" if cause else "")
+        if self._lost_connection(index, value):
+            why = (f"was lost: {_connection_ended(self.specs[index], value, 'it')}; "
+                   f"{_WENT_DOWN}")
+        else:
+            why = describe_exit(value) + (f" ({cause})" if cause else "")
         before = self.elastic.generation
         procs, error = self.elastic.change({index: why})
         if error is not None:
@@ -439,10 +474,44 @@ class Supervisor:
         if kind == "rank-failed":  # its agent's line about it may still be on its way
             with self._agent_line:
                 self._agent_line.wait_for(lambda: index in self.agent_lines, AGENT_LINE_WAIT_S)
-        hint = self.specs[index].failure_hints.get(code) if kind == "exit" else None
+        if kind == "exit" and self._lost_connection(index, value):
+            self._lost_host(index, value)
+            return
+        started = index in self.agent_started  # then ssh did reach the host
+        hint = self.specs[index].failure_hints.get(code) if kind == "exit" and not started else None
         notes = "; ".join(n for n in (hint, self._exception(kind, index)) if n)
         self._conclude(f"{self._label(kind, index)} failed: {describe_exit(value)}"
                        + (f" ({notes})" if notes else "") + self._ending(kind))
+        self._stop_all()
+
+    def _lost_connection(self, index: int, value: int) -> bool:
+        """Whether process ``index`` (exit status ``value``) lost its host: the launching
+        tool's connection ended after the agent said the rank started and before it said
+        the rank exited."""
+        spec = self.specs[index]
+        if spec.lost_connection_code is None or value != spec.lost_connection_code:
+            return False
+        pump = self.err_pumps.get(index)
+        if pump is not None:  # the agent's last status line, if it came, is read by now
+            pump.join(timeout=1.0)
+        return index in self.agent_started and index not in self.agent_exited
+
+    def _lost_host(self, index: int, value: int) -> None:
+        """Name the lost host and its ranks; kill the other connections to it (nothing
+        reaches them any more), ask the rest to end."""
+        host = self.specs[index].host
+        same = [i for i, spec in enumerate(self.specs) if spec.host == host]
+        ranks = sorted(r for i in same for r in self.specs[i].ranks)
+        name = next((self.agent_started[i] for i in same if i in self.agent_started), "")
+        where = f"{host} ({name})" if name and name != host else host
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        ended = _connection_ended(self.specs[index], value, "they" if len(ranks) > 1 else "it")
+        self._conclude(f"lost host {where} during the job ({which}): {ended}; {_WENT_DOWN}"
+                       f"{self._ending('exit')}")
+        for i in same:
+            proc = self.procs[i] if i < len(self.procs) else None
+            if proc is not None and proc.poll() is None:
+                _killpg(proc.pid, signal.SIGKILL)
         self._stop_all()
 
     def _label(self, kind: str, index: int) -> str:

@@ -31,8 +31,12 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: signal sent to the process group to end it (besides closing stdin)
     stop_signal: int | None = None
-    #: what an exit code of the launching tool itself means (ssh: 255)
+    #: what an exit code of the launching tool itself means (ssh: 255), said when the
+    #: rank had not started (its agent's status lines: ``tnt_cli.agent.STATUS_PREFIX``)
     failure_hints: dict[int, str] = field(default_factory=dict)
+    #: the launching tool's exit code when its connection to the host ended (ssh: 255): after
+    #: the agent said the rank started and before it said the rank exited, the host was lost
+    lost_connection_code: int | None = None
 
     @property
     def label(self) -> str:
