@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -24,6 +25,7 @@ import tnt_core
 from tarantella.comm import Channel
 from tarantella.comm import compression as wire
 from tarantella.comm.gradients import GradientReducer, reduce_weighted
+from tarantella.data_parallel.steps import step_compression
 
 #: 1e5 is past float16's largest value (65504); weighted by 0.3, and summed over 2 ranks, not
 KERNEL = np.array([[1.0e5, -3.0], [0.1, 7.0]], np.float32)
@@ -111,3 +113,15 @@ def test_the_setting_is_off_by_default_and_said_once_on_the_master(monkeypatch):
     monkeypatch.setenv(wire.SETTING, "int8")
     with pytest.raises(tnt_core.ConfigError, match="TNT_GRADIENT_COMPRESSION='int8' is not one of"):
         wire.for_fit(_Runtime())  # type: ignore[arg-type]
+
+
+def test_a_horovod_optimizers_compressor_is_honoured_in_fit(monkeypatch):
+    """``hvd.DistributedOptimizer(..., compression=fp16)`` compiled into a ``tnt.Model``: the
+    model's step reduces, with the optimizer's compressor; a plain optimizer takes the setting."""
+    monkeypatch.delenv(wire.SETTING, raising=False)
+    runtime = tnt_core.init()
+    fp16 = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.fp16)
+    assert step_compression(fp16, runtime) is hvd.Compression.fp16
+    plain = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert step_compression(plain, runtime) is wire.NO_COMPRESSION
+    assert step_compression(keras.optimizers.SGD(0.1), runtime) is wire.NO_COMPRESSION
