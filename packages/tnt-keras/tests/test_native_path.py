@@ -43,7 +43,7 @@ def trained(tmp_path_factory):
 
 def test_each_path_is_the_one_asked_for(trained):
     for rank in (0, 1):
-        for dtype in ("float32", "float16", "fp16wire"):
+        for dtype in ("float32", "float16"):
             assert trained[("native", rank)][f"{dtype}_native"].tolist() == [True]
             assert trained[("python", rank)][f"{dtype}_native"].tolist() == [False]
 
@@ -60,14 +60,15 @@ def test_native_and_python_paths_train_the_same_bits(trained, dtype):
         np.testing.assert_array_equal(native[key], trained[("native", 1)][key], err_msg=key)
 
 
-def test_compressed_gradients_train_alike_on_both_paths(trained):
-    """TNT_GRADIENT_COMPRESSION=fp16: float32 weights that both paths (whose buckets are
-    then float16) train to the same bits, near the uncompressed run and not equal to it."""
-    native, python = trained[("native", 0)], trained[("python", 0)]
+def test_compressed_gradients_take_the_native_path(trained):
+    """TNT_GRADIENT_COMPRESSION=fp16: the float32 model's buckets are float16 and go through
+    the native ops (the float16 model above shows both paths give such buckets the same
+    bits); both ranks get the same float32 weights, near the uncompressed run's, not equal."""
+    native = trained[("native", 0)]
+    assert native["fp16wire_native"].tolist() == trained[("native", 1)]["fp16wire_native"].tolist() == [True]
     for i in range(6):
         key = f"fp16wire_{i}"
         assert native[key].dtype == np.float32
-        np.testing.assert_array_equal(native[key], python[key], err_msg=key)
         np.testing.assert_array_equal(native[key], trained[("native", 1)][key], err_msg=key)
         rel = np.linalg.norm(native[key] - native[f"float32_{i}"]) / np.linalg.norm(native[f"float32_{i}"])
         assert 0 < rel < 1e-2, f"{key}: {rel:.2e} from the uncompressed run"
