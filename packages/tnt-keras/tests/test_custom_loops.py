@@ -87,6 +87,8 @@ def test_horovod_names_keep_horovods_meaning(facts):
         assert f["allreduce_sum"] == f["allreduce_average_false"] == [3.0, 9.0]
         assert f["allreduce_max_int"] == [2, 0]
         assert f["allreduce_fp16"] == ["float32"]
+        # divided before the float16 sum (30000 + 40000 + 50000 would overflow it)
+        assert f["allreduce_fp16_average"] == pytest.approx([4e4], rel=1e-3)
         assert f["allgather_rows"] == [[0, 0], [1, 1], [1, 1], [2, 2], [2, 2], [2, 2]]
         assert f["broadcast"] == [12]
         assert f["graph_allreduce_sum"] == [3.0, 9.0]

@@ -441,6 +441,14 @@ TNT_STALL_WARN_S = SETTINGS.declare(
     "seconds in one collective after which the lowest waiting rank logs which ranks have not "
     "arrived and where they were last seen (epoch, step); `0` turns the stall inspector off",
     minimum=0.0)
+#: Off by default: compressed gradients break serial equivalence (float16 round-off of every
+#: rank's weighted gradient and of their sum); a link-bound job opts in.
+TNT_GRADIENT_COMPRESSION = SETTINGS.declare(
+    "TNT_GRADIENT_COMPRESSION", "choice", "none",
+    "how `fit`'s dense gradients travel in the allreduce; `fp16` halves the bytes of float32 "
+    "gradients, and training then differs from serial training by float16 round-off",
+    case="lower", choices=(("none", "in their own dtype"),
+                           ("fp16", "as float16, each rank's weighted before the cast")))
 TNT_TIMELINE = SETTINGS.declare("TNT_TIMELINE", "str", None,
                                 "write a Chrome-trace timeline of the training steps to this path "
                                 "(one file per rank; a missing directory is created)",

@@ -227,6 +227,9 @@ def _facts(tnt, hvd, keras, tf, mlp) -> dict:
     facts["allreduce_max_int"] = hvd.allreduce(tf.constant([rank, -rank]), op=hvd.Max).numpy().tolist()
     facts["allreduce_fp16"] = [hvd.allreduce(tf.constant([1.5 * rank], tf.float32),
                                              compression=hvd.Compression.fp16).dtype.name]
+    # the ranks' sum is past float16's 65504, their average is not
+    facts["allreduce_fp16_average"] = hvd.allreduce(tf.constant([1e4 * (rank + 3)], tf.float32),
+                                                    compression=hvd.Compression.fp16).numpy().tolist()
     facts["allgather_rows"] = hvd.allgather(tf.fill([rank + 1, 2], rank)).numpy().tolist()
     facts["broadcast"] = hvd.broadcast(tf.constant([rank + 10]), root_rank=2).numpy().tolist()
 

@@ -4,7 +4,8 @@ Run on every rank of a launched job: ``python native_worker.py OUT_DIR CASE``.
 
 * ``train``: trains small models with micro-batches of unequal size (global batch 7 on 2
   ranks: factors 4/7 and 3/7, so the scaled copy into the buckets is exercised), in
-  float32 and float16, and saves the weights and which path each step took
+  float32 and float16, and on the native path the float32 one again with
+  ``TNT_GRADIENT_COMPRESSION=fp16`` (``fp16wire``), and saves the weights and which path each step took
   (``OUT_DIR/<path>-rank<r>.npz``, path from ``TNT_NATIVE_OPS``). Then the replicas of a
   pipeline stage: one stage (the whole model, uncut) on both ranks, each training on its
   share of every global batch (4 and 3 of 7, in 2 micro-batches), its gradients summed over
@@ -66,15 +67,21 @@ def _data(dtype: str) -> tuple[np.ndarray, np.ndarray]:
 def train(out: Path) -> None:
     path = "python" if os.environ.get("TNT_NATIVE_OPS", "true") == "false" else "native"
     saved = {}
-    for dtype in ("float32", "float16"):
+    cases = [("float32", "float32"), ("float16", "float16")]
+    if path == "native":  # the Python path is handed the same float16 tensors (test_compression)
+        cases.append(("fp16wire", "float32"))
+    for case, dtype in cases:
+        if case == "fp16wire":  # read when the step is traced
+            os.environ["TNT_GRADIENT_COMPRESSION"] = "fp16"
         model = tnt.Model(_model(dtype))
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, name="sgd"), loss="mse")
         x, y = _data(dtype)
         model.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+        os.environ.pop("TNT_GRADIENT_COMPRESSION", None)
         for i, w in enumerate(model.get_weights()):
-            saved[f"{dtype}_{i}"] = w
+            saved[f"{case}_{i}"] = w
         plans = list(model._tnt._reducers["train_sgd_0"]._plans.values())
-        saved[f"{dtype}_native"] = np.array([isinstance(p, NativeReducer) for p in plans])
+        saved[f"{case}_native"] = np.array([isinstance(p, NativeReducer) for p in plans])
     saved.update(_stage_replicas())
     np.savez(out / f"{path}-rank{tnt.get_rank()}.npz", **saved)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -36,11 +36,11 @@ import tnt_core
 from .. import timeline as _timeline
 from . import Channel, count, previous, record
 from . import native as native_ops
+from .compression import NO_COMPRESSION, Compression, travels_as_is
 from .graph_ops import gather_slices
 from .native import NativeReducer
 
-__all__ = ["NO_COMPRESSION", "Compression", "CurrentAllreducer", "GradientReducer", "NoCompression",
-           "dense_gradient", "reduce_weighted"]
+__all__ = ["CurrentAllreducer", "GradientReducer", "dense_gradient", "reduce_weighted"]
 
 #: bucket views start at multiples of this (TensorFlow's EIGEN_MAX_ALIGN_BYTES with AVX-512):
 #: the reduced tensors are handed to TensorFlow without a copy
@@ -61,29 +61,6 @@ def dense_gradient(grad: tf.Tensor | tf.IndexedSlices, like: tf.Variable | None)
     return dense
 
 
-class Compression(Protocol):
-    """How gradients travel (Horovod's compressors): ``compress`` before, ``decompress`` after."""
-
-    def compress(self, tensor: tf.Tensor) -> tuple[tf.Tensor, Any]: ...
-
-    def decompress(self, tensor: tf.Tensor, context: Any) -> tf.Tensor: ...
-
-
-class NoCompression:
-    """Gradients travel as they are."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
-        return tensor
-
-
-NO_COMPRESSION: Compression = NoCompression()
-
-
 def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weight: tf.Tensor,
                     reducer: Callable[[], GradientReducer], channel: Channel, *,
                     keep: tf.Tensor,
@@ -95,7 +72,9 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
     ``dense_after(dense)``); sparse ones (``tf.IndexedSlices``) are gathered row by row, as the
     serial step has them (Adam squares rows), keeping this rank's rows where ``keep``.
     ``copy`` copies the results out of reused buckets (for callers that hand them to user
-    code).
+    code). With ``compression``, each dense gradient is weighted in its own dtype first,
+    then compressed (:mod:`tarantella.comm.compression`: so the narrow sum cannot
+    overflow), summed, and cast back to its dtype; sparse ones are gathered as they are.
 
     :param variables: the variables of ``grads`` (None where a static shape is unknown).
     :param channel: the ranks the gradients are summed (and sparse rows gathered) over: the
@@ -108,12 +87,19 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
     if dense_ids:
         dense = [dense_gradient(grads[i], variables[i] if variables is not None else None)
                  for i in dense_ids]
-        packed = [compression.compress(d) for d in dense]
         after = previous() + (dense_after(dense) if dense_after is not None else [])
-        reduced = reducer().reduce([c for c, _ in packed], weight, after=after)
+        compressed = not travels_as_is(compression) and channel.size > 1  # one rank: nothing travels
+        if not compressed:
+            packed, factor = [(d, None) for d in dense], weight
+        else:  # weighted before the cast: the compressed sum is a gradient's size
+            factor64 = tf.cast(weight, tf.float64)
+            packed = [compression.compress(_scaled(d, factor64)) for d in dense]
+            factor = tf.constant(1.0, tf.float64)
+        reduced = reducer().reduce([c for c, _ in packed], factor, after=after)
         record(reduced[:1])
         for i, r, d, (_, context) in zip(dense_ids, reduced, dense, packed):
-            r = tf.cast(compression.decompress(r, context), d.dtype)
+            if compressed:
+                r = tf.cast(compression.decompress(r, context), d.dtype)
             out[i] = tf.raw_ops.DeepCopy(x=r) if copy else r
     for i in sparse_ids:
         g = grads[i]

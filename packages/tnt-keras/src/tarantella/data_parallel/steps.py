@@ -34,6 +34,7 @@ import tnt_core
 
 from .._keras_compat import all_layers
 from ..comm import record
+from ..comm.compression import Compression, for_fit, travels_as_is
 from ..comm.gradients import reduce_weighted
 from ..comm.graph_ops import allreduce_sum, gather_rows
 from ..errors import DatasetError, NotSupportedError
@@ -223,8 +224,20 @@ def reduce_gradients(step: StepContext, optimizer: keras.optimizers.Optimizer, g
         return dense if step.sync_bn else []
 
     out = reduce_weighted(grads, variables, factor, lambda: reducer, state.channel,
-                          keep=step.has_data, dense_after=sync_bn_first)
+                          keep=step.has_data, dense_after=sync_bn_first,
+                          compression=step_compression(optimizer, state.runtime))
     return out, reducer
+
+
+def step_compression(optimizer: keras.optimizers.Optimizer, runtime: tnt_core.Runtime) -> Compression:
+    """How the step's gradients for ``optimizer`` travel: as its Horovod compressor says
+    (``hvd.DistributedOptimizer(..., compression=)`` compiled into the model), else as
+    ``TNT_GRADIENT_COMPRESSION`` says."""
+    reduction = getattr(optimizer, "_tnt_reduction", None)
+    own = getattr(reduction, "compression", None)
+    if own is not None and not travels_as_is(own):
+        return own
+    return for_fit(runtime)
 
 
 def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,

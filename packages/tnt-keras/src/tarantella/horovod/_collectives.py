@@ -23,7 +23,7 @@ from ..collectives import ReductionOp
 from ..collectives import allgather as _allgather
 from ..collectives import allreduce as _allreduce
 from ..collectives import broadcast as _broadcast
-from ..comm.gradients import NoCompression
+from ..comm.compression import FP16Compression, NoCompression, travels_as_is
 from ..data_parallel.weights import broadcast_variables
 from ..errors import NotSupportedError
 from ..reporting.tracebacks import user_facing
@@ -57,18 +57,8 @@ def reduction_op(op: Any, average: bool | None, where: str) -> ReductionOp:
 NoneCompressor = NoCompression
 
 
-class FP16Compressor:
-    """Floating-point tensors travel as float16 (half the bytes; float16's precision)."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
-            return tf.cast(tensor, tf.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, context: Any) -> tf.Tensor:
-        return tensor if context is None else tf.cast(tensor, context)
+#: floating-point tensors travel as float16 (half the bytes of float32; float16's precision)
+FP16Compressor = FP16Compression
 
 
 class Compression:
@@ -130,7 +120,9 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     ``Min``, ``Max``, ``Product``); a ``tf.IndexedSlices`` is gathered (and its values
     divided by the number of ranks for the average). An average of integers is their sum
     divided by the number of ranks, with TensorFlow's integer division rule (a float64
-    result). ``device_*`` are accepted for compatibility: the data moves through the host.
+    result). ``compression=hvd.Compression.fp16`` sends floating-point tensors as float16
+    (an average is divided by the number of ranks before, so the float16 sum cannot
+    overflow). ``device_*`` are accepted for compatibility: the data moves through the host.
     """
     where = "hvd.allreduce"
     op = reduction_op(op, average, where)
@@ -147,12 +139,16 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
             values = _divided(values, current_size())
         return tf.IndexedSlices(values, indices, tensor.dense_shape)
     t = _scaled(tf.convert_to_tensor(tensor), prescale_factor)
+    # compressed, an average is divided before the narrow sum (which cannot overflow then)
+    predivide = op is Average and not travels_as_is(compression) and t.dtype.is_floating
+    if predivide:
+        t = _divided(t, current_size())
     wire, context = compression.compress(t)
     inner = ReductionOp.SUM if op is Average else op
     reduced = _on_host(lambda a: [_allreduce(a[0], reduction_op=inner)], [wire], [wire.dtype], label)[0]
     reduced.set_shape(wire.shape)
     result = compression.decompress(reduced, context)
-    if op is Average:
+    if op is Average and not predivide:
         result = _divided(result, current_size())
     return _scaled(result, postscale_factor)
 

@@ -32,7 +32,8 @@ import tensorflow as tf
 
 from .. import comm
 from ..comm import Channel
-from ..comm.gradients import NO_COMPRESSION, Compression, GradientReducer, reduce_weighted
+from ..comm.compression import NO_COMPRESSION, Compression
+from ..comm.gradients import GradientReducer, reduce_weighted
 from ..data_parallel.steps import current_step
 from ..environment import refuse_in_elastic_job
 from ..reporting.tracebacks import user_facing

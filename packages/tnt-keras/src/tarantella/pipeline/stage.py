@@ -55,6 +55,7 @@ import tnt_core
 
 from .._keras_compat import forgetting_custom_gradients
 from ..comm import Channel
+from ..comm.compression import for_fit
 from ..comm.gradients import GradientReducer, reduce_weighted
 from ..errors import NotSupportedError
 from . import schedule as schedules
@@ -316,7 +317,8 @@ class StageStep:
         replicas = self.replicas
         assert replicas is not None
         return reduce_weighted(grads, self.weights, tf.constant(1.0, tf.float64),
-                               lambda: replicas, replicas.channel, keep=tf.constant(True))
+                               lambda: replicas, replicas.channel, keep=tf.constant(True),
+                               compression=for_fit(replicas.channel.runtime))
 
     def _sparse_rows(self, x: Any) -> list[Rows | None]:
         """Which weights' gradients are sparse, from the stage's structure: one forward and
