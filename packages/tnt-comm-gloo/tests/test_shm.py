@@ -51,7 +51,7 @@ def test_peer_exiting_mid_allreduce_fails_the_others_fast(scenario, nprocs: int)
         info = report["info"]
         pid = run.reports[victim]["info"]["pid"]
         assert f"rank {victim} (pid {pid}) exited" in info["error"], info["error"]
-        assert info["failed_at"] - dies_at < 3.0, info
+        assert info["failed_at"] - dies_at < 3.0, (rank, info.get("error"), info)
         assert info["close_s"] < 2.0, f"closing after the failure took {info['close_s']:.1f}s"
     _assert_no_leftovers(run.reports)
 
@@ -103,7 +103,7 @@ def test_hierarchical_allreduce_across_emulated_hosts(scenario) -> None:
     dies_at = run.reports[3]["info"]["dies_at"]
     for rank in range(3):
         info = run.reports[rank]["info"]
-        assert info["failed_at"] - dies_at < 3.0, info
+        assert info["failed_at"] - dies_at < 3.0, (rank, info.get("error"), info)
         assert info["close_s"] < 2.0, info
     assert "rank 3" in run.reports[2]["info"]["error"], run.reports[2]["info"]
     _assert_no_leftovers(run.reports)

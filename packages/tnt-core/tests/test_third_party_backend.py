@@ -108,7 +108,7 @@ def test_installed_backend_is_listed_and_selected_by_name(installed_plugin):
     assert chosen.stdout.splitlines()[1] == f"{name} [2.0, 2.0, 2.0]"
 
 
-def test_uninstalled_backend_is_gone(installed_plugin):
+def test_a_backend_never_installed_is_unknown():
     gone = run_python("import tnt_core; tnt_core.init()", TNT_BACKEND="mirror-never-installed")
     assert gone.returncode != 0
     assert "unknown backend 'mirror-never-installed'" in gone.stderr
