@@ -6,45 +6,14 @@ wrapper and one set of collectives serve both of Horovod's modules.
 
 from __future__ import annotations
 
-from .. import callbacks
-from .._collectives import (
-    Average,
-    Compression,
-    Max,
-    Min,
-    Product,
-    Sum,
-    allgather,
-    allreduce,
-    broadcast,
-    broadcast_object,
-    broadcast_variables,
-)
-from .._runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
-from .._training import DistributedGradientTape, DistributedOptimizer
-from . import elastic
+import importlib
 
-__all__ = [
-    "Average",
-    "Compression",
-    "DistributedGradientTape",
-    "DistributedOptimizer",
-    "Max",
-    "Min",
-    "Product",
-    "Sum",
-    "allgather",
-    "allreduce",
-    "broadcast",
-    "broadcast_object",
-    "broadcast_variables",
-    "callbacks",
-    "elastic",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "shutdown",
-    "size",
-]
+from .. import *  # noqa: F403 (the same objects as tarantella.horovod's)
+from .. import __all__ as _names
+
+# Horovod's keras.elastic (the states and the Keras callbacks), not the parent's elastic the
+# star import bound: `from . import elastic` would return that attribute, not the submodule
+elastic = importlib.import_module(f"{__name__}.elastic")
+
+#: Horovod's Keras module has everything of its parent's but ``run``, the launcher
+__all__ = [name for name in _names if name != "run"]
