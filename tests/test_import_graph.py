@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,17 +212,29 @@ def test_no_function_imports_its_own_package(folder, top):
     assert not inside, "imports inside functions:\n  " + "\n  ".join(inside)
 
 
-def _import_alone(name: str) -> tuple[str, str | None, set[str]]:
-    """Import ``name`` in a fresh interpreter: ``(name, what went wrong or None, the
-    modules it loaded)``."""
-    code = f"import json, sys, {name}\nprint(json.dumps(sorted(sys.modules)))"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        return name, "import did not finish within 120 s", set()
-    if out.returncode:
-        return name, (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1], set()
-    return name, None, set(json.loads(out.stdout.splitlines()[-1]))
+class _FreshImports:
+    """``tests/fresh_imports.py`` as a server: each module imported in a child forked from an
+    interpreter that has loaded the third-party libraries and none of the repository's
+    modules (a fresh interpreter for the order of our imports, without paying TensorFlow's
+    start-up once per module)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fresh_imports.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def round(self, names: list[str]) -> dict[str, tuple[str | None, set[str]]]:
+        """``name -> (what went wrong or None, the modules importing it loaded)``."""
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps(names) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"tests/fresh_imports.py ended (exit {self.proc.wait(timeout=10)})"
+        return {name: (problem, set(seen)) for name, (problem, seen) in json.loads(line).items()}
+
+    def close(self) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():
@@ -233,7 +243,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     hold. Importing ``a.b`` runs ``a`` first; when that already loads ``a.b``, importing
     ``a.b`` alone is importing ``a``, so the packages go first and only the modules they
     do not load get an interpreter of their own (a sub-package its parent loads too): a
-fraction of the start-ups."""
+    fraction of the start-ups. Each "fresh interpreter" is forked from one that has loaded
+    only the third-party libraries (``tests/fresh_imports.py``)."""
     modules: dict[str, Path] = {}
     for folder, top in PACKAGES:
         found = _modules(top, ROOT / "packages" / folder / "src")
@@ -247,14 +258,17 @@ fraction of the start-ups."""
     rounds = [[name for name, path in modules.items() if path.name == "__init__.py"
                and name.count(".") == d] for d in range(depth + 1)]
     rounds.append([name for name, path in modules.items() if path.name != "__init__.py"])
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+    server = _FreshImports()
+    try:
         for round_ in rounds:
             round_ = [name for name in round_ if name not in loaded and not any(
                 name in loaded.get(parent, ()) for parent in _parents(name))]
-            for name, problem, seen in pool.map(_import_alone, round_):
+            for name, (problem, seen) in server.round(round_).items():
                 if problem:
                     problems[name] = problem
                 loaded[name] = seen
+    finally:
+        server.close()
     for name in modules:  # what importing a module loads: its own run's, else its package's
         if name not in loaded:
             loaded[name] = next(loaded[p] for p in _parents(name) if name in loaded.get(p, ()))
