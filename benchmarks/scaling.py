@@ -82,8 +82,9 @@ def free_ports(n: int) -> list[int]:
 
 
 def _common(args, model: str) -> list[str]:
+    priority = [] if args.priority is None else ["--priority", str(args.priority)]
     return ["--model", model, "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup),
-            "--steps", str(args.steps)]
+            "--steps", str(args.steps), *priority]
 
 
 def _read(out: Path, what: str, procs_output: str) -> dict:
@@ -301,6 +302,10 @@ def main() -> int:
     p.add_argument("--frames", action="store_true",
                    help="also count Python frames per step, native and Python paths (slow runs)")
     p.add_argument("--timeline", action="store_true", help="write TNT_TIMELINE traces to --out-dir")
+    p.add_argument("--priority", type=int, default=None,
+                   help="every timed process (each rank too) at this nice value, in a scheduling "
+                        "group of its own (negative: root only): on a shared machine, -10 keeps "
+                        "the other work from starving the runs")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = p.parse_args()
