@@ -20,6 +20,9 @@ thread per process:
   ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
 * with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
 * with --frames, Python frames entered per step on each path (profiled runs, slower);
+* with --priority N (root for N < 0), every timed process at nice N in a scheduling
+  group of its own (throughput_worker.set_priority), so that other work on a shared
+  machine starves the runs less;
 * with --xla, every run above again with ``jit_compile=True`` (Keras on one CPU, tnt on 1
   rank, tnt on N ranks, the comm-free bound): Keras compiles its whole step with XLA,
   tnt the step's body and the optimizer's update, with the collectives between them
