@@ -20,6 +20,9 @@ thread per process:
   ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
 * with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
 * with --frames, Python frames entered per step on each path (profiled runs, slower);
+* with --priority N (root for N < 0), every timed process at nice N in a scheduling
+  group of its own (throughput_worker.set_priority), so that other work on a shared
+  machine starves the runs less;
 * with --xla, every run above again with ``jit_compile=True`` (Keras on one CPU, tnt on 1
   rank, tnt on N ranks, the comm-free bound): Keras compiles its whole step with XLA,
   tnt the step's body and the optimizer's update, with the collectives between them
@@ -82,8 +85,9 @@ def free_ports(n: int) -> list[int]:
 
 
 def _common(args, model: str) -> list[str]:
+    priority = [] if args.priority is None else ["--priority", str(args.priority)]
     return ["--model", model, "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup),
-            "--steps", str(args.steps)]
+            "--steps", str(args.steps), *priority]
 
 
 def _read(out: Path, what: str, procs_output: str) -> dict:
@@ -301,6 +305,10 @@ def main() -> int:
     p.add_argument("--frames", action="store_true",
                    help="also count Python frames per step, native and Python paths (slow runs)")
     p.add_argument("--timeline", action="store_true", help="write TNT_TIMELINE traces to --out-dir")
+    p.add_argument("--priority", type=int, default=None,
+                   help="every timed process (each rank too) at this nice value, in a scheduling "
+                        "group of its own (negative: root only): on a shared machine, -10 keeps "
+                        "the other work from starving the runs")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     args = p.parse_args()

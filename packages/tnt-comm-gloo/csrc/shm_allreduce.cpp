@@ -22,6 +22,10 @@
 
 #include "errors.h"
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 namespace tnt_gloo {
 namespace {
 
@@ -43,6 +47,9 @@ constexpr std::size_t kWholeMaxBytes = 32 << 10;
 // 0.4 µs round trip spinning, 30-46 µs sleeping on a futex; on one shared CPU, 108 µs
 // spinning 50 µs without yielding, 3.7 µs yielding between bursts (see wait_for_peer).
 constexpr int kDefaultSpinUs = 50;
+
+// Copies into a slot from this size on bypass the caches (see copy_to_slot).
+constexpr std::size_t kStreamMinBytes = 4096;
 
 // The control block at the start of every segment. Written once by its owner before
 // its name is published, except the atomics. seq and waiters share a line (the
@@ -72,6 +79,37 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
+}
+
+// Copy this rank's data into a slot its peers read. The peers read the slots of earlier
+// chunks, so their caches hold the lines a plain memcpy writes: each line must first be
+// taken back from another core (a read for ownership across vCPUs), and on the 2-vCPU
+// development VM that ran the copy at 1-2 GB/s. Non-temporal stores write past the
+// caches (12-19 GB/s there; docs/performance.md, "Single-host speed"). The fence orders
+// them before the release that publishes the chunk.
+void copy_to_slot(void* dst, const void* src, std::size_t bytes) {
+#if defined(__x86_64__)
+  if (bytes >= kStreamMinBytes) {
+    auto* d = static_cast<char*>(dst);
+    const auto* s = static_cast<const char*>(src);
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16;
+    std::memcpy(d, s, head);
+    d += head;
+    s += head;
+    bytes -= head;
+    const std::size_t body = bytes / 64 * 64;
+    for (std::size_t i = 0; i < body; i += 64) {
+      for (std::size_t j = 0; j < 64; j += 16) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + j),
+                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + j)));
+      }
+    }
+    std::memcpy(d + body, s + body, bytes - body);
+    _mm_sfence();
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
 }
 
 // Shared (not FUTEX_PRIVATE) futexes: the words live in another process's segment.
@@ -588,13 +626,15 @@ void ShmAllreduce::allreduce(void* data, std::size_t count, DType dtype, ReduceO
     const std::uint32_t base = next_seq_;
     next_seq_ += 3;
     char* const out = user + first * es;
-    std::memcpy(slot(rank_, s), out, n * es);
+    copy_to_slot(slot(rank_, s), out, n * es);
     publish(base + 1);  // data in
     wait_all(base + 1);
     // Every element is reduced once, in rank order (numpy's order for a reduction over
     // the ranks), by one rank, and copied by the others: bitwise the same everywhere.
+    // This rank's own slot holds what `out` holds: read `out`, still in this core's
+    // cache, rather than the slot that bypassed it.
     if (size_ == 2 || n * es <= kWholeMaxBytes) {
-      reduce(out, slot(0, s), slot(1, s), n);
+      reduce(out, rank_ == 0 ? out : slot(0, s), rank_ == 1 ? out : slot(1, s), n);
       for (int r = 2; r < size_; ++r) reduce(out, out, slot(r, s), n);
     } else {
       // Reduce-scatter: rank r reduces part r into its buffer and publishes it in its
@@ -608,7 +648,7 @@ void ShmAllreduce::allreduce(void* data, std::size_t count, DType dtype, ReduceO
         const std::size_t off = a * es;
         reduce(out + off, slot(0, s) + off, slot(1, s) + off, b - a);
         for (int r = 2; r < size_; ++r) reduce(out + off, out + off, slot(r, s) + off, b - a);
-        std::memcpy(slot(rank_, s) + off, out + off, (b - a) * es);
+        copy_to_slot(slot(rank_, s) + off, out + off, (b - a) * es);
       }
       publish(base + 2);  // part reduced
       wait_all(base + 2);
@@ -671,12 +711,12 @@ void ShmAllreduce::slices(bool reduce_step, void* data, std::size_t count, DType
     if (reduce_step) {
       for (int r = 0; r < size_; ++r) {
         const std::size_t first = piece(r, step, &n);
-        if (n > 0) std::memcpy(slot(rank_, s) + r * piece_bytes, user + first * es, n * es);
+        if (n > 0) copy_to_slot(slot(rank_, s) + r * piece_bytes, user + first * es, n * es);
       }
     } else {
       const std::size_t first = piece(rank_, step, &n);
       if (n > 0) {
-        std::memcpy(slot(rank_, s) + rank_ * piece_bytes, user + first * es, n * es);
+        copy_to_slot(slot(rank_, s) + rank_ * piece_bytes, user + first * es, n * es);
       }
     }
     publish(target);  // data in

@@ -331,6 +331,22 @@ def shm_reduce(report: Report, backend, chunk_bytes: int) -> None:
                         f"{buf[diff[0]]!r}, numpy {want[diff[0]]!r}")
             report.check(f"{dtype}-{op}", check)
 
+    def unaligned() -> None:
+        # a view 4 bytes into its array, of a length no multiple of 16 bytes: copied into
+        # the slots by streaming stores from an unaligned start, with a tail
+        for n in (1025, 3 * (chunk_bytes // 4) + 5):
+            base = np.zeros(n + 1, np.float32)
+            buf = base[1:]
+            buf[:] = _shm_input(backend.rank, n, "float32", "sum")
+            backend.allreduce_async(buf).wait()
+            want = _shm_input(0, n, "float32", "sum")
+            for r in range(1, backend.size):
+                want = want + _shm_input(r, n, "float32", "sum")
+            assert np.array_equal(buf.view("u4"), want.view("u4")), n
+            assert base[0] == 0
+
+    report.check("unaligned-view", unaligned)
+
     def interleaved() -> None:
         # allreduces over shared memory, the rest over TCP, all in one queue order
         bufs = [np.full(70_000 + k, backend.rank + k, np.float64) for k in range(8)]
