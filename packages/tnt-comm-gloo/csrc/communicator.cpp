@@ -140,10 +140,11 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
   if (algorithm == Algorithm::kDoubling && (hosts & (hosts - 1)) != 0) {
     algorithm = Algorithm::kRing;
   }
-  // Ends the helper's waits between the hosts when this thread gives up.
+  // Ends the helper's waits between the hosts when this thread gives up. (Without the
+  // helper, this thread's own exchange is ended by the communicator's, at poisoning.)
   Interrupt interrupt;
-  // Between the hosts: this rank's slice of block k.
-  auto exchange = [&](std::size_t k) {
+  // Between the hosts: this rank's slice of block k, its waits ended by `stop`.
+  auto exchange = [&](std::size_t k, Interrupt* stop) {
     const auto range = block(k);
     const auto mine = ShmAllreduce::slice(range.second - range.first, local_size,
                                           h.layout.local_rank);
@@ -155,7 +156,7 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
                       std::to_string(std::chrono::duration<double>(exec.timeout).count()) +
                       "s (TNT_TIMEOUT_S)");
     }
-    const Exec cross{h.cross, left, h.next_tag++, exec.scratch, nullptr, nullptr, &interrupt};
+    const Exec cross{h.cross, left, h.next_tag++, exec.scratch, nullptr, nullptr, stop};
     void* const slice = bytes + (range.first + mine.first) * es;
     const std::size_t n = mine.second - mine.first;
     // Interruptible unless bcube was asked for (Gloo's own; it stops at its timeout)
@@ -185,7 +186,7 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
   if (blocks == 1) {
     within(true, 0);
     try {
-      exchange(0);
+      exchange(0, exec.interrupt);
     } catch (...) {
       throw between_failed(std::current_exception());
     }
@@ -207,7 +208,7 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
         if (stop) return;
       }
       try {
-        exchange(k);
+        exchange(k, &interrupt);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         error = std::current_exception();
@@ -326,6 +327,10 @@ struct Communicator::Shared {
   std::shared_ptr<Hierarchy> hierarchy;
   // Sends and receives, beside the worker (see p2p.h); set before the worker starts.
   std::shared_ptr<PointToPoint> p2p;
+  // Ends the waits of tnt-comm-gloo's own algorithms (interruptible.h) when the
+  // communicator is poisoned: closing the connections does not end this rank's own waits
+  // in Gloo. Gloo's own collectives still wait until their timeout.
+  Interrupt interrupt;
 
   std::mutex mu;  // guards the fields below
   std::condition_variable cv;  // queue filled, stopping, worker idle, worker exited
@@ -468,6 +473,8 @@ void Communicator::poison(Shared& shared, const std::string& reason) {
       // as above
     }
   }
+  // After the close, so that Gloo can no longer write into the buffers whose waits end.
+  shared.interrupt.fire();
 }
 
 void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
@@ -478,7 +485,7 @@ void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
     std::lock_guard<std::mutex> guard(s.context_mu);
     try {
       task.body(Exec{s.context, s.timeout, s.next_tag++, s.scratch, s.shm.get(),
-                     s.hierarchy.get()});
+                     s.hierarchy.get(), &s.interrupt});
     } catch (...) {
       error = describe_exception(std::current_exception());
     }
@@ -567,7 +574,7 @@ std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t 
       const auto t0 = std::chrono::steady_clock::now();
       run_allreduce(Exec{shared_->context, shared_->timeout, shared_->next_tag++,
                          shared_->scratch, shm ? shared_->shm.get() : nullptr,
-                         shm ? shared_->hierarchy.get() : nullptr},
+                         shm ? shared_->hierarchy.get() : nullptr, &shared_->interrupt},
                     data, count, dtype, ReduceOp::kSum, algorithm);
       seconds.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
