@@ -248,8 +248,9 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
     exchanged(blocks - 1);
     within(false, blocks - 1);
   } catch (...) {
-    // The helper may be inside Gloo, waiting for a peer: failing our connections ends
-    // its wait now (the communicator is being poisoned anyway) and the peers' with it.
+    // The helper may be waiting for a peer. Closing our connections fails the peers'
+    // waits on us (the communicator is being poisoned anyway), not the helper's own:
+    // the interrupt ends those.
     {
       std::lock_guard<std::mutex> lock(mu);
       stop = true;
