@@ -209,9 +209,10 @@ def test_link_down_mid_step_names_the_lost_host(hosts, h, tmp_path):
     """Host 1's link goes down while the ranks allreduce in a loop: nothing arrives, nothing
     is refused. The job ends with one line naming the host, within TNT_TIMEOUT_S.
 
-    (With ``--min-np 1`` the job goes on with host 0's rank, but only once rank 0's
-    allreduce with the silent peer times out: aborting the communicator does not end a
-    wait on a peer that sends nothing. Not tested here: it costs a launch and a timeout.)"""
+    (With ``--min-np 1`` the job goes on with host 0's rank once the verdict is published:
+    the abort ends its wait in recursive doubling, tnt-comm-gloo's own, on a peer that
+    sends nothing; tnt-comm-gloo's test_native_comm tests that abort. Not here: it costs a
+    launch.)"""
     remote = hosts.hosts[1]
     proc = subprocess.Popen(
         hosts.tnt_run_argv("--backend", BACKEND, "--no-gpu", "-x", f"TNT_GLOO_IFACE={IFACE}", "-x",

@@ -16,6 +16,7 @@
 
 #include "errors.h"
 #include "gloo_compat.h"
+#include "interruptible.h"
 #include "p2p.h"
 
 namespace tnt_gloo {
@@ -71,45 +72,6 @@ double Work::completion_time() const {
 
 namespace {
 
-// Slot prefix of recursive doubling; Gloo's own collectives use small prefixes, and the
-// per-operation tag keeps operations apart anyway.
-constexpr std::uint8_t kDoublingSlotPrefix = 0x7d;
-
-// Recursive doubling: in step k every rank swaps its whole (partially reduced) buffer with
-// rank ^ 2^k and combines the two, the lower rank's data always first, so every rank ends
-// with bitwise the same result. log2(p) exchanges against bcube's 2 log2(p): the fastest
-// for buffers small enough that latency, not bandwidth, decides.
-void allreduce_doubling(const Exec& exec, void* data, std::size_t count, std::size_t elsize,
-                        const gloo::AllreduceOptions::Func& reduce) {
-  const auto& context = exec.context;
-  const int rank = context->rank;
-  const int size = context->size;
-  if (size & (size - 1)) {
-    throw std::invalid_argument("recursive doubling needs a power-of-two number of ranks");
-  }
-  const std::size_t nbytes = count * elsize;
-  if (exec.scratch.size() < nbytes) exec.scratch.resize(nbytes);
-  char* incoming = exec.scratch.data();
-  auto out = context->createUnboundBuffer(data, nbytes);
-  auto in = context->createUnboundBuffer(incoming, nbytes);
-  std::uint8_t step = 0;
-  for (int mask = 1; mask < size; mask <<= 1, ++step) {
-    const int peer = rank ^ mask;
-    const std::uint64_t slot = gloo::Slot::build(kDoublingSlotPrefix, exec.tag) + step;
-    in->recv(peer, slot);
-    out->send(peer, slot);
-    // Both throw gloo::IoException on timeout or a broken connection.
-    if (!in->waitRecv(exec.timeout) || !out->waitSend(exec.timeout)) {
-      throw GlooError("recursive doubling was aborted");
-    }
-    if (rank < peer) {
-      reduce(data, data, incoming, count);
-    } else {
-      reduce(data, incoming, data, count);
-    }
-  }
-}
-
 template <typename T>
 void allreduce_typed(const Exec& exec, void* data, std::size_t count, ReduceOp op,
                      DType dtype, Algorithm algorithm) {
@@ -153,6 +115,8 @@ std::string join_ranks(const std::vector<int>& ranks) {
 // hierarchical allreduce's pipeline; at most kMaxBlocks of them.
 constexpr std::size_t kBlockBytesPerRank = 1 << 20;
 constexpr std::size_t kMaxBlocks = 8;
+// How often the wait for the exchange between the hosts looks at this host's ranks.
+constexpr auto kSharedMemoryCheck = std::chrono::milliseconds(20);
 
 // Reduce-scatter within the host, so that local rank l holds slice l reduced over its
 // host; that slice allreduced with the ranks holding slice l on the other hosts (every
@@ -176,8 +140,11 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
   if (algorithm == Algorithm::kDoubling && (hosts & (hosts - 1)) != 0) {
     algorithm = Algorithm::kRing;
   }
-  // Between the hosts: this rank's slice of block k.
-  auto exchange = [&](std::size_t k) {
+  // Ends the helper's waits between the hosts when this thread gives up. (Without the
+  // helper, this thread's own exchange is ended by the communicator's, at poisoning.)
+  Interrupt interrupt;
+  // Between the hosts: this rank's slice of block k, its waits ended by `stop`.
+  auto exchange = [&](std::size_t k, Interrupt* stop) {
     const auto range = block(k);
     const auto mine = ShmAllreduce::slice(range.second - range.first, local_size,
                                           h.layout.local_rank);
@@ -189,9 +156,17 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
                       std::to_string(std::chrono::duration<double>(exec.timeout).count()) +
                       "s (TNT_TIMEOUT_S)");
     }
-    const Exec cross{h.cross, left, h.next_tag++, exec.scratch};
-    allreduce_tcp(cross, bytes + (range.first + mine.first) * es, mine.second - mine.first,
-                  dtype, op, algorithm);
+    const Exec cross{h.cross, left, h.next_tag++, exec.scratch, nullptr, nullptr, stop};
+    void* const slice = bytes + (range.first + mine.first) * es;
+    const std::size_t n = mine.second - mine.first;
+    // Interruptible unless bcube was asked for (Gloo's own; it stops at its timeout)
+    if (algorithm == Algorithm::kBcube) {
+      allreduce_tcp(cross, slice, n, dtype, op, algorithm);
+    } else if (algorithm == Algorithm::kDoubling) {
+      allreduce_doubling(cross, slice, n, es, reduce_function(dtype, op));
+    } else {
+      allreduce_ring(cross, slice, n, es, reduce_function(dtype, op));
+    }
   };
   auto within = [&](bool reduce, std::size_t k) {
     const auto range = block(k);
@@ -211,7 +186,7 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
   if (blocks == 1) {
     within(true, 0);
     try {
-      exchange(0);
+      exchange(0, exec.interrupt);
     } catch (...) {
       throw between_failed(std::current_exception());
     }
@@ -233,7 +208,7 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
         if (stop) return;
       }
       try {
-        exchange(k);
+        exchange(k, &interrupt);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         error = std::current_exception();
@@ -246,10 +221,15 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
       cv.notify_all();
     }
   });
-  // Waits for block k's exchange; throws the helper's error.
+  // Waits for block k's exchange; throws the helper's error, or the failure of a rank on
+  // this host (its abort flag, its exit), looked for every kSharedMemoryCheck: a local
+  // failure must not wait for the exchange's timeout.
   auto exchanged = [&](std::size_t k) {
     std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done > k || error; });
+    while (!cv.wait_for(lock, kSharedMemoryCheck, [&] { return done > k || error; })) {
+      const std::string local = h.local->failure();
+      if (!local.empty()) throw GlooError(local);
+    }
     if (error) throw between_failed(error);
   };
   try {
@@ -268,8 +248,9 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
     exchanged(blocks - 1);
     within(false, blocks - 1);
   } catch (...) {
-    // The helper may be inside Gloo, waiting for a peer: closing our ends ends its wait
-    // now (the communicator is being poisoned anyway) and the peers' with it.
+    // The helper may be waiting for a peer. Closing our connections fails the peers'
+    // waits on us (the communicator is being poisoned anyway), not the helper's own:
+    // the interrupt ends those.
     {
       std::lock_guard<std::mutex> lock(mu);
       stop = true;
@@ -280,6 +261,7 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
     } catch (...) {
       // already broken
     }
+    interrupt.fire();  // after the close: Gloo can no longer write into its buffers
     helper.join();
     throw;
   }
@@ -346,6 +328,10 @@ struct Communicator::Shared {
   std::shared_ptr<Hierarchy> hierarchy;
   // Sends and receives, beside the worker (see p2p.h); set before the worker starts.
   std::shared_ptr<PointToPoint> p2p;
+  // Ends the waits of tnt-comm-gloo's own algorithms (interruptible.h) when the
+  // communicator is poisoned: closing the connections does not end this rank's own waits
+  // in Gloo. Gloo's own collectives still wait until their timeout.
+  Interrupt interrupt;
 
   std::mutex mu;  // guards the fields below
   std::condition_variable cv;  // queue filled, stopping, worker idle, worker exited
@@ -488,6 +474,8 @@ void Communicator::poison(Shared& shared, const std::string& reason) {
       // as above
     }
   }
+  // After the close, so that Gloo can no longer write into the buffers whose waits end.
+  shared.interrupt.fire();
 }
 
 void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
@@ -498,7 +486,7 @@ void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
     std::lock_guard<std::mutex> guard(s.context_mu);
     try {
       task.body(Exec{s.context, s.timeout, s.next_tag++, s.scratch, s.shm.get(),
-                     s.hierarchy.get()});
+                     s.hierarchy.get(), &s.interrupt});
     } catch (...) {
       error = describe_exception(std::current_exception());
     }
@@ -587,7 +575,7 @@ std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t 
       const auto t0 = std::chrono::steady_clock::now();
       run_allreduce(Exec{shared_->context, shared_->timeout, shared_->next_tag++,
                          shared_->scratch, shm ? shared_->shm.get() : nullptr,
-                         shm ? shared_->hierarchy.get() : nullptr},
+                         shm ? shared_->hierarchy.get() : nullptr, &shared_->interrupt},
                     data, count, dtype, ReduceOp::kSum, algorithm);
       seconds.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

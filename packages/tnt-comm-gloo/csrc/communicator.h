@@ -32,6 +32,8 @@
 
 namespace tnt_gloo {
 
+class Interrupt;  // interruptible.h
+
 // One submitted operation. Shared by the worker (which completes it) and the Python
 // handle (which waits on it).
 class Work {
@@ -100,6 +102,7 @@ struct Exec {
   std::vector<char>& scratch;
   ShmAllreduce* shm = nullptr;
   Hierarchy* hierarchy = nullptr;
+  Interrupt* interrupt = nullptr;  // ends the waits of interruptible.h's algorithms
 };
 
 // Synchronous collectives (in place where it applies); they throw on failure.

@@ -740,6 +740,12 @@ void ShmAllreduce::slices(bool reduce_step, void* data, std::size_t count, DType
   }
 }
 
+std::string ShmAllreduce::failure() {
+  // no deadline here: the caller keeps its own
+  return check_peers(rank_, std::chrono::milliseconds(0), Clock::time_point::max(),
+                     /*liveness=*/true);
+}
+
 void ShmAllreduce::abort(AbortKind kind) noexcept {
   // A forked child shares our mapping but is not this rank: its exit handlers closing
   // the inherited communicator must not fail the job.

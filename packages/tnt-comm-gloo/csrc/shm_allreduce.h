@@ -126,6 +126,12 @@ class ShmAllreduce {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
+  // What makes the operation in progress fail, "" if nothing: an abort flag (this
+  // rank's or a peer's) or a peer that exited. For a thread that waits on something else
+  // in the middle of an operation (the hierarchical allreduce waiting for its exchange
+  // between the hosts), so that a local failure ends that wait too.
+  std::string failure();
+
   // Tell the peers (and our own waiting thread) to give up: sets this rank's abort flag
   // and wakes every sleeper on every segment. Any thread, any time; idempotent.
   void abort(AbortKind kind) noexcept;
