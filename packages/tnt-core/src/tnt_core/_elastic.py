@@ -25,6 +25,9 @@ Store keys (the launcher contract):
     set by the ``tnt_core.init()`` of a process started for the job (member ``M``) that is
     in no generation yet: it is ready to connect, and ``tnt run`` publishes a generation
     with it. The others go on without it while it starts (when they are ``--min-np``).
+``tnt/elastic/finished/M``
+    the last generation member ``M`` bound, set when its runtime stops: ranks that joined
+    in a later generation cannot connect without it, and ``tnt run`` ends them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 from ._errors import CommError, TntError, handled
 
-__all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
+__all__ = ["FINISHED_KEY", "LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
            "Membership", "interrupt_on_change", "join_membership", "latest_generation",
            "publish_membership", "read_membership"]
 
@@ -48,6 +51,7 @@ log = logging.getLogger("tnt.elastic")
 MEMBERSHIP_KEY = "tnt/elastic/membership/{generation}"
 LATEST_KEY = "tnt/elastic/latest"
 READY_KEY = "tnt/elastic/ready/{member}"
+FINISHED_KEY = "tnt/elastic/finished/{member}"
 #: seconds a watcher's store wait lasts before it looks whether it should stop
 _WATCH_POLL_S = 0.5
 

@@ -13,8 +13,14 @@ import pluggy
 
 from ._backend import BackendSpec, CommBackend
 from ._config import Config
-from ._elastic import GenerationWatcher, Membership, latest_generation, read_membership
-from ._errors import CommError, ConfigError, handled
+from ._elastic import (
+    FINISHED_KEY,
+    GenerationWatcher,
+    Membership,
+    latest_generation,
+    read_membership,
+)
+from ._errors import CommError, ConfigError, TntError, handled
 from ._log import configure_logging, logger
 from ._rendezvous import StoreClient, connect_store
 from ._stall_inspector import StallInspector, start_inspector
@@ -247,11 +253,24 @@ class Runtime:
         try:
             self.plugin_manager.hook.tnt_runtime_stopping(runtime=self)
         finally:
+            self._say_finished()
             if self._watcher is not None:
                 self._watcher.stop()
             if self.stall_inspector is not None:
                 self.stall_inspector.stop()
             self.backend.close()
+
+    def _say_finished(self) -> None:
+        """An elastic rank stopping: the generation it bound last, for ``tnt run`` (ranks
+        that joined in a later one wait for this rank in vain)."""
+        if self.membership is None or not self.config.rendezvous or self.config.member_id is None:
+            return
+        try:
+            with connect_store(self.config, connect_timeout=1.0) as store:
+                store.set(FINISHED_KEY.format(member=self.config.member_id),
+                          str(self.generation).encode())
+        except (TntError, OSError) as exc:
+            logger.debug("elastic: could not say this rank finished: %s", exc)
 
     def __repr__(self) -> str:
         return f"<Runtime rank {self.rank}/{self.size} backend {self.backend.name!r}>"
