@@ -37,6 +37,16 @@ if mode == "tnt":
 
 # the rank this process started as, or the member id tnt run gave a process started later
 me = int(os.environ.get("TNT_MEMBER_ID", os.environ.get("TNT_RANK", "0")))
+if mode == "tnt" and os.environ.get("ELASTIC_DIE_TAKING_STATE") == str(me):
+    # a joiner that dies as the master gives it the state (the others are in the broadcast)
+    from tarantella.data_parallel.elastic import ElasticLoop
+
+    ElasticLoop._take_state = lambda self, kind: os.kill(os.getpid(), signal.SIGKILL)
+if mode == "tnt" and os.environ.get("ELASTIC_DIE_GIVING_STATE") == str(me):
+    # a survivor that dies as the master gives a joiner the state
+    from tarantella.data_parallel.elastic import ElasticLoop
+
+    ElasticLoop._give_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Killer(keras.callbacks.Callback):

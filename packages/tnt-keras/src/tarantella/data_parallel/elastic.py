@@ -80,10 +80,6 @@ class _JoinNow(tnt_core.TntError):
     """The ranks agreed, at an operation's boundary, to take in the ranks that joined."""
 
 
-class _Departed(tnt_core.TntError):
-    """A joining rank could not take the job's state (a peer failed meanwhile)."""
-
-
 def _first_line(exc: BaseException) -> str:
     """The exception's type and the first line of its message that says something."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -419,12 +415,14 @@ class ElasticLoop:
         except Exception as exc:
             raise self._cannot_join(exc) from exc
 
-    def _cannot_join(self, exc: BaseException) -> tnt_core.TntError:
+    def _cannot_join(self, exc: BaseException) -> tnt_core.CommError:
+        """A joining rank could not take the job's state (a peer failed meanwhile): it
+        leaves the job, whose survivors go on; a CommError, so the rank ends in one line."""
         if not (isinstance(exc, tnt_core.TntError) or is_membership_failure(exc, self.state.runtime)):
             raise exc
-        return _Departed(f"rank {self.state.runtime.rank} (joining the running job) could not "
-                         f"take the job's state: {_first_line(exc)}; it leaves the job, which "
-                         "goes on without it")
+        return tnt_core.CommError(f"this rank, joining the running job, could not take its state "
+                         f"({_first_line(exc)}); it leaves the job, which goes on without it",
+                         rank=self.state.runtime.rank, operation="join")
 
     def start_replay(self, where: dict[str, Any]) -> None:
         """This joiner's call is the job's call in progress: replay it up to the job's
