@@ -288,12 +288,13 @@ class ElasticLoop:
         book = joining.ledger()
         if book.holders is None:
             book.holders = set(runtime.membership.members) if runtime.membership else set()
+        welcomed = False
         while True:
             backend = runtime.rejoin()  # CommError when evicted or no membership comes
             self.state.channel.bind(backend)
             try:
                 done_by_root = self._agree(kind)
-                self._welcome(None if done_by_root else kind)
+                welcomed = self._welcome(None if done_by_root else kind) or welcomed
                 break
             except Exception as exc:
                 if not is_membership_failure(exc, runtime):
@@ -304,14 +305,13 @@ class ElasticLoop:
         if runtime.is_master:
             membership = runtime.membership
             change = membership.describe_change() if membership is not None else "new membership"
-            if isinstance(failure, _JoinNow):
-                logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, the "
-                               "joining rank(s) took the state before the %s step", change,
-                               runtime.size, took, kind)
-            else:
-                logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, the "
-                               "%s step in flight %s", change, runtime.size, took, kind,
-                               "finished by a rank ahead" if done_by_root else "redone")
+            said = [] if isinstance(failure, _JoinNow) else [
+                f"the {kind} step in flight "
+                + ("finished by a rank ahead" if done_by_root else "redone")]
+            if welcomed:
+                said.append(f"the joining rank(s) took the state before the {kind} step")
+            logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, %s", change,
+                           runtime.size, took, ", ".join(said) or f"from the {kind} step on")
             if membership is not None and any(d.rank == 0 for d in membership.departed):
                 logger.warning("elastic: the master rank left: the progress bar and the "
                                "master-only callbacks of this fit (ModelCheckpoint, CSVLogger, "
@@ -372,22 +372,23 @@ class ElasticLoop:
         if int(newest[0]) > runtime.generation:
             raise _JoinNow(f"generation {int(newest[0])} takes in new ranks")
 
-    def _welcome(self, kind: str | None) -> None:
+    def _welcome(self, kind: str | None) -> bool:
         """After a rebind: when ranks joined that hold no state, the master tells them
         where the job is, and gives them the state when the call in progress is theirs
-        (they replay up to it first; every rank waits here meanwhile)."""
+        (they replay up to it first; every rank waits here meanwhile). True when it did."""
         runtime, channel = self.state.runtime, self.state.channel
         book = joining.ledger()
         membership = runtime.membership
         if membership is None or book.holders is None:
-            return
+            return False
         new = [m for m in membership.members if m not in book.holders]
         if not new:
-            return
+            return False
         where = book.describe(self.done, kind) if runtime.is_master else None
         _broadcast_bytes(channel, pickle.dumps(where) if where is not None else b"", 0)
         self._give_state()
         book.holders = set(membership.members)
+        return True
 
     def _give_state(self) -> None:
         """The master's state to every rank (what a joiner needs to run the next operation);

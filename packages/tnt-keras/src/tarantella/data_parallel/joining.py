@@ -234,10 +234,17 @@ def run_call(model: keras.Model, loop: Any, name: str, run: Any) -> Any:
         position = book.position
         running = position["call"]
         if running is None or number < running:
+            if number not in position["results"]:
+                raise NotSupportedError(
+                    f"rank {runtime.rank} joined the running job, whose script made no call "
+                    f"#{number} ({name}): the script must call fit, evaluate and predict alike "
+                    "on every rank")
             return skipped_result(name, position["results"][number], model)
         if number > running:
-            raise NotSupportedError(f"rank {runtime.rank} joined at call {number} of its script "
-                                    f"while the job runs call {running}")
+            raise NotSupportedError(
+                f"rank {runtime.rank} joined the running job at call #{number} ({name}) of its "
+                f"script while the job runs call #{running}: the script must call fit, evaluate "
+                "and predict alike on every rank")
         loop.start_replay(position)
     book.depth += 1
     book.first_operation = loop.done
