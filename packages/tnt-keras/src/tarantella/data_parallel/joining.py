@@ -38,8 +38,9 @@ import tnt_core
 from ..errors import NotSupportedError
 from ..randomness import fold_rank_into_seeds, is_seed_state
 
-__all__ = ["CallLedger", "OperationCounter", "callback_states", "ledger", "operations",
-           "restore_callback_states", "result_of", "skipped_result"]
+__all__ = ["CallLedger", "OperationCounter", "ReplayingCallbacks", "callback_states", "ledger",
+           "operations", "restore_callback_states", "result_of", "run_call", "seed_states",
+           "skipped_result", "take_seed_states"]
 
 
 class OperationCounter:
