@@ -50,12 +50,13 @@ def serial(tmp_path_factory) -> dict[str, np.ndarray]:
     return dict(np.load(out / "result-serial.npz"))
 
 
-def _assert_serial(result: dict[str, np.ndarray], serial: dict[str, np.ndarray]) -> None:
+def _assert_serial(result: dict[str, np.ndarray], serial: dict[str, np.ndarray],
+                   rtol: float = 1e-9, atol: float = 1e-12) -> None:
     assert sorted(serial) == sorted(result)
     assert {"h_loss", "h_accuracy", "h_auc", "h_val_loss", "h_val_auc", "e_loss", "predicted",
             "on_batch"} <= set(serial)
     for key in sorted(serial):
-        np.testing.assert_allclose(result[key], serial[key], rtol=1e-9, atol=1e-12, err_msg=key)
+        np.testing.assert_allclose(result[key], serial[key], rtol=rtol, atol=atol, err_msg=key)
 
 
 @NO_GLOO
@@ -100,8 +101,9 @@ def test_a_replacement_and_a_new_rank_join_and_fit_still_gives_plain_keras_resul
                  "goes on with 2 rank(s) after"):
         assert says in output, output[-4000:]
     assert json.loads((tmp_path / "recoveries.json").read_text())["size"] == 3
-    for member in (0, 2, 3):  # the survivor, the replacement, the new rank
-        _assert_serial(dict(np.load(tmp_path / f"result-member{member}.npz")), serial)
+    for member in (0, 2, 3):  # the survivor, the replacement, the new rank: round-off
+        _assert_serial(dict(np.load(tmp_path / f"result-member{member}.npz")), serial,
+                       rtol=1e-12, atol=1e-15)
     assert _shm() <= before, sorted(_shm() - before)
 
 
