@@ -9,11 +9,19 @@ mode costs a step that nothing disturbs.
   communicator is bound and the ranks agreed (``tnt_core.rejoin``, one allgather), the
   step redone is complete (Keras traces the step anew for the new communicator: most of
   the time); beside them, the master's median undisturbed step.
-* **steady state**: the same training (5 epochs) on RANKS-1 ranks, elastic (``--min-np``)
-  and not, interleaved; samples/s of each (the global batch over the median step) and
-  their ratio (the elastic step takes each global batch
-  whole from the input, splits it on the host and keeps a copy of the metric and
-  non-trainable variables).
+* **replacement** (``tnt run -n 2 --min-np 2 --max-restarts 1``): the same training, member
+  1 SIGKILLed as step 20 begins; the survivor waits for the replacement, which runs the
+  script from the top and joins the running fit. Seconds after the kill: the replacement's
+  process started, its TensorFlow and Keras imported (the part of a new TensorFlow
+  process's start-up, also given apart: Python start to ``import keras`` done), it joined the
+  communicator (``import tarantella`` returned), the master gave it the state, and the
+  master's next step complete.
+* **steady state**: the same training (5 epochs) on RANKS-1 ranks, elastic (``--min-np``),
+  elastic that ranks may join (``--max-restarts 1``: an allreduce of one number before each
+  step, where the ranks agree on taking new ranks in) and not elastic, interleaved;
+  samples/s of each (the global batch over the median step) and their ratios to the plain
+  run (the elastic step takes each global batch whole from the input, splits it on the host
+  and keeps a copy of the metric and non-trainable variables).
 
 Prints the median and every sample.
 """
@@ -32,16 +40,19 @@ import tempfile
 import time
 from pathlib import Path
 
+STARTED = time.time()  # before the heavy imports: a process's start-up is measured from here
 KILL_STEP, STEPS, BATCH = 20, 60, 256
 
 
 def rank_main(out: Path, kill: bool, epochs: int) -> None:
-    import keras
+    import keras  # TensorFlow with it
     import numpy as np
 
+    imported = time.time()
     import tarantella as tnt
 
-    member = int(os.environ.get("TNT_RANK", "0"))
+    joined = time.time()
+    member = int(os.environ.get("TNT_MEMBER_ID", os.environ.get("TNT_RANK", "0")))
     rng = np.random.default_rng(0)
     x = rng.normal(size=(STEPS * BATCH, 784)).astype("float32")
     y = rng.integers(0, 10, size=(STEPS * BATCH,))
@@ -61,6 +72,9 @@ def rank_main(out: Path, kill: bool, epochs: int) -> None:
             ends.append(time.time())
 
     model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, callbacks=[Clock()], verbose=0)
+    if "TNT_MEMBER_ID" in os.environ:  # a process started for the running job
+        (out / f"joiner-{member}.json").write_text(json.dumps(
+            {"started": STARTED, "imported": imported, "joined": joined}))
     if tnt.get_rank() == 0:
         elastic = model._tnt.elastic  # the benchmark reads the loop's clock
         (out / "master.json").write_text(json.dumps(
@@ -96,7 +110,11 @@ def main() -> None:
         return
     n = options.ranks
     failed, agreed, redone, step = [], [], [], []
-    rates: dict[str, list[float]] = {"elastic": [], "not elastic": []}
+    joins: dict[str, list[float]] = {name: [] for name in (
+        "replacement process started", "its TensorFlow and Keras imported",
+        "it joined the communicator", "the master gave it the state",
+        "the master's next step complete", "TensorFlow start-up alone (context)")}
+    rates: dict[str, list[float]] = {"elastic": [], "elastic, joins": [], "not elastic": []}
     for _ in range(options.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
@@ -108,7 +126,19 @@ def main() -> None:
             redone.append(next(t for t in master["ends"] if t > bound) - killed)
             gaps = [b - a for a, b in zip(master["ends"], master["ends"][1:])]
             step.append(statistics.median(gaps))
-        for name, extra in (("elastic", ["--min-np", str(n - 1)]), ("not elastic", [])):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            master = launch(["-n", "2", "--min-np", "2", "--max-restarts", "1"], out, kill=True)
+            killed = float((out / "killed").read_text())
+            joiner = json.loads(next(out.glob("joiner-*.json")).read_text())
+            _, given = master["events"][0]
+            for name, at in zip(joins, (joiner["started"], joiner["imported"], joiner["joined"],
+                                        given, next(t for t in master["ends"] if t > given))):
+                joins[name].append(at - killed)
+            joins["TensorFlow start-up alone (context)"].append(joiner["imported"] - joiner["started"])
+        for name, extra in (("elastic", ["--min-np", str(n - 1)]),
+                            ("elastic, joins", ["--min-np", str(n - 1), "--max-restarts", "1"]),
+                            ("not elastic", [])):
             with tempfile.TemporaryDirectory() as tmp:
                 ends = launch(["-n", str(n - 1), *extra], Path(tmp), kill=False, epochs=5)["ends"]
                 gaps = [b - a for a, b in itertools.pairwise(ends[5:])]  # after the trace
@@ -119,11 +149,17 @@ def main() -> None:
     print(_line("new communicator bound, ranks agreed", agreed))
     print(_line("the step redone, complete", redone))
     print(_line("an undisturbed step (context)", step))
+    print(f"replacement: tnt run -n 2 --min-np 2 --max-restarts 1, member 1 SIGKILLed as step "
+          f"{KILL_STEP} begins (seconds after the kill)")
+    for name, samples in joins.items():
+        print(_line(name, samples))
     print(f"steady state: {n - 1} ranks, samples/s (interleaved runs)")
     for name, samples in rates.items():
         print(_line(name, samples, "/s"))
-    ratios = [e / p for e, p in zip(rates["elastic"], rates["not elastic"])]
-    print(_line("elastic / not elastic", ratios, "x"))
+    for name in ("elastic", "elastic, joins"):
+        ratios = [e / p for e, p in zip(rates[name], rates["not elastic"])]
+        print(_line(f"{name} / not elastic", ratios, "x"))
+    print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

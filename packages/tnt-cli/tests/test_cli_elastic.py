@@ -15,7 +15,7 @@ from tnt_cli.elastic import ElasticJob, ElasticLimits, parse_hosts
 from tnt_cli.launchers.base import ProcessSpec
 from tnt_cli.placement import RankSlot
 from tnt_cli.run import run_command
-from tnt_core import READY_KEY, StoreClient, StoreServer, read_membership
+from tnt_core import FINISHED_KEY, READY_KEY, StoreClient, StoreServer, read_membership
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,6 +96,35 @@ def test_generations_renumber_survivors_replace_and_stop_below_min_np():
         doomed, started = grow.grow_or_shrink({"localhost": 1, "other": 2})
         assert doomed == [1]  # up to --max-np 3 once rank 1 is gone:
         assert [(p.host, p.ranks) for p in started] == [("other", (2,)), ("other", (3,))]
+        store.close()
+
+
+def test_ranks_that_joined_a_generation_a_finished_rank_never_bound_are_ended():
+    """A rank finished its script in generation 0 (it says so in the store), while a rank
+    joined in generation 1: that rank waits for it in vain and is ended, without failure;
+    nobody is taken in once the job is finishing, and the job is done when the rest are."""
+    with StoreServer("127.0.0.1", 0) as server:
+        store = StoreClient(*server.address, server.key, connect_timeout=5)
+        procs = [ProcessSpec(["agent"], "localhost", (r,), [{}]) for r in range(2)]
+
+        def make(slot: RankSlot, env: dict[str, str]) -> ProcessSpec:
+            return ProcessSpec(["agent"], slot.host, (slot.rank,), [{}])
+
+        job = ElasticJob(ElasticLimits(min_np=1, max_np=4, max_restarts=0), procs, store, make,
+                         hosts={"localhost": 2})
+        job.publish_initial()
+        _, started = job.grow_or_shrink({"localhost": 4})
+        assert [p.ranks for p in started] == [(2,), (3,)]
+        store.set(READY_KEY.format(member=2), b"1")
+        joined, _ = job.take_ready()
+        assert joined is not None and joined.members == (0, 1, 2)
+        store.set(FINISHED_KEY.format(member=0), b"0")  # it never bound generation 1
+        assert job.finished(0) == (False, [2])
+        assert job.ended == {2} and job.members == [1]
+        store.set(READY_KEY.format(member=3), b"1")
+        assert job.take_ready() == (None, None)  # finishing: nobody is taken in
+        store.set(FINISHED_KEY.format(member=1), b"1")
+        assert job.finished(1) == (True, [])
         store.close()
 
 

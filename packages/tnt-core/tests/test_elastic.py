@@ -90,3 +90,46 @@ def test_rejoin_outside_an_elastic_job_says_how_to_start_one(monkeypatch):
         assert tnt_core.init().generation == 0 and tnt_core.init().membership is None
     finally:
         tnt_core.shutdown()
+
+
+def test_a_generation_that_only_adds_ranks_leaves_the_communicator_working(server):
+    """Ranks joining abort nothing: the watcher marks the generation pending (the ranks move
+    there where they agree, ``newest_seen``) and watches on; a later generation in which a
+    rank left aborts the communicator as before."""
+    from types import SimpleNamespace
+
+    from tnt_core._runtime import Runtime
+
+    host, port = server.address
+    config = Config(rank=0, size=2, local_size=2, rendezvous=f"{host}:{port}",
+                    rendezvous_key=server.key, elastic=True, timeout_s=10.0)
+    aborted: list[str] = []
+
+    class Backend:  # the watcher holds its backend weakly
+        name, rank, size = "fake", 0, 2
+
+        def abort(self, reason: str) -> None:
+            aborted.append(reason)
+
+    backend = Backend()
+    start = Membership(0, (0, 1), ("h", "h"))
+    runtime = Runtime(config, backend, SimpleNamespace(name="fake"), SimpleNamespace(), start)
+    with connect_store(config) as launcher:
+        publish_membership(launcher, start)
+        runtime.watch_membership()
+        try:
+            publish_membership(launcher, Membership(1, (0, 1, 2), ("h",) * 3, joined=(2,)))
+            deadline = time.monotonic() + 5
+            while runtime.pending_join is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert runtime.pending_join is not None and runtime.pending_join.generation == 1
+            assert not aborted and not runtime.membership_changed()
+            assert runtime.newest_seen() == 1 and runtime.generation == 0
+            publish_membership(launcher, Membership(2, (0, 2), ("h",) * 2,
+                                                    departed=(Departure(1, 1, "killed"),)))
+            while not aborted and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert aborted and "rank 1 left (killed)" in aborted[0]
+            assert runtime.membership_changed() and runtime.newest_seen() == 2
+        finally:
+            runtime._watcher.stop()

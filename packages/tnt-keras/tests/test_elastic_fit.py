@@ -7,6 +7,14 @@ rank 1 as a train step begins in the second (2 -> 1); then ``evaluate``, ``predi
 ``predict_on_batch`` on the survivor.
 Float64, so a difference beyond round-off is a wrong step, not noise.
 
+A second launch, ``tnt run -n 2 --min-np 2 --max-restarts 1 --max-np 3`` with a host
+discovery script, takes ranks in: rank 1 is SIGKILLed as a train step begins in the first
+epoch and a replacement joins (the survivor waits for it: --min-np 2); the kill also makes
+the discovery script offer a third slot, and that new rank joins too (at a step's boundary
+when it comes after the replacement). Each joiner runs the script from the top: its fit
+joins the running one, its evaluate and predict are the job's. Every rank's result is plain
+Keras'.
+
 A rank one operation ahead of another (its last collective completed, the other's failed)
 is placed there by ``workers/elastic_agree_worker.py`` in the suite's 2-rank launch.
 """
@@ -34,9 +42,25 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory) -> dict[str, np.ndarray]:
+    """Plain Keras running the worker script: the result every elastic run must give."""
+    out = tmp_path_factory.mktemp("serial")
+    run_serial("elastic_fit_worker.py", ["serial", str(out)])
+    return dict(np.load(out / "result-serial.npz"))
+
+
+def _assert_serial(result: dict[str, np.ndarray], serial: dict[str, np.ndarray],
+                   rtol: float = 1e-9, atol: float = 1e-12) -> None:
+    assert sorted(serial) == sorted(result)
+    assert {"h_loss", "h_accuracy", "h_auc", "h_val_loss", "h_val_auc", "e_loss", "predicted",
+            "on_batch"} <= set(serial)
+    for key in sorted(serial):
+        np.testing.assert_allclose(result[key], serial[key], rtol=rtol, atol=atol, err_msg=key)
+
+
 @NO_GLOO
-def test_ranks_die_and_fit_still_gives_plain_keras_results(tmp_path):
-    run_serial("elastic_fit_worker.py", ["serial", str(tmp_path)])
+def test_ranks_die_and_fit_still_gives_plain_keras_results(tmp_path, serial):
     before = _shm()
     env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "30"}
     proc = subprocess.run(
@@ -52,13 +76,34 @@ def test_ranks_die_and_fit_still_gives_plain_keras_results(tmp_path):
     recoveries = json.loads((tmp_path / "recoveries.json").read_text())
     assert recoveries["size"] == 1 and len(recoveries["recoveries"]) == 2, recoveries
 
-    serial = dict(np.load(tmp_path / "result-serial.npz"))
-    elastic = dict(np.load(tmp_path / "result-tnt.npz"))
-    assert sorted(serial) == sorted(elastic)
-    assert {"h_loss", "h_accuracy", "h_auc", "h_val_loss", "h_val_auc", "e_loss", "predicted",
-            "on_batch"} <= set(serial)
-    for key in sorted(serial):
-        np.testing.assert_allclose(elastic[key], serial[key], rtol=1e-9, atol=1e-12, err_msg=key)
+    _assert_serial(dict(np.load(tmp_path / "result-tnt.npz")), serial)
+    assert _shm() <= before, sorted(_shm() - before)
+
+
+@NO_GLOO
+def test_a_replacement_and_a_new_rank_join_and_fit_still_gives_plain_keras_results(tmp_path, serial):
+    before = _shm()
+    hosts = tmp_path / "hosts.sh"  # a third slot once the kill wrote OUT/grow
+    hosts.write_text(f"#!/bin/sh\nif [ -e {tmp_path}/grow ]; then echo localhost:3; "
+                     "else echo localhost:2; fi\n")
+    hosts.chmod(0o755)
+    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "90"}
+    proc = subprocess.run(
+        [str(TNT), "run", "-n", "2", "--min-np", "2", "--max-restarts", "1", "--max-np", "3",
+         "--host-discovery-script", str(hosts), "--backend", "gloo", "--",
+         str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path), "1:train:0:3", "3:1:2"],
+        env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    for says in ("rank 1 on localhost exited with code 137", "rank 2 on localhost joined",
+                 "rank 3 on localhost joined", "going on with 3 rank(s)",
+                 "rank 1 left (exited with code 137 (signal SIGKILL?)); rank 1 joined; training "
+                 "goes on with 2 rank(s) after"):
+        assert says in output, output[-4000:]
+    assert json.loads((tmp_path / "recoveries.json").read_text())["size"] == 3
+    for member in (0, 2, 3):  # the survivor, the replacement, the new rank: round-off
+        _assert_serial(dict(np.load(tmp_path / f"result-member{member}.npz")), serial,
+                       rtol=1e-12, atol=1e-15)
     assert _shm() <= before, sorted(_shm() - before)
 
 

@@ -135,7 +135,8 @@ def test_a_reset_rolls_back_rebinds_calls_back_syncs_and_calls_again(monkeypatch
                                                                      rolled_back):
     """The order of a reset, with tnt-core's runtime and the rebind stood in for."""
     said: list[str] = []
-    runtime = SimpleNamespace(membership=object(), membership_changed=lambda: False)
+    runtime = SimpleNamespace(membership=object(), membership_changed=lambda: False,
+                              config=SimpleNamespace(elastic_joins=False))
     monkeypatch.setattr(elastic.tnt_core, "init", lambda: runtime)
     monkeypatch.setattr(elastic, "_rejoin", lambda *_: said.append("rejoin"))
     monkeypatch.setattr(elastic, "_all_finished", lambda _: said.append("all finished"))

@@ -526,20 +526,6 @@ def test_a_pipelined_batch_checksum_sees_one_bit_and_ignores_the_reduction_order
             assert _checksum(array[::-1].copy()) == _checksum(array)  # order-free: a sum
 
 
-def test_an_elastic_job_that_may_take_new_ranks_is_refused_in_one_line():
-    """tnt-keras goes on over the survivors (--min-np) but cannot yet bring a new process to
-    a running fit's step: a job that may start one is refused at import, before it trains."""
-    from types import SimpleNamespace
-
-    environment.refuse_elastic(SimpleNamespace(membership=None))  # not elastic: nothing
-    shrinks = SimpleNamespace(membership=object(), config=SimpleNamespace(elastic_joins=False))
-    environment.refuse_elastic(shrinks)  # --min-np alone: trains
-    grows = SimpleNamespace(membership=object(), config=SimpleNamespace(elastic_joins=True))
-    with pytest.raises(tnt.NotSupportedError, match=r"^tnt-keras does not yet take new ranks into a "
-                       r"running job \(tnt run --max-restarts.*use --min-np alone"):
-        environment.refuse_elastic(grows)
-
-
 def test_warnings_for_a_users_call_name_the_users_line():
     """Keras' notice that ``shuffle`` is ignored for a dataset, raised while tarantella prepares
     the data, named ``tarantella/datasets.py``; it names the user's ``fit`` as in plain Keras.

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tnt_core import (
+    FINISHED_KEY,
     NOT_ARRIVED_KEY,
     READY_KEY,
     Departure,
@@ -157,8 +158,14 @@ class ElasticJob:
             self.known[proc.ranks[0]] = _Member(slot, proc.label)
         self.next_member = len(procs)
         self.generation = 0
-        #: the newest generation published
+        #: the newest generation published, and every one by number
         self.published = self.membership()
+        self.history: dict[int, Membership] = {0: self.published}
+        #: a member finished its script: the job is ending, nobody is taken in any more
+        self.finishing = False
+        #: members ended because the job finished before they could join (their exit is
+        #: no failure)
+        self.ended: set[int] = set()
         #: left since the newest generation was published
         self._departed: list[Departure] = []
         self.restarts = 0
@@ -206,20 +213,35 @@ class ElasticJob:
             error = self._settle()
             return ([], error) if error else (self._processes(starting), None)
 
-    def finished(self, member: int) -> bool:
+    def finished(self, member: int) -> tuple[bool, list[int]]:
         """``member`` exited with 0: it is done, and no later generation includes it (no
-        generation is published for it: the others are finishing too). True when every
-        member is done: members still starting up have nothing to join."""
+        generation is published for it: the others are finishing too). Returns whether
+        every member is done (members still starting up have nothing to join), and the
+        members that joined in a generation ``member`` never bound (it says which it bound
+        last, ``FINISHED_KEY``): they wait for it in vain, and are to be ended."""
         with self._lock:
+            self.finishing = True
             if member in self.members:
                 self.members.remove(member)
-            return not self.members
+            doomed: list[int] = []
+            try:
+                key = FINISHED_KEY.format(member=member)
+                last = int(self.store.get(key, 1.0)) if self.store.check([key]) else None
+            except (TntError, OSError, ValueError):
+                last = None
+            if last is not None and last < self.generation and last in self.history:
+                doomed = [m for m in self.members if m not in self.history[last].members]
+                self.members = [m for m in self.members if m not in doomed]
+                self.ended.update(doomed)
+            return not self.members, doomed
 
     def take_ready(self) -> tuple[Membership | None, str | None]:
         """Look whether members starting up are ready to join (their ``tnt_core.init()``
         said so in the store): the generation published for them, or the line that ends
         the job; (None, None) when nothing changed."""
         with self._lock:
+            if self.finishing:
+                return None, None  # the job is ending: nobody joins it any more
             fresh = [m for m in self.pending if m not in self._ready
                      and self.store.check([READY_KEY.format(member=m)])]
             if not fresh:
@@ -294,6 +316,7 @@ class ElasticJob:
         membership = self.membership(tuple(range(first, len(self.members))), tuple(self._departed))
         publish_membership(self.store, membership)
         self.published, self._departed = membership, []
+        self.history[membership.generation] = membership
         return None
 
     def _host_for(self, preferred: str | None) -> str | None:

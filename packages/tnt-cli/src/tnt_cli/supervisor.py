@@ -352,13 +352,16 @@ class Supervisor:
             self._hosts_changed()
             return
         code = value if value >= 0 else 128 - value
-        if code == 0 and kind == "exit" and self.elastic is not None \
-                and self.elastic.finished(index) and self.stopping_since is None:
-            self._stop_all()  # every member is done: those starting up have nothing to join
+        if code == 0 and kind == "exit" and self.elastic is not None and self.stopping_since is None:
+            done, doomed = self.elastic.finished(index)
+            self._end_unjoined(doomed)
+            if done:
+                self._stop_all()  # every member is done: those starting up have nothing to join
         if code == 0 or self.stopping_since is not None:
             return
         if kind == "exit" and self.elastic is not None:
-            self._depart(index, value)
+            if index not in self.elastic.ended:
+                self._depart(index, value)
             return
         if kind == "exit" and self.rank_reports and len(self.specs[index].ranks) > 1:
             # mpiexec/srun ended because a rank failed: the ranks' reports say which and
@@ -397,6 +400,15 @@ class Supervisor:
             return
         self._say_change(f"{self.specs[index].label} {why}", before)
         self._start_members(procs)
+
+    def _end_unjoined(self, members: Sequence[int]) -> None:
+        """End members the job finished without (see ``ElasticJob.finished``)."""
+        for member in members:
+            proc = self.procs[member] if member < len(self.procs) else None
+            if proc is not None and proc.poll() is None:
+                self.say(f"{self.specs[member].label}: the job finished before it could join; "
+                         "ending it")
+                _killpg(proc.pid, signal.SIGKILL)
 
     def _say_change(self, what: str, before: int) -> None:
         assert self.elastic is not None

@@ -5,7 +5,8 @@ size of the generation it completed in. The member named SIGKILLs itself at its 
 writing the time into ``$TNT_TEST_DIR/killed-M``;
 ``ELASTIC_HANG=M:S`` makes member M hang at step S instead; ``ELASTIC_FAIL_AT_START=M``
 makes member M (a replacement) exit before ``tnt_core.init()``. A
-failed allreduce rejoins and redoes its step; ranks that joined get the step from rank 0.
+failed allreduce rejoins and redoes its step; a generation that only adds ranks is taken in
+at a step's boundary the ranks agree on; ranks that joined get the step from rank 0.
 Every rank prints its recoveries (kill to first completed allreduce in the new generation)
 and a last line with its final rank, size and generation.
 """
@@ -52,6 +53,15 @@ while step < steps:
         os.kill(os.getpid(), signal.SIGKILL)
     x = np.full(4, (rt.rank + 1) * (step + 1), dtype=np.float64)
     try:
+        # ranks that joined (their generation leaves this one working) are taken in at a
+        # step's boundary that every rank agrees on: the newest generation any rank saw
+        seen = np.array([rt.newest_seen()], dtype=np.int64)
+        rt.backend.allreduce(seen, "max")
+        if seen[0] > rt.generation:
+            tnt_core.rejoin(timeout=30)
+            report = True
+            step = step_from_rank0(step)
+            continue
         rt.backend.allreduce(x)
     except tnt_core.CommError:
         tnt_core.rejoin(timeout=30)

@@ -29,6 +29,7 @@ from ._backend_choice import list_backends, select_backend, unknown_backend_hint
 from ._comm_thread import CommThread, FutureHandle
 from ._config import Config
 from ._elastic import (
+    FINISHED_KEY,
     READY_KEY,
     Departure,
     Membership,
@@ -121,6 +122,7 @@ __all__ = [
     "select_backend",
     "shutdown",
     # an elastic job's membership (tnt run --min-np/--max-restarts)
+    "FINISHED_KEY",
     "READY_KEY",
     "Departure",
     "Membership",

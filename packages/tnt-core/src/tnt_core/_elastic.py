@@ -25,6 +25,9 @@ Store keys (the launcher contract):
     set by the ``tnt_core.init()`` of a process started for the job (member ``M``) that is
     in no generation yet: it is ready to connect, and ``tnt run`` publishes a generation
     with it. The others go on without it while it starts (when they are ``--min-np``).
+``tnt/elastic/finished/M``
+    the last generation member ``M`` bound, set when its runtime stops: ranks that joined
+    in a later generation cannot connect without it, and ``tnt run`` ends them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 from ._errors import CommError, TntError, handled
 
-__all__ = ["LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
+__all__ = ["FINISHED_KEY", "LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
            "Membership", "interrupt_on_change", "join_membership", "latest_generation",
            "publish_membership", "read_membership"]
 
@@ -48,6 +51,7 @@ log = logging.getLogger("tnt.elastic")
 MEMBERSHIP_KEY = "tnt/elastic/membership/{generation}"
 LATEST_KEY = "tnt/elastic/latest"
 READY_KEY = "tnt/elastic/ready/{member}"
+FINISHED_KEY = "tnt/elastic/finished/{member}"
 #: seconds a watcher's store wait lasts before it looks whether it should stop
 _WATCH_POLL_S = 0.5
 
@@ -88,6 +92,13 @@ class Membership:
     @property
     def size(self) -> int:
         return len(self.members)
+
+    @property
+    def only_joins(self) -> bool:
+        """Ranks joined and none left: every member of the previous generation is alive,
+        so its communicator still works and the ranks may move to this one at a point they
+        agree on, rather than abort the collective in flight."""
+        return bool(self.joined) and not self.departed
 
     def rank_of(self, member: int) -> int | None:
         """The rank of ``member`` in this generation, None when it is not part of it."""
@@ -191,11 +202,12 @@ def join_membership(store: Any, member: int, timeout: float) -> Membership:
 
 class GenerationWatcher:
     """A daemon thread that waits for the generation after ``generation`` and calls
-    ``on_change(membership)`` once, when it is published. Its own store client: the
-    caller's stays free for its requests."""
+    ``on_change(membership)`` when it is published; it watches the one after it too while
+    ``on_change`` returns True. Its own store client: the caller's stays free for its
+    requests."""
 
     def __init__(self, store_factory: Callable[[], Any], generation: int,
-                 on_change: Callable[[Membership], None]) -> None:
+                 on_change: Callable[[Membership], bool | None]) -> None:
         self.generation = generation
         self._store_factory = store_factory
         self._on_change = on_change
@@ -218,9 +230,10 @@ class GenerationWatcher:
             log.warning("elastic: cannot watch the membership (%s); a departed rank is "
                         "noticed only by the communicator", exc)
             return
-        key = MEMBERSHIP_KEY.format(generation=self.generation + 1)
+        watched = self.generation + 1
         try:
             while not self._stop.is_set():
+                key = MEMBERSHIP_KEY.format(generation=watched)
                 try:
                     store.wait([key], timeout=_WATCH_POLL_S)
                 except CommError as timeout:
@@ -229,8 +242,9 @@ class GenerationWatcher:
                         continue
                 if self._stop.is_set():
                     return
-                self._on_change(read_membership(store, self.generation + 1, _WATCH_POLL_S))
-                return
+                if not self._on_change(read_membership(store, watched, _WATCH_POLL_S)):
+                    return
+                watched += 1
         except (TntError, OSError, ValueError) as exc:
             log.debug("elastic watcher ends: %s", exc)  # the store closed: the job is over
         finally:

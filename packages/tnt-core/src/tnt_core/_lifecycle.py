@@ -60,6 +60,8 @@ def init(backend: str | None = None) -> Runtime:
         config = Config.from_env()
         configure_logging(config)
         membership = None
+        # only a process started for a running job is given its member id by tnt run
+        late = config.elastic and config.member_id is not None
         pm = get_plugin_manager()
         if config.elastic and config.launched:
             comm, spec, config, membership = _start_elastic(config, backend, pm)
@@ -68,6 +70,7 @@ def init(backend: str | None = None) -> Runtime:
         if comm.rank != config.rank:  # e.g. under mpiexec, MPI knows the rank
             configure_logging(config, rank=comm.rank)
         runtime = Runtime(config, comm, spec, pm, membership, starter=start_backend)
+        runtime.joined_late = late
         if isinstance(comm, WatchedBackend):
             runtime.stall_inspector = start_inspector(comm, config, config.stall_warn_s)
         runtime.watch_membership()

@@ -13,8 +13,14 @@ import pluggy
 
 from ._backend import BackendSpec, CommBackend
 from ._config import Config
-from ._elastic import GenerationWatcher, Membership, latest_generation, read_membership
-from ._errors import CommError, ConfigError, handled
+from ._elastic import (
+    FINISHED_KEY,
+    GenerationWatcher,
+    Membership,
+    latest_generation,
+    read_membership,
+)
+from ._errors import CommError, ConfigError, TntError, handled
 from ._log import configure_logging, logger
 from ._rendezvous import StoreClient, connect_store
 from ._stall_inspector import StallInspector, start_inspector
@@ -69,6 +75,12 @@ class Runtime:
         self.membership = membership
         #: a newer generation the watcher saw (the backend was aborted for it)
         self.pending_membership: Membership | None = None
+        #: a newer generation that only adds ranks (:attr:`Membership.only_joins`): the
+        #: backend still works, and the ranks rejoin at a point they agree on
+        self.pending_join: Membership | None = None
+        #: this process was started for a running elastic job (a replacement, or a rank on
+        #: a new slot): it holds no state until a survivor gives it
+        self.joined_late = False
         self._watcher: GenerationWatcher | None = None
         #: how a backend is started for a configuration (``_backend_choice.start_backend``,
         #: handed in by ``_lifecycle``: this module does not choose backends)
@@ -121,24 +133,41 @@ class Runtime:
         runtime, backend = weakref.ref(self), weakref.ref(self.backend)
         config, generation = self.config, self.generation
 
-        def changed(newer: Membership) -> None:
+        def changed(newer: Membership) -> bool:
             owner, comm = runtime(), backend()
             # a watcher stopped by a rejoin may call back after the runtime moved on
-            if owner is not None and newer.generation > owner.generation:
+            current = owner is not None and newer.generation > owner.generation
+            if newer.only_joins:  # nobody left: the collectives go on until the ranks agree
+                if owner is not None and current:
+                    owner.pending_join = newer
+                logger.info("elastic: %s; the ranks take it in at a step boundary",
+                            newer.describe_change())
+                return True
+            if owner is not None and current:
                 owner.pending_membership = newer
             if comm is not None:
                 logger.info("elastic: %s; aborting the communicator of generation %d",
                             newer.describe_change(), generation)
                 comm.abort(f"the elastic job's membership changed ({newer.describe_change()}); "
                            "call tnt_core.rejoin() for the new communicator")
+            return False
 
         self._watcher = GenerationWatcher(lambda: store_client(config), generation,
                                           changed).start()
 
     def membership_changed(self) -> bool:
-        """True once a generation newer than this runtime's is published (its backend
-        is then aborted: every collective fails until :meth:`rejoin`). Does not block."""
+        """True once a generation newer than this runtime's in which ranks left is
+        published (its backend is then aborted: every collective fails until
+        :meth:`rejoin`). Does not block. A generation that only adds ranks is
+        :attr:`pending_join` instead."""
         return self.pending_membership is not None
+
+    def newest_seen(self) -> int:
+        """The newest generation this rank knows of (its own, or one published since):
+        ranks that agree on the largest move to it together with :meth:`rejoin`."""
+        pending = [m.generation for m in (self.pending_membership, self.pending_join)
+                   if m is not None]
+        return max([self.generation, *pending])
 
     def rejoin(self, timeout: float | None = None) -> CommBackend:
         """Wait for the elastic job's next membership generation and return a backend over it.
@@ -193,6 +222,7 @@ class Runtime:
             raise ConfigError("this runtime was made without a backend starter: it cannot rejoin")
         self.backend, self.backend_spec = self._starter(config, name, self.plugin_manager)
         self.config, self.membership, self.pending_membership = config, membership, None
+        self.pending_join = None
         configure_logging(config, rank=config.rank)
         if isinstance(self.backend, WatchedBackend):
             self.stall_inspector = start_inspector(self.backend, config, config.stall_warn_s)
@@ -223,11 +253,24 @@ class Runtime:
         try:
             self.plugin_manager.hook.tnt_runtime_stopping(runtime=self)
         finally:
+            self._say_finished()
             if self._watcher is not None:
                 self._watcher.stop()
             if self.stall_inspector is not None:
                 self.stall_inspector.stop()
             self.backend.close()
+
+    def _say_finished(self) -> None:
+        """An elastic rank stopping: the generation it bound last, for ``tnt run`` (ranks
+        that joined in a later one wait for this rank in vain)."""
+        if self.membership is None or not self.config.rendezvous or self.config.member_id is None:
+            return
+        try:
+            with connect_store(self.config, connect_timeout=1.0) as store:
+                store.set(FINISHED_KEY.format(member=self.config.member_id),
+                          str(self.generation).encode())
+        except (TntError, OSError) as exc:
+            logger.debug("elastic: could not say this rank finished: %s", exc)
 
     def __repr__(self) -> str:
         return f"<Runtime rank {self.rank}/{self.size} backend {self.backend.name!r}>"

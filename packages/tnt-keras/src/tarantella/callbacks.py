@@ -32,7 +32,7 @@ from . import comm
 from .data_parallel.weights import broadcast_model_state
 from .files import local_writes
 
-__all__ = ["Callback", "distribute_callbacks", "wrap_callback"]
+__all__ = ["INTERNAL", "Callback", "distribute_callbacks", "wrap_callback"]
 
 _HOOKS = (
     "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
@@ -245,7 +245,8 @@ class _Coordinator(keras.callbacks.Callback):
         super().__init__()
         self.runtime = runtime
         self.broadcast_weights = broadcast_weights
-        self.sync_stop = sync_stop and runtime.size > 1
+        # in a job that ranks may join, whether to agree must not depend on the size now
+        self.sync_stop = sync_stop and (runtime.size > 1 or _joins(runtime))
         self.local_logs = local_logs
         self.adapters = list(adapters)
 
@@ -368,3 +369,12 @@ def distribute_callbacks(callbacks: Sequence[Any], model: Any, runtime: tnt_core
     local_logs = any(isinstance(cb, Callback) and not cb.aggregate_logs for cb in out)
     out.append(_Coordinator(runtime, sync_stop, local_logs, adapters, broadcast_weights))
     return out
+
+
+#: tarantella's own callbacks (they run while a joining rank replays, see
+#: ``tarantella.data_parallel.joining``)
+INTERNAL = (_Coordinator, _Position)
+
+
+def _joins(runtime: tnt_core.Runtime) -> bool:
+    return getattr(runtime, "membership", None) is not None and runtime.config.elastic_joins

@@ -104,18 +104,6 @@ def _set_default_seed() -> None:
         tf.random.set_seed(DEFAULT_SHUFFLE_SEED)
 
 
-def refuse_elastic(runtime: tnt_core.Runtime) -> None:
-    """An elastic job that may take new processes (``tnt run --max-restarts``, ``--max-np``,
-    ``--host-discovery-script``) is refused in one line: tnt-keras goes on over the
-    survivors when ranks leave (``tarantella.data_parallel.elastic``), but does not yet
-    bring a process that joins a running ``fit`` to its step."""
-    if getattr(runtime, "membership", None) is not None and runtime.config.elastic_joins:
-        raise tnt_core.bad_input(NotSupportedError(  # one line: raised by `import tarantella`
-            "tnt-keras does not yet take new ranks into a running job (tnt run --max-restarts, "
-            "--max-np, --host-discovery-script): use --min-np alone, with which training goes "
-            "on over the ranks that are left when ranks die"))
-
-
 def refuse_in_elastic_job(what: str) -> None:
     """What an elastic job cannot go on with after a rank left is refused before it starts."""
     runtime = tnt_core.init()
@@ -131,7 +119,6 @@ def configure_process(runtime: tnt_core.Runtime) -> None:
     """Device placement, CPU threads and the default seed for this rank. Local rank and
     size come from the started runtime (under mpiexec, MPI knows them, not the environment);
     starting it runs no TensorFlow."""
-    refuse_elastic(runtime)
     if not _place_on_gpu(runtime):
         _set_cpu_threads(runtime)
     _set_default_seed()

@@ -25,8 +25,9 @@ The communicator: :meth:`tnt_core.Runtime.rejoin` gives the backend over the nex
 membership, :meth:`tarantella.comm.Channel.bind` sends every later collective to it and
 drops the traced steps, which Keras traces anew.
 
-Not here: a rank that joins a running job (``tnt run --max-restarts``/``--max-np``, refused
-by :func:`tarantella.environment.configure_process`); pipelining; custom loops.
+Ranks that join (a replacement, growth): :mod:`tarantella.data_parallel.joining`, whose
+checks and state transfer run here, at the operations' boundaries and after a rebind.
+Not here: pipelining; custom loops.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ import tnt_core
 
 from ..comm import native as native_ops
 from ..datasets import Resharder
+from ..errors import NotSupportedError
 from ..reporting.log import logger
+from . import joining
 from .steps import SeveralUpdates, is_distributed, model_optimizers
-from .weights import broadcast_model_state
+from .weights import broadcast_model_state, model_state_variables
 
 __all__ = ["ElasticFunction", "ElasticLoop", "is_membership_failure"]
 
@@ -73,6 +76,10 @@ def is_membership_failure(exc: BaseException, runtime: tnt_core.Runtime) -> bool
     return runtime.membership_changed()
 
 
+class _JoinNow(tnt_core.TntError):
+    """The ranks agreed, at an operation's boundary, to take in the ranks that joined."""
+
+
 def _first_line(exc: BaseException) -> str:
     """The exception's type and the first line of its message that says something."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -92,9 +99,18 @@ class ElasticLoop:
         self._model = weakref.ref(model)
         self.state = state
         self.resharder = Resharder()
-        #: collective operations this rank finished, and the outputs of the last one
-        self.done = 0
+        #: the outputs of the last collective operation this rank finished (``done`` counts them)
         self.last: Any = None
+        runtime = state.runtime
+        #: ranks may join the job (``tnt run --max-restarts``/``--max-np``/discovery)
+        self.joins = bool(runtime.config.elastic_joins)
+        #: a joiner replays the operations up to this number (see ``joining``); None: not
+        #: replaying, or not a joiner
+        self.replay_until: int | None = None
+        self._next_kind: str | None = None
+        self._predictions: dict[int, Any] = {}
+        #: the callbacks of the call running (their state goes to a joiner)
+        self.callbacks: Any = None
         #: metric states saved when Keras reset them after the last operation (the values
         #: that operation left, which a rank behind needs)
         self._metrics_at_reset: list[np.ndarray] | None = None
@@ -106,6 +122,21 @@ class ElasticLoop:
         #: the optimizers' updates wait for the step's last collective; False for a step
         #: that applies more than once (then a failure after its first update is refused)
         self.defer_updates = True
+
+    @property
+    def done(self) -> int:
+        """Collective operations this rank finished (every model's loop counts alike)."""
+        return joining.operations().done
+
+    @done.setter
+    def done(self, value: int) -> None:
+        joining.operations().done = value
+
+    @property
+    def replaying(self) -> bool:
+        """A joiner before it took the job's state: the user's callbacks do not run (the
+        master's ran, and their state comes with the job's)."""
+        return self.replay_until is not None
 
     @property
     def model(self) -> keras.Model:
@@ -171,10 +202,15 @@ class ElasticLoop:
     def step(self, kind: str, element: Any) -> Any:
         """One step of ``kind`` on a global batch, redone over the new membership when a rank
         leaves while it runs; its outputs (the logs, or the predictions)."""
+        if self.replay_until is not None:
+            if self.done < self.replay_until:
+                return self._replayed(kind)
+            self._take_state(kind)
         snapshot, iterations = self._snapshot() if kind != "predict" else ([], [])
         while True:
             channel = self.state.channel
             try:
+                self._take_joins(kind)
                 packed = self.resharder(element, channel.rank, channel.size)
                 outputs = self.keras_function(kind)([packed])
             except SeveralUpdates:
@@ -182,7 +218,7 @@ class ElasticLoop:
                 setattr(self.model, _FUNCTIONS[kind][0], None)  # traced anew, applying at once
                 continue
             except Exception as exc:
-                if not is_membership_failure(exc, self.state.runtime):
+                if not isinstance(exc, _JoinNow) and not is_membership_failure(exc, self.state.runtime):
                     raise
                 if kind == "train" and iterations != self._iterations():
                     raise tnt_core.TntError(
@@ -195,16 +231,23 @@ class ElasticLoop:
                 if self._recover(kind, exc):
                     return self.last
                 continue
+            if kind == "predict" and self.joins:  # a joiner replaying this predict returns them
+                joining.ledger().predictions[self.done + 1] = _as_numpy(outputs)
             return self._completed(outputs)
 
     def host(self, kind: str, operation: Callable[[], Any]) -> Any:
         """A collective of the loop run on the host (``kind`` "sync" or "weights"), redone
         over the new membership when a rank leaves while it runs."""
+        if self.replay_until is not None:
+            if self.done < self.replay_until:
+                return self._replayed(kind)
+            self._take_state(kind)
         while True:
             try:
+                self._take_joins(kind)
                 outputs = operation()
             except Exception as exc:
-                if not is_membership_failure(exc, self.state.runtime):
+                if not isinstance(exc, _JoinNow) and not is_membership_failure(exc, self.state.runtime):
                     raise
                 if self._recover(kind, exc):
                     return self.last
@@ -242,11 +285,16 @@ class ElasticLoop:
         logger.info("elastic: the %s operation #%d failed (%s); rejoining", kind, self.done + 1,
                     _first_line(failure))
         started = time.monotonic()
+        book = joining.ledger()
+        if book.holders is None:
+            book.holders = set(runtime.membership.members) if runtime.membership else set()
+        welcomed = False
         while True:
             backend = runtime.rejoin()  # CommError when evicted or no membership comes
             self.state.channel.bind(backend)
             try:
                 done_by_root = self._agree(kind)
+                welcomed = self._welcome(None if done_by_root else kind) or welcomed
                 break
             except Exception as exc:
                 if not is_membership_failure(exc, runtime):
@@ -257,9 +305,13 @@ class ElasticLoop:
         if runtime.is_master:
             membership = runtime.membership
             change = membership.describe_change() if membership is not None else "new membership"
-            logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, the %s "
-                           "step in flight %s", change, runtime.size, took, kind,
-                           "finished by a rank ahead" if done_by_root else "redone")
+            said = [] if isinstance(failure, _JoinNow) else [
+                f"the {kind} step in flight "
+                + ("finished by a rank ahead" if done_by_root else "redone")]
+            if welcomed:
+                said.append(f"the joining rank(s) took the state before the {kind} step")
+            logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, %s", change,
+                           runtime.size, took, ", ".join(said) or f"from the {kind} step on")
             if membership is not None and any(d.rank == 0 for d in membership.departed):
                 logger.warning("elastic: the master rank left: the progress bar and the "
                                "master-only callbacks of this fit (ModelCheckpoint, CSVLogger, "
@@ -267,12 +319,17 @@ class ElasticLoop:
                                "from now on (tnt.get_rank() == 0)")
         return done_by_root
 
-    def _agree(self, kind: str) -> bool:
+    def _agree(self, kind: str | None) -> bool:
+        """The ranks compare their operation counts; a rank behind takes the state and the
+        outputs of the first rank ahead (True on it). A joiner (``kind`` None) holds no
+        state: it takes part in the collectives and takes nothing."""
         channel = self.state.channel
-        mine = np.array([self.done, KINDS.index(kind)], dtype=np.int64)
+        mine = np.array([self.done if kind is not None else -1,
+                         KINDS.index(kind) if kind is not None else 0], dtype=np.int64)
         every = np.asarray(channel.backend.allgather(mine)).reshape(-1, 2)
-        top = int(every[:, 0].max())
-        behind = every[:, 0] < top
+        holding = every[:, 0] >= 0
+        top = int(every[holding, 0].max())
+        behind = holding & (every[:, 0] < top)
         if not behind.any():
             return False
         root = int(np.flatnonzero(every[:, 0] == top)[0])
@@ -280,13 +337,18 @@ class ElasticLoop:
         payload = b""
         if channel.rank == root:
             metrics = self._metrics_after_last() if needed in ("train", "test") else None
-            payload = pickle.dumps({"outputs": _as_numpy(self.last), "metrics": metrics})
+            weights = ([np.asarray(keras.ops.convert_to_numpy(v))
+                        for v in model_state_variables(self.model)]
+                       if needed in ("train", "weights") else None)
+            payload = pickle.dumps({"outputs": _as_numpy(self.last), "metrics": metrics,
+                                    "weights": weights})
         received = _broadcast_bytes(channel, payload, root)
-        if needed in ("train", "weights"):
-            broadcast_model_state(self.model, self.state.runtime, root=root)
-        if self.done == top:
+        if kind is None or self.done == top:
             return False
         answer = pickle.loads(received)
+        if answer["weights"] is not None:
+            for v, value in zip(model_state_variables(self.model), answer["weights"]):
+                v.assign(value)
         if answer["metrics"] is not None:
             for v, value in zip(self.model.metrics_variables, answer["metrics"]):
                 v.assign(value)
@@ -294,6 +356,117 @@ class ElasticLoop:
         self.last = answer["outputs"]
         self._metrics_at_reset = None
         return True
+
+    # -- ranks that join ------------------------------------------------------------------------
+
+    def _take_joins(self, kind: str) -> None:
+        """At an operation's boundary in a job that ranks may join: the ranks agree on the
+        newest generation any of them knows of (one allreduce); when ranks joined, every
+        rank moves there now (:class:`_JoinNow`). Never inside a predict: a joiner would
+        need the predictions made so far."""
+        if not self.joins or kind == "predict":
+            return
+        runtime = self.state.runtime
+        newest = np.array([runtime.newest_seen()], dtype=np.int64)
+        newest = np.asarray(self.state.channel.backend.allreduce(newest, "max")).reshape(-1)
+        if int(newest[0]) > runtime.generation:
+            raise _JoinNow(f"generation {int(newest[0])} takes in new ranks")
+
+    def _welcome(self, kind: str | None) -> bool:
+        """After a rebind: when ranks joined that hold no state, the master tells them
+        where the job is, and gives them the state when the call in progress is theirs
+        (they replay up to it first; every rank waits here meanwhile). True when it did."""
+        runtime, channel = self.state.runtime, self.state.channel
+        book = joining.ledger()
+        membership = runtime.membership
+        if membership is None or book.holders is None:
+            return False
+        new = [m for m in membership.members if m not in book.holders]
+        if not new:
+            return False
+        where = book.describe(self.done, kind) if runtime.is_master else None
+        _broadcast_bytes(channel, pickle.dumps(where) if where is not None else b"", 0)
+        self._give_state()
+        book.holders = set(membership.members)
+        return True
+
+    def _give_state(self) -> None:
+        """The master's state to every rank (what a joiner needs to run the next operation);
+        the others take what they hold already."""
+        runtime, channel = self.state.runtime, self.state.channel
+        broadcast_model_state(self.model, runtime)
+        payload = b""
+        if runtime.is_master:
+            payload = pickle.dumps({
+                "metrics": [np.array(keras.ops.convert_to_numpy(v), copy=True)
+                            for v in self.model.metrics_variables],
+                "at_reset": self._metrics_at_reset, "last": _as_numpy(self.last),
+                "seeds": joining.seed_states(self.model),
+                "callbacks": joining.callback_states(self.callbacks),
+                "stop": bool(getattr(self.model, "stop_training", False))})
+        _broadcast_bytes(channel, payload, 0)
+
+    def greet(self) -> dict[str, Any]:
+        """A joiner's first call: take part in the survivors' agreement and learn where the
+        job is (``joining.CallLedger.describe``)."""
+        channel = self.state.channel
+        try:
+            self._agree(None)
+            return pickle.loads(_broadcast_bytes(channel, b"", 0))
+        except Exception as exc:
+            raise self._cannot_join(exc) from exc
+
+    def _cannot_join(self, exc: BaseException) -> tnt_core.CommError:
+        """A joining rank could not take the job's state (a peer failed meanwhile): it
+        leaves the job, whose survivors go on; a CommError, so the rank ends in one line."""
+        if not (isinstance(exc, tnt_core.TntError) or is_membership_failure(exc, self.state.runtime)):
+            raise exc
+        return tnt_core.CommError(f"this rank, joining the running job, could not take its state "
+                         f"({_first_line(exc)}); it leaves the job, which goes on without it",
+                         rank=self.state.runtime.rank, operation="join")
+
+    def start_replay(self, where: dict[str, Any]) -> None:
+        """This joiner's call is the job's call in progress: replay it up to the job's
+        operation (see ``joining``)."""
+        self.done = int(where["first_operation"])
+        self.replay_until = int(where["done"])
+        self._next_kind = where["kind"]
+        self._predictions = dict(where["predictions"])
+
+    def _replayed(self, kind: str) -> Any:
+        """An operation the job did before this joiner came: the input was taken already
+        (by the caller), nothing runs."""
+        self.done += 1
+        if kind == "predict":
+            return self._predictions[self.done]
+        return 0 if kind == "sync" else ({} if kind in ("train", "test") else None)
+
+    def _take_state(self, kind: str) -> None:
+        """The joiner at the job's operation: the master's state, then the next operation
+        with the others."""
+        runtime = self.state.runtime
+        self.replay_until = None
+        if self._next_kind is not None and kind != self._next_kind:
+            raise NotSupportedError(
+                f"rank {runtime.rank} joins the running job at a {kind} operation where the "
+                f"master runs a {self._next_kind} one: the script must call fit, evaluate and "
+                "predict alike on every rank (a call from inside a callback cannot be replayed)")
+        try:
+            broadcast_model_state(self.model, runtime)
+            given = pickle.loads(_broadcast_bytes(self.state.channel, b"", 0))
+        except Exception as exc:
+            raise self._cannot_join(exc) from exc
+        for v, value in zip(self.model.metrics_variables, given["metrics"]):
+            v.assign(value)
+        self._metrics_at_reset, self.last = given["at_reset"], given["last"]
+        joining.take_seed_states(self.model, given["seeds"], runtime.rank)
+        joining.restore_callback_states(self.callbacks, given["callbacks"])
+        self.model.stop_training = given["stop"]
+        book = joining.ledger()
+        if runtime.membership is not None:
+            book.holders = set(runtime.membership.members)
+        logger.info("elastic: rank %d took the job's state; it trains from operation %d on",
+                    runtime.rank, self.done + 1)
 
 
 def _broadcast_bytes(channel: Any, payload: bytes, root: int) -> bytes:

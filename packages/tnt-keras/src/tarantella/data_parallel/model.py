@@ -16,6 +16,7 @@ the loops' arguments are :mod:`tarantella.arguments`'.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Any
@@ -40,7 +41,7 @@ from ..model import DistributedState, Model, ParallelStrategy
 from ..pipeline.variables import initialize_whole
 from ..reporting.tracebacks import user_facing
 from ..reporting.user_frames import user_stacklevel
-from . import steps
+from . import joining, steps
 from .batchnorm import synchronized_layers
 from .elastic import ElasticFunction, ElasticLoop
 from .losses import normaliser, summed_terms, weigh_backward
@@ -49,6 +50,22 @@ from .weights import broadcast_model_state
 from .xla import XlaStep, take_jit_compile
 
 __all__ = ["DataParallelModel", "DataParallelState"]
+
+
+def _joinable(name: str) -> Any:
+    """Run the public loop ``name`` through ``DataParallelModel._tnt_joinable`` (fit's own
+    validation, an evaluate inside it, is part of the fit)."""
+
+    def decorate(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(self: DataParallelModel, *args: Any, **kwargs: Any) -> Any:
+            if name == "evaluate" and _keras_compat.is_fit_validation(kwargs):
+                return fn(self, *args, **kwargs)
+            return self._tnt_joinable(name, lambda: fn(self, *args, **kwargs))
+
+        return wrapper
+
+    return decorate
 
 
 class DataParallelState(DistributedState):
@@ -269,19 +286,30 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         wrapped = tnt_callbacks.distribute_callbacks(list(callbacks or []), self, runtime,
                                                      adapters=[d.adapter for d in data])
         master = runtime.is_master
-        return keras.callbacks.CallbackList(
-            wrapped,
-            add_history=add_history,
-            add_progbar=master and verbose != 0,
-            model=self,
-            verbose=verbose if master else 0,
-            epochs=epochs,
-            steps=steps,
-        )
+        loop = self._tnt.elastic
+        settings = dict(add_history=add_history, add_progbar=master and verbose != 0, model=self,
+                        verbose=verbose if master else 0, epochs=epochs, steps=steps)
+        if loop is None or not loop.joins:
+            return keras.callbacks.CallbackList(wrapped, **settings)
+        # a joining rank replays the job's operations with the user's callbacks quiet
+        callback_list = joining.ReplayingCallbacks(wrapped, replaying=lambda: loop.replaying,
+                                                   **settings)
+        if joining.ledger().depth <= 1:
+            loop.callbacks = callback_list
+        return callback_list
+
+    def _tnt_joinable(self, name: str, run: Any) -> Any:
+        """``run()``, the call ``name``; numbered, skipped or replayed by a joining rank
+        when ranks may join the elastic job (``tarantella.data_parallel.joining``)."""
+        loop = self._tnt.elastic
+        if loop is None or not loop.joins:
+            return run()
+        return joining.run_call(self, loop, name, run)
 
     # -- the loops -------------------------------------------------------------------------------
 
     @user_facing
+    @_joinable("fit")
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: Any = "auto", callbacks: Any = None, validation_split: float = 0.0,
             validation_data: Any = None, shuffle: bool = True, class_weight: Any = None,
@@ -343,6 +371,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         )
 
     @user_facing
+    @_joinable("evaluate")
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
                  callbacks: Any = None, return_dict: bool = False, *,
@@ -371,6 +400,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                                 steps=steps, callbacks=callback_list, return_dict=return_dict)
 
     @user_facing
+    @_joinable("predict")
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
                 steps: int | None = None, callbacks: Any = None, *,
                 tnt_micro_batch_size: int | None = None,
@@ -403,6 +433,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         return steps.pack(rows, tf.constant([n, b], tf.int64))
 
     @user_facing
+    @_joinable("train_on_batch")
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                        class_weight: Any = None, return_dict: bool = False) -> Any:
         """``keras.Model.train_on_batch`` on the *global* batch: every rank passes the same
@@ -417,6 +448,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         return super().train_on_batch(packed, return_dict=return_dict)
 
     @user_facing
+    @_joinable("test_on_batch")
     def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
                       return_dict: bool = False) -> Any:
         """``keras.Model.test_on_batch`` on the global batch (see :meth:`train_on_batch`)."""
@@ -425,6 +457,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         return super().test_on_batch(packed, return_dict=return_dict)
 
     @user_facing
+    @_joinable("predict_on_batch")
     def predict_on_batch(self, x: Any) -> Any:
         """``keras.Model.predict_on_batch`` on the global batch; every rank gets all rows."""
         packed = self._tnt_on_batch((x,), predict=True)

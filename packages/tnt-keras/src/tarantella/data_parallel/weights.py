@@ -16,7 +16,7 @@ from ..collectives import broadcast
 from ..randomness import is_seed_state
 from ..reporting.tracebacks import user_facing
 
-__all__ = ["broadcast_model_state", "broadcast_variables"]
+__all__ = ["broadcast_model_state", "broadcast_variables", "model_state_variables"]
 
 
 def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime,
@@ -28,6 +28,18 @@ def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime,
     """
     if runtime.size == 1:
         return
+    variables = model_state_variables(model)
+    channel = comm.world(runtime)
+    _check_same_model(variables, channel)
+    values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
+    root = tnt_core.get_master_rank() if root is None else root
+    for v, value in zip(variables, channel.broadcast_arrays(values, root)):
+        v.assign(value)
+
+
+def model_state_variables(model: keras.Model) -> list[Any]:
+    """The variables every rank holds alike: weights and built optimizer state, without the
+    random seed states (rank-local)."""
     variables, seen = [], set()
     candidates = list(model.weights)
     optimizer = getattr(model, "optimizer", None)
@@ -39,12 +51,7 @@ def broadcast_model_state(model: keras.Model, runtime: tnt_core.Runtime,
         seen.add(id(v))
         if np.dtype(v.dtype) in tnt_core.SUPPORTED_DTYPES:  # skips e.g. uint32 RNG states
             variables.append(v)
-    channel = comm.world(runtime)
-    _check_same_model(variables, channel)
-    values = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
-    root = tnt_core.get_master_rank() if root is None else root
-    for v, value in zip(variables, channel.broadcast_arrays(values, root)):
-        v.assign(value)
+    return variables
 
 
 def _check_same_model(variables: list, channel: comm.Channel) -> None:

@@ -21,7 +21,7 @@ communicator, and the number of ranks, when they run (``GradientReduction.rebind
 :func:`tarantella.horovod._collectives.current_size`).
 
 Differences from Horovod: no process joins a running job (``--max-np``, ``--max-restarts``
-and ``--host-discovery-script`` are refused when tarantella is imported), so a reset always
+and ``--host-discovery-script`` are refused by ``run``), so a reset always
 follows a departure; the state is always synchronised after a reset (Horovod skips it when
 hosts were only removed); the check for a new membership is local (the watcher of tnt-core
 aborts the communicator, so a rank that has not seen it yet fails at its next collective).
@@ -279,6 +279,11 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         runtime = tnt_core.init()
+        if runtime.membership is not None and runtime.config.elastic_joins:
+            raise tnt_core.bad_input(NotSupportedError(
+                "hvd.elastic.run does not take new ranks into a running job (tnt run "
+                "--max-restarts, --max-np, --host-discovery-script): use --min-np alone, or "
+                "the data-parallel tnt.Model's fit, which does"))
         while True:
             try:
                 state.sync()
