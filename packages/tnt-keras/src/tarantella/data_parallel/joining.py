@@ -35,6 +35,7 @@ import tensorflow as tf
 
 import tnt_core
 
+from .. import callbacks as tnt_callbacks
 from ..errors import NotSupportedError
 from ..randomness import fold_rank_into_seeds, is_seed_state
 
@@ -121,8 +122,6 @@ _NOT_STATE = frozenset({"model", "_model", "params", "_params"})
 def _stateful_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
     """The callbacks whose state a joiner takes (every rank runs them the same way): the
     user's callbacks that run on every rank, and History."""
-    from .. import callbacks as tnt_callbacks
-
     out = []
     every = callbacks.every_callback() if isinstance(callbacks, ReplayingCallbacks) else \
         getattr(callbacks, "callbacks", callbacks)
@@ -203,9 +202,7 @@ class ReplayingCallbacks(keras.callbacks.CallbackList):
         replaying = self.__dict__.get("_replaying")
         if replaying is None or not replaying():
             return every
-        from .. import callbacks as tnt_callbacks
-
-        return [cb for cb in every if isinstance(cb, tnt_callbacks.INTERNAL)]
+            return [cb for cb in every if isinstance(cb, tnt_callbacks.INTERNAL)]
 
     @callbacks.setter
     def callbacks(self, value: list[keras.callbacks.Callback]) -> None:
