@@ -202,7 +202,7 @@ class ReplayingCallbacks(keras.callbacks.CallbackList):
         replaying = self.__dict__.get("_replaying")
         if replaying is None or not replaying():
             return every
-            return [cb for cb in every if isinstance(cb, tnt_callbacks.INTERNAL)]
+        return [cb for cb in every if isinstance(cb, tnt_callbacks.INTERNAL)]
 
     @callbacks.setter
     def callbacks(self, value: list[keras.callbacks.Callback]) -> None:
