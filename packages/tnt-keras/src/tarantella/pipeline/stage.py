@@ -57,14 +57,13 @@ from .._keras_compat import forgetting_custom_gradients
 from ..comm import Channel
 from ..comm.compression import for_fit
 from ..comm.gradients import GradientReducer, reduce_weighted
-from ..errors import NotSupportedError
 from . import schedule as schedules
 from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
 from .messages import StageMessages
 from .micro_batches import concat, micro_batch_sizes, shares, split
 from .partition import Partitioning
-from .passes import InFlight, StagePasses
+from .passes import InFlight, StagePasses, WeightPass
 from .schedule import Action, Op
 
 __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
@@ -158,9 +157,10 @@ class StageStep:
 
     # -- messages to the neighbours (graph ops: tarantella.pipeline.messages) -------------------
 
-    def _send(self, tensors: Sequence[Any], to: int, direction: int) -> None:
-        for j, t in enumerate(tensors):
-            self._tokens.append(self.messages.send(t, to, 2 * j + direction))
+    def _send(self, tensors: Sequence[Any], to: int, direction: int) -> list[tf.Tensor]:
+        sent = [self.messages.send(t, to, 2 * j + direction) for j, t in enumerate(tensors)]
+        self._tokens += sent
+        return sent
 
     def _receive(self, specs: Sequence[Any], batch: int, frm: int, direction: int) -> list[tf.Tensor]:
         return [self.messages.receive((batch, *[int(d) for d in s.shape[1:]]), s.dtype,
@@ -228,34 +228,44 @@ class StageStep:
         predictions: dict[int, Any] = {}
         accumulated = MicroBatchGradients(self.weights)
         parts: list[tf.Tensor] = []
-        for action in self.actions(len(sizes)):
+        actions = self.actions(len(sizes))
+        apart = {a.micro_batch for a in actions if a.op is Op.WEIGHT}  # B without the weights'
+        weight_passes: dict[int, WeightPass] = {}
+        last: list[Any] = []  # what the latest action made: a W starts after it
+        for action in actions:
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
                 assert peer is not None
-                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
+                received[k] = last = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
             elif action.op is Op.FORWARD:
                 flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k])
+                last = [*flights[k].outputs, *([] if flights[k].loss is None else [flights[k].loss])]
                 if self.last:
                     predictions[k] = flights[k].predictions
             elif action.op is Op.SEND_F:
                 assert peer is not None
-                self._send(flights[k].outputs, peer, _FORWARD)
+                last = self._send(flights[k].outputs, peer, _FORWARD)
             elif action.op is Op.RECV_B:
                 assert peer is not None
-                returned[k] = self._receive(flights[k].outputs, sizes[k], peer, _BACKWARD)
+                returned[k] = last = self._receive(flights[k].outputs, sizes[k], peer, _BACKWARD)
             elif action.op is Op.BACKWARD:
                 flight = flights.pop(k)
                 if flight.loss is not None:
                     parts.append(tf.cast(flight.loss, tf.float64))  # a float64 model's loss
-                grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None))
-                accumulated.add(k, grads)
+                grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None), k in apart)
+                last = back[k] or last
+                if isinstance(grads, WeightPass):
+                    weight_passes[k] = grads
+                else:
+                    accumulated.add(k, grads)
             elif action.op is Op.SEND_B:
                 sent = back.pop(k)
                 assert peer is not None and sent is not None
-                self._send(sent, peer, _BACKWARD)
+                last = self._send(sent, peer, _BACKWARD)
             else:
-                raise NotSupportedError(f"schedule {self.schedule!r}: the stage step does not "
-                                        f"run {action} (a weight-gradient pass apart) yet")
+                assert action.op is Op.WEIGHT, action
+                last = self._weight_pass(k, weight_passes.pop(k), last)
+                accumulated.add(k, last)
         self._optimizer_step(accumulated)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
         total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
@@ -275,17 +285,31 @@ class StageStep:
                    f"forward {k}", begin=False)
         return flight
 
-    def _backward_pass(self, k: int, flight: InFlight, returned: list[tf.Tensor] | None
-                  ) -> tuple[list[Any], list[tf.Tensor] | None]:
+    def _backward_pass(self, k: int, flight: InFlight, returned: list[tf.Tensor] | None,
+                       apart: bool = False) -> tuple[Any, list[tf.Tensor] | None]:
         """Micro-batch ``k``'s backward pass, marked on the timeline: its weights' gradients
-        and what goes back to the previous stage."""
+        (with ``apart``, as the :class:`WeightPass` its ``W`` runs) and what goes back to the
+        previous stage."""
         seed = None if flight.loss is None else self._loss_seed(flight.loss)
         begun = self._mark(list(returned or []) + ([] if seed is None else [seed]),
                            f"backward {k}", begin=True)
+        if apart:
+            weight_pass, back = self.passes.backward_apart(flight, returned, seed, after=begun)
+            self._mark(back or [], f"backward {k}", begin=False)
+            return weight_pass, back
         grads, back = self.passes.backward(flight, returned, seed, after=begun)
         self._mark([g for g in grads + (back or []) if isinstance(g, tf.Tensor)],
                    f"backward {k}", begin=False)
         return grads, back
+
+    def _weight_pass(self, k: int, weight_pass: WeightPass, after: list[Any]) -> list[Any]:
+        """Micro-batch ``k``'s ``W``, after the ops ``after`` (the action before it),
+        marked on the timeline: its weights' gradients."""
+        begun = self._mark([a for a in after if isinstance(a, tf.Tensor)], f"weight {k}", begin=True)
+        weight_pass.start_after([*after, *begun])
+        grads = weight_pass.grads
+        self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"weight {k}", begin=False)
+        return grads
 
     # -- the gradients to the optimizer -------------------------------------------------------
 
