@@ -28,7 +28,7 @@ import tensorflow as tf
 from .. import _keras_compat
 from .partition import COMPUTED, Partitioning
 
-__all__ = ["InFlight", "StagePasses", "WeightPass"]
+__all__ = ["InFlight", "StagePasses", "WeightPass", "tensors_in"]
 
 
 @dataclass
@@ -65,12 +65,13 @@ class WeightPass:
         the action before it in the schedule; made after ``W``'s ops, which is why the
         wait is added to them now)."""
         gates = [a for a in after if isinstance(a, tf.Operation)]
-        gates += [t.op for t in _tensors([a for a in after if not isinstance(a, tf.Operation)])]
+        gates += [t.op for t in tensors_in([a for a in after if not isinstance(a, tf.Operation)])]
         if self.first_ops and gates:
             _keras_compat.run_after(self.first_ops, gates)
 
 
-def _tensors(values: Sequence[Any]) -> list[tf.Tensor]:
+def tensors_in(values: Sequence[Any]) -> list[tf.Tensor]:
+    """The tensors of ``values``: tensors, and the parts of ``tf.IndexedSlices``."""
     out: list[tf.Tensor] = []
     for v in values:
         parts = (v.values, v.indices, v.dense_shape) if isinstance(v, tf.IndexedSlices) else (v,)
@@ -96,7 +97,7 @@ def _weight_only_ops(made: Sequence[tf.Operation], grads: Sequence[Any],
                 stack += [c for c in op.control_inputs if c in mine]
         return seen
 
-    weight_only = reach(_tensors(grads)) - reach(_tensors(back))
+    weight_only = reach(tensors_in(grads)) - reach(tensors_in(back))
     if any(op.op_def.is_stateful for op in weight_only):
         return []
     return [op for op in made if op in weight_only

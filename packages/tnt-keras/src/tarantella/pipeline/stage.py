@@ -22,12 +22,20 @@ last stage, which computes the loss of all outputs at once, as compile does
 (``Partitioning.emits``); model inputs a later partition uses are read from ``x`` by its own
 stage. The gradients flow back the same way, and each stage accumulates its own weights'
 gradients and applies them once, with its own optimizer, after the last micro-batch. The
-default order is 1F1B (``schedule="1f1b"``; ``"gpipe"`` for comparison: docs/pipelining.md
-has both measured).
+default order is 1F1B (``schedule="1f1b"``; ``"zb-h1"``, zero bubble, runs each weight
+gradient as a pass ``W`` of its own; ``"gpipe"`` for comparison: docs/pipelining.md has
+them measured).
 
 A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
 a shorter last batch traces once more): every action unrolled in the schedule's order, the
 accumulation, the replicas' sum and the optimizer. There is no Python per micro-batch. The
+graph computes in the list's order too, the order the dry run times: the messages are
+chained (:mod:`tarantella.pipeline.messages`), each forward pass and each ``W`` starts after
+what the action before it made, and a backward pass follows the gradients it receives
+(or, on the last stage, its forward pass), which come just before it. Why not leave the
+passes to the dataflow: the first stage's forward passes, all ready at once, would share
+its core, so the first activations would leave later, and a backward pass's weight
+gradient would delay the input gradient the previous stage waits for. The
 graph also makes two things serial that a stage's own optimizer cannot see alone: a
 ``global_clipnorm`` clips by the whole model's norm (one scalar allreduce over the
 stages), and loss scaling (``mixed_float16``) starts the backward pass from the scale and
@@ -63,7 +71,7 @@ from .checks import check_point_to_point, check_stage_model
 from .messages import StageMessages
 from .micro_batches import concat, micro_batch_sizes, shares, split
 from .partition import Partitioning
-from .passes import InFlight, StagePasses, WeightPass
+from .passes import InFlight, StagePasses, WeightPass, tensors_in
 from .schedule import Action, Op
 
 __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
@@ -211,9 +219,8 @@ class StageStep:
                      batch: int) -> tuple[tf.Tensor, Any]:
         """The step's graph: this stage's actions of the schedule, unrolled (``local`` and
         ``batch`` are static, so the micro-batch sizes are), the gradients accumulated,
-        summed over the replicas and applied, and the sends completed. The messages run in
-        the schedule's order (:mod:`tarantella.pipeline.messages`); the compute between them
-        runs as the dataflow allows."""
+        summed over the replicas and applied, and the sends completed, all in the
+        schedule's order (see the module doc)."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         share = shares(sizes, batch)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
@@ -231,14 +238,15 @@ class StageStep:
         actions = self.actions(len(sizes))
         apart = {a.micro_batch for a in actions if a.op is Op.WEIGHT}  # B without the weights'
         weight_passes: dict[int, WeightPass] = {}
-        last: list[Any] = []  # what the latest action made: a W starts after it
+        last: list[Any] = []  # what the latest action made: an F or a W starts after it
         for action in actions:
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
                 assert peer is not None
                 received[k] = last = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
             elif action.op is Op.FORWARD:
-                flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k])
+                flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k],
+                                                after=last)
                 last = [*flights[k].outputs, *([] if flights[k].loss is None else [flights[k].loss])]
                 if self.last:
                     predictions[k] = flights[k].predictions
@@ -253,11 +261,12 @@ class StageStep:
                 if flight.loss is not None:
                     parts.append(tf.cast(flight.loss, tf.float64))  # a float64 model's loss
                 grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None), k in apart)
-                last = back[k] or last
-                if isinstance(grads, WeightPass):
+                if isinstance(grads, WeightPass):  # B alone (none on the first stage)
                     weight_passes[k] = grads
+                    last = back[k] or last
                 else:
                     accumulated.add(k, grads)
+                    last = [*grads, *(back[k] or [])]
             elif action.op is Op.SEND_B:
                 sent = back.pop(k)
                 assert peer is not None and sent is not None
@@ -275,12 +284,14 @@ class StageStep:
         return total, joined
 
     def _forward_pass(self, k: int, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
-                 share: float) -> InFlight:
-        """Micro-batch ``k``'s forward pass, marked on the timeline; the weight
-        regularisation joins the loss once per step, with micro-batch 0."""
+                 share: float, after: Sequence[Any] = ()) -> InFlight:
+        """Micro-batch ``k``'s forward pass, after ``after`` (what the action before it
+        made), marked on the timeline; the weight regularisation joins the loss once per
+        step, with micro-batch 0."""
         begun = self._mark(received + keras.tree.flatten(x), f"forward {k}", begin=True)
         flight = self.passes.forward(received, x, y, sample_weight, share,
-                                     regularise=k == 0 and self.regularise, after=begun)
+                                     regularise=k == 0 and self.regularise,
+                                     after=[*tensors_in(after), *begun])
         self._mark(list(flight.outputs) + ([] if flight.loss is None else [flight.loss]),
                    f"forward {k}", begin=False)
         return flight
@@ -305,7 +316,7 @@ class StageStep:
     def _weight_pass(self, k: int, weight_pass: WeightPass, after: list[Any]) -> list[Any]:
         """Micro-batch ``k``'s ``W``, after the ops ``after`` (the action before it),
         marked on the timeline: its weights' gradients."""
-        begun = self._mark([a for a in after if isinstance(a, tf.Tensor)], f"weight {k}", begin=True)
+        begun = self._mark(tensors_in(after), f"weight {k}", begin=True)
         weight_pass.start_after([*after, *begun])
         grads = weight_pass.grads
         self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"weight {k}", begin=False)
