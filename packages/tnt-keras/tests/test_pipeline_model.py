@@ -309,6 +309,11 @@ def test_pipelining_arguments_are_checked():
         tnt.Model(_cut_model(), parallel_strategy="pipelining", num_pipeline_stages=0)
     with pytest.raises(TypeError, match="cuts the model into a pipeline"):
         tnt.Model(_cut_model(), num_pipeline_stages=2)
+    with pytest.raises(ValueError, match=r"pipeline_schedule='zb'\): the order of each stage's "
+                       r"passes, one of '1f1b' \(the default\), 'zb-h1', 'gpipe'$"):
+        tnt.Model(_cut_model(), parallel_strategy="pipelining", pipeline_schedule="zb")
+    with pytest.raises(TypeError, match="orders the passes of a pipeline"):
+        tnt.Model(_cut_model(), pipeline_schedule="zb-h1")
     assert tnt.ParallelStrategy.DATA | tnt.ParallelStrategy.PIPELINING is tnt.ParallelStrategy.ALL
     with pytest.raises(tnt.NotSupportedError, match=r"ALL\): model .* has 2 partitions, so the "
                        r"job needs a multiple of 2 ranks \(one pipeline per 2\); it has 1"):
