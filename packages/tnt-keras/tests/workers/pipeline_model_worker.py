@@ -15,6 +15,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pipeline_bucket_worker
 import pipeline_graph_worker
 import pipeline_sparse_worker
 from pipeline_worker import build, data
@@ -193,7 +194,8 @@ def main() -> int:
     parser.add_argument("--strategy", choices=["pipelining", "all"], default="pipelining")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sparse", action="store_true",
-                        help="serial: also the sparse cases (one layout's serial run makes them)")
+                        help="serial: also the sparse and bucketed cases (one layout's serial "
+                             "run makes them)")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     x, y = data()
@@ -251,6 +253,7 @@ def main() -> int:
     pipeline_graph_worker.run(args, x, y)  # skips, late inputs, several outputs, automatic cuts
     if args.mode == "pipeline" or args.sparse:  # sparse gradients, float64 and float32
         pipeline_sparse_worker.run(args)
+        pipeline_bucket_worker.run(args)  # batches of different sequence lengths
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
              **{f"w{i}": w for i, w in enumerate(weights)},
