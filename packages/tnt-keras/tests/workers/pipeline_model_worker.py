@@ -187,6 +187,16 @@ def keras_workflow(args: argparse.Namespace, x: np.ndarray) -> dict[str, np.ndar
     return out
 
 
+def batch_norm_first(partitions: int) -> keras.Model:
+    import tarantella as tnt
+
+    inp = keras.Input((4,))
+    h = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(4)(inp))
+    for _ in range(partitions - 1):
+        h = keras.layers.Dense(4)(tnt.keras.layers.SplitLayer()(h))
+    return keras.Model(inp, h)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["serial", "pipeline"], required=True)
@@ -238,6 +248,9 @@ def main() -> int:
             "callbacks": lambda: model.evaluate(x, y, callbacks=[42], verbose=0),
             "strings": lambda: model.predict(np.array([["a"] * x.shape[1]] * 4), verbose=0),
             "unbatched": lambda: model.fit(tf.data.Dataset.from_tensor_slices((x, y)), verbose=0),
+            # in the first partition only: every rank refuses it, not only the first stage's
+            "batch_norm": lambda: tnt.Model(batch_norm_first(args.partitions),
+                                            parallel_strategy=strategy, num_micro_batches=MICRO),
         }.items():
             try:
                 call()

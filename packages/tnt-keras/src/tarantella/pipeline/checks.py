@@ -91,8 +91,8 @@ def check_distribute(model: keras.Model, strategy: ParallelStrategy, runtime: tn
             "Masking): its loss is a mean over the batch's unmasked steps, which micro-batches "
             "cannot split by their sizes; weigh the padding with sample_weight instead, or "
             "use ParallelStrategy.DATA")
-    stage = runtime.rank % stages
-    check_stage_model(parts.models[stage], stage)
+    for p, part in enumerate(parts.models):  # every partition on every rank: one refusal for all
+        check_stage_model(part, p)
 
 
 def _rank_counts_that_work(stages: int, size: int) -> str:

@@ -47,12 +47,9 @@ class CutShapes:
         self.parts = parts
         self._fixed = [_fixed(r) for r in parts.received] + \
             [_fixed(keras.tree.flatten(parts.output_structure))]
+        #: whether every shape is known from the model alone (the same for every batch)
+        self.fixed = all(s is not None for s in self._fixed)
         self._derived: dict[Any, list[Shapes]] = {}
-
-    @property
-    def fixed(self) -> bool:
-        """Whether every shape is known from the model alone (the same for every batch)."""
-        return all(s is not None for s in self._fixed)
 
     def received(self, stage: int, x: Any) -> Shapes:
         """What ``stage`` receives for the batch ``x`` (the whole model input; batch
@@ -64,9 +61,10 @@ class CutShapes:
         return self._shapes(self.parts.num_partitions, x)
 
     def _shapes(self, index: int, x: Any) -> Shapes:
-        known = self._fixed[index]
-        if known is not None:
-            return known
+        if self.fixed:
+            return self._fixed[index]  # type: ignore[return-value]
+        # every rank derives every cut's shapes, so that a shape it cannot know is refused
+        # on every rank alike (not only on the stages that receive it)
         flat = [tf.convert_to_tensor(t) for t in keras.tree.flatten(x)]
         key = tuple((t.dtype, tuple(t.shape[1:])) for t in flat)
         derived = self._derived.get(key)
