@@ -242,19 +242,19 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         """This pipeline's rows of a global batch of ``batch`` samples."""
         return pipeline_rows(batch, self._tnt.replica, self._tnt.num_replicas)
 
-    def _tnt_outputs(self, batch: int) -> Any:
-        """The model's outputs for the whole batch, on every rank, in the model's output
-        structure: the last stage's, or with several pipelines each last stage's rows (an
-        allreduce of the rows over zeros, which adds nothing to them)."""
+    def _tnt_outputs(self, x: Any, batch: int) -> Any:
+        """The model's outputs for the whole batch ``x``, on every rank, in the model's
+        output structure: the last stage's, or with several pipelines each last stage's rows
+        (an allreduce of the rows over zeros, which adds nothing to them)."""
         state = self._tnt
         parts = state.parts
         last = parts.num_partitions - 1
+        assert state.step is not None
         specs = keras.tree.flatten(parts.output_structure)
-        bufs = [np.zeros((batch, *[int(d) for d in spec.shape[1:]]),
-                         dtype=tf.as_dtype(spec.dtype).as_numpy_dtype) for spec in specs]
+        bufs = [np.zeros((batch, *shape), dtype=tf.as_dtype(spec.dtype).as_numpy_dtype)
+                for spec, shape in zip(specs, state.step.shapes.outputs(x))]
         share = self._tnt_share(batch)
         if state.stage == last and share.stop > share.start:
-            assert state.step is not None
             for buf, rows in zip(bufs, keras.tree.flatten(state.step.predictions)):
                 buf[share] = np.asarray(rows)
         backend = state.channel.backend
@@ -306,7 +306,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         share = self._tnt_share(batch)
         regularisation = self._tnt_sum(state.step.forward(self._tnt_rows(x, share),
                                                           share.stop - share.start))
-        y_pred = self._tnt_outputs(batch)
+        y_pred = self._tnt_outputs(x, batch)
         return self._tnt_logs(x, y, sample_weight, batch, regularisation, y_pred)
 
     def predict_step(self, data: Any) -> Any:
@@ -318,7 +318,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                                               keras.optimizers.SGD())
         share = self._tnt_share(batch)
         state.step.forward(self._tnt_rows(x, share), share.stop - share.start)
-        return self._tnt_outputs(batch)
+        return self._tnt_outputs(x, batch)
 
     def _tnt_logs(self, x: Any, y: Any, sample_weight: Any, batch: int, regularisation: float,
                   y_pred: Any = None, loss: float | None = None) -> Any:
@@ -331,7 +331,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             y_pred = None  # nothing reads them: no broadcast of the batch's outputs
         else:
             if y_pred is None:
-                y_pred = self._tnt_outputs(batch)
+                y_pred = self._tnt_outputs(x, batch)
             assert self._tnt.logged_loss is not None, "compile() makes it"
             compiled = self._tnt.logged_loss(y, y_pred, sample_weight)
             if loss is None:

@@ -70,6 +70,7 @@ from .micro_batches import concat, micro_batch_sizes, shares, split
 from .partition import Partitioning
 from .passes import InFlight, StagePasses, WeightPass, tensors_in
 from .schedule import Action, Op
+from .shapes import CutShapes, Shapes
 
 __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
 
@@ -133,6 +134,8 @@ class StageStep:
         #: this stage's compute on one micro-batch
         self.passes = StagePasses(parts, stage, loss)
         self.weights = self.passes.weights
+        #: what crosses the cuts, per batch shape (a model of variable-length inputs)
+        self.shapes = CutShapes(parts)
         self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
@@ -167,9 +170,13 @@ class StageStep:
         self._tokens += sent
         return sent
 
-    def _receive(self, specs: Sequence[Any], batch: int, frm: int, direction: int) -> list[tf.Tensor]:
-        return [self.messages.receive((batch, *[int(d) for d in s.shape[1:]]), s.dtype,
-                                      frm, 2 * j + direction)
+    def _receive(self, specs: Sequence[Any], batch: int, frm: int, direction: int,
+                 shapes: Shapes | None = None) -> list[tf.Tensor]:
+        """The messages of ``specs``' dtypes, of ``shapes`` (without the batch dimension;
+        by default the specs')"""
+        return [self.messages.receive((batch, *[int(d) for d in (s.shape[1:] if shapes is None
+                                                                 else shapes[j])]),
+                                      s.dtype, frm, 2 * j + direction)
                 for j, s in enumerate(specs)]
 
     def _mark(self, after: Sequence[Any], name: str, begin: bool) -> list[tf.Tensor]:
@@ -196,7 +203,8 @@ class StageStep:
         ``global_batch`` samples: the loss is the global batch's mean.
 
         The step is one graph per batch size (traced on the first batch of a size; a
-        shorter last batch traces once more): see :meth:`_train_graph`."""
+        shorter last batch traces once more), and per shape of what the stage receives
+        (variable-length inputs: :mod:`tarantella.pipeline.shapes`): see :meth:`_train_graph`."""
         local = int(tf.shape(keras.tree.flatten(y)[0])[0])
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
@@ -206,19 +214,20 @@ class StageStep:
         with self._span("step"):
             total, predictions = self._train_fn(
                 x if self.parts.reads_x(self.stage) else None, y if self.last else None,
-                sample_weight if self.last else None, local, batch)
+                sample_weight if self.last else None, local, batch,
+                self.shapes.received(self.stage, x))
         if self.replicas is not None:
             self.replicas.record_buckets()
         self.predictions = predictions if self.last else None
         return float(total)
 
     def _train_graph(self, x: Any, y: Any, sample_weight: Any, local: int,
-                     batch: int) -> tuple[tf.Tensor, Any]:
-        """The step's graph: this stage's actions of the schedule, unrolled (``local`` and
-        ``batch`` are static, so the micro-batch sizes are), the gradients accumulated,
-        summed over the replicas and applied, and the sends completed. The messages and
-        each ``W`` run in the schedule's order (see the module doc); the other passes as
-        the dataflow allows."""
+                     batch: int, incoming: Shapes = ()) -> tuple[tf.Tensor, Any]:
+        """The step's graph: this stage's actions of the schedule, unrolled (``local``,
+        ``batch`` and the ``incoming`` messages' shapes are static, so the micro-batch sizes
+        are), the gradients accumulated, summed over the replicas and applied, and the sends
+        completed. The messages and each ``W`` run in the schedule's order (see the module
+        doc); the other passes as the dataflow allows."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         share = shares(sizes, batch)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
@@ -241,7 +250,8 @@ class StageStep:
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
                 assert peer is not None
-                received[k] = last = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
+                received[k] = last = self._receive(self.parts.received[self.stage], sizes[k], peer,
+                                                   _FORWARD, incoming)
             elif action.op is Op.FORWARD:
                 flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k])
                 last = [*flights[k].outputs, *([] if flights[k].loss is None else [flights[k].loss])]
@@ -364,7 +374,7 @@ class StageStep:
 
         def probe(x: Any) -> tf.Tensor:
             received = [] if self.first else [
-                tf.zeros((rows, *[int(d) for d in s.shape[1:]]), s.dtype)
+                tf.zeros((rows, *[1 if d is None else int(d) for d in s.shape[1:]]), s.dtype)
                 for s in self.parts.received[self.stage]]
             with tf.GradientTape() as tape:
                 tape.watch(received)
@@ -444,11 +454,12 @@ class StageStep:
         (the stages' sum is what serial ``model.losses`` adds to the loss). One graph per
         batch size, as :meth:`train`."""
         regularisation, predictions = self._forward_fn(
-            x if self.parts.reads_x(self.stage) else None, batch)
+            x if self.parts.reads_x(self.stage) else None, batch,
+            self.shapes.received(self.stage, x))
         self.predictions = predictions if self.last else None
         return float(regularisation)
 
-    def _forward_graph(self, x: Any, batch: int) -> tuple[tf.Tensor, Any]:
+    def _forward_graph(self, x: Any, batch: int, incoming: Shapes = ()) -> tuple[tf.Tensor, Any]:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
@@ -460,7 +471,8 @@ class StageStep:
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
                 assert peer is not None
-                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
+                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer,
+                                            _FORWARD, incoming)
             elif action.op is Op.FORWARD:
                 emitted[k] = self.passes.run(received.pop(k, []), xs[k], training=False)
                 if self.last:
