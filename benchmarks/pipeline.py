@@ -3,6 +3,7 @@ throughput and the bubble, then memory per phase, a model larger than one rank, 
 
     python benchmarks/pipeline.py [--backend gloo|mpi] [--batch 256] [--rounds 5] [--no-big]
                                   [--cap] [--only throughput|memory|larger]
+                                  [--schedules 1f1b,zb-h1,gpipe] [--schedule-micro-batches 4]
 
 Ranks (one per partition, ``tnt run -n S``) against one plain Keras process, on the same
 model and the same global batch; about 10 minutes on 2 cores. Machines are noisy: compare
@@ -32,6 +33,17 @@ samples/s. Rows:
   ``steps_per_execution``), for each ``m``: the compute of the micro-batches with no
   message, whose slope over ``m`` (printed after the table, and per stage) is what smaller
   matrix products and per-micro-batch ops cost by themselves.
+
+**Schedules** (part of 1): the same pipeline at ``--schedule-micro-batches`` (4) under each
+of ``--schedules`` (``tnt.Model(pipeline_schedule=...)``: 1F1B, ZB-H1, GPipe), trained in
+the same rounds as the rows above: samples/s against serial Keras on 1 CPU, and ``bound``
+and ``of bound`` per schedule, as below. Each rank also times one micro-batch's ``F``,
+``B`` and ``W`` on its stage alone (compiled, no message; ``B`` the input gradient, ``W``
+the weights', by difference of F, F + B, F + B + W), and each schedule's dry run
+(``tarantella.pipeline.schedule.dry_run``) with those times gives its bubble and the best
+``of bound`` its order allows (``dry-run of bound``: the busier stage's compute over the
+step). Then the ZB-H1 targets (1.35x serial on 1 CPU, 0.90 of its bound) and the load
+average.
 
 The columns after ``step`` say where a pipelined step goes, per rank (median ms per step;
 ``StageStep.train`` is wrapped with a timer, the training is unchanged): ``stage`` is the
@@ -228,6 +240,15 @@ def worker_throughput(args: argparse.Namespace) -> None:
                               else tnt.ParallelStrategy.PIPELINING, num_micro_batches=m)
             model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
             configs[f"M={m}"] = model
+        if not every:  # the schedules side by side at one M (1F1B: the row above, if there)
+            m = args.schedule_micro_batches
+            for schedule in args.schedules:
+                if schedule_key(args, schedule) not in configs:
+                    model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                                      parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                      num_micro_batches=m, pipeline_schedule=schedule)
+                    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+                    configs[schedule_key(args, schedule)] = model
     else:
         for name, kwargs in (("keras fit", {}), ("keras fit, no XLA", {"jit_compile": False}),
                              ("keras fit, eager", {"run_eagerly": True})):
@@ -267,12 +288,58 @@ def worker_throughput(args: argparse.Namespace) -> None:
             entry.update(stage=statistics.median(t.stage), wait=statistics.median(t.wait),
                          work=statistics.median(work), loop=statistics.median(loop),
                          local_params=int(model.local_param_count),
-                         schedule=str(getattr(getattr(getattr(model, "_tnt", None), "step", None),
-                                              "schedule", "gpipe")))
+                         schedule=str(model.pipeline_schedule))
         else:
             entry["jit_compile"] = bool(model.jit_compile)
         result["configs"][name] = entry
+    if args.role == "pipe" and args.schedules:  # F, B and W of this stage, for the dry runs
+        step = configs[schedule_key(args, args.schedules[0])]._tnt.step
+        result["passes"] = pass_costs(step, x[:b], y[:b], args.schedule_micro_batches)
     Path(args.out, f"{args.role}.rank{rank}.json").write_text(json.dumps(result))
+
+
+def schedule_key(args: argparse.Namespace, schedule: str) -> str:
+    """The config of ``schedule`` at ``--schedule-micro-batches`` (the default schedule's is
+    that M's row of the table, when it has one)."""
+    m = args.schedule_micro_batches
+    return f"M={m}" if schedule == "1f1b" and m in args.micro_batches else f"M={m} {schedule}"
+
+
+def pass_costs(step: Any, x: Any, y: Any, m: int, repeats: int = 30) -> dict[str, float]:
+    """Seconds of one micro-batch's F, B and W on this rank's stage, alone (no message, no
+    other pass beside it): each a compiled function, median of ``repeats`` calls, B and W by
+    difference (F; F + B, the weights' gradient ops unused and so not run; F + B + W).
+    On the first stage B is empty (no input gradient): its whole backward pass is W."""
+    import tensorflow as tf
+
+    passes, parts, stage = step.passes, step.parts, step.stage
+    rows = x.shape[0] // m
+    xk = x[:rows] if parts.reads_x(stage) else None
+    yk = y[:rows] if step.last else None
+    received = [tf.random.normal((rows, *s.shape[1:]), dtype=s.dtype) for s in parts.received[stage]]
+
+    def run(upto: str) -> Any:
+        flight = passes.forward(received, xk, yk, None, 1.0 / m, regularise=False)
+        made = [*flight.outputs, *([] if flight.loss is None else [flight.loss])]
+        if upto == "F":
+            return made
+        returned = None if step.last else [tf.ones_like(o) for o in flight.outputs]
+        seed = None if flight.loss is None else tf.ones_like(flight.loss)
+        weights, back = passes.backward_apart(flight, returned, seed)
+        return [*made, *(back or [])] if upto == "B" else [*made, *(back or []), *weights.grads]
+
+    timed = {}
+    for upto in ("F", "B", "W"):
+        fn = tf.function(lambda upto=upto: run(upto), autograph=False)
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        timed[upto] = statistics.median(times)
+    return {"F": timed["F"], "B": max(timed["B"] - timed["F"], 0.0),
+            "W": max(timed["W"] - timed["B"], 0.0)}
 
 
 def reset_peak() -> bool:
@@ -414,6 +481,8 @@ def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
             "--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--rounds", str(args.rounds),
             "--micro-batches", ",".join(map(str, args.micro_batches)),
+            "--schedules", ",".join(args.schedules),
+            "--schedule-micro-batches", str(args.schedule_micro_batches),
             "--all-micro-batches", str(args.all_micro_batches),
             "--mem-width", str(args.mem_width), "--mem-layers", str(args.mem_layers),
             "--mem-io", str(args.mem_io), "--mem-batch", str(args.mem_batch),
@@ -527,6 +596,57 @@ def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, rank
     print(f"   half the serial step on 1 CPU: fit {half['keras fit']:.1f} ms, eager "
           f"{half['keras fit, eager']:.1f} ms; a rank's work at M={args.micro_batches[0]}: "
           + " / ".join(f"{c['work'] * 1e3:.1f} ms" for c in m1))
+
+
+def schedule_module() -> Any:
+    """``tarantella.pipeline.schedule``, loaded from its file: it imports neither TensorFlow
+    nor the rest of tarantella, which the driver then does not start either."""
+    import importlib.util
+
+    found = importlib.util.find_spec("tarantella")
+    assert found is not None and found.origin is not None, "tarantella is not installed"
+    spec = importlib.util.spec_from_file_location(
+        "tnt_pipeline_schedule", Path(found.origin).parent / "pipeline" / "schedule.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # for its dataclasses
+    spec.loader.exec_module(module)
+    return module
+
+
+def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) -> None:
+    """The schedules at one M, trained in the same rounds: measured against serial Keras on
+    1 CPU and against each one's own work-only bound, and each one's dry run
+    (:func:`tarantella.pipeline.schedule.dry_run`) timed with the F, B and W measured on
+    each stage alone."""
+    schedules = schedule_module()
+    b, m = args.batch, args.schedule_micro_batches
+    base1 = b / serial1["configs"]["keras fit"]["step"]
+    costs = [r["passes"] for r in ranks]
+    print(f"\n   Schedules, M={m} (the same rounds): F / B / W of one micro-batch alone, ms, per "
+          "rank: " + "; ".join(f"r{i} {c['F'] * 1e3:.1f} / {c['B'] * 1e3:.1f} / {c['W'] * 1e3:.1f}"
+                               for i, c in enumerate(costs))
+          + " (the first stage's B is empty: no input gradient)")
+    print(f"{'schedule':8s} {'samples/s':>9s} {'vs 1 CPU':>8s} {'step':>6s} {'work':>13s} "
+          f"{'wait':>11s} {'loop':>11s} {'bound':>5s} {'of bound':>8s} {'dry-run bubble':>14s} "
+          f"{'dry-run of bound':>16s}")
+    measured = schedules.Costs(forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
+                               weight=[c["W"] for c in costs])
+    for s in args.schedules:
+        cs = [r["configs"][schedule_key(args, s)] for r in ranks]
+        step = statistics.median([c["step"] for c in cs])
+        rate, bound = b / step, b / max(c["work"] for c in cs)
+        dry = schedules.dry_run(schedules.build(s, P, m), measured)
+        pair = {key: " / ".join(f"{c[key] * 1e3:.1f}" for c in cs) for key in ("work", "wait", "loop")}
+        print(f"{s:8s} {rate:9.0f} {rate / base1:8.2f} {step * 1e3:6.1f} {pair['work']:>13s} "
+              f"{pair['wait']:>11s} {pair['loop']:>11s} {bound / base1:5.2f} {rate / bound:8.2f} "
+              f"{dry.bubble:14.3f} {max(dry.busy) / dry.step_time:16.2f}")
+    zb = [r["configs"][schedule_key(args, "zb-h1")] for r in ranks] if "zb-h1" in args.schedules else []
+    if zb:
+        step = statistics.median([c["step"] for c in zb])
+        vs, of = (b / step) / base1, max(c["work"] for c in zb) / step
+        print(f"   ZB-H1 targets: >= 1.35x serial on 1 CPU: {vs:.2f} ({'met' if vs >= 1.35 else 'NOT met'}); "
+              f">= 0.90 of its work-only bound: {of:.2f} ({'met' if of >= 0.90 else 'NOT met'})")
 
 
 def print_all(args: argparse.Namespace, every: list[dict], ranks: list[dict]) -> None:
@@ -712,6 +832,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--micro-batches", default="1,2,4,8")
+    p.add_argument("--schedules", default="1f1b,zb-h1,gpipe",
+                   help="the schedules compared at --schedule-micro-batches")
+    p.add_argument("--schedule-micro-batches", type=int, default=4)
     p.add_argument("--all-micro-batches", type=int, default=4,
                    help="M of the ALL row (2 pipelines x P stages on 2P ranks)")
     p.add_argument("--no-all", action="store_true", help="skip the ALL row")
@@ -740,6 +863,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.micro_batches = [int(m) for m in str(args.micro_batches).split(",") if m]
+    args.schedules = [s for s in str(args.schedules).split(",") if s]
     if args.role in ("serial", "serial-1cpu", "pipe", "pipe-all"):
         worker_throughput(args)
         return 0
@@ -771,6 +895,10 @@ def main() -> int:
             print_throughput(args, serial, serial1, ranks)
             print("   serial rows: the faster of a run before and one after the pipelined runs; "
                   "after / before step time: " + ", ".join(drifts))
+            if args.schedules:
+                print_schedules(args, serial1, ranks)
+            print(f"   load average (1, 5, 15 min) at the end: "
+                  f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
             if not args.no_all:
                 print_all(args, run(args, "pipe-all", out, 2 * P), ranks)
         if args.only == "memory" or args.only is None:

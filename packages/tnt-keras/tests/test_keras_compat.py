@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import weakref
 from pathlib import Path
 
@@ -177,6 +178,26 @@ def test_forgetting_custom_gradients_lets_a_traced_graph_and_its_variables_go():
     gc.collect()
     assert kept() is not None, "TensorFlow no longer keeps a traced custom gradient: drop the entry"
     assert freed() is None
+
+
+def test_run_after_makes_a_traced_op_wait_for_one_made_later():
+    def run(edge: bool) -> float:
+        v = tf.Variable(0.0)
+
+        def step(x):
+            # reads v in Python as soon as x is there, unless the edge makes it wait for the
+            # assignment of a value that takes 0.2 s to come
+            seen = tf.numpy_function(lambda x: np.float32(v.numpy() + x), [x], tf.float32,
+                                     stateful=False)
+            slow = tf.numpy_function(lambda: (time.sleep(0.2), np.float32(5.0))[1], [], tf.float32)
+            written = v.assign(slow)
+            if edge:
+                _keras_compat.run_after([seen.op], [written.op])
+            return seen
+
+        return float(tf.function(step, autograph=False)(tf.constant(1.0)))
+
+    assert (run(edge=False), run(edge=True)) == (1.0, 6.0)
 
 
 def test_get_keras_mask_reads_a_layers_output_mask():

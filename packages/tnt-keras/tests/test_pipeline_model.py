@@ -8,7 +8,8 @@ train the graphs a pipeline must route (workers/pipeline_graph_worker.py): a res
 connection across every cut, an input that enters the last partition, three outputs in
 three partitions with their losses, loss_weights and metrics, and a Sequential model cut
 automatically; and models whose gradients are sparse (workers/pipeline_sparse_worker.py),
-in float64 and float32. What is not supported is refused with one line.
+in float64 and float32; and batches of different sequence lengths
+(workers/pipeline_bucket_worker.py). What is not supported is refused with one line.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
                 "callbacks": "TypeError: evaluate(callbacks=...): callbacks[0] is int 42",
                 "strings": "TypeError: predict(x=...): x holds a NumPy array of strings",
                 "unbatched": "DatasetError: fit(x=...): the tf.data.Dataset yields single samples",
+                "batch_norm": "NotSupportedError: BatchNormalization layer 'bn' "
+                              "(partition 0) would compute its statistics on each micro-batch",
         }.items():
             assert refused[name].startswith(message), refused[name]
     pipelines = 2 if "pipeline 0 of 2" in json.loads((out / "pipeline.rank0.json").read_text())["repr"] else 1
@@ -205,6 +208,25 @@ def test_sparse_gradients_train_as_serial_with_adam_rmsprop_and_momentum(runs, s
     for case in {n.rsplit("_", 1)[0] for n in ref}:
         losses = ref[f"{case}_loss"]
         assert losses[-1] < losses[0], f"{case} did not train: {losses}"
+
+
+def test_batches_of_different_lengths_train_as_serial(runs, started):
+    """Sequence bucketing: a PyDataset of padded batches, each of its own length, through
+    an Embedding (mask_zero), a cut and a GlobalAveragePooling1D that reads the mask: fit,
+    evaluate and predict equal serial Keras in float64 (a step traced per length, the
+    activations and the mask received at the batch's length)."""
+    ranks, _, out = runs
+    _, _, reference, futures = started[SPARSE_REFERENCE]
+    futures[1].result()  # its serial run
+    ref = dict(np.load(reference / "bucket.serial.rank0.npz"))
+    assert {"loss", "evaluate", "predict", "w0"} <= set(ref) and ref["predict"].shape == (8, 1)
+    for rank in range(ranks):
+        got = dict(np.load(out / f"bucket.pipeline.rank{rank}.npz"))
+        assert set(got) == set(ref)
+        for name, value in ref.items():
+            rel = np.linalg.norm(got[name] - value) / np.linalg.norm(value)
+            assert rel <= 1e-12, f"rank {rank}: {name} differs from serial by {rel:.2e}"
+    assert ref["loss"][-1] < ref["loss"][0], ref["loss"]
 
 
 def test_a_model_built_without_values_trains_checkpoints_saves_and_loads_as_serial(runs):
@@ -309,6 +331,11 @@ def test_pipelining_arguments_are_checked():
         tnt.Model(_cut_model(), parallel_strategy="pipelining", num_pipeline_stages=0)
     with pytest.raises(TypeError, match="cuts the model into a pipeline"):
         tnt.Model(_cut_model(), num_pipeline_stages=2)
+    with pytest.raises(ValueError, match=r"pipeline_schedule='zb'\): the order of each stage's "
+                       r"passes, one of '1f1b' \(the default\), 'zb-h1', 'gpipe'$"):
+        tnt.Model(_cut_model(), parallel_strategy="pipelining", pipeline_schedule="zb")
+    with pytest.raises(TypeError, match="orders the passes of a pipeline"):
+        tnt.Model(_cut_model(), pipeline_schedule="zb-h1")
     assert tnt.ParallelStrategy.DATA | tnt.ParallelStrategy.PIPELINING is tnt.ParallelStrategy.ALL
     with pytest.raises(tnt.NotSupportedError, match=r"ALL\): model .* has 2 partitions, so the "
                        r"job needs a multiple of 2 ranks \(one pipeline per 2\); it has 1"):

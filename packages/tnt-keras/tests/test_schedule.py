@@ -55,11 +55,14 @@ def test_training_schedules_make_every_pass_once_and_their_messages_match(name):
         result = dry_run(every)  # raises on any mismatch, lost message or deadlock
         for p, actions in enumerate(every):
             passes = sorted((a.op.value, a.micro_batch) for a in actions if a.op.is_compute)
-            assert passes == sorted((op, k) for op in "FB" for k in range(count))
+            made = "FBW" if name == "zb-h1" else "FB"
+            assert passes == sorted((op, k) for op in made for k in range(count))
             sends = [a for a in actions if a.op.is_send]
             assert len(sends) == count * ((p < stages - 1) + (p > 0))
-        # held activations: 1F1B at most P - p, GPipe all of them
-        expected = [min(stages - p, count) if name == "1f1b" else count for p in range(stages)]
+        # held activations: 1F1B at most P - p, ZB-H1 at most P (1F1B's first stage), GPipe
+        # all of them
+        expected = [min(stages - p, count) if name == "1f1b" else min(stages, count)
+                    if name == "zb-h1" else count for p in range(stages)]
         assert list(result.peak_in_flight) == expected
 
 
@@ -105,6 +108,26 @@ def test_a_separate_weight_pass_fills_the_bubble_and_holds_activations_until_it_
     assert split.busy == full.busy == (6.0, 6.0)
     one = dry_run([parse("F0 F1 B0 B1 W0 W1")], costs)
     assert one.peak_in_flight == (2,)  # micro-batch 0 is held until W0, after B1
+
+
+def test_zero_bubble_h1_defers_each_weight_pass_by_its_stage_and_cuts_the_bubble_to_a_third():
+    every = build("zb-h1", 2, 3)
+    assert " ".join(map(str, every[0])) == \
+        "F0 SEND_F0>1 F1 SEND_F1>1 RECV_B0<1 B0 W0 F2 SEND_F2>1 RECV_B1<1 B1 W1 RECV_B2<1 B2 W2"
+    assert " ".join(map(str, every[1])) == \
+        "RECV_F0<0 F0 B0 SEND_B0>0 RECV_F1<0 F1 B1 SEND_B1>0 W0 RECV_F2<0 F2 B2 SEND_B2>0 W1 W2"
+    costs = Costs(forward=1, backward=1, weight=1)
+    for stages, count in [*GRID, (5, 16), (4, 4)]:
+        zb, one = dry_run(build("zb-h1", stages, count), costs), dry_run(build("1f1b", stages, count), costs)
+        assert zb.busy == one.busy == tuple([count * 3.0] * stages)
+        assert zb.step_time < one.step_time or stages == 1
+        if count >= stages:  # the paper's bubble: P - 1 passes, 1F1B's: 3 (P - 1)
+            assert zb.step_time == 3 * count + stages - 1
+            assert one.step_time == 3 * count + 3 * (stages - 1)
+    # uneven measured passes: the dry run times any schedule with them
+    measured = Costs(forward=[2.0, 2.2], backward=[0.0, 2.1], weight=[4.1, 2.0])
+    assert dry_run(build("zb-h1", 2, 4), measured).bubble < \
+        dry_run(build("1f1b", 2, 4), measured).bubble
 
 
 def test_evaluation_is_the_forward_passes_in_order():
@@ -165,7 +188,7 @@ def test_a_pass_out_of_order_on_its_own_stage_is_refused_naming_it(stages, probl
 
 
 def test_unknown_schedule_names_are_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"schedule='zb': one of 1f1b, gpipe"):
+    with pytest.raises(ValueError, match=r"schedule='zb': one of 1f1b, zb-h1, gpipe"):
         build("zb", 2, 4)
 
 

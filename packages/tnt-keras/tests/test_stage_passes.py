@@ -76,3 +76,44 @@ def test_passes_chained_by_hand_give_the_whole_models_loss_and_gradients(float64
     assert grads.keys() == serial.keys()
     for path, g in serial.items():
         np.testing.assert_allclose(grads[path], np.asarray(g), rtol=1e-12, atol=1e-15, err_msg=path)
+
+
+def test_a_weight_pass_apart_is_the_backward_passs_own_weight_gradient_ops(float64):
+    """``backward_apart`` splits one gradient computation: on the middle stage ``W`` starts
+    with each Dense layer's kernel and bias gradient ops (what B does not need), and waits
+    for the op it is told to; the gradients are ``backward``'s, bit for bit."""
+    parts = partition(_model())
+    stage = StagePasses(parts, 1, keras.losses.MeanSquaredError())
+    rng = np.random.default_rng(1)
+    received = [tf.constant(rng.standard_normal((5, 3)))]
+    seen = {}
+
+    def step(apart: bool):
+        flight = stage.forward(received, None, None, None, 1.0, regularise=False)
+        returned = [tf.sin(tf.reshape(tf.range(tf.size(o), dtype=o.dtype), o.shape))
+                    for o in flight.outputs]  # what the next stage sends back
+        if not apart:
+            return stage.backward(flight, returned, None)
+        weight_pass, back = stage.backward_apart(flight, returned, None)
+        gate = tf.constant(0.0).op
+        weight_pass.start_after([gate])
+        seen.update(first=weight_pass.first_ops, gate=gate, back=back)
+        return weight_pass.grads, back
+
+    whole, apart = tf.function(lambda: step(False))(), tf.function(lambda: step(True))()
+    for a, b in zip(tf.nest.flatten(whole), tf.nest.flatten(apart)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sorted(op.type for op in seen["first"]) == ["BiasAddGrad", "MatMul"]  # layer d1
+    assert all(seen["gate"] in op.control_inputs for op in seen["first"])
+    first = set(seen["first"])
+
+    def upstream(op, stack=None):  # every op the input gradients need
+        stack, found = [op], set()
+        while stack:
+            o = stack.pop()
+            if o not in found:
+                found.add(o)
+                stack += [t.op for t in o.inputs] + list(o.control_inputs)
+        return found
+
+    assert not any(first & upstream(t.op) for t in seen["back"]), "B waits for W"

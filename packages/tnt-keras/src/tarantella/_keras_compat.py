@@ -69,6 +69,7 @@ __all__ = [
     "own_variables",
     "producer",
     "release_value",
+    "run_after",
     "symbolic_build",
 ]
 
@@ -190,6 +191,17 @@ def forgetting_custom_gradients() -> Iterator[None]:
         for name in set(registry) - before:
             if name.startswith("CustomGradient-"):
                 registry.pop(name, None)
+
+
+def run_after(ops: list[Any], after: list[Any]) -> None:
+    """Make the traced graph ops ``ops`` wait for ``after`` (ops made later too): a control
+    edge added to an op that exists, what TensorFlow's own automatic control dependencies
+    do to a traced function (``Operation._add_control_inputs``). Why: a micro-batch's
+    weight gradient is made by the same gradient computation as its input gradient, and
+    only later, at its place in the schedule, is it known what it waits for. Checked on
+    TensorFlow 2.21.0."""
+    for op in ops:
+        op._add_control_inputs(after)  # noqa: SLF001
 
 
 def own_variables(layer: keras.layers.Layer) -> list[keras.Variable]:

@@ -13,6 +13,7 @@ culprit, the check says more.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -28,6 +29,7 @@ __all__ = [
     "check_loop_arguments",
     "check_num_micro_batches",
     "check_num_pipeline_stages",
+    "check_pipeline_schedule",
     "check_optimizer",
     "check_predict",
     "check_save_path",
@@ -41,9 +43,9 @@ __all__ = [
 
 def model_arguments(model: Any = None, parallel_strategy: Any = "data",
                     num_micro_batches: Any = None, num_pipeline_stages: Any = None,
-                    **kwargs: Any) -> tuple[Any, Any, Any, Any]:
-    """``(model, parallel_strategy, num_micro_batches, num_pipeline_stages)`` of a
-    ``tnt.Model(...)`` call."""
+                    pipeline_schedule: Any = None, **kwargs: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """``(model, parallel_strategy, num_micro_batches, num_pipeline_stages,
+    pipeline_schedule)`` of a ``tnt.Model(...)`` call."""
     if kwargs:
         raise TypeError(
             f"tnt.Model(model, parallel_strategy=...) got unexpected arguments {sorted(kwargs)}; "
@@ -52,7 +54,7 @@ def model_arguments(model: Any = None, parallel_strategy: Any = "data",
         )
     if model is None:
         raise TypeError("tnt.Model(model): pass the keras.Model to distribute")
-    return model, parallel_strategy, num_micro_batches, num_pipeline_stages
+    return model, parallel_strategy, num_micro_batches, num_pipeline_stages, pipeline_schedule
 
 
 def check_num_micro_batches(value: Any) -> int:
@@ -71,6 +73,19 @@ def check_num_pipeline_stages(value: Any) -> int | None:
         raise ValueError(f"tnt.Model(num_pipeline_stages={value!r}): the number of partitions "
                          "the model is cut into (one stage each), a positive integer")
     return int(value)
+
+
+def check_pipeline_schedule(value: Any, known: Sequence[str]) -> str:
+    """The name of a pipeline's schedule, one of ``known`` (the default first), or None for
+    the default."""
+    if value is None:
+        return known[0]
+    if not isinstance(value, str) or value not in known:
+        names = ", ".join(f"{name!r}" + (" (the default)" if i == 0 else "")
+                          for i, name in enumerate(known))
+        raise ValueError(f"tnt.Model(pipeline_schedule={value!r}): the order of each stage's "
+                         f"passes, one of {names}")
+    return value
 
 
 # -- compile -----------------------------------------------------------------------------------

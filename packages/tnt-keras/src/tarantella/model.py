@@ -133,10 +133,11 @@ class DistributedState:
 
 
 def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None,
-                num_pipeline_stages: Any = None) -> Model:
+                num_pipeline_stages: Any = None, pipeline_schedule: Any = None) -> Model:
     strategy = _strategy(parallel_strategy)
     for name, value, what in (("num_micro_batches", num_micro_batches, "splits the batch of"),
-                              ("num_pipeline_stages", num_pipeline_stages, "cuts the model into")):
+                              ("num_pipeline_stages", num_pipeline_stages, "cuts the model into"),
+                              ("pipeline_schedule", pipeline_schedule, "orders the passes of")):
         if value is not None and strategy is ParallelStrategy.DATA:
             raise TypeError(f"tnt.Model({name}={value!r}) {what} a pipeline: pass it with "
                             "parallel_strategy=tnt.ParallelStrategy.PIPELINING (or ALL)")
@@ -152,7 +153,7 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
         )
     sibling = Model._tnt_siblings[strategy]  # noqa: SLF001 (this module's class)
     return sibling._tnt_distribute(model, strategy, num_micro_batches,  # noqa: SLF001 (its hook)
-                                   num_pipeline_stages)
+                                   num_pipeline_stages, pipeline_schedule)
 
 
 def keras_model_from_config(config: dict, custom_objects: dict | None = None) -> keras.Model:
@@ -179,6 +180,9 @@ class Model(keras.Model):
         (stages) a model without ``tnt.keras.layers.SplitLayer`` is cut into automatically,
         balancing their parameters (default under ``PIPELINING``: one per rank). A model
         with SplitLayers is cut at them; a different ``num_pipeline_stages`` is refused.
+    :param pipeline_schedule: for ``PIPELINING``/``ALL``, the order of each stage's passes:
+        ``"1f1b"`` (the default), ``"zb-h1"`` (zero bubble: each weight gradient apart,
+        filling the waits) or ``"gpipe"``; see the "Pipelining" guide.
     """
 
     _tnt: DistributedState
@@ -195,8 +199,7 @@ class Model(keras.Model):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Model:
             try:
-                model, strategy, micro, stages = arguments.model_arguments(*args, **kwargs)
-                return _distribute(model, strategy, micro, stages)
+                return _distribute(*arguments.model_arguments(*args, **kwargs))
             except (TntError, ValueError, TypeError) as exc:  # a refusal: at the user's call
                 raise exc.with_traceback(None) from None
         base = cls.__dict__.get("_tnt_base")
@@ -212,7 +215,8 @@ class Model(keras.Model):
 
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
-                        num_micro_batches: Any, num_pipeline_stages: Any = None) -> Model:
+                        num_micro_batches: Any, num_pipeline_stages: Any = None,
+                        pipeline_schedule: Any = None) -> Model:
         """Make ``model`` (a plain Keras model) a model of this strategy (each sibling's)."""
         raise NotImplementedError(f"{cls.__name__} trains no strategy")
 

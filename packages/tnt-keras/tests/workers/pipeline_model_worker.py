@@ -15,6 +15,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pipeline_bucket_worker
 import pipeline_graph_worker
 import pipeline_sparse_worker
 from pipeline_worker import build, data
@@ -186,6 +187,16 @@ def keras_workflow(args: argparse.Namespace, x: np.ndarray) -> dict[str, np.ndar
     return out
 
 
+def batch_norm_first(partitions: int) -> keras.Model:
+    import tarantella as tnt
+
+    inp = keras.Input((4,))
+    h = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(4)(inp))
+    for _ in range(partitions - 1):
+        h = keras.layers.Dense(4)(tnt.keras.layers.SplitLayer()(h))
+    return keras.Model(inp, h)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["serial", "pipeline"], required=True)
@@ -193,7 +204,8 @@ def main() -> int:
     parser.add_argument("--strategy", choices=["pipelining", "all"], default="pipelining")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sparse", action="store_true",
-                        help="serial: also the sparse cases (one layout's serial run makes them)")
+                        help="serial: also the sparse and bucketed cases (one layout's serial "
+                             "run makes them)")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     x, y = data()
@@ -236,6 +248,9 @@ def main() -> int:
             "callbacks": lambda: model.evaluate(x, y, callbacks=[42], verbose=0),
             "strings": lambda: model.predict(np.array([["a"] * x.shape[1]] * 4), verbose=0),
             "unbatched": lambda: model.fit(tf.data.Dataset.from_tensor_slices((x, y)), verbose=0),
+            # in the first partition only: every rank refuses it, not only the first stage's
+            "batch_norm": lambda: tnt.Model(batch_norm_first(args.partitions),
+                                            parallel_strategy=strategy, num_micro_batches=MICRO),
         }.items():
             try:
                 call()
@@ -251,6 +266,7 @@ def main() -> int:
     pipeline_graph_worker.run(args, x, y)  # skips, late inputs, several outputs, automatic cuts
     if args.mode == "pipeline" or args.sparse:  # sparse gradients, float64 and float32
         pipeline_sparse_worker.run(args)
+        pipeline_bucket_worker.run(args)  # batches of different sequence lengths
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
              **{f"w{i}": w for i, w in enumerate(weights)},

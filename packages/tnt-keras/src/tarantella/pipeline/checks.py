@@ -14,7 +14,7 @@ import keras
 
 import tnt_core
 
-from .._keras_compat import all_layers
+from .._keras_compat import all_layers, get_keras_mask, producer
 from ..data_parallel import losses
 from ..errors import NotSupportedError
 from ..model import ParallelStrategy
@@ -82,8 +82,17 @@ def check_distribute(model: keras.Model, strategy: ParallelStrategy, runtime: tn
         raise NotSupportedError(
             f"ParallelStrategy.ALL needs groups of ranks, which the {runtime.backend.name!r} "
             "backend does not provide; use one that does (gloo, mpi)")
-    stage = runtime.rank % stages
-    check_stage_model(parts.models[stage], stage)
+    masked = [t for t in model.outputs if get_keras_mask(t) is not None]
+    if masked:
+        made = producer(masked[0])
+        raise NotSupportedError(
+            f"the output of layer {made[0].name if made else masked[0].name!r} of model "
+            f"{model.name!r} carries a Keras mask (mask_zero=True, "
+            "Masking): its loss is a mean over the batch's unmasked steps, which micro-batches "
+            "cannot split by their sizes; weigh the padding with sample_weight instead, or "
+            "use ParallelStrategy.DATA")
+    for p, part in enumerate(parts.models):  # every partition on every rank: one refusal for all
+        check_stage_model(part, p)
 
 
 def _rank_counts_that_work(stages: int, size: int) -> str:

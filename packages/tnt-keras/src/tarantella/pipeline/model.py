@@ -57,7 +57,7 @@ from .groups import pipeline_groups
 from .micro_batches import pipeline_rows
 from .partition import Partitioning, partition, split_layers
 from .saving import StageSaving
-from .stage import StageStep
+from .stage import SCHEDULES, StageStep
 from .variables import Ownership, hold_own_partition
 
 __all__ = ["PipelinedModel"]
@@ -99,7 +99,7 @@ class _PipelineState(DistributedState):
     groups), its step, and what it holds."""
 
     def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,
-                 strategy: ParallelStrategy, ownership: Ownership) -> None:
+                 strategy: ParallelStrategy, ownership: Ownership, schedule: str = SCHEDULES[0]) -> None:
         super().__init__(runtime, strategy)
         stages = parts.num_partitions
         self.parts = parts
@@ -107,6 +107,7 @@ class _PipelineState(DistributedState):
         self.stage, self.replica, self.num_replicas = groups.stage, groups.replica, groups.num_replicas
         self.pipe, self.replicas = groups.pipe, groups.replicas
         self.num_micro_batches = num_micro_batches
+        self.schedule = schedule
         self.step: StageStep | None = None
         #: the model's compiled loss as a traced step runs it (for the logs; set by compile)
         self.logged_loss: _TracedLoss | None = None
@@ -147,7 +148,8 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
-                        num_micro_batches: Any, num_pipeline_stages: Any = None) -> Model:
+                        num_micro_batches: Any, num_pipeline_stages: Any = None,
+                        pipeline_schedule: Any = None) -> Model:
         """Cut ``model`` into its stages and make it this rank's pipelined model; with
         ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them.
         The cuts are the model's SplitLayers, else ``num_pipeline_stages`` automatic ones
@@ -156,6 +158,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         num_micro_batches = arguments.check_num_micro_batches(
             1 if num_micro_batches is None else num_micro_batches)
         wanted = arguments.check_num_pipeline_stages(num_pipeline_stages)
+        schedule = arguments.check_pipeline_schedule(pipeline_schedule, SCHEDULES)
         runtime = tnt_core.init()
         if wanted is None and strategy is ParallelStrategy.PIPELINING and not split_layers(model):
             wanted = runtime.size
@@ -166,7 +169,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         # this rank's partition gets its values (a model built without them), the others
         # lose theirs (a model built with them): stage_variables
         ownership = hold_own_partition(model, [list(m.variables) for m in parts.models], stage)
-        state = _PipelineState(runtime, parts, num_micro_batches, strategy, ownership)
+        state = _PipelineState(runtime, parts, num_micro_batches, strategy, ownership, schedule)
         # the replicas of a stage draw their own Dropout masks, for their own samples, as the
         # ranks of DATA do (pipeline 0 keeps the serial stream)
         randomness.fold_rank_into_seeds(parts.models[stage], state.replica)
@@ -183,6 +186,11 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def num_micro_batches(self) -> int:
         """The micro-batches each global batch is split into."""
         return self._tnt.num_micro_batches
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The order of each stage's passes (``tnt.Model(pipeline_schedule=...)``)."""
+        return self._tnt.schedule
 
     def __repr__(self) -> str:
         runtime = self._tnt.runtime
@@ -225,7 +233,8 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         return StageStep(state.parts, state.stage, state.pipe,
                          loss=loss, optimizer=optimizer,
                          num_micro_batches=state.num_micro_batches, replicas=replicas,
-                         regularise=state.replica == 0, timeline=timeline.get(state.runtime))
+                         regularise=state.replica == 0, timeline=timeline.get(state.runtime),
+                         schedule=state.schedule)
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -233,19 +242,19 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         """This pipeline's rows of a global batch of ``batch`` samples."""
         return pipeline_rows(batch, self._tnt.replica, self._tnt.num_replicas)
 
-    def _tnt_outputs(self, batch: int) -> Any:
-        """The model's outputs for the whole batch, on every rank, in the model's output
-        structure: the last stage's, or with several pipelines each last stage's rows (an
-        allreduce of the rows over zeros, which adds nothing to them)."""
+    def _tnt_outputs(self, x: Any, batch: int) -> Any:
+        """The model's outputs for the whole batch ``x``, on every rank, in the model's
+        output structure: the last stage's, or with several pipelines each last stage's rows
+        (an allreduce of the rows over zeros, which adds nothing to them)."""
         state = self._tnt
         parts = state.parts
         last = parts.num_partitions - 1
+        assert state.step is not None
         specs = keras.tree.flatten(parts.output_structure)
-        bufs = [np.zeros((batch, *[int(d) for d in spec.shape[1:]]),
-                         dtype=tf.as_dtype(spec.dtype).as_numpy_dtype) for spec in specs]
+        bufs = [np.zeros((batch, *shape), dtype=tf.as_dtype(spec.dtype).as_numpy_dtype)
+                for spec, shape in zip(specs, state.step.shapes.outputs(x))]
         share = self._tnt_share(batch)
         if state.stage == last and share.stop > share.start:
-            assert state.step is not None
             for buf, rows in zip(bufs, keras.tree.flatten(state.step.predictions)):
                 buf[share] = np.asarray(rows)
         backend = state.channel.backend
@@ -297,7 +306,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         share = self._tnt_share(batch)
         regularisation = self._tnt_sum(state.step.forward(self._tnt_rows(x, share),
                                                           share.stop - share.start))
-        y_pred = self._tnt_outputs(batch)
+        y_pred = self._tnt_outputs(x, batch)
         return self._tnt_logs(x, y, sample_weight, batch, regularisation, y_pred)
 
     def predict_step(self, data: Any) -> Any:
@@ -309,7 +318,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                                               keras.optimizers.SGD())
         share = self._tnt_share(batch)
         state.step.forward(self._tnt_rows(x, share), share.stop - share.start)
-        return self._tnt_outputs(batch)
+        return self._tnt_outputs(x, batch)
 
     def _tnt_logs(self, x: Any, y: Any, sample_weight: Any, batch: int, regularisation: float,
                   y_pred: Any = None, loss: float | None = None) -> Any:
@@ -322,7 +331,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             y_pred = None  # nothing reads them: no broadcast of the batch's outputs
         else:
             if y_pred is None:
-                y_pred = self._tnt_outputs(batch)
+                y_pred = self._tnt_outputs(x, batch)
             assert self._tnt.logged_loss is not None, "compile() makes it"
             compiled = self._tnt.logged_loss(y, y_pred, sample_weight)
             if loss is None:

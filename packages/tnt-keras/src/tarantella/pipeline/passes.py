@@ -6,6 +6,15 @@ Why apart from the step: these know the partition (what it reads, computes and e
 optimizer. The stage's step (:class:`tarantella.pipeline.stage.StageStep`) runs them in its
 schedule's order, hands them what the neighbours sent and sends what they return, and
 accumulates and applies the weights' gradients they give.
+
+A schedule with a separate weight-gradient pass (``W``, :mod:`tarantella.pipeline.schedule`)
+gets it from :meth:`StagePasses.backward_apart`: the same one gradient computation as the
+whole backward pass, its ops split in two. ``B`` is every op the gradient of the stage's
+inputs needs (what the previous stage waits for); ``W`` the ops only the weights' gradients
+need, which consume what ``B`` computed (the gradients at each layer's output, the forward
+pass's activations) and wait, in the traced step, for the action before ``W`` in the
+schedule. Nothing is computed twice, and the weights' gradients are those of the whole
+backward pass, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,9 +25,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from .. import _keras_compat
 from .partition import COMPUTED, Partitioning
 
-__all__ = ["InFlight", "StagePasses"]
+__all__ = ["InFlight", "StagePasses", "WeightPass", "tensors_in"]
 
 
 @dataclass
@@ -35,6 +45,64 @@ class InFlight:
     loss: tf.Tensor | None
     #: the last stage's outputs in the model's output structure (else None)
     predictions: Any = None
+
+
+@dataclass
+class WeightPass:
+    """Micro-batch ``k``'s weight-gradient pass ``W``, made with its ``B``
+    (:meth:`StagePasses.backward_apart`)."""
+
+    #: the weights' gradients, as :meth:`StagePasses.backward` gives them
+    grads: list[Any]
+    #: the first ops of those only the weights' gradients need (their other ops follow
+    #: them); empty when nothing waits (executing eagerly; an op with side effects among
+    #: them, which the traced function keeps in the order it was made: ``W`` then runs
+    #: with ``B``, as without a ``W``)
+    first_ops: list[tf.Operation]
+
+    def start_after(self, after: Sequence[Any]) -> None:
+        """In the traced step, ``W`` starts after the tensors or ops ``after`` (those of
+        the action before it in the schedule; made after ``W``'s ops, which is why the
+        wait is added to them now)."""
+        gates = [a for a in after if isinstance(a, tf.Operation)]
+        gates += [t.op for t in tensors_in([a for a in after if not isinstance(a, tf.Operation)])]
+        if self.first_ops and gates:
+            _keras_compat.run_after(self.first_ops, gates)
+
+
+def tensors_in(values: Sequence[Any]) -> list[tf.Tensor]:
+    """The tensors of ``values``: tensors, and the parts of ``tf.IndexedSlices``."""
+    out: list[tf.Tensor] = []
+    for v in values:
+        parts = (v.values, v.indices, v.dense_shape) if isinstance(v, tf.IndexedSlices) else (v,)
+        out += [t for t in parts if isinstance(t, tf.Tensor)]
+    return out
+
+
+def _weight_only_ops(made: Sequence[tf.Operation], grads: Sequence[Any],
+                     back: Sequence[Any]) -> list[tf.Operation]:
+    """The first ops of ``W`` among ``made`` (one gradient computation's ops): those the
+    weights' gradients ``grads`` need and the input gradients ``back`` do not, whose inputs
+    all come from elsewhere (``B``, the forward pass)."""
+    mine = set(made)
+
+    def reach(tensors: list[tf.Tensor]) -> set[tf.Operation]:
+        seen: set[tf.Operation] = set()
+        stack = [t.op for t in tensors if t.op in mine]
+        while stack:
+            op = stack.pop()
+            if op not in seen:
+                seen.add(op)
+                stack += [t.op for t in op.inputs if t.op in mine]
+                stack += [c for c in op.control_inputs if c in mine]
+        return seen
+
+    weight_only = reach(tensors_in(grads)) - reach(tensors_in(back))
+    if any(op.op_def.is_stateful for op in weight_only):
+        return []
+    return [op for op in made if op in weight_only
+            and not any(t.op in weight_only for t in op.inputs)
+            and not any(c in weight_only for c in op.control_inputs)]
 
 
 class StagePasses:
@@ -111,4 +179,19 @@ class StagePasses:
             for i, grad in through.items():
                 back[i] = back[i] + tf.cast(grad, back[i].dtype)
         return list(grads[:len(self.weights)]), back
+
+    def backward_apart(self, flight: InFlight, returned: Sequence[tf.Tensor] | None,
+                       loss_seed: tf.Tensor | None, after: Sequence[tf.Tensor] = ()
+                       ) -> tuple[WeightPass, list[tf.Tensor] | None]:
+        """:meth:`backward` as ``B``, with the weights' gradients as a :class:`WeightPass`
+        apart (see the module doc): the input gradients to send back come without waiting
+        for the weights' gradients."""
+        if tf.executing_eagerly():
+            grads, back = self.backward(flight, returned, loss_seed, after)
+            return WeightPass(grads, []), back
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
+        grads, back = self.backward(flight, returned, loss_seed, after)
+        made = graph.get_operations()[before:]
+        return WeightPass(grads, _weight_only_ops(made, grads, back or [])), back
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 __all__ = ["SCHEDULES", "Action", "Costs", "Deadlock", "DryRun", "Op", "ScheduleError",
            "build", "check", "dry_run", "forward_only", "gpipe", "one_f_one_b", "parse",
-           "with_messages"]
+           "with_messages", "zero_bubble_h1"]
 
 
 class Op(enum.Enum):
@@ -127,6 +127,30 @@ def one_f_one_b(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
     return schedules
 
 
+def zero_bubble_h1(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's forward and
+    backward passes, where ``B`` computes only the gradient of the stage's inputs (what the
+    previous stage waits for) and each micro-batch's weight gradient is a ``W`` of its own,
+    ``p`` micro-batches after its ``B`` on stage ``p``. Why: the later stages' ``B`` reach
+    the first stage sooner, and the ``W`` left over fill the tail of the step, where 1F1B
+    waits. Every stage then holds at most ``P`` micro-batches' activations, what 1F1B's
+    first stage holds; with equal passes the bubble is ``P - 1`` passes instead of 1F1B's
+    ``3 (P - 1)``."""
+    schedules = []
+    for p in range(num_stages):
+        ahead = min(num_stages - 1 - p, num_micro_batches)
+        actions = [Action(Op.FORWARD, k) for k in range(ahead)]
+        for k in range(num_micro_batches):
+            if ahead + k < num_micro_batches:
+                actions.append(Action(Op.FORWARD, ahead + k))
+            actions.append(Action(Op.BACKWARD, k))
+            if k >= p:
+                actions.append(Action(Op.WEIGHT, k - p))
+        actions += [Action(Op.WEIGHT, k) for k in range(max(num_micro_batches - p, 0), num_micro_batches)]
+        schedules.append(actions)
+    return schedules
+
+
 def forward_only(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
     """Evaluation and prediction: each micro-batch's forward pass, in order."""
     return [[Action(Op.FORWARD, k) for k in range(num_micro_batches)] for _ in range(num_stages)]
@@ -135,6 +159,7 @@ def forward_only(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
 #: the training schedules by name (``StageStep(schedule=...)``); the first is the default
 SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {
     "1f1b": one_f_one_b,
+    "zb-h1": zero_bubble_h1,
     "gpipe": gpipe,
 }
 

@@ -22,12 +22,17 @@ last stage, which computes the loss of all outputs at once, as compile does
 (``Partitioning.emits``); model inputs a later partition uses are read from ``x`` by its own
 stage. The gradients flow back the same way, and each stage accumulates its own weights'
 gradients and applies them once, with its own optimizer, after the last micro-batch. The
-default order is 1F1B (``schedule="1f1b"``; ``"gpipe"`` for comparison: docs/pipelining.md
-has both measured).
+default order is 1F1B (``schedule="1f1b"``; ``"zb-h1"``, zero bubble, runs each weight
+gradient as a pass ``W`` of its own; ``"gpipe"`` for comparison: docs/pipelining.md has
+them measured).
 
 A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
 a shorter last batch traces once more): every action unrolled in the schedule's order, the
 accumulation, the replicas' sum and the optimizer. There is no Python per micro-batch. The
+messages run in the list's order (:mod:`tarantella.pipeline.messages`), and so does each
+``W``: it starts after what the action before it made (else the dataflow would run it with
+its ``B``, and it would delay the input gradient the previous stage waits for); the other
+passes run as the dataflow allows. The
 graph also makes two things serial that a stage's own optimizer cannot see alone: a
 ``global_clipnorm`` clips by the whole model's norm (one scalar allreduce over the
 stages), and loss scaling (``mixed_float16``) starts the backward pass from the scale and
@@ -57,15 +62,15 @@ from .._keras_compat import forgetting_custom_gradients
 from ..comm import Channel
 from ..comm.compression import for_fit
 from ..comm.gradients import GradientReducer, reduce_weighted
-from ..errors import NotSupportedError
 from . import schedule as schedules
 from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
 from .messages import StageMessages
 from .micro_batches import concat, micro_batch_sizes, shares, split
 from .partition import Partitioning
-from .passes import InFlight, StagePasses
+from .passes import InFlight, StagePasses, WeightPass, tensors_in
 from .schedule import Action, Op
+from .shapes import CutShapes, Shapes
 
 __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
 
@@ -129,6 +134,8 @@ class StageStep:
         #: this stage's compute on one micro-batch
         self.passes = StagePasses(parts, stage, loss)
         self.weights = self.passes.weights
+        #: what crosses the cuts, per batch shape (a model of variable-length inputs)
+        self.shapes = CutShapes(parts)
         self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
@@ -158,13 +165,18 @@ class StageStep:
 
     # -- messages to the neighbours (graph ops: tarantella.pipeline.messages) -------------------
 
-    def _send(self, tensors: Sequence[Any], to: int, direction: int) -> None:
-        for j, t in enumerate(tensors):
-            self._tokens.append(self.messages.send(t, to, 2 * j + direction))
+    def _send(self, tensors: Sequence[Any], to: int, direction: int) -> list[tf.Tensor]:
+        sent = [self.messages.send(t, to, 2 * j + direction) for j, t in enumerate(tensors)]
+        self._tokens += sent
+        return sent
 
-    def _receive(self, specs: Sequence[Any], batch: int, frm: int, direction: int) -> list[tf.Tensor]:
-        return [self.messages.receive((batch, *[int(d) for d in s.shape[1:]]), s.dtype,
-                                      frm, 2 * j + direction)
+    def _receive(self, specs: Sequence[Any], batch: int, frm: int, direction: int,
+                 shapes: Shapes | None = None) -> list[tf.Tensor]:
+        """The messages of ``specs``' dtypes, of ``shapes`` (without the batch dimension;
+        by default the specs')"""
+        return [self.messages.receive((batch, *[int(d) for d in (s.shape[1:] if shapes is None
+                                                                 else shapes[j])]),
+                                      s.dtype, frm, 2 * j + direction)
                 for j, s in enumerate(specs)]
 
     def _mark(self, after: Sequence[Any], name: str, begin: bool) -> list[tf.Tensor]:
@@ -191,7 +203,8 @@ class StageStep:
         ``global_batch`` samples: the loss is the global batch's mean.
 
         The step is one graph per batch size (traced on the first batch of a size; a
-        shorter last batch traces once more): see :meth:`_train_graph`."""
+        shorter last batch traces once more), and per shape of what the stage receives
+        (variable-length inputs: :mod:`tarantella.pipeline.shapes`): see :meth:`_train_graph`."""
         local = int(tf.shape(keras.tree.flatten(y)[0])[0])
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
@@ -201,19 +214,20 @@ class StageStep:
         with self._span("step"):
             total, predictions = self._train_fn(
                 x if self.parts.reads_x(self.stage) else None, y if self.last else None,
-                sample_weight if self.last else None, local, batch)
+                sample_weight if self.last else None, local, batch,
+                self.shapes.received(self.stage, x))
         if self.replicas is not None:
             self.replicas.record_buckets()
         self.predictions = predictions if self.last else None
         return float(total)
 
     def _train_graph(self, x: Any, y: Any, sample_weight: Any, local: int,
-                     batch: int) -> tuple[tf.Tensor, Any]:
-        """The step's graph: this stage's actions of the schedule, unrolled (``local`` and
-        ``batch`` are static, so the micro-batch sizes are), the gradients accumulated,
-        summed over the replicas and applied, and the sends completed. The messages run in
-        the schedule's order (:mod:`tarantella.pipeline.messages`); the compute between them
-        runs as the dataflow allows."""
+                     batch: int, incoming: Shapes = ()) -> tuple[tf.Tensor, Any]:
+        """The step's graph: this stage's actions of the schedule, unrolled (``local``,
+        ``batch`` and the ``incoming`` messages' shapes are static, so the micro-batch sizes
+        are), the gradients accumulated, summed over the replicas and applied, and the sends
+        completed. The messages and each ``W`` run in the schedule's order (see the module
+        doc); the other passes as the dataflow allows."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         share = shares(sizes, batch)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
@@ -228,34 +242,46 @@ class StageStep:
         predictions: dict[int, Any] = {}
         accumulated = MicroBatchGradients(self.weights)
         parts: list[tf.Tensor] = []
-        for action in self.actions(len(sizes)):
+        actions = self.actions(len(sizes))
+        apart = {a.micro_batch for a in actions if a.op is Op.WEIGHT}  # B without the weights'
+        weight_passes: dict[int, WeightPass] = {}
+        last: list[Any] = []  # what the latest action made: a W starts after it
+        for action in actions:
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
                 assert peer is not None
-                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
+                received[k] = last = self._receive(self.parts.received[self.stage], sizes[k], peer,
+                                                   _FORWARD, incoming)
             elif action.op is Op.FORWARD:
                 flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k])
+                last = [*flights[k].outputs, *([] if flights[k].loss is None else [flights[k].loss])]
                 if self.last:
                     predictions[k] = flights[k].predictions
             elif action.op is Op.SEND_F:
                 assert peer is not None
-                self._send(flights[k].outputs, peer, _FORWARD)
+                last = self._send(flights[k].outputs, peer, _FORWARD)
             elif action.op is Op.RECV_B:
                 assert peer is not None
-                returned[k] = self._receive(flights[k].outputs, sizes[k], peer, _BACKWARD)
+                returned[k] = last = self._receive(flights[k].outputs, sizes[k], peer, _BACKWARD)
             elif action.op is Op.BACKWARD:
                 flight = flights.pop(k)
                 if flight.loss is not None:
                     parts.append(tf.cast(flight.loss, tf.float64))  # a float64 model's loss
-                grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None))
-                accumulated.add(k, grads)
+                grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None), k in apart)
+                if isinstance(grads, WeightPass):  # B alone (none on the first stage)
+                    weight_passes[k] = grads
+                    last = back[k] or last
+                else:
+                    accumulated.add(k, grads)
+                    last = [*grads, *(back[k] or [])]
             elif action.op is Op.SEND_B:
                 sent = back.pop(k)
                 assert peer is not None and sent is not None
-                self._send(sent, peer, _BACKWARD)
+                last = self._send(sent, peer, _BACKWARD)
             else:
-                raise NotSupportedError(f"schedule {self.schedule!r}: the stage step does not "
-                                        f"run {action} (a weight-gradient pass apart) yet")
+                assert action.op is Op.WEIGHT, action
+                last = self._weight_pass(k, weight_passes.pop(k), last)
+                accumulated.add(k, last)
         self._optimizer_step(accumulated)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
         total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
@@ -275,17 +301,31 @@ class StageStep:
                    f"forward {k}", begin=False)
         return flight
 
-    def _backward_pass(self, k: int, flight: InFlight, returned: list[tf.Tensor] | None
-                  ) -> tuple[list[Any], list[tf.Tensor] | None]:
+    def _backward_pass(self, k: int, flight: InFlight, returned: list[tf.Tensor] | None,
+                       apart: bool = False) -> tuple[Any, list[tf.Tensor] | None]:
         """Micro-batch ``k``'s backward pass, marked on the timeline: its weights' gradients
-        and what goes back to the previous stage."""
+        (with ``apart``, as the :class:`WeightPass` its ``W`` runs) and what goes back to the
+        previous stage."""
         seed = None if flight.loss is None else self._loss_seed(flight.loss)
         begun = self._mark(list(returned or []) + ([] if seed is None else [seed]),
                            f"backward {k}", begin=True)
+        if apart:
+            weight_pass, back = self.passes.backward_apart(flight, returned, seed, after=begun)
+            self._mark(back or [], f"backward {k}", begin=False)
+            return weight_pass, back
         grads, back = self.passes.backward(flight, returned, seed, after=begun)
         self._mark([g for g in grads + (back or []) if isinstance(g, tf.Tensor)],
                    f"backward {k}", begin=False)
         return grads, back
+
+    def _weight_pass(self, k: int, weight_pass: WeightPass, after: list[Any]) -> list[Any]:
+        """Micro-batch ``k``'s ``W``, after the ops ``after`` (the action before it),
+        marked on the timeline: its weights' gradients."""
+        begun = self._mark(tensors_in(after), f"weight {k}", begin=True)
+        weight_pass.start_after([*after, *begun])
+        grads = weight_pass.grads
+        self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"weight {k}", begin=False)
+        return grads
 
     # -- the gradients to the optimizer -------------------------------------------------------
 
@@ -334,7 +374,7 @@ class StageStep:
 
         def probe(x: Any) -> tf.Tensor:
             received = [] if self.first else [
-                tf.zeros((rows, *[int(d) for d in s.shape[1:]]), s.dtype)
+                tf.zeros((rows, *[1 if d is None else int(d) for d in s.shape[1:]]), s.dtype)
                 for s in self.parts.received[self.stage]]
             with tf.GradientTape() as tape:
                 tape.watch(received)
@@ -414,11 +454,12 @@ class StageStep:
         (the stages' sum is what serial ``model.losses`` adds to the loss). One graph per
         batch size, as :meth:`train`."""
         regularisation, predictions = self._forward_fn(
-            x if self.parts.reads_x(self.stage) else None, batch)
+            x if self.parts.reads_x(self.stage) else None, batch,
+            self.shapes.received(self.stage, x))
         self.predictions = predictions if self.last else None
         return float(regularisation)
 
-    def _forward_graph(self, x: Any, batch: int) -> tuple[tf.Tensor, Any]:
+    def _forward_graph(self, x: Any, batch: int, incoming: Shapes = ()) -> tuple[tf.Tensor, Any]:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
@@ -430,7 +471,8 @@ class StageStep:
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
                 assert peer is not None
-                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer, _FORWARD)
+                received[k] = self._receive(self.parts.received[self.stage], sizes[k], peer,
+                                            _FORWARD, incoming)
             elif action.op is Op.FORWARD:
                 emitted[k] = self.passes.run(received.pop(k, []), xs[k], training=False)
                 if self.last:
