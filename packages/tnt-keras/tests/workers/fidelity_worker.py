@@ -23,7 +23,7 @@ import numpy as np
 CASES = ("dense3d_dataset", "dense3d_numpy", "unknown_cardinality", "generator", "pydataset",
          "rebatch_zip", "shuffle_seeded", "masked_loss", "reduction_sum", "weighted_mean",
          "custom_training", "two_optimizers", "two_outputs", "on_batch", "mixed_precision",
-         "predict_loaded", "regularized", "synchronized_bn", "added_losses")
+         "predict_loaded", "regularized", "synchronized_bn", "added_losses", "position_embedding")
 
 
 def _jsonable(value):
@@ -157,6 +157,23 @@ def main(argv: list[str] | None = None) -> None:
             h = m.fit(tokens, labels, batch_size=6, epochs=2, verbose=0, shuffle=False)
             ev = m.evaluate(tokens, labels, batch_size=5, verbose=0, return_dict=True)
             save(case, m, h, evaluate=ev)
+        elif case == "position_embedding":  # the Transformer guides' token and position lookups
+            keras.utils.set_random_seed(5)
+
+            class TokenAndPosition(L.Layer):
+                def __init__(self, **kw):
+                    super().__init__(**kw)
+                    self.tokens, self.positions = L.Embedding(12, 6), L.Embedding(7, 6)
+
+                def call(self, x):  # positions looked up with arange: the same rows for every sample
+                    return self.tokens(x) + self.positions(keras.ops.arange(0, keras.ops.shape(x)[-1]))
+
+            tokens = rng.integers(0, 12, size=(21, 7))
+            inp = keras.Input((7,), dtype="int64")
+            h = L.GlobalAveragePooling1D()(TokenAndPosition()(inp))
+            m = compiled(keras.Model(inp, L.Dense(3, activation="softmax")(h)))
+            h = m.fit(tokens, tokens[:, 0] % 3, batch_size=6, epochs=2, verbose=0, shuffle=False)
+            save(case, m, h)
         elif case == "reduction_sum":
             m = compiled(mlp(), opt=keras.optimizers.SGD(0.001),
                          loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"))

@@ -37,8 +37,9 @@ from .. import timeline as _timeline
 from . import Channel, count, previous, record
 from . import native as native_ops
 from .compression import NO_COMPRESSION, Compression, travels_as_is
-from .graph_ops import gather_slices
+from .graph_ops import gather_slices, summed_rows
 from .native import NativeReducer
+from .sparse_rows import RowKind, row_kind
 
 __all__ = ["CurrentAllreducer", "GradientReducer", "dense_gradient", "reduce_weighted"]
 
@@ -65,7 +66,8 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
                     reducer: Callable[[], GradientReducer], channel: Channel, *,
                     keep: tf.Tensor,
                     dense_after: Callable[[list[tf.Tensor]], list[tf.Tensor]] | None = None,
-                    compression: Compression = NO_COMPRESSION, copy: bool = False) -> list[Any]:
+                    compression: Compression = NO_COMPRESSION, copy: bool = False,
+                    row_kinds: Sequence[RowKind | None] | None = None) -> list[Any]:
     """``sum_r weight_r g_r`` for each gradient (None stays None): the one reduction of
     ``fit``'s step and of a custom loop. Dense gradients go to ``reducer()`` in backward order
     (the last layer's exist first), after the graph's previous collective (and
@@ -79,6 +81,8 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
     :param variables: the variables of ``grads`` (None where a static shape is unknown).
     :param channel: the ranks the gradients are summed (and sparse rows gathered) over: the
         channel of ``reducer()``.
+    :param row_kinds: how each sparse gradient's rows combine over ranks, where the caller
+        knows it (:mod:`tarantella.comm.sparse_rows`); else read from the graph.
     """
     out: list[Any] = list(grads)
     present = [i for i, g in enumerate(grads) if g is not None]
@@ -103,7 +107,14 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
             out[i] = tf.raw_ops.DeepCopy(x=r) if copy else r
     for i in sparse_ids:
         g = grads[i]
+        name = getattr(variables[i], "path", None) if variables is not None else None
+        kind = row_kinds[i] if row_kinds is not None else row_kind(
+            g, f"the weight {name}" if name else "a weight")
         values = g.values * tf.cast(weight, g.values.dtype)
+        if kind is RowKind.SHARED:  # the same rows on every rank: the batch's are their sum
+            out[i] = tf.IndexedSlices(summed_rows(g.indices, values, keep, channel), g.indices,
+                                      g.dense_shape)
+            continue
         indices, values = gather_slices(g.indices, values, keep, channel)
         out[i] = tf.IndexedSlices(values, indices, g.dense_shape)
     return out

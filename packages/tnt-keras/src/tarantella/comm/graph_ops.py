@@ -17,7 +17,7 @@ import tnt_core
 
 from . import Channel, previous, record
 
-__all__ = ["allreduce_sum", "gather_rows", "gather_slices"]
+__all__ = ["allreduce_sum", "gather_rows", "gather_slices", "summed_rows"]
 
 
 def allreduce_sum(vector: tf.Tensor, channel: Channel, *, name: str = "tnt_allreduce",
@@ -117,3 +117,21 @@ def gather_slices(indices: tf.Tensor, values: tf.Tensor, keep: tf.Tensor, channe
     out_i.set_shape([None])
     out_v.set_shape(tf.TensorShape([None]).concatenate(values.shape[1:]))
     return out_i, out_v
+
+
+def summed_rows(indices: tf.Tensor, values: tf.Tensor, keep: tf.Tensor, channel: Channel) -> tf.Tensor:
+    """Graph op: the sum over the ranks of a sparse gradient's ``values`` whose rows are the
+    same on every rank (a lookup that does not depend on the batch:
+    :mod:`tarantella.comm.sparse_rows`), zeros where ``keep`` is false (no sample here).
+    The ranks' rows are gathered and added in rank order; a rank with other rows than the
+    others is an error, never a silent sum."""
+    if channel.size == 1:
+        return values
+    values = tf.where(keep, values, tf.zeros_like(values))
+    every_i, every_v = gather_slices(indices, values, tf.constant(True), channel,
+                                     name="tnt_gather_shared_rows")
+    rows = tf.shape(indices)[0]
+    tf.debugging.assert_equal(every_i, tf.tile(indices, [channel.size]), message=(
+        "a sparse gradient whose rows do not depend on the batch has other rows on another rank"))
+    shape = tf.concat([[channel.size, rows], tf.shape(values)[1:]], 0)
+    return tf.reduce_sum(tf.reshape(every_v, shape), axis=0)

@@ -28,6 +28,7 @@ from typing import Any
 import tensorflow as tf
 
 from ..comm.gradients import dense_gradient
+from ..comm.sparse_rows import RowKind, row_kind
 from ..errors import NotSupportedError
 
 __all__ = ["MicroBatchGradients", "Rows", "rows_of"]
@@ -92,6 +93,13 @@ class MicroBatchGradients:
                         f"the gradient of {getattr(v, 'path', v.name)!r} is sparse "
                         "(tf.IndexedSlices) in the stage's structure but dense in this step: "
                         "pipelining cannot hand it to the optimizer as serial Keras would; "
+                        "use ParallelStrategy.DATA for this model")
+                name = getattr(v, "path", v.name)
+                if ordered and row_kind(ordered[0], f"the weight {name!r}") is RowKind.SHARED:
+                    raise NotSupportedError(
+                        f"the weight {name!r} is looked up with indices that do not come from "
+                        "the batch (e.g. positions with `arange`): a pipeline's micro-batches "
+                        "cannot hand its sparse gradient to the optimizer as serial Keras does; "
                         "use ParallelStrategy.DATA for this model")
                 out.append(_concatenated(ordered, v, kind))
                 continue

@@ -62,6 +62,7 @@ from .._keras_compat import forgetting_custom_gradients
 from ..comm import Channel
 from ..comm.compression import for_fit
 from ..comm.gradients import GradientReducer, reduce_weighted
+from ..comm.sparse_rows import RowKind
 from . import schedule as schedules
 from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
@@ -358,7 +359,9 @@ class StageStep:
         assert replicas is not None
         return reduce_weighted(grads, self.weights, tf.constant(1.0, tf.float64),
                                lambda: replicas, replicas.channel, keep=tf.constant(True),
-                               compression=for_fit(replicas.channel.runtime))
+                               compression=for_fit(replicas.channel.runtime),
+                               # a stage's rows are its micro-batches' (shared ones are refused)
+                               row_kinds=[RowKind.FROM_BATCH] * len(grads))
 
     def _sparse_rows(self, x: Any) -> list[Rows | None]:
         """Which weights' gradients are sparse, from the stage's structure: one forward and
