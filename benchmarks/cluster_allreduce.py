@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from launch import write_results
+
 DEFAULT_LAYOUTS = "2x1,2x2,2x4,3x1,3x2"
 #: MPICH's own choice of algorithm, and its ring (which its choice passes over for 3 ranks)
 DEFAULT_COLUMNS = ("gloo:gloo", "mpi:mpi", "mpi tsp_ring:mpi:MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM=tsp_ring")
@@ -214,17 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterUnavailable as exc:
         raise SystemExit(f"cannot build the emulated cluster: {exc}") from None
     print(format_table(rows, labels, args.size, args.rate_mbit))
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(started))
-    out = args.out or RESULTS / f"cluster_allreduce_{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "host": platform.node(), "cpus": os.cpu_count(), "rate_mbit": args.rate_mbit,
-        "size_bytes": args.size, "reps": args.reps,
+    write_results("cluster_allreduce", started, {
+        "rate_mbit": args.rate_mbit, "size_bytes": args.size, "reps": args.reps,
         "columns": [{"label": lb, "backend": b, "settings": s} for lb, b, s in columns],
-        "bound": "2(H-1)/H * size / (rate_mbit * 1e6 / 8) seconds", "rows": rows,
-    }, indent=1) + "\n")
-    print(f"wrote {out}")
+        "bound": "2(H-1)/H * size / (rate_mbit * 1e6 / 8) seconds", "rows": rows}, args.out)
     return 0
 
 

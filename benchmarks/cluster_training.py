@@ -45,7 +45,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -53,8 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from launch import write_results
+
 RESULT_TAG = "CLUSTER_TRAINING_RESULT "
 VARIANTS = ("overlap on", "overlap off", "comm-free")
 
@@ -275,17 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"cannot build the emulated cluster: {exc}") from None
     print(format_table(rounds, args, params))
     print(f"load average (1 min): {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(started))
-    out = args.out or RESULTS / f"cluster_training_{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "host": platform.node(), "cpus": os.cpu_count(), "rate_mbit": args.rate_mbit,
-        "hosts": args.hosts, "per_host": args.per_host, "micro_batch": args.micro_batch,
-        "warmup": args.warmup, "steps": args.steps, "load_start": load_start,
-        "load_end": os.getloadavg()[0], "rounds": rounds,
-    }, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_results("cluster_training", started, {
+        "rate_mbit": args.rate_mbit, "hosts": args.hosts, "per_host": args.per_host,
+        "micro_batch": args.micro_batch, "warmup": args.warmup, "steps": args.steps,
+        "load_start": load_start, "load_end": os.getloadavg()[0], "rounds": rounds}, args.out)
     return 0
 
 

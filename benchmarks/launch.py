@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,3 +31,20 @@ def rank_reports(script: str, ranks: int, args: Sequence[str], *, options: Seque
         subprocess.run([str(tnt), "run", "-n", str(ranks), *options, "--", script, "--rank-main",
                         "--out", out, *args], env=env, check=True, timeout=timeout)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+#: where benchmarks keep their runs' rows (JSON), beside the scripts
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_results(name: str, started: float, fields: dict[str, Any], out: Path | None = None) -> Path:
+    """A run's rows as JSON, with when and where it ran: ``out``, else
+    ``results/<name>_<UTC start>.json``."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(started))
+    path = out or RESULTS / f"{name}_{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "host": platform.node(), "cpus": os.cpu_count(), **fields}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path

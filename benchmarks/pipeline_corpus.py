@@ -142,30 +142,23 @@ def multi_io(run: Run) -> Any:
 
 def cnn_batchnorm(run: Run) -> Any:
     """The MNIST convnet of the guides: Conv2D, BatchNormalization, MaxPooling, Dropout."""
-    import keras
-
-    x, labels = _images()
-    plan = {2: {0}, 3: {0, 1}}
-    inp = keras.Input((10, 10, 1))
-    h = keras.layers.BatchNormalization()(keras.layers.Conv2D(8, 3, activation="relu")(inp))
-    h = keras.layers.MaxPooling2D()(run.cut(h, plan, 0))
-    h = keras.layers.Conv2D(8, 3, activation="relu")(h)
-    h = keras.layers.Dropout(0.3)(keras.layers.Flatten()(run.cut(h, plan, 1)))
-    model = run.wrap(keras.Model(inp, keras.layers.Dense(2)(h)))
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(x, labels, batch_size=16, epochs=2, verbose=0)
-    return model, history, model.evaluate(x, labels, verbose=0), model.predict(x, verbose=0)
+    return _convnet(run, batchnorm=True)
 
 
 def cnn_dropout(run: Run) -> Any:
     """The same convnet without BatchNormalization: Conv2D, MaxPooling, Dropout."""
+    return _convnet(run, batchnorm=False)
+
+
+def _convnet(run: Run, batchnorm: bool) -> Any:
     import keras
 
     x, labels = _images()
     plan = {2: {0}, 3: {0, 1}}
     inp = keras.Input((10, 10, 1))
     h = keras.layers.Conv2D(8, 3, activation="relu")(inp)
+    if batchnorm:
+        h = keras.layers.BatchNormalization()(h)
     h = keras.layers.MaxPooling2D()(run.cut(h, plan, 0))
     h = keras.layers.Conv2D(8, 3, activation="relu")(h)
     h = keras.layers.Dropout(0.3)(keras.layers.Flatten()(run.cut(h, plan, 1)))
