@@ -41,7 +41,8 @@ MB of gradients per step) on N nodes of G ranks each (one rank per GPU), links o
 ``--sample-ms`` defaults to 2.7 ms per sample: an assumption of the order of a V100 training
 ResNet-50 in float32 with TensorFlow (about 370 images/s), not a measurement here; this
 machine has no GPU. Writes the table (Markdown) and the fit (JSON) to
-``docs/_static/benchmarks/``, and a plot beside them when matplotlib is installed.
+``docs/_static/benchmarks/``, and a plot beside them when matplotlib is installed
+(``benchmarks/requirements.txt``); ``--replot`` draws saved projections into one figure.
 """
 
 from __future__ import annotations
@@ -168,7 +169,10 @@ def format_table(rows: list[dict], fit_info: dict, args: argparse.Namespace) -> 
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> bool:
+def plot(projections: list[tuple[str, list[dict]]], per_node: int, link_gbit: float,
+         path: Path) -> bool:
+    """Draw each projection's speed-ups (``(label, rows)``) in one figure, with the original
+    Tarantella's published point for ``per_node`` ranks per node; False without matplotlib."""
     try:
         import matplotlib
 
@@ -176,22 +180,46 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    ranks = [r["ranks"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ranks = [r["ranks"] for r in projections[0][1]]
     ax.plot(ranks, ranks, ":", color="grey", label="linear")
-    ax.plot(ranks, [r["hier_overlap"] for r in rows], "o-", label="hierarchical, overlap")
-    ax.plot(ranks, [r["flat_overlap"] for r in rows], "s--", label="flat, overlap")
-    ax.plot(ranks, [r["hier_serial"] for r in rows], "^-", label="hierarchical, no overlap")
-    for devices, per_node, speedup, _ in PUBLISHED:
-        if per_node == args.per_node:
-            ax.plot([devices], [speedup], "k*", markersize=12, label="Tarantella (published)")
+    for (label, rows), color in zip(projections, ("tab:blue", "tab:orange", "tab:green")):
+        ranks = [r["ranks"] for r in rows]
+        ax.plot(ranks, [r["hier_overlap"] for r in rows], "o-", color=color,
+                label=f"hierarchical, overlap ({label})")
+        ax.plot(ranks, [r["flat_overlap"] for r in rows], "s--", color=color,
+                label=f"flat, overlap ({label})")
+        ax.plot(ranks, [r["hier_serial"] for r in rows], "^:", color=color,
+                label=f"hierarchical, no overlap ({label})")
+    for devices, devices_per_node, speedup, _ in PUBLISHED:
+        if devices_per_node == per_node:
+            ax.plot([devices], [speedup], "k*", markersize=14,
+                    label=f"original Tarantella, published ({speedup:g}x)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ticks = [r["ranks"] for r in projections[0][1]]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_yticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("ranks (GPUs)")
     ax.set_ylabel("speed-up over one rank")
-    ax.set_title(f"ResNet-50, {args.per_node} ranks/node, {args.link_gbit:g} Gbit/s (alpha-beta projection)")
-    ax.legend()
+    ax.set_title(f"ResNet-50, {per_node} ranks per node, {link_gbit:g} Gbit/s: alpha-beta projection",
+                 fontsize=10)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=120)
     return True
+
+
+def replot(paths: list[Path], out: Path) -> int:
+    """The figure of projections saved before (their JSON), without measuring anything."""
+    saved = [json.loads(p.read_text()) for p in paths]
+    if len({(d["per_node"], d["link_gbit"]) for d in saved}) != 1:
+        sys.exit("--replot: the projections differ in ranks per node or link rate; plot them apart")
+    projections = [(f"alpha = {d['fit']['alpha_projected_s'] * 1e6:.0f} µs", d["rows"]) for d in saved]
+    if not plot(projections, saved[0]["per_node"], saved[0]["link_gbit"], out):
+        sys.exit("--replot needs matplotlib: pip install -r benchmarks/requirements.txt")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha-us", type=float, default=None,
                         help="project with this alpha instead of the fitted one (a what-if)")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    parser.add_argument("--replot", type=Path, nargs="+", metavar="PROJECTION_JSON",
+                        help="draw projections written before (their .json) into one figure, "
+                             "alpha_beta_projection.png in --out-dir, and measure nothing")
     args = parser.parse_args(argv)
+    if args.replot:
+        return replot(args.replot, args.out_dir / "alpha_beta_projection.png")
     points, rate_mbit = load_points(args.runs or measure(args.rate_mbit), args.column)
     alpha, beta, worst = fit(points, rate_mbit)
     efficiency = 8 / (rate_mbit * 1e6) / beta
@@ -231,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         "fit": fit_info, "points": points, "link_gbit": args.link_gbit, "per_node": args.per_node,
         "sample_ms": args.sample_ms, "micro_batch": args.micro_batch, "rows": rows,
         "runs": [p.name for p in args.runs]}, indent=1) + "\n")
-    plotted = plot(rows, args, stem.with_suffix(".png"))
+    label = f"alpha = {alpha_projected * 1e6:.0f} µs"
+    plotted = plot([(label, rows)], args.per_node, args.link_gbit, stem.with_suffix(".png"))
     print(f"wrote {stem}.md, .json" + (", .png" if plotted else " (no matplotlib: no plot)"),
           file=sys.stderr)
     return 0
