@@ -218,8 +218,9 @@ def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -
             return Callback(callback)
         return _master_only(callback, master)
     if isinstance(callback, keras.callbacks.BackupAndRestore):
-        state = getattr(context.get("model"), "_tnt", None)
-        if state is not None and state.resumes_at_step:
+        model = context.get("model")
+        state = getattr(model, "_tnt", None)
+        if state is not None and state.resumes_at_step and getattr(model, "steps_per_execution", 1) == 1:
             from .step_backup import StepBackupAndRestore  # it builds on this module
             return StepBackupAndRestore(callback)
         # every rank restores (all resume at the same epoch); only the master writes

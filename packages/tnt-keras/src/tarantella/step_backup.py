@@ -14,14 +14,16 @@ callback resumes at the step instead:
   the metric states of the epoch in progress, the callbacks' state (History too, as a
   joining rank takes it: :mod:`tarantella.data_parallel.joining`), the position (epoch,
   steps done) and each rank's random seed states.
-* **Never half-written.** Every rank writes into ``<backup_dir>/tnt-state-N.tmp``; once all
-  have (a barrier), the master renames it ``tnt-state-N`` and removes the older one. A
-  rank that dies while writing leaves a temporary directory that is never read.
+* **Never half-written.** The master gathers every rank's part and writes the backup into
+  ``<backup_dir>/tnt-state-N.tmp``, then renames it ``tnt-state-N`` and removes the older
+  one. A job killed while it writes leaves a temporary directory that is never read.
 * **Where a resumed fit starts.** ``fit`` runs Keras' own loop from its start, the steps
   before the backup's position *replayed*, as a joining rank replays them: each takes its
   batch from the input (the dataset's position and its per-epoch shuffles stay the serial
   run's) and runs nothing, validation too, and the user's callbacks do not run. At the
-  hook the backup was written in, every rank loads it and training goes on.
+  hook the backup was written in, every rank loads it (``backup_dir`` on a file system
+  every rank sees, as for Keras' own restore on every rank) and training goes on. The master
+  decides whether and where a fit resumes, so the ranks agree.
 """
 
 from __future__ import annotations
@@ -75,28 +77,35 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         #: a resumed fit: the backup and the position it was written at
         self.resume_from: str | None = None
         self.resume_at: tuple[int, int] | None = None
-        #: the loop's callbacks (their state is backed up), set by the model's fit
-        self.callbacks: list[keras.callbacks.Callback] = []
+        #: the loop's callbacks (their state is backed up; a list or Keras' CallbackList),
+        #: set by the model's fit
+        self.callbacks: Any = []
 
     # -- where the loop is ----------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        """The master looks for the newest backup and tells every rank (they resume alike)."""
         self.epoch, self.step, self.since_save, self.due, self.saves = 0, 0, 0, False, 0
         backup_dir = str(self.keras_callback.backup_dir)
         state = self.model._tnt  # noqa: SLF001 (tarantella's own state of the model)
-        found = _newest(backup_dir)
-        if found is None:
-            if os.path.exists(os.path.join(backup_dir, _WEIGHTS)):  # Keras' own, at an epoch
-                self.keras_callback.on_train_begin(logs)
-            return
-        with open(os.path.join(found, _JOB), "rb") as f:
-            job = pickle.load(f)
-        if state.runtime.is_master:  # what a rank killed while writing left
-            for name in os.listdir(backup_dir):
-                if name.startswith("tnt-state-") and name.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(backup_dir, name), ignore_errors=True)
-        self.resume_from, self.resume_at = found, tuple(job["position"])
-        state.replaying = True
+        found: dict[str, Any] = {}
+        if state.runtime.is_master:
+            newest = _newest(backup_dir)
+            if newest is not None:
+                with open(os.path.join(newest, _JOB), "rb") as f:
+                    found = {"path": newest, "position": tuple(pickle.load(f)["position"])}
+                for name in os.listdir(backup_dir):  # what a rank killed while writing left
+                    if name.startswith("tnt-state-") and name.endswith(".tmp"):
+                        shutil.rmtree(os.path.join(backup_dir, name), ignore_errors=True)
+            elif os.path.exists(os.path.join(backup_dir, _WEIGHTS)):
+                found = {"keras": True}  # Keras' own backup (an epoch's): Keras restores it
+        if state.runtime.size > 1:
+            found = pickle.loads(state.channel.broadcast_bytes(pickle.dumps(found), 0))
+        if found.get("keras"):
+            self.keras_callback.on_train_begin(logs)
+        elif found:
+            self.resume_from, self.resume_at = found["path"], found["position"]
+            state.replaying = True
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.epoch, self.step = epoch, 0
@@ -120,6 +129,11 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
             self.due = True
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if _replaying(self.model) and self.resume_at == (self.epoch + 1, 0):
+            self._load()  # a backup of the whole training (delete_checkpoint=False)
+        elif self.due and not self.keras_callback.delete_checkpoint:
+            self.epoch, self.step, self.due = self.epoch + 1, 0, False
+            self._save()  # kept: the training's end, as Keras' last backup holds it
         if _replaying(self.model):
             epoch, step = self.resume_at or (0, 0)
             raise NotSupportedError(
@@ -143,6 +157,8 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
     # -- the backup ---------------------------------------------------------------------------
 
     def _save(self) -> None:
+        """Every rank's seed states to the master, which writes the backup alone (the
+        weights streamed from the stages of a pipeline) and renames it into place."""
         model = self.model
         state = model._tnt  # noqa: SLF001
         runtime = state.runtime
@@ -150,40 +166,45 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         self.saves += 1
         final = os.path.join(backup_dir, f"tnt-state-{self.saves:08d}")
         temporary = final + ".tmp"
-        os.makedirs(temporary, exist_ok=True)
-        held = state.held_model(model)
         seeds = [np.array(keras.ops.convert_to_numpy(v), copy=True)
-                 for v in held.variables if is_seed_state(v)]
-        _write(os.path.join(temporary, _rank_file(runtime.rank)), {"seeds": seeds})
-        model.save_weights(os.path.join(temporary, _WEIGHTS))
+                 for v in state.held_model(model).variables if is_seed_state(v)]
+        mine = pickle.dumps({"seeds": seeds})
+        ranks = state.channel.gather_bytes(mine) if runtime.size > 1 else [mine]
         if runtime.is_master:
-            _write(os.path.join(temporary, _JOB), {
-                "position": (self.epoch, self.step), "saves": self.saves,
-                "metrics": [np.array(keras.ops.convert_to_numpy(v), copy=True)
-                            for v in model.metrics_variables],
-                "callbacks": joining.callback_states(self.callbacks)})
-        state.channel.backend.allreduce(np.zeros(1))  # every rank's part is written
-        if runtime.is_master:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(temporary, final)
-            keep = 2 if self.keras_callback.double_checkpoint else 1
-            for number in sorted(_numbers(backup_dir))[:-keep]:
-                shutil.rmtree(os.path.join(backup_dir, f"tnt-state-{number:08d}"),
-                              ignore_errors=True)
+            shutil.rmtree(temporary, ignore_errors=True)
+            os.makedirs(temporary)
+        model.save_weights(os.path.join(temporary, _WEIGHTS))  # every rank: a collective
+        if not runtime.is_master:
+            return
+        for rank, payload in enumerate(ranks):
+            with open(os.path.join(temporary, _rank_file(rank)), "wb") as f:
+                f.write(payload)
+        _write(os.path.join(temporary, _JOB), {
+            "position": (self.epoch, self.step), "saves": self.saves,
+            "metrics": [np.array(keras.ops.convert_to_numpy(v), copy=True)
+                        for v in model.metrics_variables],
+            "callbacks": joining.callback_states(self.callbacks)})
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(temporary, final)
+        keep = 2 if self.keras_callback.double_checkpoint else 1
+        for number in sorted(_numbers(backup_dir))[:-keep]:
+            shutil.rmtree(os.path.join(backup_dir, f"tnt-state-{number:08d}"), ignore_errors=True)
 
     def _load(self) -> None:
+        """Every rank reads the backup (``backup_dir`` is on a file system they all see)."""
         model = self.model
         state = model._tnt  # noqa: SLF001
         found = self.resume_from
         assert found is not None
-        model.load_weights(os.path.join(found, _WEIGHTS))
-        with open(os.path.join(found, _JOB), "rb") as f:
-            job = pickle.load(f)
         mine = os.path.join(found, _rank_file(state.runtime.rank))
         if not os.path.exists(mine):
             raise NotSupportedError(
-                f"BackupAndRestore: the backup {found} was written by a job without rank "
-                f"{state.runtime.rank}: resume it with as many ranks as wrote it")
+                f"BackupAndRestore: rank {state.runtime.rank} cannot read the backup {found} "
+                "(every rank resumes from it: put backup_dir on a file system every rank sees, "
+                "and resume with as many ranks as wrote it)")
+        model.load_weights(os.path.join(found, _WEIGHTS))
+        with open(os.path.join(found, _JOB), "rb") as f:
+            job = pickle.load(f)
         with open(mine, "rb") as f:
             own = pickle.load(f)
         metrics = list(model.metrics_variables)
@@ -196,7 +217,7 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         seeds = [v for v in state.held_model(model).variables if is_seed_state(v)]
         for v, value in zip(seeds, own["seeds"]):
             v.assign(value)
-        joining.restore_callback_states(self.callbacks, job["callbacks"])
+        joining.restore_callback_states(self.callbacks, job["callbacks"], strict=False)
         self.saves, self.since_save, self.due = int(job["saves"]), 0, False
         state.replaying = False
 
