@@ -266,7 +266,8 @@ def _attempt(job: Job, launcher: Launcher, bind: str, prog: str, restarts: int) 
             if elastic is not None:
                 elastic.store.close()
             _sweep(leftovers_before)
-        return code, supervisor.restart_all is not None
+        # not after Ctrl+C (the exit code it set): the user ends the job
+        return code, supervisor.restart_all is not None and supervisor.exit_code is None
 
 
 def _elastic_job(job: Job, launcher: Launcher, rendezvous: Rendezvous, store: StoreServer,

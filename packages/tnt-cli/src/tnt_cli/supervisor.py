@@ -416,8 +416,9 @@ class Supervisor:
         label = self.specs[index].label
         if not self.elastic.restart_all():
             self.exit_code = value if value >= 0 else 128 - value
-            self._conclude(f"{label} {why}; {reason}, and --max-restarts "
-                           f"{self.elastic.limits.max_restarts} is used up; ending the other ranks")
+            limit = self.elastic.limits.max_restarts
+            used = f", and --max-restarts {limit} is used up" if limit else ""
+            self._conclude(f"{label} {why}; {reason}{used}; ending the other ranks")
             self._stop_all()
             return
         self.restart_all = (f"{label} {why}; {reason}: restarting every rank (restart "
