@@ -128,13 +128,13 @@ def test_a_rank_behind_takes_the_state_and_logs_of_the_rank_ahead(agreed):
 
 
 @NO_GLOO
-def test_a_pipelined_job_restarts_every_rank_and_resumes_at_the_step_as_plain_keras(tmp_path):
+def test_a_pipelined_job_restarts_every_rank_and_resumes_at_the_step_as_plain_keras(tmp_path,
+                                                                                   serial_suite):
     """``tnt run --max-restarts 1`` of a pipelined fit (``workers/pipeline_resume_worker.py``):
     rank 1 is SIGKILLed as batch 5 of the second epoch begins; both ranks restart, and the
     user's BackupAndRestore(save_freq=2) resumes the fit at batch 4 (its backup), not at the
     epoch's start. Final weights and History are plain Keras' (round-off of the
-    micro-batches)."""
-    run_serial("pipeline_resume_worker.py", ["serial", str(tmp_path / "serial")])
+    micro-batches; the plain Keras run is part of the suite's plain process)."""
     before = _shm()
     env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "30"}
     proc = subprocess.run(
@@ -149,7 +149,7 @@ def test_a_pipelined_job_restarts_every_rank_and_resumes_at_the_step_as_plain_ke
     first = [json.loads((tmp_path / "tnt" / f"first-batch-{run}.json").read_text()) for run in (0, 1)]
     assert first == [[0, 0], [1, 4]]  # the restarted run's callbacks begin at the backup's step
     _assert_serial(dict(np.load(tmp_path / "tnt" / "result-tnt.npz")),
-                   dict(np.load(tmp_path / "serial" / "result-serial.npz")),
+                   dict(np.load(serial_suite / "pipeline_resume" / "result-serial.npz")),
                    rtol=1e-12, atol=1e-15, keys={"h_loss", "h_mae", "h_val_loss", "w0"})
     assert not (tmp_path / "tnt" / "backup").exists()  # deleted at the end, as Keras does
     assert _shm() <= before, sorted(_shm() - before)
