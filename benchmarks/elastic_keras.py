@@ -16,6 +16,14 @@ mode costs a step that nothing disturbs.
   process's start-up, also given apart: Python start to ``import keras`` done), it joined the
   communicator (``import tarantella`` returned), the master gave it the state, and the
   master's next step complete.
+* **pipelined restart** (``tnt run -n 2 --max-restarts 1``, ``--pipelined``): the same MLP
+  cut into 2 stages, ``keras.callbacks.BackupAndRestore(save_freq=5)``; member 1 SIGKILLed as
+  step 22 begins (the backup written as step 20 began: 2 steps redone). ``tnt run`` ends
+  every rank and starts them all again; their fit replays the steps before the backup as
+  data and resumes there. Seconds after the kill, on the new master process: it started,
+  its TensorFlow and Keras imported (TensorFlow's start-up, also given apart), tarantella
+  imported (the communicator bound), the backup loaded at its step (the replay done), and
+  the first step complete.
 * **steady state**: the same training (5 epochs) on RANKS-1 ranks, elastic (``--min-np``),
   elastic that ranks may join (``--max-restarts 1``: an allreduce of one number before each
   step, where the ranks agree on taking new ranks in) and not elastic, interleaved;
@@ -42,6 +50,8 @@ from pathlib import Path
 
 STARTED = time.time()  # before the heavy imports: a process's start-up is measured from here
 KILL_STEP, STEPS, BATCH = 20, 60, 256
+#: the pipelined restart: the step member 1 dies at, and the backups' interval
+PIPELINED_KILL_STEP, SAVE_FREQ = 22, 5
 
 
 def rank_main(out: Path, kill: bool, epochs: int) -> None:
@@ -81,11 +91,49 @@ def rank_main(out: Path, kill: bool, epochs: int) -> None:
             {"ends": ends, "events": [] if elastic is None else elastic.events}))
 
 
-def launch(args: list[str], out: Path, kill: bool, epochs: int = 1) -> dict:
+def pipelined_main(out: Path) -> None:
+    """A rank of the pipelined restart (see the module doc)."""
+    import keras  # TensorFlow with it
+    import numpy as np
+
+    imported = time.time()
+    import tarantella as tnt
+
+    joined = time.time()
+    first_run = not (out / "killed").exists()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS * BATCH, 784)).astype("float32")
+    y = rng.integers(0, 10, size=(STEPS * BATCH,))
+    model = tnt.Model(keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                                        keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]),
+                      parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_micro_batches=4)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    times: dict[str, float] = {}
+
+    class Clock(keras.callbacks.Callback):  # its hooks do not run while the fit replays
+        def on_train_batch_begin(self, batch, logs=None):
+            times.setdefault("resumed", time.time())
+            times.setdefault("resumed_at", batch)
+            if first_run and tnt.get_rank() == 1 and batch == PIPELINED_KILL_STEP:
+                (out / "killed").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.setdefault("first_step", time.time())
+
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(str(out / "backup"), save_freq=SAVE_FREQ), Clock()])
+    if tnt.get_rank() == 0:
+        (out / "master.json").write_text(json.dumps(
+            {"started": STARTED, "imported": imported, "joined": joined, **times}))
+
+
+def launch(args: list[str], out: Path, kill: bool, epochs: int = 1, pipelined: bool = False) -> dict:
     tnt = Path(sys.executable).with_name("tnt")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_TIMEOUT_S": "60"}
     cmd = [str(tnt), "run", *args, "--", __file__, "--rank", str(out), "--epochs", str(epochs)] \
-        + (["--kill"] if kill else [])
+        + (["--kill"] if kill else []) + (["--pipelined"] if pipelined else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -104,9 +152,33 @@ def main() -> None:
     parser.add_argument("--rank", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--pipelined", action="store_true",
+                        help="the pipelined restart alone")
     options = parser.parse_args()
     if options.rank is not None:
-        rank_main(options.rank, options.kill, options.epochs)
+        (pipelined_main(options.rank) if options.pipelined
+         else rank_main(options.rank, options.kill, options.epochs))
+        return
+    restart: dict[str, list[float]] = {name: [] for name in (
+        "restarted master process started", "its TensorFlow and Keras imported",
+        "tarantella imported (communicator bound)", "backup loaded at its step",
+        "the master's next step complete", "TensorFlow start-up alone (context)")}
+    for _ in range(options.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            master = launch(["-n", "2", "--max-restarts", "1"], out, kill=False, pipelined=True)
+            killed = float((out / "killed").read_text())
+            assert master["resumed_at"] == PIPELINED_KILL_STEP // SAVE_FREQ * SAVE_FREQ, master
+            for name, key in zip(restart, ("started", "imported", "joined", "resumed", "first_step")):
+                restart[name].append(master[key] - killed)
+            restart["TensorFlow start-up alone (context)"].append(master["imported"] - master["started"])
+    print(f"pipelined restart: tnt run -n 2 --max-restarts 1, 2 stages, BackupAndRestore(save_freq="
+          f"{SAVE_FREQ}), member 1 SIGKILLed as step {PIPELINED_KILL_STEP} begins, resumed at step "
+          f"{PIPELINED_KILL_STEP // SAVE_FREQ * SAVE_FREQ} (seconds after the kill)")
+    for name, samples in restart.items():
+        print(_line(name, samples))
+    if options.pipelined:
+        print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
         return
     n = options.ranks
     failed, agreed, redone, step = [], [], [], []

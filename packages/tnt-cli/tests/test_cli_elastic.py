@@ -15,7 +15,7 @@ from tnt_cli.elastic import ElasticJob, ElasticLimits, parse_hosts
 from tnt_cli.launchers.base import ProcessSpec
 from tnt_cli.placement import RankSlot
 from tnt_cli.run import run_command
-from tnt_core import FINISHED_KEY, READY_KEY, StoreClient, StoreServer, read_membership
+from tnt_core import FINISHED_KEY, READY_KEY, RESTART_ALL_KEY, StoreClient, StoreServer, read_membership
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,6 +125,24 @@ def test_ranks_that_joined_a_generation_a_finished_rank_never_bound_are_ended():
         assert job.take_ready() == (None, None)  # finishing: nobody is taken in
         store.set(FINISHED_KEY.format(member=1), b"1")
         assert job.finished(1) == (True, [])
+        store.close()
+
+
+def test_a_job_that_cannot_lose_a_rank_restarts_every_rank_while_restarts_last():
+    """A rank said the job cannot go on without any one rank (a pipelined model sets
+    RESTART_ALL_KEY): tnt run restarts every rank, each restart counting one of
+    --max-restarts, across the restarted job's own bookkeeping."""
+    with StoreServer("127.0.0.1", 0) as server:
+        store = StoreClient(*server.address, server.key, connect_timeout=5)
+        procs = [ProcessSpec(["agent"], "localhost", (r,), [{}]) for r in range(2)]
+        job = ElasticJob(ElasticLimits(2, 2, 1), procs, store, lambda slot, env: procs[0])
+        assert job.restart_all_reason() is None  # a data-parallel job goes on or replaces
+        store.set(RESTART_ALL_KEY, b"a stage is held by its ranks alone")
+        assert job.restart_all_reason() == "a stage is held by its ranks alone"
+        assert job.restart_all() and job.restarts == 1
+        again = ElasticJob(ElasticLimits(2, 2, 1), procs, store, lambda slot, env: procs[0],
+                           restarts=job.restarts)
+        assert not again.restart_all()  # --max-restarts 1 is used up
         store.close()
 
 

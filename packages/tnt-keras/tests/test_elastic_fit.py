@@ -15,6 +15,9 @@ when it comes after the replacement). Each joiner runs the script from the top: 
 joins the running one, its evaluate and predict are the job's. Every rank's result is plain
 Keras'.
 
+A third launch, ``tnt run -n 2 --max-restarts 1`` of a pipelined model, restarts every rank
+when one dies; the fit resumes from its BackupAndRestore backup at the step.
+
 A rank one operation ahead of another (its last collective completed, the other's failed)
 is placed there by ``workers/elastic_agree_worker.py`` in the suite's 2-rank launch.
 """
@@ -51,10 +54,10 @@ def serial(tmp_path_factory) -> dict[str, np.ndarray]:
 
 
 def _assert_serial(result: dict[str, np.ndarray], serial: dict[str, np.ndarray],
-                   rtol: float = 1e-9, atol: float = 1e-12) -> None:
+                   rtol: float = 1e-9, atol: float = 1e-12, keys: set[str] | None = None) -> None:
     assert sorted(serial) == sorted(result)
-    assert {"h_loss", "h_accuracy", "h_auc", "h_val_loss", "h_val_auc", "e_loss", "predicted",
-            "on_batch"} <= set(serial)
+    assert (keys or {"h_loss", "h_accuracy", "h_auc", "h_val_loss", "h_val_auc", "e_loss",
+                     "predicted", "on_batch"}) <= set(serial)
     for key in sorted(serial):
         np.testing.assert_allclose(result[key], serial[key], rtol=rtol, atol=atol, err_msg=key)
 
@@ -122,3 +125,47 @@ def test_a_rank_behind_takes_the_state_and_logs_of_the_rank_ahead(agreed):
     assert behind["last"] == ahead["last"] == {"loss": 0.25, "mae": 0.5}
     assert behind["again"] is False and ahead["again"] is False  # level: both redo
     assert behind["state_again"] == behind["state"] and ahead["state_again"] == ahead["state"]
+
+
+@NO_GLOO
+def test_a_pipelined_job_restarts_every_rank_and_resumes_at_the_step_as_plain_keras(tmp_path,
+                                                                                   serial_suite):
+    """``tnt run --max-restarts 1`` of a pipelined fit (``workers/pipeline_resume_worker.py``):
+    rank 1 is SIGKILLed as batch 5 of the second epoch begins; both ranks restart, and the
+    user's BackupAndRestore(save_freq=2) resumes the fit at batch 4 (its backup), not at the
+    epoch's start. Final weights and History are plain Keras' (round-off of the
+    micro-batches; the plain Keras run is part of the suite's plain process)."""
+    before = _shm()
+    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "30"}
+    proc = subprocess.run(
+        [str(TNT), "run", "-n", "2", "--max-restarts", "1", "--backend", "gloo", "--",
+         str(WORKERS / "pipeline_resume_worker.py"), "tnt", str(tmp_path / "tnt")],
+        env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert ("tnt run: rank 1 on localhost exited with code 137 (signal SIGKILL?); a pipelined "
+            "tnt.Model cannot go on without one of its ranks (a stage is held by its ranks "
+            "alone): restarting every rank (restart 1 of 1)") in output, output[-4000:]
+    first = [json.loads((tmp_path / "tnt" / f"first-batch-{run}.json").read_text()) for run in (0, 1)]
+    assert first == [[0, 0], [1, 4]]  # the restarted run's callbacks begin at the backup's step
+    _assert_serial(dict(np.load(tmp_path / "tnt" / "result-tnt.npz")),
+                   dict(np.load(serial_suite / "pipeline_resume" / "result-serial.npz")),
+                   rtol=1e-12, atol=1e-15, keys={"h_loss", "h_mae", "h_val_loss", "w0"})
+    assert not (tmp_path / "tnt" / "backup").exists()  # deleted at the end, as Keras does
+    assert _shm() <= before, sorted(_shm() - before)
+
+
+def test_a_pipelined_model_refuses_a_job_that_may_change_its_size():
+    from types import SimpleNamespace
+
+    from tarantella.pipeline.model import _restart_all_on_failure
+
+    told: list[str] = []
+    runtime = SimpleNamespace(membership=object(), config=SimpleNamespace(elastic_resizes=True),
+                              restart_all_on_failure=told.append)
+    with pytest.raises(Exception, match=r"^a pipelined tnt.Model cannot go on with another number "
+                       r"of ranks \(tnt run --min-np below -n, --max-np, --host-discovery-script\)"):
+        _restart_all_on_failure(runtime)
+    runtime.config.elastic_resizes = False  # --max-restarts alone: tnt run restarts every rank
+    _restart_all_on_failure(runtime)
+    assert told and "a stage is held by its ranks alone" in told[0]

@@ -26,6 +26,7 @@ from tnt_core import (
     FINISHED_KEY,
     NOT_ARRIVED_KEY,
     READY_KEY,
+    RESTART_ALL_KEY,
     Departure,
     Membership,
     StoreClient,
@@ -138,7 +139,7 @@ class ElasticJob:
     def __init__(self, limits: ElasticLimits, procs: list[ProcessSpec], store: StoreClient,
                  make_process: Callable[[RankSlot, dict[str, str]], ProcessSpec],
                  hosts: dict[str, int] | None = None,
-                 slots: tuple[RankSlot, ...] | None = None) -> None:
+                 slots: tuple[RankSlot, ...] | None = None, restarts: int = 0) -> None:
         self.limits = limits
         self.store = store
         self._make_process = make_process
@@ -168,7 +169,8 @@ class ElasticJob:
         self.ended: set[int] = set()
         #: left since the newest generation was published
         self._departed: list[Departure] = []
-        self.restarts = 0
+        #: restarts used so far in the job (a restart of every rank counts as one)
+        self.restarts = restarts
         #: every process that left, in order: (label, reason)
         self.departures: list[tuple[str, str]] = []
         #: slots by host the discovery script last reported (None: no script)
@@ -212,6 +214,24 @@ class ElasticJob:
                 starting.append(self._new_member(host, slot.gpu if host == slot.host else None))
             error = self._settle()
             return ([], error) if error else (self._processes(starting), None)
+
+    def restart_all_reason(self) -> str | None:
+        """Why the job cannot go on without any one of its ranks, when a rank said so
+        (``tnt_core.RESTART_ALL_KEY``: a pipelined model); None otherwise."""
+        try:
+            if not self.store.check([RESTART_ALL_KEY]):
+                return None
+            return self.store.get(RESTART_ALL_KEY, 1.0).decode(errors="replace")
+        except (TntError, OSError):
+            return None
+
+    def restart_all(self) -> bool:
+        """Count a restart of every rank; False when ``--max-restarts`` is used up."""
+        with self._lock:
+            if self.restarts >= self.limits.max_restarts:
+                return False
+            self.restarts += 1
+            return True
 
     def finished(self, member: int) -> tuple[bool, list[int]]:
         """``member`` exited with 0: it is done, and no later generation includes it (no

@@ -218,6 +218,19 @@ def _run(options: RunOptions, prog: str) -> int:
         rendezvous = dry_run_rendezvous(bind, options.rendezvous_port)
         sys.stdout.write(render_dry_run(job, launcher, launcher.processes(job, rendezvous), rendezvous))
         return 0
+    restarts = 0
+    while True:
+        code, restarted = _attempt(job, launcher, bind, prog, restarts)
+        if not restarted:
+            return code
+        restarts += 1
+
+
+def _attempt(job: Job, launcher: Launcher, bind: str, prog: str, restarts: int) -> tuple[int, bool]:
+    """One run of every rank of the job, with a rendezvous of its own: its exit code, and
+    whether every rank is to be started again (an elastic job that cannot go on without a
+    rank lost one, :attr:`Supervisor.restart_all`); ``restarts``: the restarts done."""
+    options = job.options
     try:
         store = StoreServer(bind, options.rendezvous_port)
     except ConfigError as exc:
@@ -229,11 +242,14 @@ def _run(options: RunOptions, prog: str) -> int:
         reported = any(spec["rank"] is None for proc in procs for spec in proc.specs)
         elastic, discovery = None, None
         if options.elastic:
-            elastic, discovery = _elastic_job(job, launcher, rendezvous, store, procs, prog)
+            elastic, discovery = _elastic_job(job, launcher, rendezvous, store, procs, prog, restarts)
             limits = elastic_limits(job.options, job.placement.size)
             joins = limits.max_restarts > 0 or limits.max_np > job.placement.size \
                 or discovery is not None
-            procs = [with_env(proc, {"TNT_ELASTIC": "1", "TNT_ELASTIC_JOINS": "1" if joins else "0"},
+            resizes = limits.min_np < job.placement.size or limits.max_np > job.placement.size \
+                or discovery is not None
+            procs = [with_env(proc, {"TNT_ELASTIC": "1", "TNT_ELASTIC_JOINS": "1" if joins else "0",
+                                     "TNT_ELASTIC_RESIZES": "1" if resizes else "0"},
                               job) for proc in procs]
         supervisor = Supervisor(procs, job.grace_s, prog=prog,
                                 not_arrived=_not_arrived_reader(store), rank_reports=reported,
@@ -243,17 +259,20 @@ def _run(options: RunOptions, prog: str) -> int:
         if discovery is not None and elastic is not None:
             discovery.start(elastic.hosts or {}, supervisor.hosts_changed)
         try:
-            return supervisor.run()
+            code = supervisor.run()
         finally:
             if discovery is not None:
                 discovery.stop()
             if elastic is not None:
                 elastic.store.close()
             _sweep(leftovers_before)
+        # not after Ctrl+C (the exit code it set): the user ends the job
+        return code, supervisor.restart_all is not None and supervisor.exit_code is None
 
 
 def _elastic_job(job: Job, launcher: Launcher, rendezvous: Rendezvous, store: StoreServer,
-                 procs: list[ProcessSpec], prog: str) -> tuple[ElasticJob, HostDiscovery | None]:
+                 procs: list[ProcessSpec], prog: str,
+                 restarts: int = 0) -> tuple[ElasticJob, HostDiscovery | None]:
     """The membership keeper of an elastic job, its generation 0 published before any
     rank starts; and the host discovery, when a script was given."""
     host, port = store.address
@@ -271,7 +290,8 @@ def _elastic_job(job: Job, launcher: Launcher, rendezvous: Rendezvous, store: St
         if hosts is None:
             raise UsageError(f"--host-discovery-script {script}: the first run failed")
     elastic = ElasticJob(elastic_limits(job.options, job.placement.size), procs, client,
-                         process_maker(job, launcher, rendezvous), hosts, job.placement.slots)
+                         process_maker(job, launcher, rendezvous), hosts, job.placement.slots,
+                         restarts)
     elastic.publish_initial()
     return elastic, discovery
 

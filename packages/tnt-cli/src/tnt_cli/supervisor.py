@@ -177,6 +177,9 @@ class Supervisor:
         #: failures because a peer failed, in order, before the verdict: (kind, index)
         self.secondary: list[tuple[str, int]] = []
         self.settle_until: float | None = None
+        #: an elastic job that cannot go on without a rank lost one: every rank ends, and
+        #: ``tnt run`` starts them all again (the line that said so)
+        self.restart_all: str | None = None
         #: the verdict, held back until the other processes ended and their output was
         #: read, so that it is the last line however their output and their end interleave
         self.verdict: str | None = None
@@ -391,6 +394,10 @@ class Supervisor:
                    f"{_WENT_DOWN}")
         else:
             why = describe_exit(value) + (f" ({cause})" if cause else "")
+        reason = self.elastic.restart_all_reason()
+        if reason is not None:
+            self._restart_all(index, value, why, reason)
+            return
         before = self.elastic.generation
         procs, error = self.elastic.change({index: why})
         if error is not None:
@@ -400,6 +407,24 @@ class Supervisor:
             return
         self._say_change(f"{self.specs[index].label} {why}", before)
         self._start_members(procs)
+
+    def _restart_all(self, index: int, value: int, why: str, reason: str) -> None:
+        """A rank of a job that cannot go on without it (``reason``) died: every rank ends,
+        to be started again while ``--max-restarts`` lasts; else the job fails as a job
+        that is not elastic does."""
+        assert self.elastic is not None
+        label = self.specs[index].label
+        if not self.elastic.restart_all():
+            self.exit_code = value if value >= 0 else 128 - value
+            limit = self.elastic.limits.max_restarts
+            used = f", and --max-restarts {limit} is used up" if limit else ""
+            self._conclude(f"{label} {why}; {reason}{used}; ending the other ranks")
+            self._stop_all()
+            return
+        self.restart_all = (f"{label} {why}; {reason}: restarting every rank (restart "
+                            f"{self.elastic.restarts} of {self.elastic.limits.max_restarts})")
+        self.say(self.restart_all)
+        self._stop_all()
 
     def _end_unjoined(self, members: Sequence[int]) -> None:
         """End members the job finished without (see ``ElasticJob.finished``)."""

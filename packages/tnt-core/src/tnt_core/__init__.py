@@ -31,6 +31,7 @@ from ._config import Config
 from ._elastic import (
     FINISHED_KEY,
     READY_KEY,
+    RESTART_ALL_KEY,
     Departure,
     Membership,
     latest_generation,
@@ -124,6 +125,7 @@ __all__ = [
     # an elastic job's membership (tnt run --min-np/--max-restarts)
     "FINISHED_KEY",
     "READY_KEY",
+    "RESTART_ALL_KEY",
     "Departure",
     "Membership",
     "latest_generation",

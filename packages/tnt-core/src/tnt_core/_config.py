@@ -46,6 +46,7 @@ _FIELD_VARIABLES: dict[str, S.Variable] = {
     "tensorboard_on_all_devices": S.TNT_TENSORBOARD_ON_ALL_DEVICES,
     "elastic": S.TNT_ELASTIC,
     "elastic_joins": S.TNT_ELASTIC_JOINS,
+    "elastic_resizes": S.TNT_ELASTIC_RESIZES,
     "member_id": S.TNT_MEMBER_ID,
     "generation": S.TNT_GENERATION,
 }
@@ -84,6 +85,8 @@ class Config:
     elastic: bool = False
     #: TNT_ELASTIC_JOINS: processes started later may join the elastic job
     elastic_joins: bool = False
+    #: TNT_ELASTIC_RESIZES: the elastic job may go on with another number of ranks
+    elastic_resizes: bool = False
     #: TNT_MEMBER_ID: this process's name in an elastic job, kept when its rank changes
     #: (None: its first rank)
     member_id: int | None = None

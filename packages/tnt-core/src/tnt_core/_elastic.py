@@ -28,6 +28,10 @@ Store keys (the launcher contract):
 ``tnt/elastic/finished/M``
     the last generation member ``M`` bound, set when its runtime stops: ranks that joined
     in a later generation cannot connect without it, and ``tnt run`` ends them.
+``tnt/elastic/restart_all``
+    set by a rank whose job cannot go on without any one of its ranks (a pipeline stage
+    is held by its ranks alone), saying why: when a rank dies, ``tnt run`` restarts every
+    rank (while ``--max-restarts`` lasts) instead of going on without it or replacing it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from typing import Any
 
 from ._errors import CommError, TntError, handled
 
-__all__ = ["FINISHED_KEY", "LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "Departure", "GenerationWatcher",
+__all__ = ["FINISHED_KEY", "LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "RESTART_ALL_KEY",
+           "Departure", "GenerationWatcher",
            "Membership", "interrupt_on_change", "join_membership", "latest_generation",
            "publish_membership", "read_membership"]
 
@@ -52,6 +57,7 @@ MEMBERSHIP_KEY = "tnt/elastic/membership/{generation}"
 LATEST_KEY = "tnt/elastic/latest"
 READY_KEY = "tnt/elastic/ready/{member}"
 FINISHED_KEY = "tnt/elastic/finished/{member}"
+RESTART_ALL_KEY = "tnt/elastic/restart_all"
 #: seconds a watcher's store wait lasts before it looks whether it should stop
 _WATCH_POLL_S = 0.5
 

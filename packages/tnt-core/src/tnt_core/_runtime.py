@@ -15,6 +15,7 @@ from ._backend import BackendSpec, CommBackend
 from ._config import Config
 from ._elastic import (
     FINISHED_KEY,
+    RESTART_ALL_KEY,
     GenerationWatcher,
     Membership,
     latest_generation,
@@ -259,6 +260,16 @@ class Runtime:
             if self.stall_inspector is not None:
                 self.stall_inspector.stop()
             self.backend.close()
+
+    def restart_all_on_failure(self, reason: str) -> None:
+        """Tell ``tnt run`` that this elastic job cannot go on without any one of its ranks
+        (``reason`` says why): when a rank dies, every rank is restarted (while
+        ``--max-restarts`` lasts), to resume from the job's last checkpoint. Nothing
+        outside an elastic job."""
+        if self.membership is None or not self.config.rendezvous:
+            return
+        with connect_store(self.config, connect_timeout=10.0) as store:
+            store.set(RESTART_ALL_KEY, reason.encode())
 
     def _say_finished(self) -> None:
         """An elastic rank stopping: the generation it bound last, for ``tnt run`` (ranks

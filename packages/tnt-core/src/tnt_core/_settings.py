@@ -481,6 +481,10 @@ TNT_ELASTIC = INTERNAL.declare("TNT_ELASTIC", "bool", False,
 TNT_ELASTIC_JOINS = INTERNAL.declare("TNT_ELASTIC_JOINS", "bool", False,
                                      "an elastic job may start processes that join it later "
                                      "(`--max-restarts`, `--max-np`, `--host-discovery-script`)")
+TNT_ELASTIC_RESIZES = INTERNAL.declare("TNT_ELASTIC_RESIZES", "bool", False,
+                                       "an elastic job may go on with another number of ranks "
+                                       "(`--min-np` below `-n`, `--max-np` above it, or "
+                                       "`--host-discovery-script`)")
 TNT_MEMBER_ID = INTERNAL.declare("TNT_MEMBER_ID", "int", None,
                                  "an elastic job's name for this process, kept across "
                                  "generations", default_doc="`TNT_RANK`", minimum=0)

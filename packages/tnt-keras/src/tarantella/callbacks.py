@@ -167,6 +167,8 @@ def _local_logs(callback: Callback, hook: str, logs: dict | None) -> dict | None
 def _make_hook(name: str):
     def hook(self: Callback, *args: Any, **kwargs: Any) -> None:
         state = getattr(self.model, "_tnt", None)
+        if state is not None and state.replaying:  # a resumed fit replays: the backup has it
+            return
         served = (not self.run_on_all_ranks and name not in self._everywhere and state is not None
                   and not isinstance(self.keras_callback, _NOT_SAVING))
         if not self._runs(name):
@@ -216,6 +218,11 @@ def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -
             return Callback(callback)
         return _master_only(callback, master)
     if isinstance(callback, keras.callbacks.BackupAndRestore):
+        model = context.get("model")
+        state = getattr(model, "_tnt", None)
+        if state is not None and state.resumes_at_step and getattr(model, "steps_per_execution", 1) == 1:
+            from .step_backup import StepBackupAndRestore  # it builds on this module
+            return StepBackupAndRestore(callback)
         # every rank restores (all resume at the same epoch); only the master writes
         return _master_only(callback, master, everywhere=("on_train_begin",))
     if isinstance(callback, _WRITERS):

@@ -106,6 +106,18 @@ class DistributedState:
         #: the predictions the current ``predict`` passes its callbacks are the global batch's,
         #: gathered from micro-batches tarantella split (False: this rank's own already)
         self.predictions_gathered = False
+        #: a resumed fit replays the steps its backup had done: they take their batches and
+        #: run nothing, and the user's callbacks do not run (``tarantella.step_backup``)
+        self.replaying = False
+
+    #: ``keras.callbacks.BackupAndRestore`` resumes at the step (``tarantella.step_backup``)
+    #: rather than at Keras' epoch
+    resumes_at_step = False
+
+    def held_model(self, model: keras.Model) -> keras.Model:
+        """The part of ``model`` whose variables this rank holds (all of it, unless a
+        strategy cuts the model into parts)."""
+        return model
 
     def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
         """Run a hook of a master-only callback that may save (``run``: on the master; None

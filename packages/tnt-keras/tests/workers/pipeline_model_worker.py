@@ -69,7 +69,9 @@ def resume(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.nd
     model = fresh()
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                         callbacks=[keras.callbacks.BackupAndRestore(str(args.out / "backup"))])
-    assert len(history.history["loss"]) == 1, f"resumed at the wrong epoch: {history.history}"
+    # resumed at the backup's step (the start of epoch 2: the interruption came before the
+    # end-of-epoch backup was written), the History that of the whole fit, as serial's
+    assert len(history.history["loss"]) == EPOCHS, f"not the whole fit's History: {history.history}"
     return model.get_weights()
 
 

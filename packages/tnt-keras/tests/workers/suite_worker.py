@@ -4,9 +4,11 @@
 ``DIR/data``), ``train_worker`` (``DIR/train``), ``fidelity_worker`` (``DIR/fidelity``),
 ``loop_worker`` (``DIR/loops``; on 3 ranks only), ``xla_worker`` (``DIR/xla``; 2-rank
 launches only) and ``features_worker`` (``DIR/features``; it changes the working directory)
-with the same arguments. ``--also channel,small_batches,callback_logs,collectives``
-(``--mode tnt``) then runs the workers that compare within the rank or against NumPy or plain
-Keras in the rank's own process, and so have no serial part: ``channel_worker``
+with the same arguments; ``--mode serial`` also ``pipeline_resume_worker``
+(``DIR/pipeline_resume``), whose tarantella side is a launch of its own.
+``--also channel,small_batches,callback_logs,collectives`` (``--mode tnt``) then runs the
+workers that compare within the rank or against NumPy or plain Keras in the rank's own
+process, and so have no serial part: ``channel_worker``
 (``DIR/channel``), ``small_batch_worker`` (``DIR/small_batches``), ``callback_logs_worker``
 (``DIR/callback_logs``) and ``user_collectives_worker`` (``DIR/collectives``; last, since its
 refusal cases make the ranks disagree on purpose).
@@ -26,6 +28,7 @@ import dataset_worker
 import features_worker
 import fidelity_worker
 import loop_worker
+import pipeline_resume_worker
 import train_worker
 import xla_worker
 
@@ -53,6 +56,10 @@ def main() -> None:
         start = time.monotonic()
         worker.main(["--mode", args.mode, "--out", os.path.join(out, name)])
         print(f"suite: {name} done in {time.monotonic() - start:.1f} s", flush=True)
+    if args.mode == "serial":  # its tnt side is a launch of its own (tnt run --max-restarts)
+        start = time.monotonic()
+        pipeline_resume_worker.main(["serial", os.path.join(out, "pipeline_resume")])
+        print(f"suite: pipeline_resume done in {time.monotonic() - start:.1f} s", flush=True)
     for name in also:
         start = time.monotonic()
         importlib.import_module(ALSO[name]).main(["--out", os.path.join(out, name)])

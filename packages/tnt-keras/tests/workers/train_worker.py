@@ -18,6 +18,11 @@ Measured with ``TNT_TEST_FLOATX=float32`` on 3 ranks over the full model x optim
 product: History within 2.4e-7, weights within 2.7e-6 except LeNet-5 with Adam (1.1e-4)
 and RMSprop (3.3e-5); in float64 everything is within 1e-13.
 
+Under tarantella the ``two_input`` model's fit is interrupted (an exception on every rank) as
+batch 2 of its second epoch begins, and a new model resumes it from its
+``keras.callbacks.BackupAndRestore(save_freq=2)`` backup: at the step, not at Keras' epoch,
+so its History and weights are still the straight serial run's.
+
 Files per combination ``<tag>.<who>.npz`` (``who`` = ``serial`` or ``rank<r>``): ``w<i>``
 weights, ``history`` (JSON), ``evaluate`` (JSON) and ``predict``.
 """
@@ -36,6 +41,10 @@ PAIRS = {"mlp": "ftrl", "lenet5": "sgd", "cnn": "rmsprop", "subclassed": "moment
 #: (samples, global batch): none of 2, 3 ranks divides every batch; last batches are partial,
 #: the MLP's last batch has a single sample (ranks 1 and 2 get none).
 DATA = {"mlp": (31, 10), "lenet5": (22, 8), "cnn": (25, 7), "subclassed": (20, 5), "two_input": (17, 6)}
+
+
+class Interrupted(Exception):
+    """What the interrupting callback raises: a job ended in the middle of an epoch."""
 
 
 def tags() -> list[str]:
@@ -126,7 +135,34 @@ def main(argv: list[str] | None = None) -> None:
         else:
             fit_args = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
             val = tf.data.Dataset.from_tensor_slices((vx, vy)).batch(4)
-        history = model.fit(**fit_args, epochs=2, verbose=0, validation_data=val)
+        if args.mode == "tnt" and model_name == "two_input":
+            # interrupted as batch 2 of epoch 2 begins, resumed by a new model from the
+            # BackupAndRestore(save_freq=2) backup written as batch 1 began: at the step,
+            # with the whole History (the serial run trains straight through)
+            backup = os.path.join(args.out, f"{tag}.backup")  # shared: every rank reads it
+
+            class Interrupt(keras.callbacks.Callback):
+                def on_epoch_begin(self, epoch, logs=None):
+                    self.epoch = epoch
+
+                def on_train_batch_begin(self, batch, logs=None):
+                    if (self.epoch, batch) == (1, 2):
+                        raise Interrupted(f"interrupted at batch {batch} of epoch {self.epoch}")
+
+            try:
+                model.fit(**fit_args, epochs=2, verbose=0, validation_data=val, callbacks=[
+                    keras.callbacks.BackupAndRestore(backup, save_freq=2), Interrupt()])
+                raise AssertionError("the fit was not interrupted")
+            except Interrupted:
+                pass
+            model = tnt.Model(make_model(model_name))
+            model.compile(optimizer=make_optimizer(opt_name), loss=loss, metrics=metrics)
+            history = model.fit(**fit_args, epochs=2, verbose=0, validation_data=val,
+                                callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+            if os.path.exists(backup):
+                raise AssertionError(f"the backup {backup} outlived the fit")
+        else:
+            history = model.fit(**fit_args, epochs=2, verbose=0, validation_data=val)
         result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
         result["history"] = np.array(json.dumps(history.history))
         if model_name == "two_input":

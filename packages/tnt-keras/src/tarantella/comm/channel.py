@@ -214,6 +214,18 @@ class Channel:
                 offset += size
         return out
 
+    def broadcast_bytes(self, payload: bytes, root: int) -> bytes:
+        """``payload`` as the root has it (a collective; the others pass any bytes)."""
+        length = self.broadcast_arrays([np.array([len(payload)], dtype=np.int64)], root)[0]
+        buffer = np.frombuffer(payload, dtype=np.uint8) if self.rank == root \
+            else np.zeros(int(length[0]), dtype=np.uint8)
+        return self.broadcast_arrays([buffer], root)[0].tobytes()
+
+    def gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, by rank, on every rank (small payloads: one broadcast
+        per rank)."""
+        return [self.broadcast_bytes(payload, root) for root in range(self.size)]
+
 
 _worlds: dict[int, Channel] = {}
 _lock = threading.Lock()

@@ -342,7 +342,7 @@ class ElasticLoop:
                        if needed in ("train", "weights") else None)
             payload = pickle.dumps({"outputs": _as_numpy(self.last), "metrics": metrics,
                                     "weights": weights})
-        received = _broadcast_bytes(channel, payload, root)
+        received = channel.broadcast_bytes(payload, root)
         if kind is None or self.done == top:
             return False
         answer = pickle.loads(received)
@@ -385,7 +385,7 @@ class ElasticLoop:
         if not new:
             return False
         where = book.describe(self.done, kind) if runtime.is_master else None
-        _broadcast_bytes(channel, pickle.dumps(where) if where is not None else b"", 0)
+        channel.broadcast_bytes(pickle.dumps(where) if where is not None else b"", 0)
         self._give_state()
         book.holders = set(membership.members)
         return True
@@ -404,7 +404,7 @@ class ElasticLoop:
                 "seeds": joining.seed_states(self.model),
                 "callbacks": joining.callback_states(self.callbacks),
                 "stop": bool(getattr(self.model, "stop_training", False))})
-        _broadcast_bytes(channel, payload, 0)
+        channel.broadcast_bytes(payload, 0)
 
     def greet(self) -> dict[str, Any]:
         """A joiner's first call: take part in the survivors' agreement and learn where the
@@ -412,7 +412,7 @@ class ElasticLoop:
         channel = self.state.channel
         try:
             self._agree(None)
-            return pickle.loads(_broadcast_bytes(channel, b"", 0))
+            return pickle.loads(channel.broadcast_bytes(b"", 0))
         except Exception as exc:
             raise self._cannot_join(exc) from exc
 
@@ -453,7 +453,7 @@ class ElasticLoop:
                 "predict alike on every rank (a call from inside a callback cannot be replayed)")
         try:
             broadcast_model_state(self.model, runtime)
-            given = pickle.loads(_broadcast_bytes(self.state.channel, b"", 0))
+            given = pickle.loads(self.state.channel.broadcast_bytes(b"", 0))
         except Exception as exc:
             raise self._cannot_join(exc) from exc
         for v, value in zip(self.model.metrics_variables, given["metrics"]):
@@ -467,13 +467,6 @@ class ElasticLoop:
             book.holders = set(runtime.membership.members)
         logger.info("elastic: rank %d took the job's state; it trains from operation %d on",
                     runtime.rank, self.done + 1)
-
-
-def _broadcast_bytes(channel: Any, payload: bytes, root: int) -> bytes:
-    length = channel.broadcast_arrays([np.array([len(payload)], dtype=np.int64)], root)[0]
-    buffer = np.frombuffer(payload, dtype=np.uint8) if channel.rank == root \
-        else np.zeros(int(length[0]), dtype=np.uint8)
-    return channel.broadcast_arrays([buffer], root)[0].tobytes()
 
 
 class ElasticFunction:

@@ -154,9 +154,22 @@ def callback_states(callbacks: Any) -> list[tuple[str, dict[str, Any]]]:
             for cb in _stateful_callbacks(callbacks)]
 
 
-def restore_callback_states(callbacks: Any, states: list[tuple[str, dict[str, Any]]]) -> None:
+def restore_callback_states(callbacks: Any, states: list[tuple[str, dict[str, Any]]],
+                            strict: bool = True) -> None:
+    """Give each stateful callback its state from ``states`` (``callback_states``). Strict
+    (a joiner): the callbacks must be the master's. Not strict (a backup read by a later
+    run, whose callbacks may differ): each takes the state of the next one of its class,
+    in order; one without is left as it is."""
     mine = _stateful_callbacks(callbacks)
     names = [type(cb).__name__ for cb in mine]
+    if not strict:
+        left = list(states)
+        for cb in mine:
+            found = next((i for i, (name, _) in enumerate(left) if name == type(cb).__name__), None)
+            if found is not None:
+                for key, value in left.pop(found)[1].items():
+                    setattr(cb, key, value)
+        return
     if names != [name for name, _ in states]:
         raise NotSupportedError(
             f"rank {tnt_core.get_rank()} joins the running job with other callbacks than the "

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from .. import _keras_compat, arguments, randomness
+from .. import _keras_compat, arguments, randomness, step_backup
 from .. import callbacks as tnt_callbacks
 from ..comm.gradients import GradientReducer
 from ..datasets import (
@@ -107,6 +107,8 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         distributed = cls._tnt_adopt(model, state)
         if state.runtime.membership is not None:  # an elastic job: survive a rank's departure
             state.elastic = ElasticLoop(distributed, state)
+        else:  # (an elastic job goes on without a backup, and its joiners replay their own way)
+            state.resumes_at_step = True
         if getattr(distributed, "compiled", False):
             distributed._tnt_check_compiled()  # noqa: SLF001 (the model is this class's now)
         else:  # predict without compile: Keras resolves "auto" (XLA on a GPU machine)
@@ -254,6 +256,10 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
     def _tnt_elastic_function(self, kind: str, attribute: str) -> Any:
         function = getattr(self, attribute)
         elastic = self._tnt.elastic
+        if self._tnt.resumes_at_step and kind != "predict" and function is not None and \
+                not isinstance(function, step_backup.SkippedWhileReplaying):
+            function = step_backup.SkippedWhileReplaying(self, function)
+            setattr(self, attribute, function)
         if elastic is not None and function is not None and not isinstance(function, ElasticFunction):
             function = ElasticFunction(elastic, kind, function)
             setattr(self, attribute, function)
@@ -287,11 +293,18 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         wrapped = tnt_callbacks.distribute_callbacks(list(callbacks or []), self, runtime,
                                                      adapters=[d.adapter for d in data])
         master = runtime.is_master
+        backups = [cb for cb in wrapped if isinstance(cb, step_backup.StepBackupAndRestore)]
+        if backups and master and verbose != 0 and \
+                not any(isinstance(cb, keras.callbacks.ProgbarLogger) for cb in wrapped):
+            wrapped.append(step_backup.QuietProgbar())  # quiet while a resumed fit replays
         loop = self._tnt.elastic
         settings = dict(add_history=add_history, add_progbar=master and verbose != 0, model=self,
                         verbose=verbose if master else 0, epochs=epochs, steps=steps)
         if loop is None or not loop.joins:
-            return keras.callbacks.CallbackList(wrapped, **settings)
+            callback_list = keras.callbacks.CallbackList(wrapped, **settings)
+            for backup in backups:  # History is Keras' (add_history): the backup holds it
+                backup.callbacks = callback_list
+            return callback_list
         # a joining rank replays the job's operations with the user's callbacks quiet
         callback_list = joining.ReplayingCallbacks(wrapped, replaying=lambda: loop.replaying,
                                                    **settings)

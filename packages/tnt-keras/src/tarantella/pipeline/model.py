@@ -42,11 +42,10 @@ import tensorflow as tf
 
 import tnt_core
 
-from .. import _keras_compat, arguments, files, randomness, timeline
+from .. import _keras_compat, arguments, files, randomness, step_backup, timeline
 from ..callbacks import distribute_callbacks
 from ..comm import Channel
 from ..comm.gradients import GradientReducer
-from ..environment import refuse_in_elastic_job
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
 from ..reporting.tracebacks import user_facing
@@ -94,9 +93,28 @@ class _TracedLoss:
         return traced(*flat)
 
 
+def _restart_all_on_failure(runtime: tnt_core.Runtime) -> None:
+    """In an elastic job: a stage is held by its ranks alone (a replica's state is not
+    handed over), so the job cannot go on with other ranks; under ``tnt run
+    --max-restarts`` alone every rank is restarted when one dies, and resumes from the
+    last ``BackupAndRestore`` backup at its step (:mod:`tarantella.step_backup`)."""
+    if getattr(runtime, "membership", None) is None:
+        return
+    if runtime.config.elastic_resizes:
+        raise NotSupportedError(
+            "a pipelined tnt.Model cannot go on with another number of ranks (tnt run --min-np "
+            "below -n, --max-np, --host-discovery-script): a stage is held by its ranks alone; "
+            "run with --max-restarts R alone, and every rank restarts from the last "
+            "keras.callbacks.BackupAndRestore backup, at its step")
+    runtime.restart_all_on_failure("a pipelined tnt.Model cannot go on without one of its "
+                                   "ranks (a stage is held by its ranks alone)")
+
+
 class _PipelineState(DistributedState):
     """This rank's stage of its pipeline (:mod:`tarantella.pipeline.groups`: the ranks and
     groups), its step, and what it holds."""
+
+    resumes_at_step = True
 
     def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,
                  strategy: ParallelStrategy, ownership: Ownership, schedule: str = SCHEDULES[0]) -> None:
@@ -117,6 +135,10 @@ class _PipelineState(DistributedState):
         #: a new communicator was bound to the job's channel: no loop may run (see
         #: PipelinedModel._tnt_rebound)
         self.rebound = False
+
+    def held_model(self, model: keras.Model) -> keras.Model:
+        """This rank's partition (it holds no values of the others)."""
+        return self.parts.models[self.stage]
 
     def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
         """A master-only callback's hook: the master runs it, writing alone, while the other
@@ -154,12 +176,12 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them.
         The cuts are the model's SplitLayers, else ``num_pipeline_stages`` automatic ones
         (under PIPELINING, by default one partition per rank)."""
-        refuse_in_elastic_job("a pipelined tnt.Model (a stage is held by its ranks alone)")
         num_micro_batches = arguments.check_num_micro_batches(
             1 if num_micro_batches is None else num_micro_batches)
         wanted = arguments.check_num_pipeline_stages(num_pipeline_stages)
         schedule = arguments.check_pipeline_schedule(pipeline_schedule, SCHEDULES)
         runtime = tnt_core.init()
+        _restart_all_on_failure(runtime)
         if wanted is None and strategy is ParallelStrategy.PIPELINING and not split_layers(model):
             wanted = runtime.size
         parts = partition(model, wanted)
@@ -370,13 +392,42 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                     w.assign(value)
             state.needs_broadcast = False
 
-    def _tnt_loop_callbacks(self, callbacks: Any) -> list[Any]:
+    def _tnt_loop_callbacks(self, callbacks: Any, fit_verbose: Any = None) -> list[Any]:
         """The user's callbacks as DATA runs them (writers on the master only, the other
         stages serving their saves; tnt Callback wrappers honoured; a master's stop request
-        stops every rank)."""
+        stops every rank). In a fit (``fit_verbose``) with a ``BackupAndRestore``, its
+        History and progress bar are given here, so that a resumed fit replays quietly and
+        the backup holds the History."""
         callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                          else callbacks or [])
-        return distribute_callbacks(callbacks, self, self._tnt.runtime, broadcast_weights=False)
+        out = distribute_callbacks(callbacks, self, self._tnt.runtime, broadcast_weights=False)
+        backups = [cb for cb in out if isinstance(cb, step_backup.StepBackupAndRestore)]
+        if fit_verbose is None or not backups:
+            return out
+        if not any(isinstance(cb, keras.callbacks.History) for cb in out):
+            out.append(keras.callbacks.History())  # Keras takes it as the fit's History
+        if self._tnt.runtime.is_master and fit_verbose != 0 and \
+                not any(isinstance(cb, keras.callbacks.ProgbarLogger) for cb in out):
+            out.append(step_backup.QuietProgbar())  # Keras adds no other
+        for backup in backups:
+            backup.callbacks = out
+        return out
+
+    def make_train_function(self, force: bool = False) -> Any:
+        """Keras' step function; it skips its steps while a resumed fit replays."""
+        super().make_train_function(force)
+        return self._tnt_skipping("train_function")
+
+    def make_test_function(self, force: bool = False) -> Any:
+        super().make_test_function(force)
+        return self._tnt_skipping("test_function")
+
+    def _tnt_skipping(self, attribute: str) -> Any:
+        function = getattr(self, attribute)
+        if not isinstance(function, step_backup.SkippedWhileReplaying):
+            function = step_backup.SkippedWhileReplaying(self, function)
+            setattr(self, attribute, function)
+        return function
 
     @user_facing
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
@@ -405,7 +456,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         master = self._tnt.runtime.is_master
         return super().fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
-            callbacks=self._tnt_loop_callbacks(callbacks),
+            callbacks=self._tnt_loop_callbacks(callbacks, verbose if master else 0),
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
