@@ -11,7 +11,8 @@ OOM kill or a lost host would end it, where ``phase`` says:
   its checkpoint write at the end of the epoch before (the master waits there until it
   learns of the death: the rank dies while the master writes);
 * ``write``: in the middle of the master's ``ModelCheckpoint`` write at the end of that
-  epoch (some layers of the file written, not all).
+  epoch (some layers of the file written, not all);
+* ``hang``: as that train batch begins, the process stops itself (SIGSTOP): alive, stuck.
 
 GROW, ``size:epoch:batch``: a kill first writes OUT/grow (the test's host discovery script
 then offers one slot more), and the master waits as that train batch begins until the job
@@ -100,6 +101,9 @@ class Killer(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._maybe("train", batch)
+        if (me, where["epoch"], batch) in _kills("hang"):
+            (out / f"killed-{me}").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
         if grow is not None and (where["epoch"], batch) == tuple(grow[1:]) and tnt.get_rank() == 0:
             runtime, deadline = tnt_core.init(), time.monotonic() + 120
             while runtime.size < grow[0] and runtime.newest_seen() == runtime.generation:
@@ -171,18 +175,19 @@ model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy",
 
 #: when this rank first knew of each generation after its first (wall clock, generation)
 notices: list[tuple[float, int]] = []
+done = threading.Event()
 if mode == "tnt":
     def watch_generations() -> None:
         runtime = tnt_core.init()
         seen = runtime.newest_seen()
-        while True:
+        while not done.wait(0.005):
             newest = runtime.newest_seen()
             if newest > seen:
                 notices.append((time.time(), newest))
                 seen = newest
-            time.sleep(0.005)
 
-    threading.Thread(target=watch_generations, daemon=True).start()
+    watcher = threading.Thread(target=watch_generations, daemon=True)
+    watcher.start()
 
 checkpoints = [keras.callbacks.ModelCheckpoint(str(out / "ckpt" / "w-{epoch:02d}.weights.h5"),
                                                save_weights_only=True),
@@ -193,6 +198,9 @@ history = model.fit(Batches(), epochs=3, validation_data=(vx, vy), callbacks=kil
 evaluated = model.evaluate(vx, vy, batch_size=24, verbose=0, return_dict=True)
 predicted = model.predict(vx, batch_size=20, verbose=0, callbacks=killer)
 on_batch = model.predict_on_batch(vx[:9])
+if mode == "tnt":  # ended before the runtime is: it holds it
+    done.set()
+    watcher.join()
 
 if mode == "serial" or tnt.get_rank() == 0 or grow is not None:
     out.mkdir(parents=True, exist_ok=True)
