@@ -58,12 +58,12 @@ if mode == "tnt" and os.environ.get("ELASTIC_DIE_TAKING_STATE") == str(me):
     # a joiner that dies as the master gives it the state (the others are in the broadcast)
     from tarantella.data_parallel.elastic import ElasticLoop
 
-    ElasticLoop._take_state = lambda self, kind: os.kill(os.getpid(), signal.SIGKILL)
+    ElasticLoop._take_state = lambda self, kind: die()
 if mode == "tnt" and os.environ.get("ELASTIC_DIE_GIVING_STATE") == str(me):
     # a survivor that dies as the master gives a joiner the state
     from tarantella.data_parallel.elastic import ElasticLoop
 
-    ElasticLoop._give_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+    ElasticLoop._give_state = lambda self: die()
 
 #: the epoch this rank is in (Killer keeps it; None before the first), its checkpoint writes
 #: and the batches its input pipeline made in that epoch
