@@ -8,8 +8,8 @@ second epoch begins, while the master writes the first epoch's ``ModelCheckpoint
 the master itself in the middle of writing the second epoch's checkpoint (2 -> 1: rank 1
 trains on alone, as the master without the old master's ModelCheckpoint); then
 ``evaluate``, ``predict`` and ``predict_on_batch`` on the survivor. The checkpoints written
-are whole (plain Keras' files, byte for byte in their values), the one the master died in
-is not there at all, and each death was known to the survivor within seconds.
+are whole (the values of plain Keras' files), the one the master died in is not at the
+user's path at all, and each death was known to the survivor within seconds.
 Float64, so a difference beyond round-off is a wrong step, not noise.
 
 A second launch, ``tnt run -n 2 --min-np 2 --max-restarts 1 --max-np 3`` with a host
