@@ -1,10 +1,15 @@
 """An elastic job's ``fit`` goes on over the survivors when ranks die, and its result is
 still plain Keras' running the same script (``workers/elastic_fit_worker.py``).
 
-One launch, ``tnt run -n 3 --min-np 1``, two failures: rank 2 is SIGKILLed as a validation
-step begins in the first epoch (3 -> 2 ranks: two survivors connect anew in mid-validation),
-rank 1 as a train step begins in the second (2 -> 1); then ``evaluate``, ``predict`` and
-``predict_on_batch`` on the survivor.
+One launch, ``tnt run -n 4 --min-np 1``, three failures where a rank may die: rank 3 is
+SIGKILLed as a validation step begins in the first epoch (4 -> 3 ranks: the survivors connect
+anew in mid-validation); rank 2 in its input pipeline (a ``PyDataset.__getitem__``) as the
+second epoch begins, while the master writes the first epoch's ``ModelCheckpoint`` (3 -> 2);
+the master itself in the middle of writing the second epoch's checkpoint (2 -> 1: rank 1
+trains on alone, as the master without the old master's ModelCheckpoint); then
+``evaluate``, ``predict`` and ``predict_on_batch`` on the survivor. The checkpoints written
+are whole (the values of plain Keras' files), the one the master died in is not at the
+user's path at all, and each death was known to the survivor within seconds.
 Float64, so a difference beyond round-off is a wrong step, not noise.
 
 A second launch, ``tnt run -n 2 --min-np 2 --max-restarts 1 --max-np 3`` with a host
@@ -29,6 +34,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,11 +52,12 @@ def _shm() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def serial(tmp_path_factory) -> dict[str, np.ndarray]:
-    """Plain Keras running the worker script: the result every elastic run must give."""
+def serial(tmp_path_factory) -> dict[str, Any]:
+    """Plain Keras running the worker script: the result every elastic run must give, and
+    the directory of its checkpoints."""
     out = tmp_path_factory.mktemp("serial")
     run_serial("elastic_fit_worker.py", ["serial", str(out)])
-    return dict(np.load(out / "result-serial.npz"))
+    return {"result": dict(np.load(out / "result-serial.npz")), "dir": out}
 
 
 def _assert_serial(result: dict[str, np.ndarray], serial: dict[str, np.ndarray],
@@ -62,24 +69,64 @@ def _assert_serial(result: dict[str, np.ndarray], serial: dict[str, np.ndarray],
         np.testing.assert_allclose(result[key], serial[key], rtol=rtol, atol=atol, err_msg=key)
 
 
+def _weights_file(path: Path) -> dict[str, np.ndarray]:
+    import h5py
+
+    found: dict[str, np.ndarray] = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def _assert_same_file(path: Path, serial_path: Path) -> None:
+    """``path`` is a whole weights file, with the values of plain Keras' ``serial_path``."""
+    mine, theirs = _weights_file(path), _weights_file(serial_path)
+    assert sorted(mine) == sorted(theirs), (path, sorted(mine))
+    for key in theirs:
+        np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-9, atol=1e-12,
+                                   err_msg=f"{path.name}: {key}")
+
+
 @NO_GLOO
-def test_ranks_die_and_fit_still_gives_plain_keras_results(tmp_path, serial):
+def test_ranks_die_anywhere_and_fit_still_gives_plain_keras_results(tmp_path, serial):
     before = _shm()
     env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "30"}
     proc = subprocess.run(
-        [str(TNT), "run", "-n", "3", "--min-np", "1", "--backend", "gloo", "--",
-         str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path), "2:test:0:1,1:train:1:3"],
+        [str(TNT), "run", "-n", "4", "--min-np", "1", "--backend", "gloo", "--",
+         str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path),
+         "3:test:0:1,2:input:1:0,0:write:1:0"],
         env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    for says in ("going on with 2 rank(s), generation 1", "going on with 1 rank(s), generation 2",
-                 "training goes on with 2 rank(s) after", "the test step in flight redone",
-                 "training goes on with 1 rank(s) after", "the train step in flight redone"):
+    for says in ("going on with 3 rank(s), generation 1", "going on with 2 rank(s), generation 2",
+                 "going on with 1 rank(s), generation 3",
+                 "training goes on with 3 rank(s) after", "the test step in flight redone",
+                 "training goes on with 2 rank(s) after", "the train step in flight redone",
+                 "rank 0 left (exited with code 137", "the master rank left"):
         assert says in output, output[-4000:]
-    recoveries = json.loads((tmp_path / "recoveries.json").read_text())
-    assert recoveries["size"] == 1 and len(recoveries["recoveries"]) == 2, recoveries
+    assert "evicted" not in output, output[-4000:]  # each death was seen, none waited out
+    _assert_serial(dict(np.load(tmp_path / "result-tnt.npz")), serial["result"])
 
-    _assert_serial(dict(np.load(tmp_path / "result-tnt.npz")), serial)
+    # the checkpoint written while rank 2 died is whole; the one the master died in is absent
+    # (its partial file stays under a hidden temporary name); BackupAndRestore's last backup,
+    # of the first epoch, is whole too
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == \
+        ["w-01.weights.h5"], sorted(p.name for p in ckpt.iterdir())
+    _assert_same_file(ckpt / "w-01.weights.h5", serial["dir"] / "ckpt" / "w-01.weights.h5")
+    _assert_same_file(tmp_path / "backup" / "latest.weights.h5",
+                      serial["dir"] / "ckpt" / "w-01.weights.h5")
+    assert json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["epoch"] == 1
+
+    # each death known to the survivor (its watcher; its loop's collective failing) in seconds
+    record = json.loads((tmp_path / "recoveries.json").read_text())
+    assert record["size"] == 1 and len(record["recoveries"]) == 3, record
+    notices = {generation: seen for seen, generation in record["notices"]}
+    for generation, member in ((1, 3), (2, 2), (3, 0)):
+        killed = float((tmp_path / f"killed-{member}").read_text())
+        known = min(notices[generation], record["failures"][generation - 1]) - killed
+        assert 0 <= known < 5.0, (generation, member, known, record)  # ~0.3s measured
     assert _shm() <= before, sorted(_shm() - before)
 
 
@@ -105,7 +152,7 @@ def test_a_replacement_and_a_new_rank_join_and_fit_still_gives_plain_keras_resul
         assert says in output, output[-4000:]
     assert json.loads((tmp_path / "recoveries.json").read_text())["size"] == 3
     for member in (0, 2, 3):  # the survivor, the replacement, the new rank: round-off
-        _assert_serial(dict(np.load(tmp_path / f"result-member{member}.npz")), serial,
+        _assert_serial(dict(np.load(tmp_path / f"result-member{member}.npz")), serial["result"],
                        rtol=1e-12, atol=1e-15)
     assert _shm() <= before, sorted(_shm() - before)
 

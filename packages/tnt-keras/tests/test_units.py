@@ -510,6 +510,38 @@ def test_checkpoints_of_master_only_callbacks_are_written_atomically(tmp_path):
     assert keras.models.load_model(tmp_path / "epoch-2.keras").count_params() == model.count_params()
 
 
+def test_a_pydatasets_epoch_hooks_run_as_in_plain_keras():
+    """Keras' fit and evaluate reset their epoch iterator first: a PyDataset's on_epoch_end
+    runs before the first epoch and before each evaluation (one that reshuffles there would
+    otherwise train on other batches)."""
+
+    class Counting(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return np.full((2, 3), float(index)), np.ones((2, 2))
+
+        def on_epoch_begin(self):
+            self.calls.append("begin")
+
+        def on_epoch_end(self):
+            self.calls.append("end")
+
+    def hooks(model):
+        train, val = Counting(), Counting()
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(train, validation_data=val, epochs=2, verbose=0)
+        model.evaluate(val, verbose=0)
+        return train.calls, val.calls
+
+    assert hooks(tnt.Model(_mlp())) == hooks(_mlp())
+
+
 def test_a_pipelined_batch_checksum_sees_one_bit_and_ignores_the_reduction_order():
     """What the ranks of a pipelined model compare to know they read the same batch."""
     from tarantella.pipeline.batch_fingerprint import checksum as _checksum

@@ -286,6 +286,9 @@ class _Coordinator(keras.callbacks.Callback):
         return getattr(state, "elastic", None)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        # Keras' fit resets its epoch iterator before training (EpochIterator.reset): the
+        # adapter's epoch ends once, so a PyDataset's on_epoch_end runs before the first epoch
+        self._adapter(0, "on_epoch_end")
         if self.broadcast_weights:
             elastic = self._elastic()
             if elastic is None:
@@ -308,7 +311,9 @@ class _Coordinator(keras.callbacks.Callback):
         local = self._local("test")
         if local is not None:
             local.reset()
-        self._adapter(len(self.adapters) - 1, "on_epoch_begin")
+        last = len(self.adapters) - 1
+        self._adapter(last, "on_epoch_end")  # Keras' evaluate resets its iterator too
+        self._adapter(last, "on_epoch_begin")
 
     def on_test_end(self, logs: dict | None = None) -> None:
         self._adapter(len(self.adapters) - 1, "on_epoch_end")

@@ -288,10 +288,14 @@ class ElasticLoop:
         book = joining.ledger()
         if book.holders is None:
             book.holders = set(runtime.membership.members) if runtime.membership else set()
+        master = runtime.membership.members[0] if runtime.membership else None
+        changes: list[str] = []  # a rank may die while the others recover: each generation
         welcomed = False
         while True:
             backend = runtime.rejoin()  # CommError when evicted or no membership comes
             self.state.channel.bind(backend)
+            if runtime.membership is not None:
+                changes.append(runtime.membership.describe_change())
             try:
                 done_by_root = self._agree(kind)
                 welcomed = self._welcome(None if done_by_root else kind) or welcomed
@@ -304,7 +308,7 @@ class ElasticLoop:
         self.events.append((failed_at, time.time()))
         if runtime.is_master:
             membership = runtime.membership
-            change = membership.describe_change() if membership is not None else "new membership"
+            change = "; then ".join(changes) or "new membership"
             said = [] if isinstance(failure, _JoinNow) else [
                 f"the {kind} step in flight "
                 + ("finished by a rank ahead" if done_by_root else "redone")]
@@ -312,7 +316,7 @@ class ElasticLoop:
                 said.append(f"the joining rank(s) took the state before the {kind} step")
             logger.warning("elastic: %s; training goes on with %d rank(s) after %.2fs, %s", change,
                            runtime.size, took, ", ".join(said) or f"from the {kind} step on")
-            if membership is not None and any(d.rank == 0 for d in membership.departed):
+            if membership is not None and membership.members[0] != master:  # survivors keep order
                 logger.warning("elastic: the master rank left: the progress bar and the "
                                "master-only callbacks of this fit (ModelCheckpoint, CSVLogger, "
                                "...) ran there and do not go on here; this rank is the master "
