@@ -281,7 +281,13 @@ def structure(model, kind: str, batch: tuple) -> dict:
     for name, f in library.items():
         if name not in seen:
             outside |= {node.op for node in f.node_def}
-    return {"compiled": compiled, "inside": sorted(inside), "outside": sorted(outside)}
+    # ops XLA may cluster (made in a jit_scope), and the collectives that cut the clusters:
+    # those a clustered op waits for by a control edge
+    marked = [op for op in graph.get_operations() if "_XlaCompile" in op.node_def.attr]
+    cuts = {c.type for op in marked for c in op.control_inputs
+            if c.type in ("TntPushBucket", "TntFinishReduce", "PyFunc", "EagerPyFunc")}
+    return {"compiled": compiled, "inside": sorted(inside), "outside": sorted(outside),
+            "clustered": sorted({op.type for op in marked}), "cut_by": sorted(cuts)}
 
 
 if __name__ == "__main__":
