@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 keras.config.set_floatx("float32")
                 keras.mixed_precision.set_dtype_policy("float32")
-        elif case == "two_optimizers":  # two applies: runs without XLA (tnt), with a warning
+        elif case == "two_optimizers":  # two applies: clustered between the collectives (tnt)
             class Two(keras.Model):
                 def __init__(self, **kw):
                     super().__init__(**kw)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             if tnt_mode:
                 facts["structure_two_optimizers"] = structure(m, "train", (x[:8], y[:8]))
             save(case, m, h)
-        elif case == "synchronized_bn":  # collectives in the forward pass: runs without XLA
+        elif case == "synchronized_bn":  # collectives in the forward pass: clustered between them
             keras.utils.set_random_seed(9)
             inp = keras.Input((6,))
             hidden = L.BatchNormalization(synchronized=True)(L.Dense(8, use_bias=False)(inp))
