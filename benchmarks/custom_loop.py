@@ -32,7 +32,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--backend", default="gloo")
-    p.add_argument("--model", default="mlp", choices=models.MODELS)
+    p.add_argument("--model", default="mlp", choices=models.ALL_MODELS)
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=60, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=6, help="rounds of each, after one warm-up")

@@ -6,13 +6,17 @@ which only works there), so both sides train exactly the same architecture.
 * ``mlp``       784-512-512-10, the model of the issue's reference numbers (0.67 M params)
 * ``resnet20``  a ResNet-20-style CNN on 32x32x3 inputs (0.27 M params, compute-bound)
 * ``wide``      784-4096-4096-1024-10 MLP (24.2 M params, communication-bound)
+* ``gelu``      784-2048-2048-1024-10 MLP, GELU and LayerNormalization after each hidden
+  layer (7.9 M params): element-wise work that XLA fuses, so XLA is worth something here
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+#: what the benchmarks run by default; ``gelu`` on request (``--models gelu``)
 MODELS = ("mlp", "resnet20", "wide")
+ALL_MODELS = (*MODELS, "gelu")
 
 
 def input_shape(name: str) -> tuple[int, ...]:
@@ -63,9 +67,14 @@ def build(name: str, keras):
         return keras.Sequential([keras.Input(shape=(784,)), layers.Dense(4096, activation="relu"),
                                  layers.Dense(4096, activation="relu"),
                                  layers.Dense(1024, activation="relu"), layers.Dense(10)], name="wide")
+    if name == "gelu":
+        hidden = []
+        for units in (2048, 2048, 1024):
+            hidden += [layers.Dense(units, activation="gelu"), layers.LayerNormalization()]
+        return keras.Sequential([keras.Input(shape=(784,)), *hidden, layers.Dense(10)], name="gelu")
     if name == "resnet20":
         return _resnet20(keras)
-    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(ALL_MODELS)}")
 
 
 def compile_for_benchmark(model, keras, jit_compile=False):

@@ -25,9 +25,11 @@ thread per process:
   machine starves the runs less;
 * with --xla, every run above again with ``jit_compile=True`` (Keras on one CPU, tnt on 1
   rank, tnt on N ranks, the comm-free bound): Keras compiles its whole step with XLA,
-  tnt the step's body and the optimizer's update, with the collectives between them
-  (``tarantella.data_parallel.xla``). Printed: tnt 1 rank / Keras, both with XLA on one CPU; N ranks /
-  N x Keras, both with XLA; N ranks with / without XLA.
+  tnt on N ranks clusters of the step cut at each gradient bucket's allreduce, or with
+  --overlap also (``TNT_OVERLAP=false``) the step's body and the optimizer's update as two
+  XLA functions, the collectives between them (``tarantella.data_parallel.xla``). Printed:
+  tnt 1 rank / Keras, both with XLA on one CPU; N ranks / N x Keras, both with XLA; N
+  ranks with / without XLA; with XLA, overlap on / off.
 
 Every configuration runs --repeats times (5 by default) in interleaved rounds, so that a
 change of the machine's load hits all of them alike; the table gives the median of each and
@@ -116,7 +118,8 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
     if ranks > 1:  # one rank runs on the built-in local backend
         cmd[4:4] = ["--backend", backend]
     if args.timeline:
-        timeline = args.out_dir / f"timeline-{backend}-{model}-overlap{int(overlap)}.json"
+        compiled = "+xla" if jit else ""  # one dash-separated field: render_results splits on them
+        timeline = args.out_dir / f"timeline-{backend}-{model}{compiled}-overlap{int(overlap)}.json"
         cmd += ["-x", f"TNT_TIMELINE={timeline}"]
     cmd += ["--", str(WORKER), "--mode", "tnt", *_common(args, model), "--out", str(out)]
     if not overlap:
@@ -245,6 +248,9 @@ def configurations(args, model: str, backends: list[str], tmp: Path) -> dict:
         if args.overlap:
             jobs[f"tnt-{backend}-no-overlap"] = (
                 lambda b=backend: run_tnt(args, model, b, tmp, overlap=False))
+            if args.xla:  # the compiled step cut into clusters at each bucket, or one body
+                jobs[f"tnt-{backend}-xla-no-overlap"] = (
+                    lambda b=backend: run_tnt(args, model, b, tmp, overlap=False, jit=True))
     if args.vs_mwms:
         jobs["mwms"] = lambda: run_mwms(args, model, tmp)
     return jobs
@@ -422,6 +428,10 @@ def print_row(row: dict, backends: list[str], args) -> None:
                 if free_xla:
                     print(f"    {backend}: with XLA, with communication / comm-free: "
                           f"{ours / free_xla['samples_per_s']:.2f}")
+                body = row.get(f"tnt-{backend}-xla-no-overlap")
+                if body:
+                    print(f"    {backend}: with XLA, overlap on (clusters cut at the buckets) / "
+                          f"off (one compiled body): {ours / body['samples_per_s']:.2f}")
     grad_bytes = 4 * row["keras"]["params"]
     print(f"  context: {grad_bytes / 1e6:.2f} MB of float32 gradients; memcpy {row['memcpy_gbps']:.1f} GB/s "
           f"here, so one copy of them takes {grad_bytes / row['memcpy_gbps'] / 1e6:.3f} ms")

@@ -209,7 +209,7 @@ def test_jit_compile_resolves_as_keras_resolves_it(case, gpu, monkeypatch):
         assert expected is gpu, "Keras: XLA by default on a machine with a GPU, not CPU-only"
     for size, timeline in ((2, ""), (1, "trace.json")):  # the step split around collectives
         other = make()
-        config = types.SimpleNamespace(timeline=timeline)
+        config = types.SimpleNamespace(timeline=timeline, overlap=True)
         split = xla.take_jit_compile(other, types.SimpleNamespace(
             size=size, is_master=True, config=config))
         assert (split is not None) is expected and other.jit_compile is False

@@ -10,10 +10,12 @@ the first layer's bias both ways; 0.22 at this case's 0.02): there the step coun
 loss-scale decisions must be equal, the History within 5e-3 (measured 1.3e-3) and the
 weights within float16's reach.
 
-The traced steps are inspected too: the body and the optimizer's update are functions XLA
-must compile, no collective op is inside them and the collectives run outside; a step that
-cannot be split (two optimizers, synchronized BatchNormalization) compiles nothing and says
-why, once, on the master. How ``jit_compile`` resolves is tested in one process
+The traced steps are inspected too: the train step's ops are marked for XLA to cluster and
+cut at its collectives (a GAN's two optimizers and synchronized BatchNormalization too, with
+no warning); the test and predict bodies are functions XLA must compile, with the
+collectives outside them. The one-body train step of ``TNT_OVERLAP=false`` is the path the
+test and predict steps take, for the gradients (not tested apart). How ``jit_compile``
+resolves is tested in one process
 (``test_units.py``).
 """
 
@@ -92,27 +94,27 @@ def test_equals_plain_keras_with_xla(case, xla_results, serial_suite, record_pro
     record_property("max_rel_diff", worst)
 
 
-def test_body_and_update_compile_with_xla_and_collectives_run_between(facts):
+def test_train_step_is_clustered_and_cut_at_its_collectives(facts):
+    """The train step (overlap on, the default) is marked for XLA to cluster, collectives
+    included (XLA leaves out what it cannot compile), and its compiled ops wait for
+    collectives by control edges, so XLA's clusters end where a bucket's allreduce starts;
+    test and predict steps are one compiled body each, the collectives outside."""
     for rank, f in enumerate(facts):
         train, test, predict = (f["structure"][k] for k in ("train", "test", "predict"))
-        assert [name.split("tnt_xla_")[1].rsplit("_", 1)[0] for name in train["compiled"]] == \
-            ["apply", "train_body"], train["compiled"]
+        assert train["compiled"] == [], train["compiled"]
+        assert "MatMul" in train["clustered"] and COLLECTIVES & set(train["clustered"]), \
+            train["clustered"]
+        assert COLLECTIVES & set(train["cut_by"]), train["cut_by"]
         assert any("tnt_xla_test_body" in name for name in test["compiled"])
         assert any("tnt_xla_predict_body" in name for name in predict["compiled"])
-        for kind, s in f["structure"].items():
+        for kind, s in (("test", test), ("predict", predict)):
             assert not COLLECTIVES & set(s["inside"]), (rank, kind, s["inside"])
             assert COLLECTIVES & set(s["outside"]), (rank, kind, s["outside"])
-        assert "MatMul" in train["inside"] and "MatMul" not in train["outside"], \
-            "the forward and backward passes are compiled"
 
 
-def test_steps_that_cannot_split_run_without_xla_and_say_why_once(facts):
+def test_steps_with_two_updates_or_synchronized_bn_are_clustered_without_a_warning(facts):
     master = facts[0]
-    assert master["structure_two_optimizers"]["compiled"] == []
-    assert COLLECTIVES & set(master["structure_two_optimizers"]["outside"])
-    (two,) = master["two_optimizers"]
-    assert "train step runs without XLA, because its train_step calls optimizer.apply 2 times" in two
-    (bn,) = master["synchronized_bn"]
-    assert "BatchNormalization(synchronized=True)" in bn and "collectives in the forward pass" in bn
-    for other in facts[1:]:
-        assert other["two_optimizers"] == [] and other["synchronized_bn"] == [], "master only"
+    two = master["structure_two_optimizers"]
+    assert "MatMul" in two["clustered"] and two["cut_by"], two
+    for other in facts:
+        assert other["two_optimizers"] == [] and other["synchronized_bn"] == [], "no warning"

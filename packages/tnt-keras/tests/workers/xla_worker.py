@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 keras.config.set_floatx("float32")
                 keras.mixed_precision.set_dtype_policy("float32")
-        elif case == "two_optimizers":  # two applies: runs without XLA (tnt), with a warning
+        elif case == "two_optimizers":  # two applies: clustered between the collectives (tnt)
             class Two(keras.Model):
                 def __init__(self, **kw):
                     super().__init__(**kw)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             if tnt_mode:
                 facts["structure_two_optimizers"] = structure(m, "train", (x[:8], y[:8]))
             save(case, m, h)
-        elif case == "synchronized_bn":  # collectives in the forward pass: runs without XLA
+        elif case == "synchronized_bn":  # collectives in the forward pass: clustered between them
             keras.utils.set_random_seed(9)
             inp = keras.Input((6,))
             hidden = L.BatchNormalization(synchronized=True)(L.Dense(8, use_bias=False)(inp))
@@ -281,7 +281,13 @@ def structure(model, kind: str, batch: tuple) -> dict:
     for name, f in library.items():
         if name not in seen:
             outside |= {node.op for node in f.node_def}
-    return {"compiled": compiled, "inside": sorted(inside), "outside": sorted(outside)}
+    # ops XLA may cluster (made in a jit_scope), and the collectives that cut the clusters:
+    # those a clustered op waits for by a control edge
+    marked = [op for op in graph.get_operations() if "_XlaCompile" in op.node_def.attr]
+    cuts = {c.type for op in marked for c in op.control_inputs
+            if c.type in ("TntPushBucket", "TntFinishReduce", "PyFunc", "EagerPyFunc")}
+    return {"compiled": compiled, "inside": sorted(inside), "outside": sorted(outside),
+            "clustered": sorted({op.type for op in marked}), "cut_by": sorted(cuts)}
 
 
 if __name__ == "__main__":

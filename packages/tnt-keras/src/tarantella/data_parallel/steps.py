@@ -314,6 +314,12 @@ def _reducing_gradients(model: keras.Model, step: StepContext,
                                 for opt in model_optimizers(model)])
 
 
+def _clustered(state: Any) -> contextlib.AbstractContextManager[Any]:
+    """While a train step is traced with ``jit_compile`` on, XLA clusters its computation
+    between the collectives (``tarantella.data_parallel.xla``)."""
+    return contextlib.nullcontext() if state.xla is None else state.xla.clusters()
+
+
 # -- losses added by layers ----------------------------------------------------------------
 
 
@@ -379,7 +385,8 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
         if logs is None and kind == "train":
             step.sync_bn = bool(state.synchronized_bn)
             with _reducing_gradients(model, step, state), \
-                    global_moments(state.synchronized_bn, step, state.channel):
+                    global_moments(state.synchronized_bn, step, state.channel), \
+                    _clustered(state):
                 logs = run(batch)
         elif logs is None:
             logs = run(batch)
@@ -462,7 +469,7 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, ca
                           name=f"tnt_{step.kind}_metrics",
                           local=(lambda v: local.add(v, size)) if local.enabled else None)
     if step.pending:  # elastic: the updates once the last collective has finished
-        with tf.control_dependencies([total]):
+        with tf.control_dependencies([total]), _clustered(state):
             for update in step.pending:
                 update()
     summed = total[:size]

@@ -10,40 +10,46 @@ keeps the result (:func:`take_jit_compile`), sets Keras' own to False (its outer
 ``tf.function``, which loops over ``steps_per_execution``, hosts the collectives) and
 compiles what lies between the collectives:
 
-* **train**: one XLA function runs Keras' (or the user's) ``train_step`` with each
-  optimizer's ``apply`` replaced by a recorder: forward pass, loss, backward pass, metric
-  updates. The recorded gradients are reduced after it (native ops or the Python path), and
-  a second XLA function runs the optimizer's own ``apply`` on them, so clipping, loss
-  scaling, accumulation and EMA see the serial gradient, as without XLA. The loss is weighed
-  inside the first function when its factor is known locally (a mean over distributed data:
-  the global batch size); otherwise the reduction applies the factor, found by one small
-  allreduce of the normalisers after the body (``steps.remaining_factor``);
+* **train**, by default: the step is traced as without XLA (the gradients of each bucket
+  handed to the allreduce as soon as they exist, :mod:`tarantella.comm.gradients`), inside
+  TensorFlow's ``jit_scope``, so that XLA compiles *clusters* of it; and every collective
+  is made a boundary of the clusters (:func:`cut_at_collectives`). The backward pass then
+  runs as one compiled cluster per gradient bucket, and a bucket's allreduce starts while
+  XLA computes the rest, as in the step without XLA. Why not one XLA function for the
+  body: a compiled function's outputs exist only once all of it has run, so every
+  allreduce would wait for the whole backward pass; cutting the backward pass into
+  functions would mean replacing the user's ``train_step``, whose one ``tape.gradient``
+  computes it. Clusters cut the traced graph instead, the user's step as it is. A step
+  with two ``apply`` calls (a GAN) or with synchronized BatchNormalization (collectives
+  in the forward pass) is cut at those collectives too, and compiles;
+* **train**, with ``TNT_OVERLAP=false``: one XLA function runs Keras' (or the user's)
+  ``train_step`` with each optimizer's ``apply`` replaced by a recorder: forward pass,
+  loss, backward pass, metric updates. The recorded gradients are reduced after it (native
+  ops or the Python path), and a second XLA function runs the optimizer's own ``apply`` on
+  them, so clipping, loss scaling, accumulation and EMA see the serial gradient, as without
+  XLA. The loss is weighed inside the first function when its factor is known locally (a
+  mean over distributed data: the global batch size); otherwise the reduction applies the
+  factor, found by one small allreduce of the normalisers after the body
+  (``steps.remaining_factor``). A step this cannot split (two ``apply`` calls, or one inside
+  a ``tf.cond``/loop of its own; synchronized BatchNormalization) runs without XLA, with
+  one warning line saying why;
 * **test**: ``test_step`` in one XLA function; the metric states are summed after it;
 * **predict**: ``predict_step`` in one XLA function; the rows are gathered after it.
 
 On one rank there is no collective: Keras compiles the whole step itself (see
 :func:`take_jit_compile`).
 
-Steps this cannot split run without XLA, with one warning line saying why (as Keras warns
-when a layer cannot be compiled): a step that calls ``apply`` more than once (a GAN: its
-second forward pass may need the first update) or inside a ``tf.cond``/loop of its own,
-and a model with synchronized BatchNormalization (collectives in the forward pass).
-
-Not done: a finer split, per gradient bucket, so that the last layers' allreduce overlaps
-the backward pass of the first (as the step without XLA does). An XLA function's outputs
-exist only once the whole function has run, and the backward pass is one ``tape.gradient``
-inside Keras' or the user's ``train_step``; segments would need tarantella to own the
-backward pass, i.e. to replace the user's step.
-
-Differences from serial Keras with XLA: a ``train_step`` that reads an optimizer's state
-after its ``apply`` (``optimizer.iterations``, a scheduled learning rate) sees the value
-before the update; everything else is serial Keras' step, compiled as Keras compiles it.
+Differences from serial Keras with XLA: XLA compiles clusters, not Keras' whole function,
+so fusions across a cut differ (round-off); with ``TNT_OVERLAP=false`` a ``train_step``
+that reads an optimizer's state after its ``apply`` (``optimizer.iterations``, a scheduled
+learning rate) sees the value before the update. Everything else is serial Keras' step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -51,6 +57,8 @@ import tensorflow as tf
 
 import tnt_core
 
+from .._keras_compat import run_after
+from ..comm import traced_collectives
 from ..reporting.user_frames import user_stacklevel
 from ..seams.overrides import instance_attributes
 from .losses import Normaliser
@@ -73,7 +81,7 @@ def take_jit_compile(model: keras.Model, runtime: tnt_core.Runtime) -> XlaStep |
     if on and runtime.size == 1 and not runtime.config.timeline:
         return None
     model.jit_compile = False
-    return XlaStep(runtime.is_master) if on else None
+    return XlaStep(runtime.is_master, overlap=runtime.config.overlap) if on else None
 
 
 class _Recorder:
@@ -163,16 +171,34 @@ def _update(optimizer: keras.optimizers.Optimizer, variables: list[Any] | None, 
 class XlaStep:
     """Runs the bodies of a model's steps as XLA functions (one per model)."""
 
-    def __init__(self, is_master: bool) -> None:
+    def __init__(self, is_master: bool, overlap: bool = True) -> None:
         self.is_master = is_master
+        #: train steps as XLA clusters cut at the collectives (else one compiled body)
+        self.overlap = overlap
         self._warned: set[str] = set()
 
     def run(self, step: StepContext, batch: Any, run: Callable[[Any], Any], state: Any) -> Any:
         """The step's outputs (logs, or predictions), computed by XLA functions and the
         collectives between them; None when the step cannot be split (run it without XLA)."""
         if step.kind == "train":
+            if self.overlap:
+                return None  # traced as without XLA, inside clusters()
             return self._train(step, batch, run, state)
         return self._evaluate(step, batch, run)
+
+    @contextlib.contextmanager
+    def clusters(self) -> Iterator[None]:
+        """While a train step is traced: its ops are marked for XLA to cluster, and cut at
+        every collective, so that each gradient bucket's reduction starts while XLA still
+        computes the backward pass that remains."""
+        if not self.overlap:
+            yield
+            return
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        with tf.xla.experimental.jit_scope(compile_ops=True, separate_compiled_gradients=False):
+            yield
+        cut_at_collectives(graph, graph.get_operations()[first:])
 
     def _body(self, step: StepContext, run: Callable[[Any], Any], traced: dict[str, Any],
               overrides: Callable[[], list[tuple[object, str, Any]]]) -> Callable[[Any], Any]:
@@ -249,3 +275,73 @@ class XlaStep:
             warnings.warn(f"jit_compile: this model's train step runs without XLA, because {why}; "
                           "tarantella compiles a step with XLA only around its gradient "
                           "reduction", stacklevel=user_stacklevel())
+
+
+def _compiled(op: tf.Operation) -> bool:
+    """Whether ``op`` was made inside the ``jit_scope``: XLA may cluster it."""
+    return "_XlaCompile" in op.node_def.attr
+
+
+def _ancestors(op: tf.Operation, stop: set[tf.Operation]) -> set[tf.Operation]:
+    """The ops ``op`` waits for (data and control inputs, transitively), not going past the
+    ops in ``stop``."""
+    found: set[tf.Operation] = set()
+    todo = [op]
+    while todo:
+        current = todo.pop()
+        for before in [t.op for t in current.inputs] + list(current.control_inputs):
+            if before not in found and before not in stop:
+                found.add(before)
+                todo.append(before)
+    return found
+
+
+def _first_stateful_after(graph_ops: list[tf.Operation]) -> dict[tf.Operation, int]:
+    """For each op, the position (in ``graph_ops``, the order they were made) of the earliest
+    stateful op that waits for it, directly or not; ``len(graph_ops)`` when none does."""
+    where = {op: i for i, op in enumerate(graph_ops)}
+    after: dict[tf.Operation, list[tf.Operation]] = {op: [] for op in graph_ops}
+    for op in graph_ops:
+        for before in [t.op for t in op.inputs] + list(op.control_inputs):
+            if before in after:
+                after[before].append(op)
+    first: dict[tf.Operation, int] = {}
+    for op in reversed(graph_ops):  # an op's consumers are made after it
+        best = len(graph_ops)
+        for later in after[op]:
+            best = min(best, first.get(later, len(graph_ops)),
+                       where[later] if later.op_def.is_stateful else len(graph_ops))
+        first[op] = best
+    return first
+
+
+def cut_at_collectives(graph: tf.Graph, ops: list[tf.Operation]) -> None:
+    """Make each collective of ``ops`` (in the order they were traced) a boundary of XLA's
+    clusters: the compiled ops that the next collective waits for, and this one does not,
+    wait for this one. Why: XLA forms the largest clusters it can, and a cluster's outputs
+    exist only when all of it has run; one cluster over the whole backward pass would hold
+    every gradient bucket until the end. A control edge from a collective to the ops after
+    it makes a cluster around both close a cycle, so XLA makes one cluster per segment.
+
+    No edge may close a cycle once ``tf.function`` orders the stateful ops in the order they
+    were made (its automatic control dependencies, added after this): so only stateless ops
+    get one, and only those that no stateful op made before the collective waits for."""
+    names = set(traced_collectives(graph))
+    collectives = [op for op in ops if op.name in names]
+    if len(collectives) < 2:
+        return
+    graph_ops = graph.get_operations()
+    where = {op: i for i, op in enumerate(graph_ops)}
+    first_stateful = _first_stateful_after(graph_ops)
+    made = set(ops)
+    seen: set[tf.Operation] = set()
+    last: tf.Operation | None = None
+    for collective in collectives:
+        segment = _ancestors(collective, seen)
+        if last is not None:
+            run_after([op for op in segment
+                       if op in made and _compiled(op) and not op.op_def.is_stateful
+                       and first_stateful[op] > where[last]], [last])
+        seen |= segment
+        seen.add(collective)
+        last = collective
