@@ -268,7 +268,8 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
     } catch (...) {
       // already broken
     }
-    interrupt.fire();  // after the close: Gloo can no longer write into its buffers
+    // After the close: Gloo can no longer write into the helper's buffers.
+    interrupt.fire("the allreduce within the host failed");
     helper.join();
     throw;
   }
@@ -465,7 +466,7 @@ void Communicator::poison(Shared& shared, const std::string& reason) {
     }
   }
   // After the close, so that Gloo can no longer write into the buffers whose waits end.
-  shared.interrupt.fire();
+  shared.interrupt.fire(reason);
 }
 
 void Communicator::execute(Shared& s, Task& task, const std::string& failure) {

@@ -19,7 +19,7 @@ Interrupt::Watch::Watch(Interrupt* interrupt,
     : interrupt_(interrupt), buffers_(buffers) {
   if (interrupt_ == nullptr) return;
   std::lock_guard<std::mutex> lock(interrupt_->mu_);
-  if (interrupt_->fired_) throw GlooError("interrupted: the caller gave up the operation");
+  if (interrupt_->fired_) throw GlooError("interrupted: " + interrupt_->reason_);
   interrupt_->watched_.insert(interrupt_->watched_.end(), buffers_.begin(), buffers_.end());
 }
 
@@ -32,8 +32,15 @@ Interrupt::Watch::~Watch() {
   }
 }
 
-void Interrupt::fire() noexcept {
+void Interrupt::fire(const std::string& reason) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!fired_) {
+    try {
+      reason_ = reason;
+    } catch (...) {
+      // out of memory: the waits end all the same, without the reason
+    }
+  }
   fired_ = true;
   // Gloo keeps each abort until the next wait on that buffer consumes it, so a wait that
   // starts after this still ends at once.
@@ -41,6 +48,11 @@ void Interrupt::fire() noexcept {
     buffer->abortWaitRecv();
     buffer->abortWaitSend();
   }
+}
+
+std::string Interrupt::reason() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reason_;
 }
 
 namespace {
@@ -55,17 +67,19 @@ constexpr std::uint8_t kBarrierSlotPrefix = 0x7c;
 constexpr std::uint8_t kDoublingSlotPrefix = 0x7d;
 constexpr std::uint8_t kRingSlotPrefix = 0x7e;
 
+[[noreturn]] void interrupted(const Exec& exec, const char* what) {
+  const std::string reason = exec.interrupt != nullptr ? exec.interrupt->reason() : "";
+  throw GlooError(std::string(what) + " was interrupted: " +
+                  (reason.empty() ? "the caller gave up the operation" : reason));
+}
+
 // Both throw gloo::IoException on timeout or a broken connection.
 void wait_recv(gloo::transport::UnboundBuffer& buffer, const Exec& exec, const char* what) {
-  if (!buffer.waitRecv(exec.timeout)) {
-    throw GlooError(std::string(what) + " was interrupted: the caller gave up the operation");
-  }
+  if (!buffer.waitRecv(exec.timeout)) interrupted(exec, what);
 }
 
 void wait_send(gloo::transport::UnboundBuffer& buffer, const Exec& exec, const char* what) {
-  if (!buffer.waitSend(exec.timeout)) {
-    throw GlooError(std::string(what) + " was interrupted: the caller gave up the operation");
-  }
+  if (!buffer.waitSend(exec.timeout)) interrupted(exec, what);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <initializer_list>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <gloo/allreduce.h>
@@ -41,13 +42,17 @@ class Interrupt {
     std::vector<gloo::transport::UnboundBuffer*> buffers_;
   };
 
-  // End the current and every later wait on a watched buffer; idempotent. Call after the
-  // buffers' connections are closed, so that Gloo can no longer write into them.
-  void fire() noexcept;
+  // End the current and every later wait on a watched buffer, which then fails saying
+  // `reason` (the first one given); idempotent. Call after the buffers' connections are
+  // closed, so that Gloo can no longer write into them.
+  void fire(const std::string& reason) noexcept;
+  // Why it fired ("" before).
+  std::string reason();
 
  private:
   std::mutex mu_;
   bool fired_ = false;
+  std::string reason_;
   std::vector<gloo::transport::UnboundBuffer*> watched_;
 };
 
