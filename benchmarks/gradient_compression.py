@@ -3,6 +3,7 @@ a training's result.
 
     .venv/bin/python benchmarks/gradient_compression.py wire --rate-mbit 400   # as root
     .venv/bin/python benchmarks/gradient_compression.py fidelity
+    .venv/bin/python benchmarks/gradient_compression.py passes
 
 ``wire``: on tnt-core's emulated cluster (``tnt_core.testing.cluster``; hosts as network
 namespaces, every link limited to ``--rate-mbit`` each way), for every layout (hosts ×
@@ -15,6 +16,12 @@ rank's, the median is reported. The first rank of each host reads its link's tra
 bytes (``/proc/net/dev``, the host's namespace) around the timed calls: every byte the host
 sent, headers included, per call. Every result is checked (each element is 1 within
 float16's round-off).
+
+``passes``: in one process, what compression adds on the CPU per call, timed interleaved
+(medians): the weighting before the cast as a ``where`` (the zeros, the product and the
+select: three passes, the reduction's earlier form) and as a ``cond`` on the scalar (one
+pass, ``tarantella.comm.gradients``'s), the cast to float16 and back, against the
+uncompressed path's one scaling pass and a plain copy of the float32 bytes (numpy).
 
 ``fidelity``: 2 ranks on this machine (``tnt run -n 2``) each train a small float32 Keras
 model a few epochs with the setting ``none`` and ``fp16``; rank 0 trains the same model
@@ -167,6 +174,73 @@ def run_wire(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- the passes over the buffer -----------------------------------------------------------------
+
+def run_passes(args: argparse.Namespace) -> int:
+    """What compression adds on the CPU, per call, in one process (see the module's
+    docstring)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np
+    import tensorflow as tf
+
+    n = args.size // 4 // TENSORS
+    grads = [tf.random.normal([n]) for _ in range(TENSORS)]
+    weight = tf.constant(0.5, tf.float64)
+
+    @tf.function
+    def where_cast(gs, w64):
+        w = tf.cast(w64, tf.float32)
+        return [tf.cast(tf.where(tf.equal(w64, 0.0), tf.zeros_like(g), g * w), tf.float16) for g in gs]
+
+    @tf.function
+    def cond_cast(gs, w64):
+        w = tf.cast(w64, tf.float32)
+        return [tf.cast(tf.cond(tf.equal(w64, 0.0), lambda g=g: tf.zeros_like(g), lambda g=g: g * w),
+                        tf.float16) for g in gs]
+
+    @tf.function
+    def cast(gs):
+        return [tf.cast(g, tf.float16) for g in gs]
+
+    @tf.function
+    def cast_back(hs):
+        return [tf.cast(h, tf.float32) for h in hs]
+
+    @tf.function
+    def scale(gs, w64):
+        w = tf.cast(w64, tf.float32)
+        return [g * w for g in gs]
+
+    halves = cast(grads)
+    src, dst = np.ones(n * TENSORS, np.float32), np.empty(n * TENSORS, np.float32)
+    cases = {
+        "weight (where) + cast to float16": lambda: where_cast(grads, weight),
+        "weight (cond) + cast to float16": lambda: cond_cast(grads, weight),
+        "cast to float16": lambda: cast(grads),
+        "cast back to float32": lambda: cast_back(halves),
+        "uncompressed: weight only": lambda: scale(grads, weight),
+        "memcpy of the float32 bytes (numpy)": lambda: np.copyto(dst, src),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.reps + 1):  # the first traces
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            out = fn()
+            if isinstance(out, list):
+                out[-1].numpy()
+            times[name].append(time.perf_counter() - t0)
+    load = os.getloadavg()
+    print(f"{args.size / 2**20:g} MiB of float32 gradients ({TENSORS} tensors), one process, "
+          f"median of {args.reps}; load average {load[0]:.2f}")
+    print("| step | ms | × memcpy |")
+    print("|---|---|---|")
+    copy = sorted(times["memcpy of the float32 bytes (numpy)"][1:])[args.reps // 2]
+    for name, samples in times.items():
+        median = sorted(samples[1:])[args.reps // 2]
+        print(f"| {name} | {median * 1e3:.1f} | {median / copy:.2f} |")
+    return 0
+
+
 # -- the fidelity benchmark --------------------------------------------------------------------
 
 def _mlp():
@@ -254,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     fidelity.add_argument("--epochs", type=int, default=5)
     fidelity.add_argument("--ranks", type=int, default=2)
     fidelity.add_argument("--backend", default="gloo")
+    passes = parts.add_parser("passes", help="the CPU passes compression adds, in one process")
+    passes.add_argument("--size", type=int, default=64 << 20,
+                        help="bytes of float32 gradients (default 64 MiB)")
+    passes.add_argument("--reps", type=int, default=9)
     fworker = parts.add_parser("fidelity-worker")
     fworker.add_argument("--out", required=True)
     fworker.add_argument("--epochs", type=int, required=True)
@@ -264,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         return fidelity_worker(args.out, args.epochs)
     if args.part == "wire":
         return run_wire(args)
+    if args.part == "passes":
+        return run_passes(args)
     return run_fidelity(args)
 
 

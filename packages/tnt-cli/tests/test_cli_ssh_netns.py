@@ -206,18 +206,20 @@ LINK_TIMEOUT_S = 10
 
 
 def test_link_down_mid_step_names_the_lost_host(hosts, h, tmp_path):
-    """Host 1's link goes down while the ranks allreduce in a loop: nothing arrives, nothing
-    is refused. The job ends with one line naming the host, within TNT_TIMEOUT_S.
+    """Host 1's link goes down while the ranks allreduce 4 MiB in a loop (the ring, most
+    likely in the middle of a message): nothing arrives, nothing is refused. The job ends
+    with one line naming the host, within TNT_TIMEOUT_S.
 
     (With ``--min-np 1`` the job goes on with host 0's rank once the verdict is published:
-    the abort ends its wait in recursive doubling, tnt-comm-gloo's own, on a peer that
-    sends nothing; tnt-comm-gloo's test_native_comm tests that abort. Not here: it costs a
-    launch.)"""
+    the abort ends its wait on a peer that sends nothing, in every collective over TCP;
+    tnt-comm-gloo's test_native_comm tests that abort, benchmarks/link_down.py measures
+    it here. Not here: it costs a launch.)"""
     remote = hosts.hosts[1]
     proc = subprocess.Popen(
         hosts.tnt_run_argv("--backend", BACKEND, "--no-gpu", "-x", f"TNT_GLOO_IFACE={IFACE}", "-x",
-                           f"TNT_TEST_DIR={tmp_path}", "--timeout", str(LINK_TIMEOUT_S), "--",
-                           h.rank_script("link_loop.py"), cwd=hosts.workdir),
+                           f"TNT_TEST_DIR={tmp_path}", "-x", "TNT_TEST_BYTES=4194304",
+                           "--timeout", str(LINK_TIMEOUT_S), "--", h.rank_script("link_loop.py"),
+                           cwd=hosts.workdir),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         h.wait_for(lambda: all((tmp_path / f"looping.{r}").exists() for r in range(2)), 60,

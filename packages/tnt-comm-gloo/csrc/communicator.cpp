@@ -1,14 +1,12 @@
 #include "communicator.h"
 
-#include <gloo/allgather.h>
 #include <gloo/allreduce.h>
-#include <gloo/barrier.h>
-#include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
 #include <condition_variable>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -72,9 +70,10 @@ double Work::completion_time() const {
 
 namespace {
 
+// Gloo's own ring or bcube (its waits end only at the timeout), or recursive doubling.
 template <typename T>
-void allreduce_typed(const Exec& exec, void* data, std::size_t count, ReduceOp op,
-                     DType dtype, Algorithm algorithm) {
+void allreduce_gloo_typed(const Exec& exec, void* data, std::size_t count, ReduceOp op,
+                          DType dtype, Algorithm algorithm) {
   if (algorithm == Algorithm::kDoubling) {
     return allreduce_doubling(exec, data, count, sizeof(T), reduce_function(dtype, op));
   }
@@ -89,19 +88,34 @@ void allreduce_typed(const Exec& exec, void* data, std::size_t count, ReduceOp o
   gloo::allreduce(opts);
 }
 
-void allreduce_tcp(const Exec& exec, void* data, std::size_t count, DType dtype,
-                   ReduceOp op, Algorithm algorithm) {
+void allreduce_gloo(const Exec& exec, void* data, std::size_t count, DType dtype,
+                    ReduceOp op, Algorithm algorithm) {
   switch (dtype) {
     case DType::kFloat16:
-      return allreduce_typed<gloo::float16>(exec, data, count, op, dtype, algorithm);
+      return allreduce_gloo_typed<gloo::float16>(exec, data, count, op, dtype, algorithm);
     case DType::kFloat32:
-      return allreduce_typed<float>(exec, data, count, op, dtype, algorithm);
+      return allreduce_gloo_typed<float>(exec, data, count, op, dtype, algorithm);
     case DType::kFloat64:
-      return allreduce_typed<double>(exec, data, count, op, dtype, algorithm);
+      return allreduce_gloo_typed<double>(exec, data, count, op, dtype, algorithm);
     case DType::kInt32:
-      return allreduce_typed<std::int32_t>(exec, data, count, op, dtype, algorithm);
+      return allreduce_gloo_typed<std::int32_t>(exec, data, count, op, dtype, algorithm);
     case DType::kInt64:
-      return allreduce_typed<std::int64_t>(exec, data, count, op, dtype, algorithm);
+      return allreduce_gloo_typed<std::int64_t>(exec, data, count, op, dtype, algorithm);
+  }
+}
+
+// Over TCP: interruptible.h's algorithms, so that an abort ends their waits.
+void allreduce_tcp(const Exec& exec, void* data, std::size_t count, DType dtype,
+                   ReduceOp op, Algorithm algorithm) {
+  switch (algorithm) {
+    case Algorithm::kRing:
+      return allreduce_ring(exec, data, count, element_size(dtype), reduce_function(dtype, op));
+    case Algorithm::kDoubling:
+      return allreduce_doubling(exec, data, count, element_size(dtype),
+                                reduce_function(dtype, op));
+    case Algorithm::kBcube:
+      return allreduce_halving_doubling(exec, data, count, element_size(dtype),
+                                        reduce_function(dtype, op));
   }
 }
 
@@ -159,14 +173,7 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
     const Exec cross{h.cross, left, h.next_tag++, exec.scratch, nullptr, nullptr, stop};
     void* const slice = bytes + (range.first + mine.first) * es;
     const std::size_t n = mine.second - mine.first;
-    // Interruptible unless bcube was asked for (Gloo's own; it stops at its timeout)
-    if (algorithm == Algorithm::kBcube) {
-      allreduce_tcp(cross, slice, n, dtype, op, algorithm);
-    } else if (algorithm == Algorithm::kDoubling) {
-      allreduce_doubling(cross, slice, n, es, reduce_function(dtype, op));
-    } else {
-      allreduce_ring(cross, slice, n, es, reduce_function(dtype, op));
-    }
+    allreduce_tcp(cross, slice, n, dtype, op, algorithm);
   };
   auto within = [&](bool reduce, std::size_t k) {
     const auto range = block(k);
@@ -261,7 +268,8 @@ void allreduce_hierarchical(const Exec& exec, void* data, std::size_t count, DTy
     } catch (...) {
       // already broken
     }
-    interrupt.fire();  // after the close: Gloo can no longer write into its buffers
+    // After the close: Gloo can no longer write into the helper's buffers.
+    interrupt.fire("the allreduce within the host failed");
     helper.join();
     throw;
   }
@@ -282,37 +290,21 @@ void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
 
 void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root) {
   if (nbytes == 0 || exec.context->size == 1) return;
-  gloo::BroadcastOptions opts(exec.context);
-  opts.setOutput<std::uint8_t>(static_cast<std::uint8_t*>(data), nbytes);
-  opts.setRoot(root);
-  opts.setTag(exec.tag);
-  opts.setTimeout(exec.timeout);
-  gloo::broadcast(opts);
+  broadcast_tree(exec, data, nbytes, root);
 }
 
 void run_allgather(const Exec& exec, const void* in, void* out, std::size_t nbytes) {
   if (nbytes == 0) return;
-  // Gloo's allgather copies its own contribution; it never writes through `in`.
-  auto* src = static_cast<std::uint8_t*>(const_cast<void*>(in));
-  auto* dst = static_cast<std::uint8_t*>(out);
   if (exec.context->size == 1) {
-    std::copy(src, src + nbytes, dst);
+    std::memmove(out, in, nbytes);
     return;
   }
-  gloo::AllgatherOptions opts(exec.context);
-  opts.setInput<std::uint8_t>(src, nbytes);
-  opts.setOutput<std::uint8_t>(dst, nbytes * static_cast<std::size_t>(exec.context->size));
-  opts.setTag(exec.tag);
-  opts.setTimeout(exec.timeout);
-  gloo::allgather(opts);
+  allgather_ring(exec, in, out, nbytes);
 }
 
 void run_barrier(const Exec& exec) {
   if (exec.context->size == 1) return;
-  gloo::BarrierOptions opts(exec.context);
-  opts.setTag(exec.tag);
-  opts.setTimeout(exec.timeout);
-  gloo::barrier(opts);
+  barrier_dissemination(exec);
 }
 
 // ---------------------------------------------------------------- Communicator
@@ -328,9 +320,8 @@ struct Communicator::Shared {
   std::shared_ptr<Hierarchy> hierarchy;
   // Sends and receives, beside the worker (see p2p.h); set before the worker starts.
   std::shared_ptr<PointToPoint> p2p;
-  // Ends the waits of tnt-comm-gloo's own algorithms (interruptible.h) when the
-  // communicator is poisoned: closing the connections does not end this rank's own waits
-  // in Gloo. Gloo's own collectives still wait until their timeout.
+  // Ends the waits of the collectives over TCP (interruptible.h) when the communicator is
+  // poisoned: closing the connections does not end this rank's own waits in Gloo.
   Interrupt interrupt;
 
   std::mutex mu;  // guards the fields below
@@ -475,7 +466,7 @@ void Communicator::poison(Shared& shared, const std::string& reason) {
     }
   }
   // After the close, so that Gloo can no longer write into the buffers whose waits end.
-  shared.interrupt.fire();
+  shared.interrupt.fire(reason);
 }
 
 void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
@@ -573,10 +564,14 @@ std::vector<double> Communicator::time_direct_allreduce(void* data, std::size_t 
   try {
     for (int i = 0; i < iters; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      run_allreduce(Exec{shared_->context, shared_->timeout, shared_->next_tag++,
-                         shared_->scratch, shm ? shared_->shm.get() : nullptr,
-                         shm ? shared_->hierarchy.get() : nullptr, &shared_->interrupt},
-                    data, count, dtype, ReduceOp::kSum, algorithm);
+      const Exec exec{shared_->context, shared_->timeout, shared_->next_tag++,
+                      shared_->scratch, shm ? shared_->shm.get() : nullptr,
+                      shm ? shared_->hierarchy.get() : nullptr, &shared_->interrupt};
+      if (shm) {
+        run_allreduce(exec, data, count, dtype, ReduceOp::kSum, algorithm);
+      } else {
+        allreduce_gloo(exec, data, count, dtype, ReduceOp::kSum, algorithm);
+      }
       seconds.push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }

@@ -108,7 +108,8 @@ struct Exec {
 // Synchronous collectives (in place where it applies); they throw on failure.
 // run_allreduce uses exec.shm when set, else the hierarchy when set (reduce-scatter
 // within the host, `algorithm` over TCP on this rank's slice between the hosts,
-// allgather within the host), else `algorithm` over Gloo's TCP transport.
+// allgather within the host), else `algorithm` over Gloo's TCP transport. Over TCP
+// every one of them waits on buffers that exec.interrupt watches (interruptible.h).
 void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
                    ReduceOp op, Algorithm algorithm);
 void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root);
@@ -165,7 +166,7 @@ class Communicator {
   // May run `work` on the calling thread if it is next and the worker is idle.
   bool wait(const std::shared_ptr<Work>& work, std::chrono::duration<double> timeout);
 
-  // Gloo's ring allreduce called directly on the calling thread, `iters` times,
+  // Gloo's own ring (or bcube) allreduce called directly on the calling thread, `iters` times,
   // bypassing the queue; returns the seconds each call took. For the benchmark's
   // baseline, so over TCP even when allreduce uses shared memory, unless `shm` asks for
   // the shared-memory allreduce itself (to tell its cost from the queue's). Waits until

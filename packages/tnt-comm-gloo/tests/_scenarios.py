@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -934,13 +935,69 @@ def native(report: Report, runtime) -> None:
     report.check("refused-after-close", after_close)
 
 
+#: what rank 0 starts and aborts in abort_ends_tcp_waits: settings, and the call
+_ABORTED_TCP_OPS: dict[str, tuple[dict[str, str], Callable[[Any], Any]]] = {
+    "ring": ({"algorithm": "ring"}, lambda b: b.allreduce(np.ones(1 << 20, np.float32))),
+    "bcube": ({"algorithm": "bcube"}, lambda b: b.allreduce(np.ones(1 << 12, np.float32))),
+    "broadcast": ({}, lambda b: b.broadcast(np.ones(1 << 20, np.float32), root=1)),
+    "allgather": ({}, lambda b: b.allgather(np.ones(1 << 18, np.float32))),
+    "barrier": ({}, lambda b: b.barrier()),
+}
+
+
+def abort_ends_tcp_waits(report: Report, backend) -> None:
+    """Over TCP, rank 0 starts each collective (on a communicator of its own) that rank 1
+    never joins, and aborts it: the abort must end rank 0's own wait at once, as when an
+    elastic job's new generation drops a host whose link went down (its peer sends
+    nothing; closing the connections wakes the peers, not this rank)."""
+    from tnt_comm_gloo.backend import GlooBackend
+
+    comms = {name: GlooBackend(backend._config, dataclasses.replace(backend._settings, **settings))
+             for name, (settings, _) in _ABORTED_TCP_OPS.items()}
+    if backend.rank == 0:
+        seconds: dict[str, float] = {}
+        for name, (_, call) in _ABORTED_TCP_OPS.items():
+            comm = comms[name]
+
+            def aborted(comm=comm, call=call, name=name) -> None:
+                assert comm.allreduce_transport == "tcp", comm
+                errors: list[BaseException] = []
+
+                def run() -> None:
+                    try:
+                        call(comm)
+                    except BaseException as exc:  # noqa: BLE001 - reported below
+                        errors.append(exc)
+
+                thread = threading.Thread(target=run, daemon=True)
+                thread.start()
+                time.sleep(0.2)
+                t0 = time.monotonic()
+                comm.abort("aborted by the test")
+                thread.join(timeout=10.0)
+                seconds[name] = time.monotonic() - t0
+                assert not thread.is_alive(), f"{name}: still waiting 10 s after the abort"
+                assert errors and isinstance(errors[0], CommError), f"{name}: {errors}"
+                assert "aborted by the test" in str(errors[0]), str(errors[0])
+
+            report.check(f"abort-ends-{name}", aborted)
+        report.data["info"]["abort_s"] = seconds
+    backend.barrier()  # rank 1 stays out until rank 0 is done
+    for comm in comms.values():
+        comm.close()
+
+
 def native_failure(report: Report, runtime, variant: str) -> None:
     """A native allreduce fails (its peer exited, or this rank aborts the communicator):
-    done() comes once, with an error naming rank and operation; later calls are refused."""
+    done() comes once, with an error naming rank and operation; later calls are refused.
+    Over TCP the abort variant first aborts every other TCP collective too
+    (abort_ends_tcp_waits)."""
     backend = runtime.backend.inner
     table = tnt_core.native_comm(backend)
     rank, victim = backend.rank, backend.size - 1
     dones = NativeDone()
+    if variant == "abort" and os.environ.get("TNT_GLOO_SHM") == "0":
+        abort_ends_tcp_waits(report, backend)
     backend.barrier()
     if variant == "kill" and rank == victim:
         report.data["info"]["exited"] = True

@@ -49,11 +49,12 @@ class _Mirror:
         return tnt_core.CompletedHandle(buf)
 
 
-def _reduce(compression) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _reduce(compression, kernel: np.ndarray = KERNEL, weight: float = WEIGHT
+            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     backend = _Mirror()
     channel = Channel(tnt_core.init(), backend)  # type: ignore[arg-type]
     reducer = GradientReducer(channel, "compression_test")
-    out = reduce_weighted([tf.constant(KERNEL), tf.constant(BIAS)], None, tf.constant(WEIGHT, tf.float64),
+    out = reduce_weighted([tf.constant(kernel), tf.constant(BIAS)], None, tf.constant(weight, tf.float64),
                           lambda: reducer, channel, keep=tf.constant(True), compression=compression)
     return [o.numpy() for o in out], backend.seen
 
@@ -70,6 +71,16 @@ def test_compressed_gradients_are_weighted_then_travel_as_float16(compression):
     assert kernel.dtype == bias.dtype == np.float32
     np.testing.assert_allclose(kernel, 2 * WEIGHT * KERNEL, rtol=1e-3)
     np.testing.assert_allclose(bias, 2 * WEIGHT * BIAS, rtol=1e-3)
+
+
+def test_a_rank_without_samples_sends_zeros_compressed_too():
+    """Weight 0 (no sample on this rank, whose gradient is a stand-in, here NaN): zeros
+    travel, as uncompressed, never 0 * NaN."""
+    (kernel, bias), seen = _reduce(wire.FP16Compression(), kernel=np.full_like(KERNEL, np.nan),
+                                   weight=0.0)
+    assert [b.dtype for b in seen] == [np.float16]
+    assert not np.isnan(seen[0]).any() and not seen[0].any(), seen[0]
+    assert not kernel.any() and not bias.any()
 
 
 @pytest.mark.parametrize("compression", [wire.NO_COMPRESSION, hvd.Compression.none],

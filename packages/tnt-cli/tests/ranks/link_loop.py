@@ -1,7 +1,8 @@
-"""Allreduces in a loop until the job ends it. Once its first allreduce completed, each rank
-writes its pid into ``$TNT_TEST_DIR/looping.<rank>``. In an elastic job a failed allreduce
-rejoins; after 20 steps with fewer ranks than it started with, a rank prints its rank, size
-and generation and ends."""
+"""Allreduces ``$TNT_TEST_BYTES`` (default 2 KiB) of float64 in a loop until the job ends it.
+Once its first allreduce completed, each rank writes its pid into
+``$TNT_TEST_DIR/looping.<rank>``. In an elastic job a failed allreduce rejoins; after 20
+steps with fewer ranks than it started with, a rank prints its rank, size and generation
+and ends."""
 import os
 import time
 from pathlib import Path
@@ -13,8 +14,9 @@ import tnt_core
 folder = Path(os.environ["TNT_TEST_DIR"])
 rt = tnt_core.init()
 started_with, fewer = rt.size, 0
+count = int(os.environ.get("TNT_TEST_BYTES", "2048")) // 8
 while True:
-    x = np.ones(256)
+    x = np.ones(count)
     try:
         rt.backend.allreduce(x)
     except tnt_core.CommError:

@@ -122,9 +122,11 @@ def reduce_weighted(grads: Sequence[Any], variables: Sequence[Any] | None, weigh
 
 def _scaled(g: tf.Tensor, factor64: tf.Tensor) -> tf.Tensor:
     """``factor * g`` as the buckets compute it (in ``g``'s dtype; zeros for a factor of 0,
-    never 0 * NaN; ``g`` itself for 1)."""
+    never 0 * NaN). A ``cond`` on the scalar rather than a ``where``: only the branch taken
+    runs, one pass over ``g``, where a ``where`` makes three (the zeros, the product, the
+    select), each as long as the compressed path's cast."""
     factor = tf.cast(factor64, g.dtype)
-    return tf.where(tf.equal(factor64, 0.0), tf.zeros_like(g), g * factor)
+    return tf.cond(tf.equal(factor64, 0.0), lambda: tf.zeros_like(g), lambda: g * factor)
 
 
 def _spec(t: tf.Tensor) -> tnt_core.TensorSpec:
