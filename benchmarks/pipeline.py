@@ -107,7 +107,10 @@ the first fit (``--rc-steps`` steps, the step traced in it) and reads ``VmHWM`` 
 whose steps are timed (``step``: the median, the slower rank's; ``stage``: of it in the
 stage's compiled step). The weights after both fits are compared with those of the job
 without recomputation (``bitwise``, or the largest relative difference of a weight);
-then per schedule the growth recomputation saves per rank and the step time's ratio.
+then per schedule the growth recomputation saves per rank, and the step time's cost: in the
+job with recomputation, the same model without it fits in turns with it for ``--rc-rounds``
+rounds of ``--rc-steps`` steps (after their memory is measured), so that both see the same
+load; the ratio of their median steps (the slower rank's) and of each rank's stage time.
 """
 
 from __future__ import annotations
@@ -492,7 +495,9 @@ def rc_build(keras: Any, args: argparse.Namespace) -> Any:
 def worker_recompute(args: argparse.Namespace) -> None:
     """One rank of the recomputation experiment: the model pipelined on 2 ranks under
     ``--rc-schedule``, with or without ``recompute``; VmHWM reset before the first fit
-    (traced, ``--rc-steps`` steps) and read after it, then ``--rc-steps`` more steps timed."""
+    (traced, ``--rc-steps`` steps) and read after it, then ``--rc-steps`` more steps timed.
+    With recomputation, the same model without it is then built in the same job, and the
+    two fit in turns for ``--rc-rounds`` rounds: their step times under the same load."""
     marks = {"start": proc_status()}
     import keras
 
@@ -502,10 +507,15 @@ def worker_recompute(args: argparse.Namespace) -> None:
     marks["imported"] = proc_status()
     w = args.rc_width
     x, y = data(args.rc_batch * args.rc_steps, w, w)
-    model = tnt.Model(rc_build(keras, args), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                      num_micro_batches=args.rc_micro_batches, pipeline_schedule=args.rc_schedule,
-                      recompute=bool(args.rc_recompute))
-    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+
+    def make(recompute: bool) -> Any:
+        made = tnt.Model(rc_build(keras, args), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                         num_micro_batches=args.rc_micro_batches,
+                         pipeline_schedule=args.rc_schedule, recompute=recompute)
+        made.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+        return made
+
+    model = make(bool(args.rc_recompute))
     marks["built"] = proc_status()
     fit = {"batch_size": args.rc_batch, "shuffle": False, "verbose": 0, "epochs": 1}
     reset = reset_peak()
@@ -524,6 +534,16 @@ def worker_recompute(args: argparse.Namespace) -> None:
         import numpy as np
 
         np.savez(Path(args.out, "weights.npz"), *weights)
+    if args.rc_recompute:  # the step time's cost, both models in turns under the same load
+        models = {True: model, False: make(False)}
+        models[False].fit(x, y, **fit)  # traced
+        turns: dict[bool, Timers] = {True: Timers(), False: Timers()}
+        for _ in range(args.rc_rounds):
+            for recompute, m in models.items():
+                ACTIVE[:] = [turns[recompute]]
+                m.fit(x, y, callbacks=[turns[recompute].callback(keras)], **fit)
+        result["turns"] = {str(r): {"step": statistics.median(t.step),
+                                    "stage": statistics.median(t.stage)} for r, t in turns.items()}
     Path(args.out, f"mem-recompute.rank{result['rank']}.json").write_text(json.dumps(result))
 
 
@@ -559,7 +579,8 @@ def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
             "--mem-stages", str(args.mem_stages),
             "--rc-width", str(args.rc_width), "--rc-layers", str(args.rc_layers),
             "--rc-batch", str(args.rc_batch), "--rc-micro-batches", str(args.rc_micro_batches),
-            "--rc-steps", str(args.rc_steps), "--rc-schedule", args.rc_schedule,
+            "--rc-steps", str(args.rc_steps), "--rc-rounds", str(args.rc_rounds),
+            "--rc-schedule", args.rc_schedule,
             "--rc-recompute", str(int(args.rc_recompute)), *(["--mem-resume"] if args.mem_resume else []),
             *(["--mem-backup", args.mem_backup] if args.mem_backup else []),
             *(["--load", args.load] if args.load else [])]
@@ -816,9 +837,12 @@ def print_recompute(args: argparse.Namespace, rows: dict[tuple[str, bool], list[
                      f"({growth(b, 'fit') / growth(a, 'fit'):.2f}x)"
                      for a, b in zip(sorted(off, key=lambda r: r["rank"]),
                                      sorted(on, key=lambda r: r["rank"]))]
-            cost = max(r["step"] for r in on) / max(r["step"] for r in off)
+            turns = [r["turns"] for r in on]
+            step = max(t["True"]["step"] for t in turns) / max(t["False"]["step"] for t in turns)
+            stage = " / ".join(f"{t['True']['stage'] / t['False']['stage']:.2f}" for t in turns)
             print(f"   {schedule}: recomputation saves {', '.join(saved)} of the fit's peak "
-                  f"growth; step time x{cost:.2f}")
+                  f"growth; with / without, fitting in turns in one job ({args.rc_rounds} "
+                  f"rounds): step time x{step:.2f}, stage time per rank x{stage}")
     print(f"   load average (1, 5, 15 min) at the end: "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
 
@@ -974,7 +998,9 @@ def main() -> int:
     p.add_argument("--rc-layers", type=int, default=8, help="... its blocks ...")
     p.add_argument("--rc-batch", type=int, default=2048, help="... its batch ...")
     p.add_argument("--rc-micro-batches", type=int, default=4, help="... its micro-batches ...")
-    p.add_argument("--rc-steps", type=int, default=4, help="... and its steps per fit")
+    p.add_argument("--rc-steps", type=int, default=4, help="... its steps per fit ...")
+    p.add_argument("--rc-rounds", type=int, default=3,
+                   help="... and the rounds in which it fits with and without recomputation in turns")
     p.add_argument("--rc-schedules", default="1f1b,zb-h1,gpipe",
                    help="the schedules of part 2b, each with and without recomputation")
     p.add_argument("--rc-schedule", default="1f1b", help=argparse.SUPPRESS)
