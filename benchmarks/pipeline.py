@@ -815,7 +815,7 @@ def print_recompute(args: argparse.Namespace, rows: dict[tuple[str, bool], list[
     print("   fit: peak RSS growth in the first fit (traced, VmHWM reset before it, over the RSS "
           f"after the imports); steps: the same in a second fit; step: median step of that "
           f"second fit ({args.rc_steps} steps), stage: of it in the stage's compiled step")
-    print(f"{'schedule':9s} {'recompute':>9s} " + " ".join(
+    print(f"{'schedule':19s} " + " ".join(
         f"{'r' + str(r) + ' fit':>9s} {'r' + str(r) + ' steps':>9s}" for r in range(P))
         + f" {'step ms':>8s} " + " ".join(f"{'r' + str(r) + ' stage':>9s}" for r in range(P))
         + f"  {'weights vs without':>18s}")
@@ -826,7 +826,7 @@ def print_recompute(args: argparse.Namespace, rows: dict[tuple[str, bool], list[
             diff = weights_difference(out / f"rc-{schedule}-0" / "weights.npz",
                                       out / f"rc-{schedule}-1" / "weights.npz")
             same = "bitwise" if diff == 0.0 else f"{diff:.1e} relative"
-        print(f"{schedule:9s} {'yes' if recompute else 'no':>9s} " + " ".join(
+        print(f"{schedule + (' recompute' if recompute else ''):19s} " + " ".join(
             f"{mb(growth(r, 'fit')):>9s} {mb(growth(r, 'steps')):>9s}" for r in ranks)
             + f" {max(r['step'] for r in ranks) * 1e3:8.1f} "
             + " ".join(f"{r['stage'] * 1e3:9.1f}" for r in ranks) + f"  {same:>18s}")
