@@ -1,8 +1,9 @@
 """Pipelining (``tnt.ParallelStrategy.PIPELINING``) against serial Keras, side by side in one run:
-throughput and the bubble, then memory per phase, a model larger than one rank, a memory cap.
+throughput and the bubble, then memory per phase, a model larger than one rank, a memory cap,
+activation recomputation.
 
     python benchmarks/pipeline.py [--backend gloo|mpi] [--batch 256] [--rounds 5] [--no-big]
-                                  [--cap] [--only throughput|memory|larger]
+                                  [--cap] [--only throughput|memory|recompute|larger]
                                   [--schedules 1f1b,zb-h1,gpipe] [--schedule-micro-batches 4]
 
 Ranks (one per partition, ``tnt run -n S``) against one plain Keras process, on the same
@@ -93,8 +94,23 @@ alone.
 (``RLIMIT_AS``, what ``ulimit -v`` sets; on each rank for the pipelined job on 2 ranks),
 bisected on a ``--cap-step`` MB grid for serial and for the pipeline, every run printed: is
 there a cap under which serial training fails and pipelined training succeeds?
-``MALLOC_ARENA_MAX=2`` in parts 2 to 4: glibc's per-thread 64 MB arenas would otherwise
+``MALLOC_ARENA_MAX=2`` in parts 2 to 5: glibc's per-thread 64 MB arenas would otherwise
 decide where threads fail under the cap, more than the model does.
+
+**5. Recomputation** (with ``--only memory`` or ``--only recompute``; ``tnt.Model(recompute=True)``):
+``--rc-layers`` blocks of a Dense layer of ``--rc-width`` units with GELU and a
+LayerNormalization, cut in the middle, on 2 ranks, batch ``--rc-batch`` in
+``--rc-micro-batches`` micro-batches, float32, Adam: for each of ``--rc-schedules``, one job
+without and one with recomputation on every stage. Each rank resets its peak RSS before
+the first fit (``--rc-steps`` steps, the step traced in it) and reads ``VmHWM`` after it
+(``fit``: growth over the RSS after the imports), then again over a second fit (``steps``),
+whose steps are timed (``step``: the median, the slower rank's; ``stage``: of it in the
+stage's compiled step). The weights after both fits are compared with those of the job
+without recomputation (``bitwise``, or the largest relative difference of a weight);
+then per schedule the growth recomputation saves per rank, and the step time's cost: in the
+job with recomputation, the same model without it fits in turns with it for ``--rc-rounds``
+rounds of ``--rc-steps`` steps (after their memory is measured), so that both see the same
+load; the ratio of their median steps (the slower rank's) and of each rank's stage time.
 """
 
 from __future__ import annotations
@@ -458,6 +474,79 @@ def worker_memory(args: argparse.Namespace) -> None:
     Path(args.out, f"{args.role}-{stages}.rank{rank}.json").write_text(json.dumps(result))
 
 
+def rc_build(keras: Any, args: argparse.Namespace) -> Any:
+    """The recomputation model: ``--rc-layers`` blocks of a Dense layer of ``--rc-width``
+    units with GELU and a LayerNormalization (a transformer's feed-forward blocks: most of
+    what a backward pass keeps is their activations, not their weights), cut in the middle."""
+    import tarantella as tnt
+
+    keras.utils.set_random_seed(7)
+    w, n = args.rc_width, args.rc_layers
+    inp = keras.Input((w,), name="x")
+    h = inp
+    for i in range(n):
+        if i == n // 2:
+            h = tnt.keras.layers.SplitLayer(name="cut")(h)
+        h = keras.layers.Dense(w, activation="gelu", name=f"d{i}")(h)
+        h = keras.layers.LayerNormalization(name=f"ln{i}")(h)
+    return keras.Model(inp, keras.layers.Dense(w, name="out")(h), name="recompute")
+
+
+def worker_recompute(args: argparse.Namespace) -> None:
+    """One rank of the recomputation experiment: the model pipelined on 2 ranks under
+    ``--rc-schedule``, with or without ``recompute``; VmHWM reset before the first fit
+    (traced, ``--rc-steps`` steps) and read after it, then ``--rc-steps`` more steps timed.
+    With recomputation, the same model without it is then built in the same job, and the
+    two fit in turns for ``--rc-rounds`` rounds: their step times under the same load."""
+    marks = {"start": proc_status()}
+    import keras
+
+    import tarantella as tnt
+
+    instrument_stage_step()
+    marks["imported"] = proc_status()
+    w = args.rc_width
+    x, y = data(args.rc_batch * args.rc_steps, w, w)
+
+    def make(recompute: bool) -> Any:
+        made = tnt.Model(rc_build(keras, args), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                         num_micro_batches=args.rc_micro_batches,
+                         pipeline_schedule=args.rc_schedule, recompute=recompute)
+        made.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+        return made
+
+    model = make(bool(args.rc_recompute))
+    marks["built"] = proc_status()
+    fit = {"batch_size": args.rc_batch, "shuffle": False, "verbose": 0, "epochs": 1}
+    reset = reset_peak()
+    model.fit(x, y, **fit)
+    marks["fit"] = proc_status()
+    timers = Timers()
+    ACTIVE[:] = [timers]
+    reset_peak()
+    model.fit(x, y, callbacks=[timers.callback(keras)], **fit)
+    marks["steps"] = proc_status()
+    result = {"rank": tnt.get_rank(), "local_params": int(model.local_param_count),
+              "marks": marks, "peaks_reset": reset, "step": statistics.median(timers.step),
+              "stage": statistics.median(timers.stage), "wait": statistics.median(timers.wait)}
+    weights = model.get_weights()  # whole-model on every rank: rank 0 writes them
+    if result["rank"] == 0:
+        import numpy as np
+
+        np.savez(Path(args.out, "weights.npz"), *weights)
+    if args.rc_recompute:  # the step time's cost, both models in turns under the same load
+        models = {True: model, False: make(False)}
+        models[False].fit(x, y, **fit)  # traced
+        turns: dict[bool, Timers] = {True: Timers(), False: Timers()}
+        for _ in range(args.rc_rounds):
+            for recompute, m in models.items():
+                ACTIVE[:] = [turns[recompute]]
+                m.fit(x, y, callbacks=[turns[recompute].callback(keras)], **fit)
+        result["turns"] = {str(r): {"step": statistics.median(t.step),
+                                    "stage": statistics.median(t.stage)} for r, t in turns.items()}
+    Path(args.out, f"mem-recompute.rank{result['rank']}.json").write_text(json.dumps(result))
+
+
 def worker_load(args: argparse.Namespace) -> None:
     """Plain Keras loads a saved file (``keras.saving.load_model``, in a process that makes no
     tnt.Model; SplitLayer is a registered Keras layer, so tarantella must be importable, as
@@ -487,7 +576,12 @@ def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
             "--mem-width", str(args.mem_width), "--mem-layers", str(args.mem_layers),
             "--mem-io", str(args.mem_io), "--mem-batch", str(args.mem_batch),
             "--mem-steps", str(args.mem_steps), "--mem-micro-batches", str(args.mem_micro_batches),
-            "--mem-stages", str(args.mem_stages), *(["--mem-resume"] if args.mem_resume else []),
+            "--mem-stages", str(args.mem_stages),
+            "--rc-width", str(args.rc_width), "--rc-layers", str(args.rc_layers),
+            "--rc-batch", str(args.rc_batch), "--rc-micro-batches", str(args.rc_micro_batches),
+            "--rc-steps", str(args.rc_steps), "--rc-rounds", str(args.rc_rounds),
+            "--rc-schedule", args.rc_schedule,
+            "--rc-recompute", str(int(args.rc_recompute)), *(["--mem-resume"] if args.mem_resume else []),
             *(["--mem-backup", args.mem_backup] if args.mem_backup else []),
             *(["--load", args.load] if args.load else [])]
 
@@ -702,6 +796,57 @@ def print_memory(args: argparse.Namespace, serial: dict, runs: dict[int, list[di
     print(f"   every rank within its target in every phase: {'yes' if all(verdicts) else 'NO'}")
 
 
+def weights_difference(a: Path, b: Path) -> float:
+    """The largest relative difference (norm) between the weights two rows saved."""
+    import numpy as np
+
+    wa, wb = np.load(a), np.load(b)
+    return max(float(np.linalg.norm(wa[k] - wb[k]) / (np.linalg.norm(wa[k]) or 1.0)) for k in wa.files)
+
+
+def print_recompute(args: argparse.Namespace, rows: dict[tuple[str, bool], list[dict]],
+                    out: Path) -> None:
+    params = sum(r["local_params"] for r in next(iter(rows.values())))
+    micro = args.rc_batch // args.rc_micro_batches
+    print(f"\n5. Recomputation: {args.rc_layers} blocks of Dense({args.rc_width}, gelu) + "
+          f"LayerNormalization ({params / 1e6:.1f} M params), 2 stages, batch {args.rc_batch}, "
+          f"M={args.rc_micro_batches} (micro-batches of {micro}), float32, Adam; one job per row; "
+          "MB (2^20 bytes)")
+    print("   fit: peak RSS growth in the first fit (traced, VmHWM reset before it, over the RSS "
+          f"after the imports); steps: the same in a second fit; step: median step of that "
+          f"second fit ({args.rc_steps} steps), stage: of it in the stage's compiled step")
+    print(f"{'schedule':19s} " + " ".join(
+        f"{'r' + str(r) + ' fit':>9s} {'r' + str(r) + ' steps':>9s}" for r in range(P))
+        + f" {'step ms':>8s} " + " ".join(f"{'r' + str(r) + ' stage':>9s}" for r in range(P))
+        + f"  {'weights vs without':>18s}")
+    for (schedule, recompute), ranks in rows.items():
+        ranks = sorted(ranks, key=lambda r: r["rank"])
+        same = ""
+        if recompute and (schedule, False) in rows:
+            diff = weights_difference(out / f"rc-{schedule}-0" / "weights.npz",
+                                      out / f"rc-{schedule}-1" / "weights.npz")
+            same = "bitwise" if diff == 0.0 else f"{diff:.1e} relative"
+        print(f"{schedule + (' recompute' if recompute else ''):19s} " + " ".join(
+            f"{mb(growth(r, 'fit')):>9s} {mb(growth(r, 'steps')):>9s}" for r in ranks)
+            + f" {max(r['step'] for r in ranks) * 1e3:8.1f} "
+            + " ".join(f"{r['stage'] * 1e3:9.1f}" for r in ranks) + f"  {same:>18s}")
+    for schedule in dict.fromkeys(s for s, _ in rows):
+        if (schedule, False) in rows and (schedule, True) in rows:
+            off, on = rows[schedule, False], rows[schedule, True]
+            saved = [f"rank {a['rank']} {mb(growth(a, 'fit') - growth(b, 'fit'))} MB "
+                     f"({growth(b, 'fit') / growth(a, 'fit'):.2f}x)"
+                     for a, b in zip(sorted(off, key=lambda r: r["rank"]),
+                                     sorted(on, key=lambda r: r["rank"]))]
+            turns = [r["turns"] for r in on]
+            step = max(t["True"]["step"] for t in turns) / max(t["False"]["step"] for t in turns)
+            stage = " / ".join(f"{t['True']['stage'] / t['False']['stage']:.2f}" for t in turns)
+            print(f"   {schedule}: recomputation saves {', '.join(saved)} of the fit's peak "
+                  f"growth; with / without, fitting in turns in one job ({args.rc_rounds} "
+                  f"rounds): step time x{step:.2f}, stage time per rank x{stage}")
+    print(f"   load average (1, 5, 15 min) at the end: "
+          f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
+
+
 def print_larger(args: argparse.Namespace, ranks: list[dict], resumed: list[dict],
                  loaded: dict) -> None:
     params = ranks[0]["params"]
@@ -848,6 +993,18 @@ def main() -> int:
     p.add_argument("--mem-resume", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mem-backup", help=argparse.SUPPRESS)
     p.add_argument("--load", help=argparse.SUPPRESS)
+    p.add_argument("--rc-width", type=int, default=512,
+                   help="the recomputation model (part 2b): its width ...")
+    p.add_argument("--rc-layers", type=int, default=8, help="... its blocks ...")
+    p.add_argument("--rc-batch", type=int, default=2048, help="... its batch ...")
+    p.add_argument("--rc-micro-batches", type=int, default=4, help="... its micro-batches ...")
+    p.add_argument("--rc-steps", type=int, default=4, help="... its steps per fit ...")
+    p.add_argument("--rc-rounds", type=int, default=3,
+                   help="... and the rounds in which it fits with and without recomputation in turns")
+    p.add_argument("--rc-schedules", default="1f1b,zb-h1,gpipe",
+                   help="the schedules of part 2b, each with and without recomputation")
+    p.add_argument("--rc-schedule", default="1f1b", help=argparse.SUPPRESS)
+    p.add_argument("--rc-recompute", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--big-width", type=int, default=1536,
                    help="the model larger than one rank: its width (--mem-io in and out)")
     p.add_argument("--big-layers", type=int, default=72, help="... and its Dense layers")
@@ -856,7 +1013,7 @@ def main() -> int:
     p.add_argument("--no-big", action="store_true", help="skip the model larger than one rank")
     p.add_argument("--cap", action="store_true", help="run the memory-cap experiment (2 stages)")
     p.add_argument("--cap-step", type=int, default=128, help="MB: the grid of the cap bisection")
-    p.add_argument("--only", choices=["throughput", "memory", "larger"],
+    p.add_argument("--only", choices=["throughput", "memory", "recompute", "larger"],
                    help="run one part only (larger: the model larger than one rank)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per launched process or job")
     p.add_argument("--role", help=argparse.SUPPRESS)
@@ -870,6 +1027,9 @@ def main() -> int:
     if args.role in ("mem-serial", "mem-pipe", "mem-resume"):
         worker_memory(args)
         return 0
+    if args.role == "mem-recompute":
+        worker_recompute(args)
+        return 0
     if args.role == "mem-load":
         worker_load(args)
         return 0
@@ -879,7 +1039,7 @@ def main() -> int:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp_name:
         out = Path(tmp_name)
-        if args.only not in ("memory", "larger"):
+        if args.only not in ("memory", "recompute", "larger"):
             serial = run(args, "serial", out, 0)[0]
             serial1 = run(args, "serial-1cpu", out, 0)[0]
             ranks = run(args, "pipe", out, P)
@@ -909,7 +1069,7 @@ def main() -> int:
                 staged.mem_stages = stages
                 runs[stages] = run(staged, "mem-pipe", out, stages, f"-{stages}")
             print_memory(args, mserial, runs)
-        if args.only == "larger" or (args.only != "throughput" and not args.no_big):
+        if args.only == "larger" or (args.only not in ("throughput", "recompute") and not args.no_big):
             big = copy.copy(args)
             big.mem_stages, big.mem_resume = 3, True
             big.mem_width, big.mem_layers, big.mem_io = args.big_width, args.big_layers, args.big_width
@@ -929,6 +1089,16 @@ def main() -> int:
             two = copy.copy(args)
             two.mem_stages = 2
             cap_experiment(two, out, mserial, runs[2])
+        if args.only in (None, "memory", "recompute"):
+            rows = {}
+            for schedule in [s for s in str(args.rc_schedules).split(",") if s]:
+                for recompute in (False, True):
+                    one = copy.copy(args)
+                    one.rc_schedule, one.rc_recompute = schedule, recompute
+                    (out / f"rc-{schedule}-{int(recompute)}").mkdir()
+                    rows[schedule, recompute] = run(one, "mem-recompute",
+                                                    out / f"rc-{schedule}-{int(recompute)}", P)
+            print_recompute(args, rows, out)
     left = sorted(set(os.listdir("/dev/shm")) - shm_before) if shm_before or os.path.isdir("/dev/shm") else []
     if left:
         print(f"\nnote: new entries in /dev/shm during the run (this run's or other jobs'): {left}")

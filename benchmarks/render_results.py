@@ -169,7 +169,12 @@ def printed_tables(text: str) -> str:
             i += 1
         widest = max(rows, key=lambda r: len(_value_cells(r)))
         ends = [end for end, _ in _value_cells(widest)]
-        starts = [min(r.index(_value_cells(r)[0][1], len(r.split("  ")[0])) for r in rows)] + ends[:-1]
+        first = min(r.index(_value_cells(r)[0][1], len(r.split("  ")[0])) for r in rows)
+        # a heading wider than the numbers under it begins before them (past every label)
+        labels = max(len(r.split("  ")[0]) for r in rows)
+        first = min([first, *(m.start() for m in re.finditer(r"\S+(?: \S+)*", header[:first])
+                              if m.start() >= labels)])
+        starts = [first] + ends[:-1]
         headings = [header[a:b].strip() for a, b in zip(starts, [*ends[:-1], None])]
         table = ["| | " + " | ".join(headings) + " |", "|---|" + "---:|" * len(headings)]
         for row in rows:

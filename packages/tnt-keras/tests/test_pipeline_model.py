@@ -189,7 +189,9 @@ def test_sparse_gradients_train_as_serial_with_adam_rmsprop_and_momentum(runs, s
     a middle and the last stage, cut automatically, 4 micro-batches: Adam and RMSprop treat
     a sparse gradient row by row, so the stages hand them the rows of every micro-batch (and
     of every pipeline, under ALL: there the second has no sample of the last batch), as
-    serial Keras hands the batch's. Round-off only: float64 within 1e-12, float32 1e-5."""
+    serial Keras hands the batch's. Round-off only: float64 within 1e-12, float32 1e-5.
+    Activation recomputation (on stages 0 and 2, under ZB-H1) changes no bit of the weights
+    (of 1F1B's without it: the schedules make the same sums in the same order)."""
     from pipeline_sparse_worker import CASES
 
     ranks, _, out = runs
@@ -200,6 +202,9 @@ def test_sparse_gradients_train_as_serial_with_adam_rmsprop_and_momentum(runs, s
     for rank in range(ranks):
         got = dict(np.load(out / f"sparse.pipeline.rank{rank}.npz"))
         assert set(got) == set(ref)
+        for i in range(11):
+            assert np.array_equal(got[f"adam_float64_zb-h1_recompute_w{i}"],
+                                  got[f"adam_float64_1f1b_w{i}"]), f"rank {rank}: weight {i}"
         for name, value in ref.items():
             tolerance = 1e-12 if "float64" in name else 1e-5
             assert got[name].dtype == value.dtype, name
@@ -336,6 +341,14 @@ def test_pipelining_arguments_are_checked():
         tnt.Model(_cut_model(), parallel_strategy="pipelining", pipeline_schedule="zb")
     with pytest.raises(TypeError, match="orders the passes of a pipeline"):
         tnt.Model(_cut_model(), pipeline_schedule="zb-h1")
+    with pytest.raises(ValueError, match=r"recompute='yes'\): whether a stage computes its forward "
+                       r"pass again .*: True, False, or a list of one bool per partition$"):
+        tnt.Model(_cut_model(), parallel_strategy="pipelining", recompute="yes")
+    with pytest.raises(ValueError, match=r"recompute=\[True\]\): one bool per partition, and the "
+                       r"model has 2 partitions$"):
+        tnt.Model(_cut_model(), parallel_strategy="pipelining", recompute=[True])
+    with pytest.raises(TypeError, match="recomputes the activations of a pipeline"):
+        tnt.Model(_cut_model(), recompute=True)
     assert tnt.ParallelStrategy.DATA | tnt.ParallelStrategy.PIPELINING is tnt.ParallelStrategy.ALL
     with pytest.raises(tnt.NotSupportedError, match=r"ALL\): model .* has 2 partitions, so the "
                        r"job needs a multiple of 2 ranks \(one pipeline per 2\); it has 1"):

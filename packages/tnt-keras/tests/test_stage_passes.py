@@ -117,3 +117,47 @@ def test_a_weight_pass_apart_is_the_backward_passs_own_weight_gradient_ops(float
         return found
 
     assert not any(first & upstream(t.op) for t in seen["back"]), "B waits for W"
+
+
+def test_a_recomputed_forward_pass_draws_its_dropout_masks_again_and_changes_no_bit(float64):
+    """Recomputation: each micro-batch's forward pass keeps no tape, the seed states move on
+    as without it, and the backward passes, run after every forward pass (as GPipe orders
+    them), compute each again from its inputs and the seeds it drew: the gradients and the
+    outputs are those of the forward passes recorded on tapes, bit for bit, and the Dropout
+    masks are really drawn (the same input twice, two outputs)."""
+    keras.utils.set_random_seed(9)
+    inp = keras.Input((6,))
+    h = keras.layers.Dropout(0.5)(keras.layers.Dense(8, activation="tanh", name="d0")(inp))
+    h = keras.layers.Dense(4, name="d1")(keras.layers.Dropout(0.3)(h))
+    parts = partition(keras.Model(inp, keras.layers.Dense(2, name="d2")(SplitLayer(name="cut")(h))))
+    stage = StagePasses(parts, 0, keras.losses.MeanSquaredError())
+    seeds = list(stage.model.non_trainable_variables)  # the two seed states
+    assert len(seeds) == 2, seeds
+    start = [v.numpy() for v in seeds]
+    x = tf.constant(np.random.default_rng(2).standard_normal((5, 6)))  # both micro-batches
+    returned = [tf.constant(np.random.default_rng(3).standard_normal((5, 4)))]
+
+    def step(recompute: bool):
+        flights = [stage.forward([], x, None, None, 0.5, regularise=False, recompute=recompute)
+                   for k in range(2)]
+        out = []
+        for flight in flights:
+            assert (flight.tape is None) == recompute
+            replayed = stage.replay(flight) if recompute else flight
+            grads, _ = stage.backward(replayed, returned, None)
+            out.append((flight.outputs, replayed.outputs, grads))
+        return out
+
+    results = []
+    for recompute in (False, True):
+        for v, value in zip(seeds, start):
+            v.assign(value)
+        results.append(tf.function(lambda r=recompute: step(r))())
+        moved = [v.numpy() for v in seeds]
+        assert all((m != s).any() for m, s in zip(moved, start)), "the seeds move on"
+        results.append(moved)
+    (plain, plain_seeds), (again, again_seeds) = results[:2], results[2:]
+    for a, b in zip(tf.nest.flatten(plain) + plain_seeds, tf.nest.flatten(again) + again_seeds):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    first, second = (np.asarray(again[k][0][0]) for k in range(2))
+    assert not np.array_equal(first, second), "each micro-batch its own masks"

@@ -30,6 +30,7 @@ __all__ = [
     "check_num_micro_batches",
     "check_num_pipeline_stages",
     "check_pipeline_schedule",
+    "check_recompute",
     "check_optimizer",
     "check_predict",
     "check_save_path",
@@ -43,9 +44,10 @@ __all__ = [
 
 def model_arguments(model: Any = None, parallel_strategy: Any = "data",
                     num_micro_batches: Any = None, num_pipeline_stages: Any = None,
-                    pipeline_schedule: Any = None, **kwargs: Any) -> tuple[Any, Any, Any, Any, Any]:
+                    pipeline_schedule: Any = None, recompute: Any = None,
+                    **kwargs: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
     """``(model, parallel_strategy, num_micro_batches, num_pipeline_stages,
-    pipeline_schedule)`` of a ``tnt.Model(...)`` call."""
+    pipeline_schedule, recompute)`` of a ``tnt.Model(...)`` call."""
     if kwargs:
         raise TypeError(
             f"tnt.Model(model, parallel_strategy=...) got unexpected arguments {sorted(kwargs)}; "
@@ -54,7 +56,8 @@ def model_arguments(model: Any = None, parallel_strategy: Any = "data",
         )
     if model is None:
         raise TypeError("tnt.Model(model): pass the keras.Model to distribute")
-    return model, parallel_strategy, num_micro_batches, num_pipeline_stages, pipeline_schedule
+    return (model, parallel_strategy, num_micro_batches, num_pipeline_stages, pipeline_schedule,
+            recompute)
 
 
 def check_num_micro_batches(value: Any) -> int:
@@ -86,6 +89,25 @@ def check_pipeline_schedule(value: Any, known: Sequence[str]) -> str:
         raise ValueError(f"tnt.Model(pipeline_schedule={value!r}): the order of each stage's "
                          f"passes, one of {names}")
     return value
+
+
+def check_recompute(value: Any, num_partitions: int) -> list[bool]:
+    """Whether each of ``num_partitions`` stages recomputes its activations: None (no
+    stage), one bool for every stage, or a list of one bool per partition."""
+    what = ("whether a stage computes its forward pass again in its backward pass instead of "
+            "keeping its activations")
+    if value is None:
+        return [False] * num_partitions
+    if isinstance(value, (bool, np.bool_)):
+        return [bool(value)] * num_partitions
+    if not isinstance(value, (list, tuple)) or \
+            not all(isinstance(v, (bool, np.bool_)) for v in value):
+        raise ValueError(f"tnt.Model(recompute={value!r}): {what}: True, False, or a list of "
+                         "one bool per partition")
+    if len(value) != num_partitions:
+        raise ValueError(f"tnt.Model(recompute={value!r}): one bool per partition, and the model "
+                         f"has {num_partitions} partitions")
+    return [bool(v) for v in value]
 
 
 # -- compile -----------------------------------------------------------------------------------

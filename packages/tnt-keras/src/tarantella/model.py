@@ -145,11 +145,13 @@ class DistributedState:
 
 
 def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = None,
-                num_pipeline_stages: Any = None, pipeline_schedule: Any = None) -> Model:
+                num_pipeline_stages: Any = None, pipeline_schedule: Any = None,
+                recompute: Any = None) -> Model:
     strategy = _strategy(parallel_strategy)
     for name, value, what in (("num_micro_batches", num_micro_batches, "splits the batch of"),
                               ("num_pipeline_stages", num_pipeline_stages, "cuts the model into"),
-                              ("pipeline_schedule", pipeline_schedule, "orders the passes of")):
+                              ("pipeline_schedule", pipeline_schedule, "orders the passes of"),
+                              ("recompute", recompute, "recomputes the activations of")):
         if value is not None and strategy is ParallelStrategy.DATA:
             raise TypeError(f"tnt.Model({name}={value!r}) {what} a pipeline: pass it with "
                             "parallel_strategy=tnt.ParallelStrategy.PIPELINING (or ALL)")
@@ -165,7 +167,7 @@ def _distribute(model: Any, parallel_strategy: Any, num_micro_batches: Any = Non
         )
     sibling = Model._tnt_siblings[strategy]  # noqa: SLF001 (this module's class)
     return sibling._tnt_distribute(model, strategy, num_micro_batches,  # noqa: SLF001 (its hook)
-                                   num_pipeline_stages, pipeline_schedule)
+                                   num_pipeline_stages, pipeline_schedule, recompute)
 
 
 def keras_model_from_config(config: dict, custom_objects: dict | None = None) -> keras.Model:
@@ -195,6 +197,10 @@ class Model(keras.Model):
     :param pipeline_schedule: for ``PIPELINING``/``ALL``, the order of each stage's passes:
         ``"1f1b"`` (the default), ``"zb-h1"`` (zero bubble: each weight gradient apart,
         filling the waits) or ``"gpipe"``; see the "Pipelining" guide.
+    :param recompute: for ``PIPELINING``/``ALL``, activation recomputation: ``True`` (every
+        stage), or a list of one bool per partition; such a stage keeps only the inputs of
+        the micro-batches in flight and computes their forward pass again in their backward
+        pass (the same result, for one more forward pass; default ``False``).
     """
 
     _tnt: DistributedState
@@ -228,7 +234,7 @@ class Model(keras.Model):
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
                         num_micro_batches: Any, num_pipeline_stages: Any = None,
-                        pipeline_schedule: Any = None) -> Model:
+                        pipeline_schedule: Any = None, recompute: Any = None) -> Model:
         """Make ``model`` (a plain Keras model) a model of this strategy (each sibling's)."""
         raise NotImplementedError(f"{cls.__name__} trains no strategy")
 

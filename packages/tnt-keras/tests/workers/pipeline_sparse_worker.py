@@ -9,7 +9,8 @@ regulariser's is added to it). Trained with Adam, RMSprop and SGD with momentum 
 squares them), in float64 (and Adam in float32), 4 micro-batches, on 33 samples: batches
 of 16, 16 and 1 (with 2 pipelines, the second has no sample of the last batch). The
 schedule is 1F1B, and ZB-H1 (weight gradients apart from the input gradients) for Adam in
-float64 once more: the same serial weights.
+float64 once more, there with activation recomputation on the first and every second stage
+(``tnt.Model(recompute=[...])``): the same serial weights, and bitwise 1F1B's without it.
 
 Writes ``sparse.<mode>.rank<r>.npz``: every case's weights (get_weights) and losses, which
 ``test_pipeline_model`` compares.
@@ -24,10 +25,12 @@ import numpy as np
 import tensorflow as tf
 
 SAMPLES, EPOCHS, BATCH, MICRO = 33, 2, 16, 4
-#: (optimizer, floatx, schedule): float64 tells a defect from round-off; float32 is what users
-#: run; the schedule changes the order of the passes, never the result
-CASES = (("adam", "float64", "1f1b"), ("rmsprop", "float64", "1f1b"), ("sgd", "float64", "1f1b"),
-         ("adam", "float32", "1f1b"), ("adam", "float64", "zb-h1"))
+#: (optimizer, floatx, schedule, recompute): float64 tells a defect from round-off; float32 is
+#: what users run; the schedule and recomputation change the order of the passes and what is
+#: kept between them, never the result
+CASES = (("adam", "float64", "1f1b", False), ("rmsprop", "float64", "1f1b", False),
+         ("sgd", "float64", "1f1b", False), ("adam", "float32", "1f1b", False),
+         ("adam", "float64", "zb-h1", True))
 
 
 class Lookup(keras.layers.Layer):
@@ -77,8 +80,8 @@ def run(args: argparse.Namespace) -> None:
     x, y = data()
     rank, arrays = 0, {}
     try:
-        for name, dtype, schedule in CASES:
-            case = f"{name}_{dtype}_{schedule}"
+        for name, dtype, schedule, recompute in CASES:
+            case = f"{name}_{dtype}_{schedule}" + ("_recompute" if recompute else "")
             same = f"{name}_{dtype}_{CASES[0][2]}"
             if args.mode == "serial" and f"{same}_loss" in arrays:  # Keras has no schedule
                 arrays.update({key.replace(same, case): v for key, v in arrays.items()
@@ -96,7 +99,9 @@ def run(args: argparse.Namespace) -> None:
                 stages = {} if args.strategy == "pipelining" else \
                     {"num_pipeline_stages": args.partitions}
                 model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO,
-                                  pipeline_schedule=schedule, **stages)
+                                  pipeline_schedule=schedule, **stages,
+                                  recompute=[p % 2 == 0 for p in range(args.partitions)]
+                                  if recompute else None)
                 rank = tnt.get_rank()
             # without XLA: a quarter faster to compile, the same weights in float64
             model.compile(optimizer=optimizer(name), loss="mse", jit_compile=False)

@@ -101,7 +101,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
                         num_micro_batches: Any, num_pipeline_stages: Any = None,
-                        pipeline_schedule: Any = None) -> Model:
+                        pipeline_schedule: Any = None, recompute: Any = None) -> Model:
         initialize_whole(model)  # built without values (tnt.deferred_build): trained whole
         state = DataParallelState(tnt_core.init(), strategy)
         distributed = cls._tnt_adopt(model, state)

@@ -117,7 +117,8 @@ class _PipelineState(DistributedState):
     resumes_at_step = True
 
     def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,
-                 strategy: ParallelStrategy, ownership: Ownership, schedule: str = SCHEDULES[0]) -> None:
+                 strategy: ParallelStrategy, ownership: Ownership, schedule: str = SCHEDULES[0],
+                 recompute: bool = False) -> None:
         super().__init__(runtime, strategy)
         stages = parts.num_partitions
         self.parts = parts
@@ -126,6 +127,8 @@ class _PipelineState(DistributedState):
         self.pipe, self.replicas = groups.pipe, groups.replicas
         self.num_micro_batches = num_micro_batches
         self.schedule = schedule
+        #: whether this stage recomputes its activations (tnt.Model(recompute=...))
+        self.recompute = recompute
         self.step: StageStep | None = None
         #: the model's compiled loss as a traced step runs it (for the logs; set by compile)
         self.logged_loss: _TracedLoss | None = None
@@ -171,7 +174,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     @classmethod
     def _tnt_distribute(cls, model: keras.Model, strategy: ParallelStrategy,
                         num_micro_batches: Any, num_pipeline_stages: Any = None,
-                        pipeline_schedule: Any = None) -> Model:
+                        pipeline_schedule: Any = None, recompute: Any = None) -> Model:
         """Cut ``model`` into its stages and make it this rank's pipelined model; with
         ``ParallelStrategy.ALL``, one pipeline per ``P`` ranks, the batch split between them.
         The cuts are the model's SplitLayers, else ``num_pipeline_stages`` automatic ones
@@ -185,13 +188,15 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         if wanted is None and strategy is ParallelStrategy.PIPELINING and not split_layers(model):
             wanted = runtime.size
         parts = partition(model, wanted)
+        recomputed = arguments.check_recompute(recompute, parts.num_partitions)
         check_distribute(model, strategy, runtime, parts)
         stages = parts.num_partitions
         stage = runtime.rank % stages
         # this rank's partition gets its values (a model built without them), the others
         # lose theirs (a model built with them): stage_variables
         ownership = hold_own_partition(model, [list(m.variables) for m in parts.models], stage)
-        state = _PipelineState(runtime, parts, num_micro_batches, strategy, ownership, schedule)
+        state = _PipelineState(runtime, parts, num_micro_batches, strategy, ownership, schedule,
+                               recomputed[stage])
         # the replicas of a stage draw their own Dropout masks, for their own samples, as the
         # ranks of DATA do (pipeline 0 keeps the serial stream)
         randomness.fold_rank_into_seeds(parts.models[stage], state.replica)
@@ -213,6 +218,12 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def pipeline_schedule(self) -> str:
         """The order of each stage's passes (``tnt.Model(pipeline_schedule=...)``)."""
         return self._tnt.schedule
+
+    @property
+    def recompute(self) -> bool:
+        """Whether this rank's stage recomputes its activations in its backward passes
+        (``tnt.Model(recompute=...)``)."""
+        return self._tnt.recompute
 
     def __repr__(self) -> str:
         runtime = self._tnt.runtime
@@ -256,7 +267,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                          loss=loss, optimizer=optimizer,
                          num_micro_batches=state.num_micro_batches, replicas=replicas,
                          regularise=state.replica == 0, timeline=timeline.get(state.runtime),
-                         schedule=state.schedule)
+                         schedule=state.schedule, recompute=state.recompute)
 
     # -- the steps -------------------------------------------------------------------------------
 

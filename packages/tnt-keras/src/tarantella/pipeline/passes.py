@@ -15,27 +15,55 @@ need, which consume what ``B`` computed (the gradients at each layer's output, t
 pass's activations) and wait, in the traced step, for the action before ``W`` in the
 schedule. Nothing is computed twice, and the weights' gradients are those of the whole
 backward pass, bit for bit.
+
+With recomputation (``recompute=True``) the forward pass keeps no activation: it runs
+without a tape, and the micro-batch keeps only what it was computed from (:class:`Kept`: the
+received tensors, its slice of the batch, and the values its non-trainable variables had,
+the Dropout layers' seed states among them). Its backward pass first computes it again
+(:meth:`StagePasses.replay`), under a tape and in a ``keras.StatelessScope`` that reads
+those variables at the kept values and drops their updates: the same ops on the same values,
+so the same masks and activations, and the same gradients, bit for bit, as without
+recomputation. It waits for the action before the backward pass in the schedule, else the
+dataflow would run it as soon as its inputs exist, when nothing is saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from .. import _keras_compat
 from .partition import COMPUTED, Partitioning
 
-__all__ = ["InFlight", "StagePasses", "WeightPass", "tensors_in"]
+__all__ = ["InFlight", "Kept", "StagePasses", "WeightPass", "tensors_in"]
+
+
+@dataclass
+class Kept:
+    """What a micro-batch's forward pass is computed again from, when its activations are
+    not kept (recomputation): besides the received tensors (:attr:`InFlight.inputs`)."""
+
+    x: Any
+    y: Any
+    sample_weight: Any
+    share: float
+    regularise: bool
+    #: each non-trainable variable of the partition with the value it had when the forward
+    #: pass began (a Dropout's seed state: the masks are drawn again from the same seeds)
+    state: list[tuple[keras.Variable, tf.Tensor]]
 
 
 @dataclass
 class InFlight:
     """What micro-batch ``k``'s backward pass needs from its forward pass."""
 
-    tape: tf.GradientTape
+    #: the forward pass's tape (None: recomputed in the backward pass, from :attr:`kept`)
+    tape: tf.GradientTape | None
     #: what the previous stage sent (the gradients of these go back to it)
     inputs: list[tf.Tensor]
     #: what this stage emits: sends on, or on the last stage the model's flat outputs
@@ -45,6 +73,8 @@ class InFlight:
     loss: tf.Tensor | None
     #: the last stage's outputs in the model's output structure (else None)
     predictions: Any = None
+    #: with recomputation, what the forward pass is computed again from (else None)
+    kept: Kept | None = None
 
 
 @dataclass
@@ -125,24 +155,64 @@ class StagePasses:
         return self.parts.emitted(self.stage, received, computed)
 
     def forward(self, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
-                share: float, regularise: bool, after: Sequence[tf.Tensor] = ()) -> InFlight:
+                share: float, regularise: bool, after: Sequence[tf.Tensor] = (),
+                recompute: bool = False) -> InFlight:
         """The forward pass of one micro-batch, recorded for its backward pass (after the
         ops ``after``). On the last stage the loss is the micro-batch's mean times its
         ``share`` of the batch (:func:`tarantella.pipeline.micro_batches.shares`); ``regularise``
-        adds the partition's weight regularisation (once per step)."""
+        adds the partition's weight regularisation (once per step). With ``recompute``
+        nothing is recorded: the backward pass computes it again (:meth:`replay`)."""
+        if recompute:
+            with tf.control_dependencies(list(after)):
+                # read before the pass updates them (traced functions order a variable's
+                # reads and writes as traced)
+                state = [(v, tf.identity(v.value)) for v in self.model.non_trainable_variables]
+                emitted, loss, predictions = self._compute(received, x, y, sample_weight, share,
+                                                           regularise)
+            kept = Kept(x, y, sample_weight, share, regularise, state)
+            return InFlight(None, received, emitted, loss, predictions, kept)
         with tf.GradientTape() as tape, tf.control_dependencies(list(after)):
             tape.watch(received)
+            emitted, loss, predictions = self._compute(received, x, y, sample_weight, share,
+                                                       regularise)
+        return InFlight(tape, received, emitted, loss, predictions)
+
+    def replay(self, flight: InFlight, after: Sequence[tf.Tensor] = ()) -> InFlight:
+        """The forward pass of a micro-batch whose activations were not kept, computed
+        again under a tape, after the ops ``after``: from the same inputs, with the
+        non-trainable variables at the values they had in the first pass, whose updates
+        (a seed state's step) are dropped, as they happened then."""
+        kept = flight.kept
+        assert kept is not None, "replay() is for a forward pass made with recompute=True"
+        with tf.GradientTape() as tape, tf.control_dependencies(list(after)):
+            tape.watch(flight.inputs)
+            emitted, loss, predictions = self._compute(
+                flight.inputs, kept.x, kept.y, kept.sample_weight, kept.share, kept.regularise,
+                kept.state)
+        return InFlight(tape, flight.inputs, emitted, loss, predictions)
+
+    def _compute(self, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
+                 share: float, regularise: bool,
+                 state: list[tuple[keras.Variable, tf.Tensor]] | None = None
+                 ) -> tuple[list[Any], tf.Tensor | None, Any]:
+        """The partition, its loss (last stage) and regularisation on one micro-batch:
+        ``(emitted, loss, predictions)``; with ``state``, its variables read from it and
+        left unchanged (a ``keras.StatelessScope``)."""
+        scope = contextlib.nullcontext() if state is None else \
+            keras.StatelessScope(state_mapping=state, initialize_variables=False)
+        with scope:
             emitted = self.run(received, x, training=True)
             loss = predictions = None
             if self.last:
                 predictions = self.parts.outputs(emitted)
                 loss = self.loss(y, predictions, sample_weight=sample_weight) * share
-            if regularise and self.model.losses:
-                # in the loss's dtype (float64 models: float64)
-                dtype = tf.float64 if loss is None else loss.dtype
-                regularisation = tf.add_n([tf.cast(r, dtype) for r in self.model.losses])
-                loss = regularisation if loss is None else loss + regularisation
-        return InFlight(tape, received, emitted, loss, predictions)
+        # outside the scope: Keras reads a regularised weight from the scope's mapping there
+        if regularise and self.model.losses:
+            # in the loss's dtype (float64 models: float64)
+            dtype = tf.float64 if loss is None else loss.dtype
+            regularisation = tf.add_n([tf.cast(r, dtype) for r in self.model.losses])
+            loss = regularisation if loss is None else loss + regularisation
+        return emitted, loss, predictions
 
     def backward(self, flight: InFlight, returned: Sequence[tf.Tensor] | None,
                  loss_seed: tf.Tensor | None, after: Sequence[tf.Tensor] = ()
@@ -169,6 +239,7 @@ class StagePasses:
             targets.append(flight.loss)
             seeds.append(loss_seed)
         sources = self.weights + list(flight.inputs)
+        assert flight.tape is not None, "a forward pass made with recompute=True: replay() it first"
         with tf.control_dependencies(list(after)):
             grads = flight.tape.gradient(targets, sources, output_gradients=seeds,
                                          unconnected_gradients=tf.UnconnectedGradients.ZERO) \

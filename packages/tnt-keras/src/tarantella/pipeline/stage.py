@@ -100,13 +100,17 @@ class StageStep:
         ``"1f1b"`` or ``"gpipe"``.
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
+    :param recompute: activation recomputation: a micro-batch's forward pass keeps only
+        what it was computed from (its inputs), and its backward pass computes it again
+        (:meth:`tarantella.pipeline.passes.StagePasses.replay`), where the schedule places
+        the backward pass: the same gradients, bit for bit, for one more forward pass.
     """
 
     def __init__(self, parts: Partitioning, stage: int, backend: tnt_core.CommBackend | Channel, *,
                  loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
                  ranks: Sequence[int] | None = None, replicas: GradientReducer | None = None,
                  regularise: bool = True, timeline: tnt_core.Timeline | None = None,
-                 schedule: str = "1f1b") -> None:
+                 schedule: str = "1f1b", recompute: bool = False) -> None:
         channel = backend if isinstance(backend, Channel) else Channel(tnt_core.init(), backend)
         backend = channel.backend
         check_point_to_point(backend)
@@ -130,6 +134,7 @@ class StageStep:
         if schedule not in schedules.SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: one of {', '.join(schedules.SCHEDULES)}")
         self.schedule = schedule
+        self.recompute = bool(recompute)
         self._lane = f"stage {stage}"
         self.messages = StageMessages(channel, self.ranks, timeline=timeline, lane=self._lane)
         #: this stage's compute on one micro-batch
@@ -268,7 +273,8 @@ class StageStep:
                 flight = flights.pop(k)
                 if flight.loss is not None:
                     parts.append(tf.cast(flight.loss, tf.float64))  # a float64 model's loss
-                grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None), k in apart)
+                grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None), k in apart,
+                                                     after=last)
                 if isinstance(grads, WeightPass):  # B alone (none on the first stage)
                     weight_passes[k] = grads
                     last = back[k] or last
@@ -297,19 +303,25 @@ class StageStep:
         regularisation joins the loss once per step, with micro-batch 0."""
         begun = self._mark(received + keras.tree.flatten(x), f"forward {k}", begin=True)
         flight = self.passes.forward(received, x, y, sample_weight, share,
-                                     regularise=k == 0 and self.regularise, after=begun)
+                                     regularise=k == 0 and self.regularise, after=begun,
+                                     recompute=self.recompute)
         self._mark(list(flight.outputs) + ([] if flight.loss is None else [flight.loss]),
                    f"forward {k}", begin=False)
         return flight
 
     def _backward_pass(self, k: int, flight: InFlight, returned: list[tf.Tensor] | None,
-                       apart: bool = False) -> tuple[Any, list[tf.Tensor] | None]:
+                       apart: bool = False, after: Sequence[Any] = ()
+                       ) -> tuple[Any, list[tf.Tensor] | None]:
         """Micro-batch ``k``'s backward pass, marked on the timeline: its weights' gradients
         (with ``apart``, as the :class:`WeightPass` its ``W`` runs) and what goes back to the
-        previous stage."""
+        previous stage. A forward pass that kept no activations (recomputation) is computed
+        again first, after ``after`` (what the action before this one made): at the
+        backward pass's place in the schedule, not as soon as its inputs exist."""
         seed = None if flight.loss is None else self._loss_seed(flight.loss)
         begun = self._mark(list(returned or []) + ([] if seed is None else [seed]),
                            f"backward {k}", begin=True)
+        if flight.tape is None:
+            flight = self.passes.replay(flight, after=[*begun, *tensors_in(list(after))])
         if apart:
             weight_pass, back = self.passes.backward_apart(flight, returned, seed, after=begun)
             self._mark(back or [], f"backward {k}", begin=False)
