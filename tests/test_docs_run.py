@@ -311,6 +311,7 @@ assert os.path.getsize("ck.keras") > 0
 plain = keras.saving.load_model("final.keras")   # plain Keras loads it
 assert len(plain.get_weights()) == len(model.get_weights()) == 6
 """,
+            6: "assert model.recompute is (tnt.get_rank() == 0)   # stage 0 recomputes, 1 not",
         },
         skip={
             "1:0": "model.py is python block 0, run on 2 ranks in this test's launch",
@@ -375,14 +376,16 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
                 9: "the output of an elastic run above (test_cli_elastic.py checks this line)"},
     ),
     "elastic.md": Page(
-        # the custom loop (block 2) runs here in a job that is not elastic: hvd.elastic.run
+        # the custom loop (block 4) runs here in a job that is not elastic: hvd.elastic.run
         # synchronises the state and calls it once; packages/tnt-keras/tests/
         # test_horovod_elastic.py kills a rank of such a loop
-        checks={2: SAME_WEIGHTS.format(model="model")},
+        checks={4: SAME_WEIGHTS.format(model="model")},
         skip={0: "an elastic run that ranks die in; packages/tnt-keras/tests/test_elastic_fit.py "
-                 "runs one (tnt run -n 3 --min-np 1, two ranks SIGKILLed) against plain Keras",
-              3: "a Slurm allocation of several hosts reachable by ssh"},
-        quoted={1: "the output of an elastic run above (test_elastic_fit.py checks its lines)"},
+                 "runs one (tnt run -n 4 --min-np 1, three ranks SIGKILLed) against plain Keras",
+              5: "a Slurm allocation of several hosts reachable by ssh"},
+        quoted={1: "the output of an elastic run above (test_elastic_fit.py checks its lines)",
+                2: "the new master's line when the master died (test_elastic_fit.py checks it)",
+                3: "tnt run's line when a pipelined job restarts (test_elastic_fit.py checks it)"},
     ),
     "examples.md": Page(
         skip=dict.fromkeys((0, 2, 3), "an example's full-length run (minutes); tests/test_examples.py "

@@ -221,8 +221,7 @@ def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -
         model = context.get("model")
         state = getattr(model, "_tnt", None)
         if state is not None and state.resumes_at_step and getattr(model, "steps_per_execution", 1) == 1:
-            from .step_backup import StepBackupAndRestore  # it builds on this module
-            return StepBackupAndRestore(callback)
+            return state.step_backup_callback(callback)
         # every rank restores (all resume at the same epoch); only the master writes
         return _master_only(callback, master, everywhere=("on_train_begin",))
     if isinstance(callback, _WRITERS):

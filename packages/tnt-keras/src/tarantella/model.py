@@ -113,6 +113,9 @@ class DistributedState:
     #: ``keras.callbacks.BackupAndRestore`` resumes at the step (``tarantella.step_backup``)
     #: rather than at Keras' epoch
     resumes_at_step = False
+    #: what runs a ``BackupAndRestore`` then (``step_backup.StepBackupAndRestore``, given by
+    #: the strategy's model, which imports it: ``tarantella.callbacks`` cannot, being its base)
+    step_backup_callback: Any = None
 
     def held_model(self, model: keras.Model) -> keras.Model:
         """The part of ``model`` whose variables this rank holds (all of it, unless a

@@ -38,6 +38,8 @@ def _graphs(fn: Any) -> list[Any]:
     """The graphs of every top-level trace of ``fn``: a ``tf.function``, or Keras' step
     function, a closure over its ``tf.function`` s (a trace nested in another's is part of
     the outer one's graph)."""
+    while not hasattr(fn, "get_concrete_function") and hasattr(fn, "function"):
+        fn = fn.function  # tarantella's wrapper around Keras' (step_backup.SkippedWhileReplaying)
     functions = [fn] if hasattr(fn, "get_concrete_function") else \
         [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
          if hasattr(c.cell_contents, "get_concrete_function")]

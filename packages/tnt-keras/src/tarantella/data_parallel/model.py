@@ -109,6 +109,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
             state.elastic = ElasticLoop(distributed, state)
         else:  # (an elastic job goes on without a backup, and its joiners replay their own way)
             state.resumes_at_step = True
+            state.step_backup_callback = step_backup.StepBackupAndRestore
         if getattr(distributed, "compiled", False):
             distributed._tnt_check_compiled()  # noqa: SLF001 (the model is this class's now)
         else:  # predict without compile: Keras resolves "auto" (XLA on a GPU machine)

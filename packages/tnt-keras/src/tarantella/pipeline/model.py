@@ -115,6 +115,7 @@ class _PipelineState(DistributedState):
     groups), its step, and what it holds."""
 
     resumes_at_step = True
+    step_backup_callback = step_backup.StepBackupAndRestore
 
     def __init__(self, runtime: tnt_core.Runtime, parts: Partitioning, num_micro_batches: int,
                  strategy: ParallelStrategy, ownership: Ownership, schedule: str = SCHEDULES[0],
