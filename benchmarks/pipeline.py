@@ -413,16 +413,16 @@ def pass_costs(step: Any, x: Any, y: Any, m: int, repeats: int = 30) -> dict[str
         weights, back = passes.backward_apart(flight, returned, seed)
         return [*made, *(back or [])] if upto == "B" else [*made, *(back or []), *weights.grads]
 
-    timed = {}
-    for upto in ("F", "B", "W"):
-        fn = tf.function(lambda upto=upto: run(upto), autograph=False)
+    fns = {upto: tf.function(lambda upto=upto: run(upto), autograph=False) for upto in "FBW"}
+    times: dict[str, list[float]] = {upto: [] for upto in fns}
+    for fn in fns.values():
         fn()
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):  # the three in turn: a change of the machine's load hits each alike
+        for upto, fn in fns.items():
             start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-        timed[upto] = statistics.median(times)
+            times[upto].append(time.perf_counter() - start)
+    timed = {upto: statistics.median(t) for upto, t in times.items()}
     return {"F": timed["F"], "B": max(timed["B"] - timed["F"], 0.0),
             "W": max(timed["W"] - timed["B"], 0.0)}
 
