@@ -53,10 +53,12 @@ spent in the batch check before the step and in the loss's sum after it (both
 allreduces over the ranks). The row ``zb-h1, old loop`` (``--no-loop-ab`` skips it) is
 ZB-H1 with those two allreduces made as before they were agreed on once (a header
 exchange before each: two round trips instead of one), trained in the same rounds: the
-loop's cut measured under the same load. Then the ZB-H1 targets (1.35x serial on 1 CPU,
-0.90 of its bound) and the load average. ``--priority N`` runs every timed process (the
-serial ones and each rank) at nice ``N`` in a scheduling group of its own, so that other
-work on a shared machine starves it less (``benchmarks/throughput_worker.set_priority``).
+loop's cut measured under the same load; the row ``zb-h1, F ungated`` is ZB-H1 with its
+forward passes left to the dataflow (each ``F`` not waiting for the action before it).
+Then the ZB-H1 targets (1.35x serial on 1 CPU, 0.90 of its bound) and the load average.
+``--priority N`` runs every timed process (the serial ones and each rank) at nice ``N``
+in a scheduling group of its own, so that other work on a shared machine starves it less
+(``benchmarks/throughput_worker.set_priority``).
 
 The columns after ``step`` say where a pipelined step goes, per rank (median ms per step;
 ``StageStep.train`` is wrapped with a timer, the training is unchanged): ``stage`` is the
@@ -313,6 +315,12 @@ def worker_throughput(args: argparse.Namespace) -> None:
                 state = model._tnt
                 state.reductions = lambda state=state: HeaderEveryCall(state.channel.backend)
                 configs[schedule_key(args, HEADERS)] = model
+                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                  num_micro_batches=m, pipeline_schedule="zb-h1")
+                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+                ungate_forward_passes(model._tnt.step)
+                configs[schedule_key(args, UNGATED)] = model
     else:
         for name, kwargs in (("keras fit", {}), ("keras fit, no XLA", {"jit_compile": False}),
                              ("keras fit, eager", {"run_eagerly": True})):
@@ -381,6 +389,22 @@ class HeaderEveryCall:
         import numpy as np
 
         return np.array(self.backend.allreduce(np.array(values, np.float64).reshape(-1), op))
+
+
+#: the ZB-H1 row whose forward passes run as the dataflow allows (``--loop-ab``)
+UNGATED = "zb-h1, F ungated"
+
+
+def ungate_forward_passes(step: Any) -> None:
+    """``step``'s forward passes no longer wait for the action before them in the
+    schedule (as before they did): the same passes and messages, for the A/B of the gating."""
+    from tarantella.pipeline.stage import StageStep
+
+    def forward_pass(k: int, received: Any, x: Any, y: Any, sample_weight: Any, share: float,
+                     after: Any = ()) -> Any:
+        return StageStep._forward_pass(step, k, received, x, y, sample_weight, share)
+
+    step._forward_pass = forward_pass
 
 
 def schedule_key(args: argparse.Namespace, schedule: str) -> str:
@@ -729,12 +753,14 @@ def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) 
           f"{'of passes':>9s} {'dry-run bubble':>14s} {'dry-run of bound':>16s}")
     measured = schedules.Costs(forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
                                weight=[c["W"] for c in costs])
-    rows = [*args.schedules, *([HEADERS] if schedule_key(args, HEADERS) in ranks[0]["configs"] else [])]
+    rows = [*args.schedules, *[v for v in (HEADERS, UNGATED)
+                               if schedule_key(args, v) in ranks[0]["configs"]]]
     for s in rows:
         cs = [r["configs"][schedule_key(args, s)] for r in ranks]
         step = statistics.median([c["step"] for c in cs])
         rate, bound = b / step, b / max(c["work"] for c in cs)
-        dry = schedules.dry_run(schedules.build("zb-h1" if s == HEADERS else s, P, m), measured)
+        dry = schedules.dry_run(schedules.build("zb-h1" if s in (HEADERS, UNGATED) else s, P, m),
+                                measured)
         pair = {key: " / ".join(f"{c[key] * 1e3:.1f}" for c in cs)
                 for key in ("work", "wait", "loop", "check", "sum")}
         print(f"{s:15s} {rate:9.0f} {rate / base1:8.2f} {step * 1e3:6.1f} {pair['work']:>13s} "
@@ -936,8 +962,8 @@ def main() -> int:
                    help="the schedules compared at --schedule-micro-batches")
     p.add_argument("--schedule-micro-batches", type=int, default=4)
     p.add_argument("--no-loop-ab", dest="loop_ab", action="store_false",
-                   help="skip the ZB-H1 row whose loop exchanges a header before each of its "
-                        "collectives (the loop before its reductions were agreed on once)")
+                   help="skip the two ZB-H1 rows of the A/B: its loop exchanging a header "
+                        "before each of its collectives, and its forward passes ungated")
     p.add_argument("--all-micro-batches", type=int, default=4,
                    help="M of the ALL row (2 pipelines x P stages on 2P ranks)")
     p.add_argument("--no-all", action="store_true", help="skip the ALL row")

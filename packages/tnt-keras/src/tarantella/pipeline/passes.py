@@ -130,9 +130,14 @@ class StagePasses:
         ops ``after``). On the last stage the loss is the micro-batch's mean times its
         ``share`` of the batch (:func:`tarantella.pipeline.micro_batches.shares`); ``regularise``
         adds the partition's weight regularisation (once per step)."""
-        with tf.GradientTape() as tape, tf.control_dependencies(list(after)):
+        with tf.GradientTape() as tape:
             tape.watch(received)
-            emitted = self.run(received, x, training=True)
+            # only the partition's own ops wait for ``after``: the loss below may make its
+            # metrics' variables in the step's first trace, and TensorFlow lifts their
+            # initialisers out of the graph and runs them with whatever they wait for (a
+            # receive would then take a micro-batch's message before the step runs)
+            with tf.control_dependencies(list(after)):
+                emitted = self.run(received, x, training=True)
             loss = predictions = None
             if self.last:
                 predictions = self.parts.outputs(emitted)
