@@ -3,6 +3,7 @@ throughput and the bubble, then memory per phase, a model larger than one rank, 
 activation recomputation.
 
     python benchmarks/pipeline.py [--backend gloo|mpi] [--batch 256] [--rounds 5] [--no-big]
+                                  [--priority N]
                                   [--cap] [--only throughput|memory|recompute|larger]
                                   [--schedules 1f1b,zb-h1,gpipe] [--schedule-micro-batches 4]
 
@@ -11,7 +12,9 @@ model and the same global batch; about 10 minutes on 2 cores. Machines are noisy
 the ratios of one run, read absolute numbers only as context.
 
 **1. Throughput** (``mlp``: ``--layers`` Dense layers of ``--width`` units, one SplitLayer
-in the middle, so both partitions hold the same compute; Adam, MSE). Every configuration
+where the two partitions' compute balances: each layer's forward pass, input gradient and
+weight gradient are one matrix product each, and the first layer needs no input gradient,
+so for 6 layers the cut goes after layer 3, 8 : 9 products; Adam, MSE). Every configuration
 trains ``--warmup`` untimed steps, then ``--rounds`` rounds of ``--steps`` steps (the
 configurations of one process take turns in every round); a step is timed from Keras'
 ``on_train_batch_begin`` to its ``on_train_batch_end``, and the median step gives
@@ -43,8 +46,20 @@ and ``of bound`` per schedule, as below. Each rank also times one micro-batch's 
 the weights', by difference of F, F + B, F + B + W), and each schedule's dry run
 (``tarantella.pipeline.schedule.dry_run``) with those times gives its bubble and the best
 ``of bound`` its order allows (``dry-run of bound``: the busier stage's compute over the
-step). Then the ZB-H1 targets (1.35x serial on 1 CPU, 0.90 of its bound) and the load
-average.
+step). The line above the table gives each stage's ``M x (F + B + W)``, the cut's balance
+as measured, and ``of passes`` the busier stage's over the step (no optimizer, no
+message: where a rank's ``work`` below undercounts its compute, which runs while one of
+its receives blocks, this one does not). ``check`` and ``sum`` are the parts of ``loop``
+spent in the batch check before the step and in the loss's sum after it (both
+allreduces over the ranks). The row ``zb-h1, old loop`` (``--no-loop-ab`` skips it) is
+ZB-H1 with those two allreduces made as before they were agreed on once (a header
+exchange before each: two round trips instead of one), trained in the same rounds: the
+loop's cut measured under the same load; the row ``zb-h1, F ungated`` is ZB-H1 with its
+forward passes left to the dataflow (each ``F`` not waiting for the action before it).
+Then the ZB-H1 targets (1.35x serial on 1 CPU, 0.90 of its bound) and the load average.
+``--priority N`` runs every timed process (the serial ones and each rank) at nice ``N``
+in a scheduling group of its own, so that other work on a shared machine starves it less
+(``benchmarks/throughput_worker.set_priority``).
 
 The columns after ``step`` say where a pipelined step goes, per rank (median ms per step;
 ``StageStep.train`` is wrapped with a timer, the training is unchanged): ``stage`` is the
@@ -151,14 +166,28 @@ def proc_status() -> dict[str, int]:
     return out
 
 
+def stage_flops(layers: int, cut: int) -> tuple[int, int]:
+    """The two stages' compute per sample of ``layers`` equal Dense layers cut before layer
+    ``cut``, in matrix products of one layer: each layer's F, B (its input's gradient) and
+    W (its weights'), but the first layer's B, which nothing needs."""
+    return 3 * cut - 1, 3 * (layers - cut)
+
+
+def balanced_cut(layers: int) -> int:
+    """Where the one SplitLayer goes: before the layer that balances the two stages'
+    compute (:func:`stage_flops`), the busier stage as light as it can be."""
+    return min(range(1, layers), key=lambda c: (max(stage_flops(layers, c)), abs(c - layers / 2)))
+
+
 def build(keras: Any, width: int, layers: int, d_in: int, d_out: int, split: bool) -> Any:
-    """``layers`` Dense layers, ``d_in -> width -> ... -> d_out``, cut in the middle."""
+    """``layers`` Dense layers, ``d_in -> width -> ... -> d_out``, cut where the two
+    stages' compute balances (:func:`balanced_cut`)."""
     keras.utils.set_random_seed(7)
     sizes = [width] * (layers - 1) + [d_out]
     inp = keras.Input((d_in,), name="x")
     h = inp
     for i, units in enumerate(sizes):
-        if split and i == layers // 2:
+        if split and i == balanced_cut(layers):
             import tarantella as tnt
 
             h = tnt.keras.layers.SplitLayer(name="cut")(h)
@@ -177,33 +206,42 @@ def data(n: int, d_in: int, d_out: int) -> tuple[Any, Any]:
 
 class Timers:
     """Per-step wall times: the step (Keras' batch callbacks) and, on a pipeline rank, the
-    time in ``StageStep.train`` and in its blocking receives."""
+    time in ``StageStep.train``, in its blocking receives, and in the loop's two
+    collectives around it (the batch check before the step, the loss's sum after it)."""
+
+    PARTS = ("stage", "wait", "check", "sum")
 
     def __init__(self) -> None:
         self.step: list[float] = []
-        self.stage: list[float] = []
-        self.wait: list[float] = []
+        self.parts: dict[str, list[float]] = {k: [] for k in self.PARTS}
+        self.now: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
         self._t0 = 0.0
-        self.stage_now = 0.0
-        self.wait_now = 0.0
+
+    @property
+    def stage(self) -> list[float]:
+        return self.parts["stage"]
+
+    @property
+    def wait(self) -> list[float]:
+        return self.parts["wait"]
 
     def callback(self, keras: Any) -> Any:
         timers = self
 
         class _Cb(keras.callbacks.Callback):
             def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-                timers.stage_now = timers.wait_now = 0.0
+                timers.now = dict.fromkeys(timers.PARTS, 0.0)
                 timers._t0 = time.perf_counter()
 
             def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
                 timers.step.append(time.perf_counter() - timers._t0)
-                timers.stage.append(timers.stage_now)
-                timers.wait.append(timers.wait_now)
+                for k in timers.PARTS:
+                    timers.parts[k].append(timers.now[k])
 
         return _Cb()
 
     def reset(self) -> None:
-        self.step, self.stage, self.wait = [], [], []
+        self.step, self.parts = [], {k: [] for k in self.PARTS}
 
 
 ACTIVE: list[Timers] = []  # the timers of the model training now (a pipeline rank)
@@ -211,7 +249,10 @@ ACTIVE: list[Timers] = []  # the timers of the model training now (a pipeline ra
 
 def instrument_stage_step() -> None:
     """Wrap ``StageStep.train`` with a timer, and read the time its receives waited
-    (``StageStep.messages.waited``, kept by the step's receive ops); behaviour unchanged."""
+    (``StageStep.messages.waited``, kept by the step's receive ops); time the pipelined
+    model's batch check (``_tnt_batch``) and its loss's sum (``_tnt_sum``); behaviour
+    unchanged."""
+    from tarantella.pipeline.model import PipelinedModel
     from tarantella.pipeline.stage import StageStep
 
     train = StageStep.train
@@ -222,14 +263,31 @@ def instrument_stage_step() -> None:
             return train(self, *args, **kwargs)
         finally:
             if ACTIVE:
-                ACTIVE[0].stage_now += time.perf_counter() - t0
-                ACTIVE[0].wait_now += self.messages.waited - waited
+                ACTIVE[0].now["stage"] += time.perf_counter() - t0
+                ACTIVE[0].now["wait"] += self.messages.waited - waited
+
+    def timed(method: Any, key: str) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                if ACTIVE:
+                    ACTIVE[0].now[key] += time.perf_counter() - t0
+        return run
 
     StageStep.train = timed_train  # type: ignore[method-assign]
+    PipelinedModel._tnt_batch = timed(PipelinedModel._tnt_batch, "check")  # type: ignore[method-assign]
+    PipelinedModel._tnt_sum = timed(PipelinedModel._tnt_sum, "sum")  # type: ignore[method-assign]
 
 
 def worker_throughput(args: argparse.Namespace) -> None:
     """Serial: three compiles of the model. Pipeline rank: one model per M. Rounds take turns."""
+    if args.priority is not None:  # before TensorFlow starts its threads (they inherit it)
+        sys.path.insert(0, str(HERE.parent))
+        from throughput_worker import set_priority
+
+        set_priority(args.priority)
     if args.role == "serial-1cpu":  # before TensorFlow starts its thread pools
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
     import keras
@@ -265,6 +323,20 @@ def worker_throughput(args: argparse.Namespace) -> None:
                                       num_micro_batches=m, pipeline_schedule=schedule)
                     model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
                     configs[schedule_key(args, schedule)] = model
+            if args.loop_ab and "zb-h1" in args.schedules:  # the loop as it was, same rounds
+                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                  num_micro_batches=m, pipeline_schedule="zb-h1")
+                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+                state = model._tnt
+                state.reductions = lambda state=state: HeaderEveryCall(state.channel.backend)
+                configs[schedule_key(args, HEADERS)] = model
+                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                  num_micro_batches=m, pipeline_schedule="zb-h1")
+                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+                ungate_forward_passes(model._tnt.step)
+                configs[schedule_key(args, UNGATED)] = model
     else:
         for name, kwargs in (("keras fit", {}), ("keras fit, no XLA", {"jit_compile": False}),
                              ("keras fit, eager", {"run_eagerly": True})):
@@ -303,6 +375,8 @@ def worker_throughput(args: argparse.Namespace) -> None:
             loop = [st - s for st, s in zip(t.step, t.stage)]
             entry.update(stage=statistics.median(t.stage), wait=statistics.median(t.wait),
                          work=statistics.median(work), loop=statistics.median(loop),
+                         check=statistics.median(t.parts["check"]),
+                         sum=statistics.median(t.parts["sum"]),
                          local_params=int(model.local_param_count),
                          schedule=str(model.pipeline_schedule))
         else:
@@ -312,6 +386,41 @@ def worker_throughput(args: argparse.Namespace) -> None:
         step = configs[schedule_key(args, args.schedules[0])]._tnt.step
         result["passes"] = pass_costs(step, x[:b], y[:b], args.schedule_micro_batches)
     Path(args.out, f"{args.role}.rank{rank}.json").write_text(json.dumps(result))
+
+
+#: the ZB-H1 row whose loop agrees on a header before each of its two collectives, as the
+#: pipelined loop did before its step's reductions were agreed on once (``--loop-ab``)
+HEADERS = "zb-h1, old loop"
+
+
+class HeaderEveryCall:
+    """The pipelined loop's batch check and loss sum through ``backend.allreduce``, which
+    exchanges a header before each (two round trips each), instead of the model's
+    ``StepReductions`` (agreed once): the same training, for the A/B of the loop."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def allreduce(self, values: Any, op: str = "sum") -> Any:
+        import numpy as np
+
+        return np.array(self.backend.allreduce(np.array(values, np.float64).reshape(-1), op))
+
+
+#: the ZB-H1 row whose forward passes run as the dataflow allows (``--loop-ab``)
+UNGATED = "zb-h1, F ungated"
+
+
+def ungate_forward_passes(step: Any) -> None:
+    """``step``'s forward passes no longer wait for the action before them in the
+    schedule (as before they did): the same passes and messages, for the A/B of the gating."""
+    from tarantella.pipeline.stage import StageStep
+
+    def forward_pass(k: int, received: Any, x: Any, y: Any, sample_weight: Any, share: float,
+                     after: Any = ()) -> Any:
+        return StageStep._forward_pass(step, k, received, x, y, sample_weight, share)
+
+    step._forward_pass = forward_pass
 
 
 def schedule_key(args: argparse.Namespace, schedule: str) -> str:
@@ -344,16 +453,16 @@ def pass_costs(step: Any, x: Any, y: Any, m: int, repeats: int = 30) -> dict[str
         weights, back = passes.backward_apart(flight, returned, seed)
         return [*made, *(back or [])] if upto == "B" else [*made, *(back or []), *weights.grads]
 
-    timed = {}
-    for upto in ("F", "B", "W"):
-        fn = tf.function(lambda upto=upto: run(upto), autograph=False)
+    fns = {upto: tf.function(lambda upto=upto: run(upto), autograph=False) for upto in "FBW"}
+    times: dict[str, list[float]] = {upto: [] for upto in fns}
+    for fn in fns.values():
         fn()
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):  # the three in turn: a change of the machine's load hits each alike
+        for upto, fn in fns.items():
             start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-        timed[upto] = statistics.median(times)
+            times[upto].append(time.perf_counter() - start)
+    timed = {upto: statistics.median(t) for upto, t in times.items()}
     return {"F": timed["F"], "B": max(timed["B"] - timed["F"], 0.0),
             "W": max(timed["W"] - timed["B"], 0.0)}
 
@@ -572,7 +681,9 @@ def worker_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
             "--micro-batches", ",".join(map(str, args.micro_batches)),
             "--schedules", ",".join(args.schedules),
             "--schedule-micro-batches", str(args.schedule_micro_batches),
+            *([] if args.loop_ab else ["--no-loop-ab"]),
             "--all-micro-batches", str(args.all_micro_batches),
+            *([] if args.priority is None else ["--priority", str(args.priority)]),
             "--mem-width", str(args.mem_width), "--mem-layers", str(args.mem_layers),
             "--mem-io", str(args.mem_io), "--mem-batch", str(args.mem_batch),
             "--mem-steps", str(args.mem_steps), "--mem-micro-batches", str(args.mem_micro_batches),
@@ -636,7 +747,8 @@ def print_throughput(args: argparse.Namespace, serial: dict, serial1: dict, rank
     base = b / serial["configs"]["keras fit"]["step"]
     base1 = b / serial1["configs"]["keras fit"]["step"]
     print(f"\n1. Throughput: mlp, {args.layers} Dense layers of {args.width} units "
-          f"({serial['params'] / 1e6:.1f} M params, cut after layer {args.layers // 2}), global batch {b}, "
+          f"({serial['params'] / 1e6:.1f} M params, cut after layer {balanced_cut(args.layers)}), "
+          f"global batch {b}, "
           f"Adam, {args.backend}, {P} stages; {args.rounds} rounds x {args.steps} steps, median step")
     schedule = ranks[0]["configs"][f"M={args.micro_batches[0]}"]["schedule"]
     print(f"   serial: 1 process, TensorFlow's default threads (both cores), and held to 1 CPU with 1 "
@@ -721,19 +833,33 @@ def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) 
           "rank: " + "; ".join(f"r{i} {c['F'] * 1e3:.1f} / {c['B'] * 1e3:.1f} / {c['W'] * 1e3:.1f}"
                                for i, c in enumerate(costs))
           + " (the first stage's B is empty: no input gradient)")
-    print(f"{'schedule':8s} {'samples/s':>9s} {'vs 1 CPU':>8s} {'step':>6s} {'work':>13s} "
-          f"{'wait':>11s} {'loop':>11s} {'bound':>5s} {'of bound':>8s} {'dry-run bubble':>14s} "
-          f"{'dry-run of bound':>16s}")
+    passes = [m * (c["F"] + c["B"] + c["W"]) for c in costs]
+    cut = balanced_cut(args.layers)
+    flops = stage_flops(args.layers, cut)
+    print(f"   the cut: after layer {cut} of {args.layers}, where the stages' compute balances "
+          f"(F + B + W per layer, the first layer without B: {flops[0]} : {flops[1]} matrix "
+          f"products); measured, M x (F + B + W) per step: "
+          + " / ".join(f"{p * 1e3:.1f} ms" for p in passes)
+          + f" (r1 / r0 {passes[1] / passes[0]:.2f}); 'of passes' = the busier stage's "
+          "M x (F + B + W) / step (no optimizer)")
+    print(f"{'schedule':15s} {'samples/s':>9s} {'vs 1 CPU':>8s} {'step':>6s} {'work':>13s} "
+          f"{'wait':>11s} {'loop':>11s} {'check':>11s} {'sum':>11s} {'bound':>5s} {'of bound':>8s} "
+          f"{'of passes':>9s} {'dry-run bubble':>14s} {'dry-run of bound':>16s}")
     measured = schedules.Costs(forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
                                weight=[c["W"] for c in costs])
-    for s in args.schedules:
+    rows = [*args.schedules, *[v for v in (HEADERS, UNGATED)
+                               if schedule_key(args, v) in ranks[0]["configs"]]]
+    for s in rows:
         cs = [r["configs"][schedule_key(args, s)] for r in ranks]
         step = statistics.median([c["step"] for c in cs])
         rate, bound = b / step, b / max(c["work"] for c in cs)
-        dry = schedules.dry_run(schedules.build(s, P, m), measured)
-        pair = {key: " / ".join(f"{c[key] * 1e3:.1f}" for c in cs) for key in ("work", "wait", "loop")}
-        print(f"{s:8s} {rate:9.0f} {rate / base1:8.2f} {step * 1e3:6.1f} {pair['work']:>13s} "
-              f"{pair['wait']:>11s} {pair['loop']:>11s} {bound / base1:5.2f} {rate / bound:8.2f} "
+        dry = schedules.dry_run(schedules.build("zb-h1" if s in (HEADERS, UNGATED) else s, P, m),
+                                measured)
+        pair = {key: " / ".join(f"{c[key] * 1e3:.1f}" for c in cs)
+                for key in ("work", "wait", "loop", "check", "sum")}
+        print(f"{s:15s} {rate:9.0f} {rate / base1:8.2f} {step * 1e3:6.1f} {pair['work']:>13s} "
+              f"{pair['wait']:>11s} {pair['loop']:>11s} {pair['check']:>11s} {pair['sum']:>11s} "
+              f"{bound / base1:5.2f} {rate / bound:8.2f} {max(passes) / step:9.2f} "
               f"{dry.bubble:14.3f} {max(dry.busy) / dry.step_time:16.2f}")
     zb = [r["configs"][schedule_key(args, "zb-h1")] for r in ranks] if "zb-h1" in args.schedules else []
     if zb:
@@ -980,6 +1106,9 @@ def main() -> int:
     p.add_argument("--schedules", default="1f1b,zb-h1,gpipe",
                    help="the schedules compared at --schedule-micro-batches")
     p.add_argument("--schedule-micro-batches", type=int, default=4)
+    p.add_argument("--no-loop-ab", dest="loop_ab", action="store_false",
+                   help="skip the two ZB-H1 rows of the A/B: its loop exchanging a header "
+                        "before each of its collectives, and its forward passes ungated")
     p.add_argument("--all-micro-batches", type=int, default=4,
                    help="M of the ALL row (2 pipelines x P stages on 2P ranks)")
     p.add_argument("--no-all", action="store_true", help="skip the ALL row")
@@ -1015,6 +1144,10 @@ def main() -> int:
     p.add_argument("--cap-step", type=int, default=128, help="MB: the grid of the cap bisection")
     p.add_argument("--only", choices=["throughput", "memory", "recompute", "larger"],
                    help="run one part only (larger: the model larger than one rank)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="throughput part: every timed process (serial, each rank) at this nice "
+                        "value in a scheduling group of its own (root for < 0): other work on a "
+                        "shared machine then starves the runs less")
     p.add_argument("--timeout", type=float, default=300, help="seconds per launched process or job")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -1035,7 +1168,9 @@ def main() -> int:
         return 0
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     print(f"pipeline benchmark, {os.cpu_count()} CPUs, backend {args.backend}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, tarantella {source_version()}",
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, tarantella {source_version()}, "
+          f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}"
+          + ("" if args.priority is None else f", timed processes at priority {args.priority}"),
           flush=True)
     with tempfile.TemporaryDirectory() as tmp_name:
         out = Path(tmp_name)

@@ -558,6 +558,40 @@ def test_a_pipelined_batch_checksum_sees_one_bit_and_ignores_the_reduction_order
             assert _checksum(array[::-1].copy()) == _checksum(array)  # order-free: a sum
 
 
+def test_a_pipelined_steps_reductions_agree_once_then_exchange_once_per_step():
+    """The loss's sum and the batch check of every pipelined step: a header exchange the
+    first time, then only the data (one round trip instead of two), each result its own."""
+    from tarantella.comm.step_reductions import StepReductions
+
+    calls = []
+
+    class Recorder(tnt_core.CommBackend):  # rank 0 of 2 whose peer agrees and adds nothing
+        name = "recorder"
+        rank, size, local_rank, local_size = 0, 2, 0, 2
+
+        def allreduce_async(self, buf, op="sum"):
+            calls.append("header" if buf.dtype == np.int64 else f"{op} {buf.size}")
+            return tnt_core.CompletedHandle(buf)
+
+        def broadcast(self, buf, root=0):
+            return buf
+
+        def allgather(self, buf):
+            return np.stack([buf, buf])
+
+        def barrier(self):
+            pass
+
+        def close(self):
+            pass
+
+    reductions = StepReductions(tnt_core.WatchedBackend(Recorder()))
+    results = [(reductions.allreduce(np.ones(4) * step, "max"), reductions.allreduce([step + 0.5]))
+               for step in range(3)]
+    assert calls == ["header", "max 4", "header", "sum 1"] + ["max 4", "sum 1"] * 2
+    assert [(list(m), list(s)) for m, s in results] == [([k] * 4, [k + 0.5]) for k in range(3)]
+
+
 def test_warnings_for_a_users_call_name_the_users_line():
     """Keras' notice that ``shuffle`` is ignored for a dataset, raised while tarantella prepares
     the data, named ``tarantella/datasets.py``; it names the user's ``fit`` as in plain Keras.

@@ -15,6 +15,8 @@ import tensorflow as tf
 
 import tnt_core
 
+from ..comm.step_reductions import StepReductions
+
 __all__ = ["check_same_batch", "checksum"]
 
 
@@ -37,15 +39,15 @@ def checksum(tensor: Any) -> int:
     return int(tf.reduce_sum(words))
 
 
-def check_same_batch(backend: tnt_core.CommBackend, x: Any, y: Any, batch: int) -> None:
-    """Raise on every rank unless every rank of ``backend`` holds a batch of ``batch``
-    samples with the same ``x`` and ``y`` (a collective)."""
+def check_same_batch(reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
+    """Raise on every rank unless every rank of ``reductions``' backend holds a batch of
+    ``batch`` samples with the same ``x`` and ``y`` (a collective)."""
     parts = [np.float64(batch)]
     for t in tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)):
         parts.append(np.float64(checksum(t)))
     words = np.array(parts, np.float64)
     both = np.concatenate([words, -words])
-    extremes = backend.allreduce(both, "max")
+    extremes = reductions.allreduce(both, "max")
     if not np.array_equal(extremes[:words.size], -extremes[words.size:]):
         raise tnt_core.CommError(
             "the ranks of a pipelined model read different batches (their batch sizes or "

@@ -46,6 +46,7 @@ from .. import _keras_compat, arguments, files, randomness, step_backup, timelin
 from ..callbacks import distribute_callbacks
 from ..comm import Channel
 from ..comm.gradients import GradientReducer
+from ..comm.step_reductions import StepReductions
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
 from ..reporting.tracebacks import user_facing
@@ -139,6 +140,15 @@ class _PipelineState(DistributedState):
         #: a new communicator was bound to the job's channel: no loop may run (see
         #: PipelinedModel._tnt_rebound)
         self.rebound = False
+        self._reductions: StepReductions | None = None
+
+    def reductions(self) -> StepReductions:
+        """The step's own allreduces (its loss, its batch's fingerprint) over the job's
+        channel, each agreed on once (:mod:`tarantella.comm.step_reductions`)."""
+        backend = self.channel.backend
+        if self._reductions is None or self._reductions.backend is not backend:
+            self._reductions = StepReductions(backend)
+        return self._reductions
 
     def held_model(self, model: keras.Model) -> keras.Model:
         """This rank's partition (it holds no values of the others)."""
@@ -299,16 +309,18 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         return parts.outputs([tf.convert_to_tensor(v) for v in flat])
 
     def _tnt_rows(self, values: Any, share: slice) -> Any:
+        if self._tnt.num_replicas == 1:  # the whole batch: no copy of it
+            return values
         return tf.nest.map_structure(lambda v: None if v is None else v[share.start:share.stop],
                                      values)
 
     def _tnt_sum(self, value: float) -> float:
-        return float(self._tnt.channel.backend.allreduce(np.array([value], np.float64))[0])
+        return float(self._tnt.reductions().allreduce([value])[0])
 
     def _tnt_batch(self, data: Any) -> tuple[Any, Any, Any, int]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
-        check_same_batch(self._tnt.channel.backend, x, y, batch)  # stage 0 reads x, the last y
+        check_same_batch(self._tnt.reductions(), x, y, batch)  # stage 0 reads x, the last y
         return x, y, sample_weight, batch
 
     def _tnt_loss_tracker(self) -> Any:

@@ -167,14 +167,14 @@ class StagePasses:
                 # read before the pass updates them (traced functions order a variable's
                 # reads and writes as traced)
                 state = [(v, tf.identity(v.value)) for v in self.model.non_trainable_variables]
-                emitted, loss, predictions = self._compute(received, x, y, sample_weight, share,
-                                                           regularise)
+            emitted, loss, predictions = self._compute(received, x, y, sample_weight, share,
+                                                       regularise, after=after)
             kept = Kept(x, y, sample_weight, share, regularise, state)
             return InFlight(None, received, emitted, loss, predictions, kept)
-        with tf.GradientTape() as tape, tf.control_dependencies(list(after)):
+        with tf.GradientTape() as tape:
             tape.watch(received)
             emitted, loss, predictions = self._compute(received, x, y, sample_weight, share,
-                                                       regularise)
+                                                       regularise, after=after)
         return InFlight(tape, received, emitted, loss, predictions)
 
     def replay(self, flight: InFlight, after: Sequence[tf.Tensor] = ()) -> InFlight:
@@ -184,24 +184,30 @@ class StagePasses:
         (a seed state's step) are dropped, as they happened then."""
         kept = flight.kept
         assert kept is not None, "replay() is for a forward pass made with recompute=True"
-        with tf.GradientTape() as tape, tf.control_dependencies(list(after)):
+        with tf.GradientTape() as tape:
             tape.watch(flight.inputs)
             emitted, loss, predictions = self._compute(
                 flight.inputs, kept.x, kept.y, kept.sample_weight, kept.share, kept.regularise,
-                kept.state)
+                kept.state, after=after)
         return InFlight(tape, flight.inputs, emitted, loss, predictions)
 
     def _compute(self, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
                  share: float, regularise: bool,
-                 state: list[tuple[keras.Variable, tf.Tensor]] | None = None
-                 ) -> tuple[list[Any], tf.Tensor | None, Any]:
+                 state: list[tuple[keras.Variable, tf.Tensor]] | None = None,
+                 after: Sequence[tf.Tensor] = ()) -> tuple[list[Any], tf.Tensor | None, Any]:
         """The partition, its loss (last stage) and regularisation on one micro-batch:
-        ``(emitted, loss, predictions)``; with ``state``, its variables read from it and
-        left unchanged (a ``keras.StatelessScope``)."""
+        ``(emitted, loss, predictions)``, the partition's own ops after the ops ``after``;
+        with ``state``, its variables read from it and left unchanged (a
+        ``keras.StatelessScope``)."""
         scope = contextlib.nullcontext() if state is None else \
             keras.StatelessScope(state_mapping=state, initialize_variables=False)
         with scope:
-            emitted = self.run(received, x, training=True)
+            # only the partition's own ops wait for ``after``: the loss below may make its
+            # metrics' variables in the step's first trace, and TensorFlow lifts their
+            # initialisers out of the graph and runs them with whatever they wait for (a
+            # receive would then take a micro-batch's message before the step runs)
+            with tf.control_dependencies(list(after)):
+                emitted = self.run(received, x, training=True)
             loss = predictions = None
             if self.last:
                 predictions = self.parts.outputs(emitted)

@@ -29,10 +29,12 @@ them measured).
 A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
 a shorter last batch traces once more): every action unrolled in the schedule's order, the
 accumulation, the replicas' sum and the optimizer. There is no Python per micro-batch. The
-messages run in the list's order (:mod:`tarantella.pipeline.messages`), and so does each
-``W``: it starts after what the action before it made (else the dataflow would run it with
-its ``B``, and it would delay the input gradient the previous stage waits for); the other
-passes run as the dataflow allows. The
+messages run in the list's order (:mod:`tarantella.pipeline.messages`), and so do each
+``F`` and each ``W``: they start after what the action before them made. Why: left to the
+dataflow, the first stage's forward passes (all ready at once) would share its core and
+the first activations would leave later, and a ``W`` would run with its ``B`` and delay
+the input gradient the previous stage waits for. A backward pass follows the gradients it
+receives (or, on the last stage, its forward pass), which come just before it. The
 graph also makes two things serial that a stage's own optimizer cannot see alone: a
 ``global_clipnorm`` clips by the whole model's norm (one scalar allreduce over the
 stages), and loss scaling (``mixed_float16``) starts the backward pass from the scale and
@@ -232,8 +234,7 @@ class StageStep:
         """The step's graph: this stage's actions of the schedule, unrolled (``local``,
         ``batch`` and the ``incoming`` messages' shapes are static, so the micro-batch sizes
         are), the gradients accumulated, summed over the replicas and applied, and the sends
-        completed. The messages and each ``W`` run in the schedule's order (see the module
-        doc); the other passes as the dataflow allows."""
+        completed, in the schedule's order (see the module doc)."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         share = shares(sizes, batch)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
@@ -251,7 +252,7 @@ class StageStep:
         actions = self.actions(len(sizes))
         apart = {a.micro_batch for a in actions if a.op is Op.WEIGHT}  # B without the weights'
         weight_passes: dict[int, WeightPass] = {}
-        last: list[Any] = []  # what the latest action made: a W starts after it
+        last: list[Any] = []  # what the latest action made: an F or a W starts after it
         for action in actions:
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
@@ -259,7 +260,8 @@ class StageStep:
                 received[k] = last = self._receive(self.parts.received[self.stage], sizes[k], peer,
                                                    _FORWARD, incoming)
             elif action.op is Op.FORWARD:
-                flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k])
+                flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k],
+                                                after=last)
                 last = [*flights[k].outputs, *([] if flights[k].loss is None else [flights[k].loss])]
                 if self.last:
                     predictions[k] = flights[k].predictions
@@ -298,12 +300,14 @@ class StageStep:
         return total, joined
 
     def _forward_pass(self, k: int, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
-                 share: float) -> InFlight:
-        """Micro-batch ``k``'s forward pass, marked on the timeline; the weight
-        regularisation joins the loss once per step, with micro-batch 0."""
+                 share: float, after: Sequence[Any] = ()) -> InFlight:
+        """Micro-batch ``k``'s forward pass, after ``after`` (what the action before it
+        made), marked on the timeline; the weight regularisation joins the loss once per
+        step, with micro-batch 0."""
         begun = self._mark(received + keras.tree.flatten(x), f"forward {k}", begin=True)
         flight = self.passes.forward(received, x, y, sample_weight, share,
-                                     regularise=k == 0 and self.regularise, after=begun,
+                                     regularise=k == 0 and self.regularise,
+                                     after=[*tensors_in(after), *begun],
                                      recompute=self.recompute)
         self._mark(list(flight.outputs) + ([] if flight.loss is None else [flight.loss]),
                    f"forward {k}", begin=False)
