@@ -135,10 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             fit_args = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
             val = tf.data.Dataset.from_tensor_slices((vx, vy)).batch(4)
-        if args.mode == "tnt" and model_name == "two_input":
+        if args.mode == "tnt" and model_name == "two_input" and tnt.get_size() == 3:
             # interrupted as batch 2 of epoch 2 begins, resumed by a new model from the
             # BackupAndRestore(save_freq=2) backup written as batch 1 began: at the step,
-            # with the whole History (the serial run trains straight through)
+            # with the whole History (the serial run trains straight through); in the
+            # 3-rank launch only (the native path, batches split unevenly), for time
             backup = os.path.join(args.out, f"{tag}.backup")  # shared: every rank reads it
 
             class Interrupt(keras.callbacks.Callback):
