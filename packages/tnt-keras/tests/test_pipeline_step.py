@@ -25,7 +25,7 @@ from tarantella.errors import NotSupportedError
 from tarantella.keras.layers import SplitLayer
 from tarantella.pipeline.partition import partition
 from tarantella.pipeline.stage import StageStep, micro_batch_sizes
-from tnt_keras_helpers import run_serial, run_workers
+from tnt_keras_helpers import EchoPeerBackend, run_serial, run_workers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -120,25 +120,6 @@ def test_micro_batches_split_the_batch_larger_first_and_never_empty():
     assert micro_batch_sizes(0, 4) == []
 
 
-class _NoP2P(tnt_core.CommBackend):
-    name = "collectives-only"
-    rank, size, local_rank, local_size = 0, 2, 0, 2
-
-    def allreduce_async(self, buf, op="sum"):
-        return tnt_core.CompletedHandle(buf)
-
-    def broadcast(self, buf, root=0):
-        return buf
-
-    def allgather(self, buf):
-        return np.stack([buf, buf])
-
-    def barrier(self):
-        pass
-
-    def close(self):
-        pass
-
 
 def _cut_model(middle: keras.layers.Layer) -> keras.Model:
     inp = keras.Input((4,))
@@ -158,7 +139,7 @@ def _step(model, backend=None, loss=None):
 
 def test_a_backend_without_point_to_point_is_refused_naming_it():
     with pytest.raises(NotSupportedError, match="'collectives-only' backend does not provide"):
-        _step(_cut_model(keras.layers.Dense(3)), _NoP2P())
+        _step(_cut_model(keras.layers.Dense(3)), EchoPeerBackend())
 
 
 def test_micro_batch_statistics_and_activity_regularisers_are_refused_naming_the_layer():

@@ -22,6 +22,7 @@ import tnt_core
 from tarantella import callbacks as tcb
 from tarantella import datasets, environment
 from tarantella.data_parallel import batch_scaling, steps, xla
+from tnt_keras_helpers import EchoPeerBackend
 
 
 def _ids(ds) -> list[list[int]]:
@@ -565,25 +566,10 @@ def test_a_pipelined_steps_reductions_agree_once_then_exchange_once_per_step():
 
     calls = []
 
-    class Recorder(tnt_core.CommBackend):  # rank 0 of 2 whose peer agrees and adds nothing
-        name = "recorder"
-        rank, size, local_rank, local_size = 0, 2, 0, 2
-
+    class Recorder(EchoPeerBackend):  # rank 0 of 2 whose peer agrees and adds nothing
         def allreduce_async(self, buf, op="sum"):
             calls.append("header" if buf.dtype == np.int64 else f"{op} {buf.size}")
             return tnt_core.CompletedHandle(buf)
-
-        def broadcast(self, buf, root=0):
-            return buf
-
-        def allgather(self, buf):
-            return np.stack([buf, buf])
-
-        def barrier(self):
-            pass
-
-        def close(self):
-            pass
 
     reductions = StepReductions(tnt_core.WatchedBackend(Recorder()))
     results = [(reductions.allreduce(np.ones(4) * step, "max"), reductions.allreduce([step + 0.5]))

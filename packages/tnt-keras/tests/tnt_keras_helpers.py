@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tnt_core
@@ -129,3 +130,27 @@ def launch_params(launches: Sequence[SuiteLaunch]) -> list:
     backend here can serve."""
     return [pytest.param(launch, id=launch.id, marks=[] if launch.backend else pytest.mark.skip(
         reason="no installed backend but store can serve launched ranks")) for launch in launches]
+
+
+class EchoPeerBackend(tnt_core.CommBackend):
+    """Rank 0 of 2 whose peer agrees and adds nothing (every collective returns this rank's
+    own values), and which has no point-to-point: for tests of what a rank sends, in one
+    process."""
+
+    name = "collectives-only"
+    rank, size, local_rank, local_size = 0, 2, 0, 2
+
+    def allreduce_async(self, buf, op="sum"):
+        return tnt_core.CompletedHandle(buf)
+
+    def broadcast(self, buf, root=0):
+        return buf
+
+    def allgather(self, buf):
+        return np.stack([buf, buf])
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
