@@ -95,7 +95,8 @@ def test_rejoin_outside_an_elastic_job_says_how_to_start_one(monkeypatch):
 def test_a_generation_that_only_adds_ranks_leaves_the_communicator_working(server):
     """Ranks joining abort nothing: the watcher marks the generation pending (the ranks move
     there where they agree, ``newest_seen``) and watches on; a later generation in which a
-    rank left aborts the communicator as before."""
+    rank left aborts the communicator as before. A rank rejoining there skips the
+    generation that added a rank: that rank is still one it must give its state to."""
     from types import SimpleNamespace
 
     from tnt_core._runtime import Runtime
@@ -111,9 +112,13 @@ def test_a_generation_that_only_adds_ranks_leaves_the_communicator_working(serve
         def abort(self, reason: str) -> None:
             aborted.append(reason)
 
+        def close(self) -> None:
+            pass
+
     backend = Backend()
     start = Membership(0, (0, 1), ("h", "h"))
-    runtime = Runtime(config, backend, SimpleNamespace(name="fake"), SimpleNamespace(), start)
+    runtime = Runtime(config, backend, SimpleNamespace(name="fake"), SimpleNamespace(), start,
+                      starter=lambda config, name, pm: (Backend(), SimpleNamespace(name="fake")))
     with connect_store(config) as launcher:
         publish_membership(launcher, start)
         runtime.watch_membership()
@@ -131,5 +136,8 @@ def test_a_generation_that_only_adds_ranks_leaves_the_communicator_working(serve
                 time.sleep(0.01)
             assert aborted and "rank 1 left (killed)" in aborted[0]
             assert runtime.membership_changed() and runtime.newest_seen() == 2
+            runtime.rejoin(timeout=5)
+            # generation 2's record lists no newcomer (member 2 came in generation 1)
+            assert runtime.generation == 2 and runtime.membership.joined == (1,)
         finally:
             runtime._watcher.stop()

@@ -40,7 +40,7 @@ def step_from_rank0(step: int) -> int:
 
 
 step = 0
-if rt.membership is not None and rt.rank in rt.membership.joined:
+if rt.membership is not None and rt.rank in rt.membership.joined:  # started for the job
     step = step_from_rank0(0)
 # a replacement reports its first step; a survivor its first step after each rejoin
 report = first_generation > 0

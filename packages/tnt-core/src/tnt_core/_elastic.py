@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._errors import CommError, TntError, handled
@@ -105,6 +105,14 @@ class Membership:
         so its communicator still works and the ranks may move to this one at a point they
         agree on, rather than abort the collective in flight."""
         return bool(self.joined) and not self.departed
+
+    def seen_after(self, previous: Membership) -> Membership:
+        """This generation as a rank that bound ``previous`` last sees it: ``joined`` lists
+        every member that rank has not worked with. (The record lists the members new since
+        the generation before it, which a rank that skipped generations never bound: a
+        replacement started for generation 2 is no newcomer in generation 3's record.)"""
+        joined = tuple(r for r, m in enumerate(self.members) if m not in previous.members)
+        return self if joined == self.joined else replace(self, joined=joined)
 
     def rank_of(self, member: int) -> int | None:
         """The rank of ``member`` in this generation, None when it is not part of it."""

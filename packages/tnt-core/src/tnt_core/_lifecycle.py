@@ -8,6 +8,7 @@ multi-rank job, and keeps the :class:`~tnt_core.Runtime` for the life of the pro
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 
 import pluggy
@@ -89,12 +90,17 @@ def _start_elastic(config: Config, name: str | None, pm: pluggy.PluginManager
     """An elastic job's process at start: its place in the newest generation (a
     replacement may start after further changes; a change while connecting starts over
     with the newer generation)."""
+    started_late = config.member_id is not None  # by tnt run, for the running job
     member = config.rank if config.member_id is None else config.member_id
     with store_client(config) as store:
         store.interrupt = None  # its own waits are for the generations it asks for
         while True:
             membership = join_membership(store, member, config.timeout_s)
             config = in_membership(config.with_overrides(member_id=member), membership)
+            if started_late and config.rank not in membership.joined:
+                # it holds no state, in whichever generation it lands (its own may be gone)
+                membership = dataclasses.replace(
+                    membership, joined=tuple(sorted((*membership.joined, config.rank))))
             configure_logging(config)
             try:  # alone in its generation: the local backend (a named one needs peers)
                 comm, spec = start_backend(config, "local" if config.size == 1 else name, pm)

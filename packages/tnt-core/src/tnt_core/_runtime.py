@@ -222,6 +222,8 @@ class Runtime:
         if self._starter is None:
             raise ConfigError("this runtime was made without a backend starter: it cannot rejoin")
         self.backend, self.backend_spec = self._starter(config, name, self.plugin_manager)
+        if self.membership is not None:
+            membership = membership.seen_after(self.membership)
         self.config, self.membership, self.pending_membership = config, membership, None
         self.pending_join = None
         configure_logging(config, rank=config.rank)
