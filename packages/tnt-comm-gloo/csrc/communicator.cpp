@@ -329,6 +329,7 @@ struct Communicator::Shared {
   std::deque<Task> queue;
   bool stopping = false;
   bool busy = false;
+  std::uint64_t finished = 0;  // operations run to their end (for connection_failed)
   bool exited = false;
   bool connections_closed = false;
   std::string failure;
@@ -399,8 +400,15 @@ Communicator::Communicator(const ConnectOptions& options,
   } else {
     shared_->shm = std::move(setup.shm);
   }
-  // A failed send or receive fails the communicator, as a failed collective does.
   std::weak_ptr<Shared> weak = shared_;
+  auto on_failure = [weak](const std::string& what) {
+    if (auto shared = weak.lock()) connection_failed(*shared, what);
+  };
+  watches_.push_back(std::make_unique<ConnectionWatch>(shared_->context, on_failure));
+  if (shared_->hierarchy) {
+    watches_.push_back(std::make_unique<ConnectionWatch>(shared_->hierarchy->cross, on_failure));
+  }
+  // A failed send or receive fails the communicator, as a failed collective does.
   shared_->p2p = std::make_shared<PointToPoint>(
       shared_->context, [weak](const std::string& reason) {
         if (auto shared = weak.lock()) poison(*shared, reason);
@@ -469,6 +477,24 @@ void Communicator::poison(Shared& shared, const std::string& reason) {
   shared.interrupt.fire(reason);
 }
 
+// How long an operation in flight may go on after a connection of this rank failed: it may
+// still finish from what arrived (a peer that finished the operation and exited), or fail
+// by itself; past this it waits on a send Gloo will never end (connection_watch.h).
+constexpr auto kConnectionGrace = std::chrono::milliseconds(1500);
+
+void Communicator::connection_failed(Shared& s, const std::string& what) {
+  std::unique_lock<std::mutex> lock(s.mu);
+  if (!s.busy || s.stopping || !s.failure.empty()) return;  // the next operation fails by itself
+  const std::uint64_t running = s.finished;
+  const bool over = s.cv.wait_for(lock, kConnectionGrace, [&s, running] {
+    return s.finished != running || s.stopping || !s.failure.empty();
+  });
+  if (over) return;
+  lock.unlock();
+  poison(s, "a connection to a peer failed (" + what + ") and the operation in flight did not "
+            "end within " + std::to_string(kConnectionGrace.count()) + " ms after");
+}
+
 void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
   std::string error;
   if (!failure.empty()) {
@@ -483,6 +509,14 @@ void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
     }
   }
   if (!error.empty() && failure.empty()) {
+    std::string cause;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      cause = s.failure;  // set meanwhile by another thread (abort, a failed connection)
+    }
+    if (!cause.empty() && error.find(cause) == std::string::npos) {
+      error += " (" + cause + ")";
+    }
     poison(s, task.work->name() + ": " + error);
   }
   task.body = nullptr;  // drop captured state before the work is reported done
@@ -490,6 +524,7 @@ void Communicator::execute(Shared& s, Task& task, const std::string& failure) {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.busy = false;
+    ++s.finished;
   }
   s.cv.notify_all();
 }
@@ -620,7 +655,10 @@ bool Communicator::close(std::chrono::milliseconds grace) {
   // Sends and receives not waited for fail; their threads stop (they never block on
   // the worker, nor it on them).
   if (shared_->p2p) shared_->p2p->shutdown("the communicator is closed");
-  if (!worker_.joinable()) return true;
+  if (!worker_.joinable()) {
+    watches_.clear();
+    return true;
+  }
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     shared_->stopping = true;
@@ -636,6 +674,7 @@ bool Communicator::close(std::chrono::milliseconds grace) {
     poison(*shared_, "the communicator was closed while collectives were in flight");
     clean = exited(std::chrono::milliseconds(5000));
   }
+  watches_.clear();  // before the contexts go (with the worker or after it)
   if (!clean) {
     // A transport call ignored the abort. Leave the thread the shared state (it keeps
     // the context alive) rather than hang the process.

@@ -27,6 +27,7 @@
 #include <gloo/context.h>
 #include <gloo/rendezvous/store.h>
 
+#include "connection_watch.h"
 #include "shm_allreduce.h"
 #include "types.h"
 
@@ -213,6 +214,9 @@ class Communicator {
   static void run(std::shared_ptr<Shared> shared);
   static void execute(Shared& shared, Task& task, const std::string& failure);
   static void poison(Shared& shared, const std::string& reason);
+  // A ConnectionWatch saw a pair fail (`what`: Gloo's words): poisons the communicator if
+  // the operation in flight then does not finish within kConnectionGrace.
+  static void connection_failed(Shared& shared, const std::string& what);
 
   const int rank_;
   const int size_;
@@ -223,6 +227,8 @@ class Communicator {
   bool hierarchical_ = false;
   std::pair<int, int> host_layout_;
   bool closed_ = false;  // close() ran; only close() and the destructor use it
+  // One per context (the full mesh; the hierarchy's between the hosts); stopped by close().
+  std::vector<std::unique_ptr<ConnectionWatch>> watches_;
 };
 
 }  // namespace tnt_gloo
