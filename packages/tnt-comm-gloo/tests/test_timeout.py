@@ -10,7 +10,7 @@ TIMEOUT_S = 3.0
 
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "tcp"])
 def test_hung_peer_times_out_and_poisons(scenario, shm: str) -> None:
-    run = scenario("timeout", 2, args=["--hang", str(TIMEOUT_S + 4)], tnt_timeout_s=TIMEOUT_S,
+    run = scenario("timeout", 2, args=["--hang", str(TIMEOUT_S + 2)], tnt_timeout_s=TIMEOUT_S,
                    env={"TNT_GLOO_SHM": shm})
     run.assert_ok(2)
     info = run.reports[0]["info"]
