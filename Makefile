@@ -17,10 +17,13 @@ INSTALL := -e packages/tnt-core -e packages/tnt-comm-gloo -e "packages/tnt-comm-
 # tnt-keras' op library compiles against the TensorFlow installed by the line before it
 INSTALL_NO_ISOLATION := -e packages/tnt-keras
 STAMP   := $(VENV)/.stamp-installed
+# the examples' data set, beside the venv rather than in it (ci/requirements-examples.txt)
+EXAMPLES_SITE := $(VENV)/examples-site
 # uv's pip interface installs into .venv: the same requirements as pip, linked from uv's cache
 # (pip takes over a minute unpacking TensorFlow into a fresh venv), with their bytecode
 UV      := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode
 INPUTS  := Makefile VERSION ci/install-system-deps.sh ci/requirements-test.txt ci/requirements-lint.txt \
+           ci/requirements-examples.txt \
            ci/requirements-build.txt $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) \
            $(wildcard packages/tnt-comm-gloo/CMakeLists.txt packages/tnt-comm-gloo/csrc/*) \
            $(wildcard packages/tnt-keras/CMakeLists.txt packages/tnt-keras/csrc/*) \
@@ -42,6 +45,8 @@ $(STAMP): $(INPUTS)
 	$(BIN)/python -m pip install -q --upgrade pip uv
 	$(UV) -r ci/requirements-test.txt -r ci/requirements-build.txt $(INSTALL)
 	$(UV) --no-build-isolation $(INSTALL_NO_ISOLATION)
+	rm -rf $(EXAMPLES_SITE)
+	$(UV) --no-deps --target $(EXAMPLES_SITE) -r ci/requirements-examples.txt
 	touch $@
 
 setup: $(STAMP)
@@ -50,7 +55,8 @@ setup: $(STAMP)
 # shows them; docs/cli.md); TF_CPP_MIN_LOG_LEVEL=2 hides TensorFlow's C++ warnings, here the
 # graph optimizer's "Not handling type DT_DOUBLE" of the float64 model
 run: setup
-	TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/tnt run -n $(NP) -- examples/quickstart/lenet5.py --compare-serial
+	TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH=$(EXAMPLES_SITE) $(BIN)/tnt run -n $(NP) -- \
+	    examples/quickstart/lenet5.py --compare-serial
 
 test: setup
 	bash ci/test.sh

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from examples_site import with_examples_site
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "quickstart.md"
@@ -47,6 +48,7 @@ def _run(command: str, cwd: Path) -> str:
     argv[0] = {"python": sys.executable, "tnt": _tnt()}.get(argv[0], argv[0])
     env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
     env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+    with_examples_site(env)  # the page's `pip install scikit-learn`, in this environment
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, \
         f"{command}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
@@ -61,7 +63,6 @@ def test_the_page_has_the_expected_blocks():
 
 def test_every_quickstart_block_runs(tmp_path):
     pytest.importorskip("tarantella")
-    pytest.importorskip("sklearn")
     page = blocks()
     program = "\n\n".join(code for kind, code in page if kind == "python")
     (tmp_path / "lenet5.py").write_text(program)

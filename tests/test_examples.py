@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from examples_site import with_examples_site
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -43,6 +44,7 @@ def run_example(script: str, *args: str, tnt_args: tuple[str, ...] = (), cwd: Pa
     pytest.importorskip("tarantella")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
     env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+    with_examples_site(env)
     proc = subprocess.run(
         [tnt_command(), "run", "-n", "2", "--timeout", "300", *tnt_args, "--",
          str(EXAMPLES / script), *args],
