@@ -18,7 +18,8 @@ if [ "${#gates_failed[@]}" -gt 0 ]; then
 fi
 
 echo "== pytest"
-"$VENV/bin/python" -m pytest "$@"
+# the slowest tests listed: the suite must stay within CI's 15 minutes (README)
+"$VENV/bin/python" -m pytest --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests; check testpaths in pyproject.toml" >&2
