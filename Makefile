@@ -46,7 +46,10 @@ $(STAMP): $(INPUTS)
 	$(UV) -r ci/requirements-test.txt -r ci/requirements-build.txt $(INSTALL)
 	$(UV) --no-build-isolation $(INSTALL_NO_ISOLATION)
 	rm -rf $(EXAMPLES_SITE)
-	$(UV) --no-deps --target $(EXAMPLES_SITE) -r ci/requirements-examples.txt
+	$(BIN)/python -c 'import numpy; print("numpy==" + numpy.__version__)' > $(VENV)/numpy-pin.txt
+	$(UV) --target $(EXAMPLES_SITE) -r ci/requirements-examples.txt -c $(VENV)/numpy-pin.txt
+	rm -rf $(EXAMPLES_SITE)/numpy $(EXAMPLES_SITE)/numpy-*.dist-info $(EXAMPLES_SITE)/numpy.libs \
+	    $(EXAMPLES_SITE)/bin
 	touch $@
 
 setup: $(STAMP)
