@@ -208,6 +208,10 @@ def main() -> int:
     parser.add_argument("--sparse", action="store_true",
                         help="serial: also the sparse and bucketed cases (one layout's serial "
                              "run makes them)")
+    parser.add_argument("--routing", action="store_true",
+                        help="also the cases of what a pipeline routes between its stages (dict "
+                             "inputs, the graph cases, batches of different lengths): the same "
+                             "code in every pipeline, so one layout runs them")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     x, y = data()
@@ -263,11 +267,13 @@ def main() -> int:
         model.save_weights(str(args.out / "w.weights.h5"))
     resumed = resume(args, x, y)
     memory = stage_memory(args, x, y)
-    named = dict_inputs(args, x, y)
+    named = dict_inputs(args, x, y) if args.routing else []
     workflow = keras_workflow(args, x)
-    pipeline_graph_worker.run(args, x, y)  # skips, late inputs, several outputs, automatic cuts
+    if args.routing:  # skips, late inputs, several outputs, automatic cuts
+        pipeline_graph_worker.run(args, x, y)
     if args.mode == "pipeline" or args.sparse:  # sparse gradients, float64 and float32
         pipeline_sparse_worker.run(args)
+    if args.routing and (args.mode == "pipeline" or args.sparse):
         pipeline_bucket_worker.run(args)  # batches of different sequence lengths
     tag = f"{args.mode}.rank{rank}"
     np.savez(args.out / f"{tag}.npz", predictions=predictions,
