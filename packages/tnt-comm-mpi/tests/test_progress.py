@@ -1,6 +1,6 @@
 """Waiting is cheap and overlaps: 2 ranks under mpiexec (tests/workers/progress_worker.py).
 
-* a rank waiting ~3 s for a late peer uses < 10 % of a core, in ``allreduce_async(...)
+* a rank waiting ~1.5 s for a late peer uses < 10 % of a core, in ``allreduce_async(...)
   .wait()`` and in the blocking ``allreduce`` alike (MPICH's blocking
   MPI_Allreduce, measured alongside for the record, busy-polls a whole core);
 * the caller's thread keeps running Python while a 64 MiB allreduce is in flight, and
@@ -32,7 +32,7 @@ def reports(have_mpiexec, tmp_path_factory) -> dict[int, dict]:
 
 def test_waiting_rank_uses_under_10_percent_of_a_core(reports) -> None:
     wait = reports[0]["wait_ours"]
-    assert wait["wall_s"] >= 2.0, f"rank 0 did not wait for the late peer: {wait}"
+    assert wait["wall_s"] >= 1.0, f"rank 0 did not wait for the late peer: {wait}"
     assert wait["cpu_percent"] < 10.0, (
         f"a rank waiting {wait['wall_s']:.2f}s used {wait['cpu_percent']:.1f}% of a core "
         f"(plain MPI_Allreduce: {reports[0]['wait_mpi']['cpu_percent']:.1f}%)"
@@ -42,7 +42,7 @@ def test_waiting_rank_uses_under_10_percent_of_a_core(reports) -> None:
 def test_a_rank_waiting_in_the_blocking_allreduce_uses_under_10_percent_of_a_core(reports) -> None:
     # the caller's thread runs it itself (no hand-off), with the same spin-then-sleep wait
     wait = reports[0]["wait_blocking"]
-    assert wait["wall_s"] >= 2.0, f"rank 0 did not wait for the late peer: {wait}"
+    assert wait["wall_s"] >= 1.0, f"rank 0 did not wait for the late peer: {wait}"
     assert wait["cpu_percent"] < 10.0, wait
 
 

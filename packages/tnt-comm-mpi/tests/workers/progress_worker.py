@@ -24,7 +24,7 @@ import psutil
 
 import tnt_core
 
-DELAY = 3.0
+DELAY = 1.5  # long against the 50 ms spin budget (TNT_MPI_MAX_WAITED_SPIN_MS): 3 % of it
 
 
 def cpu_seconds(proc: psutil.Process) -> float:
