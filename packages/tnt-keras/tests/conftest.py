@@ -10,12 +10,14 @@ references from one plain process; the test modules compare their files. The lau
 A session starts every run its tests need once they are collected, up to three side by side
 (``SuiteRuns.start_needed``): they work while the other packages' tests run, the tests of
 one launch find the others under way or done, and the two cores work while a launch waits
-on its peers.
+on its peers. test_pipeline_model's four runs start with the first tnt-keras test
+(``pipelined_model_runs``), for the same reason.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +32,10 @@ from tnt_core.testing import LaunchResult  # noqa: E402
 from tnt_keras_helpers import (  # noqa: E402
     NATIVE_PATH,
     ONE_RANK,
+    PIPELINE_BACKEND,
+    PIPELINE_LAYOUTS,
+    PIPELINE_ROUTING,
+    PIPELINE_SPARSE_REFERENCE,
     PYTHON_PATH,
     SUITE_LAUNCHES,
     SuiteLaunch,
@@ -151,3 +157,32 @@ def serial_suite(suite_runs) -> Path:
 def rank_suite(request, suite_runs):
     """``(out, nprocs, launch)`` of each launch of ``SUITE_LAUNCHES`` (see ``SuiteRuns.get``)."""
     return suite_runs.get(request.param)
+
+
+@pytest.fixture(scope="session")
+def pipelined_model_runs(tmp_path_factory) -> Iterator[dict[str, tuple[int, int, Path, list[Future]]]]:
+    """test_pipeline_model's runs: every layout's serial run and launch, side by side (a
+    pipeline's stages wait on each other much of the time, so the four runs take little
+    longer than the longest alone): layout -> ``(ranks, stages, out, [launch, serial])``."""
+    with ThreadPoolExecutor(max_workers=2 * len(PIPELINE_LAYOUTS), thread_name_prefix="pipelined") as pool:
+        started = {}
+        for layout, (stages, strategy, ranks) in PIPELINE_LAYOUTS.items():
+            out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")
+            args = ["--partitions", str(stages), "--out", str(out),
+                    *(["--routing"] if layout == PIPELINE_ROUTING else [])]
+            sparse = ["--sparse"] if layout == PIPELINE_SPARSE_REFERENCE else []
+            started[layout] = (ranks, stages, out, [
+                pool.submit(run_workers, "pipeline_model_worker.py",
+                            ["--mode", "pipeline", "--strategy", strategy, *args], ranks,
+                            PIPELINE_BACKEND, timeout=400),
+                pool.submit(run_serial, "pipeline_model_worker.py", ["--mode", "serial", *args, *sparse])])
+        yield started
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pipelined_model_runs_early(request) -> None:
+    """Start test_pipeline_model's runs with the session's first tnt-keras test, when that
+    module is to run: they take minutes of both cores, and the tnt-keras tests before it
+    leave a core idle much of the time (waits on peers, timeouts, one-process checks)."""
+    if any(item.path.name == "test_pipeline_model.py" for item in request.session.items):
+        request.getfixturevalue("pipelined_model_runs")

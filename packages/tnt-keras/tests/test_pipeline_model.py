@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import keras
@@ -29,42 +28,20 @@ from pipeline_model_worker import EPOCHS
 from pipeline_worker import build
 
 import tarantella as tnt
-from tnt_keras_helpers import BACKENDS, run_serial, run_workers
+from tnt_keras_helpers import PIPELINE_LAYOUTS as LAYOUTS
+from tnt_keras_helpers import PIPELINE_ROUTING as ROUTING
+from tnt_keras_helpers import PIPELINE_SPARSE_REFERENCE as SPARSE_REFERENCE
 
 pytestmark = pytest.mark.timeout(600)
 
 TOLERANCE = 1e-5
-#: the backend users run (gloo, which has point-to-point); tnt-core's reference backend else
-BACKEND = "gloo" if "gloo" in BACKENDS else "store"
-
-
-#: layout -> (stages, strategy, ranks)
-LAYOUTS = {"3-stages": (3, "pipelining", 3), "2-stages-x-2-pipelines": (2, "all", 4)}
-#: the layout whose serial run also makes the sparse cases' reference (the same for every
-#: layout: their model is cut automatically)
-SPARSE_REFERENCE = "3-stages"
-#: the layout that runs the routing cases (dict inputs, the graphs, bucketed batches)
-ROUTING = "3-stages"
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory) -> Iterator[dict[str, tuple[int, int, Path, list[Future]]]]:
-    """Every layout's serial run and launch, all started at the first test that needs one: a
-    pipeline's stages wait on each other much of the time, so the four runs side by side
-    take little longer than the longest alone."""
-    with ThreadPoolExecutor(max_workers=2 * len(LAYOUTS), thread_name_prefix="pipelined") as pool:
-        started = {}
-        for layout, (stages, strategy, ranks) in LAYOUTS.items():
-            out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")
-            args = ["--partitions", str(stages), "--out", str(out),
-                    *(["--routing"] if layout == ROUTING else [])]
-            started[layout] = (ranks, stages, out, [
-                pool.submit(run_workers, "pipeline_model_worker.py",
-                            ["--mode", "pipeline", "--strategy", strategy, *args], ranks, BACKEND,
-                            timeout=400),
-                pool.submit(run_serial, "pipeline_model_worker.py", [
-                    "--mode", "serial", *args, *(["--sparse"] if layout == SPARSE_REFERENCE else [])])])
-        yield started
+def started(pipelined_model_runs) -> dict[str, tuple[int, int, Path, list[Future]]]:
+    """Every layout's serial run and launch (conftest's ``pipelined_model_runs``: under way
+    since the first tnt-keras test of the session)."""
+    return pipelined_model_runs
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

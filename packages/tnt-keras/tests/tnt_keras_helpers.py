@@ -124,6 +124,17 @@ PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "callback_logs", "collect
                                             "elastic_agree"))
 SUITE_LAUNCHES = (ONE_RANK, NATIVE_PATH, PYTHON_PATH)
 
+#: test_pipeline_model's launches (conftest's ``pipelined_model_runs``): layout -> (stages,
+#: strategy, ranks)
+PIPELINE_LAYOUTS = {"3-stages": (3, "pipelining", 3), "2-stages-x-2-pipelines": (2, "all", 4)}
+#: the layout whose serial run also makes the sparse cases' reference (the same for every
+#: layout: their model is cut automatically)
+PIPELINE_SPARSE_REFERENCE = "3-stages"
+#: the layout that runs the routing cases (dict inputs, the graphs, bucketed batches)
+PIPELINE_ROUTING = "3-stages"
+#: the backend users run (gloo, which has point-to-point); tnt-core's reference backend else
+PIPELINE_BACKEND = "gloo" if "gloo" in BACKENDS else "store"
+
 
 def launch_params(launches: Sequence[SuiteLaunch]) -> list:
     """pytest parameters of ``launches``, each with its id; a clear skip for a launch no
