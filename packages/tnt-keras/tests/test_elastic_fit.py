@@ -12,13 +12,14 @@ are whole (the values of plain Keras' files), the one the master died in is not 
 user's path at all, and each death was known to the survivor within seconds.
 Float64, so a difference beyond round-off is a wrong step, not noise.
 
-A second launch, ``tnt run -n 2 --min-np 2 --max-restarts 1 --max-np 3`` with a host
+A second launch, ``tnt run -n 2 --min-np 2 --max-restarts 2 --max-np 3`` with a host
 discovery script, takes ranks in: rank 1 is SIGKILLed as a train step begins in the first
 epoch and a replacement joins (the survivor waits for it: --min-np 2); the kill also makes
 the discovery script offer a third slot, and that new rank joins too (at a step's boundary
 when it comes after the replacement). Each joiner runs the script from the top: its fit
 joins the running one, its evaluate and predict are the job's. Every rank's result is plain
-Keras'.
+Keras'. The new rank dies as the master gives it the state
+(``ELASTIC_DIE_TAKING_STATE``): the survivors go on and a replacement of it joins in turn.
 
 A third launch, ``tnt run -n 2 --max-restarts 1`` of a pipelined model, restarts every rank
 when one dies; the fit resumes from its BackupAndRestore backup at the step.
@@ -137,9 +138,9 @@ def test_a_replacement_and_a_new_rank_join_and_fit_still_gives_plain_keras_resul
     hosts.write_text(f"#!/bin/sh\nif [ -e {tmp_path}/grow ]; then echo localhost:3; "
                      "else echo localhost:2; fi\n")
     hosts.chmod(0o755)
-    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "90"}
+    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "90", "ELASTIC_DIE_TAKING_STATE": "3"}
     proc = subprocess.run(
-        [str(TNT), "run", "-n", "2", "--min-np", "2", "--max-restarts", "1", "--max-np", "3",
+        [str(TNT), "run", "-n", "2", "--min-np", "2", "--max-restarts", "2", "--max-np", "3",
          "--host-discovery-script", str(hosts), "--backend", "gloo", "--",
          str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path), "1:train:0:3", "3:1:2"],
         env=env, capture_output=True, text=True, timeout=300)
@@ -148,10 +149,15 @@ def test_a_replacement_and_a_new_rank_join_and_fit_still_gives_plain_keras_resul
     for says in ("rank 1 on localhost exited with code 137", "rank 2 on localhost joined",
                  "rank 3 on localhost joined", "going on with 3 rank(s)",
                  "rank 1 left (exited with code 137 (signal SIGKILL?)); rank 1 joined; training "
-                 "goes on with 2 rank(s) after"):
+                 "goes on with 2 rank(s) after",
+                 "rank 3 on localhost exited with code 137", "rank 4 on localhost joined"):
         assert says in output, output[-4000:]
-    assert json.loads((tmp_path / "recoveries.json").read_text())["size"] == 3
-    for member in (0, 2, 3):  # the survivor, the replacement, the new rank: round-off
+    record = json.loads((tmp_path / "recoveries.json").read_text())
+    assert record["size"] == 3, record
+    # the new rank died as the master gave it the state: the survivors knew in seconds
+    killed = float((tmp_path / "killed-3").read_text())
+    assert any(0 <= seen - killed < 5.0 for seen, _ in record["notices"]), (killed, record)
+    for member in (0, 2, 4):  # the survivor, the replacement, the new rank's replacement
         _assert_serial(dict(np.load(tmp_path / f"result-member{member}.npz")), serial["result"],
                        rtol=1e-12, atol=1e-15)
     assert _shm() <= before, sorted(_shm() - before)

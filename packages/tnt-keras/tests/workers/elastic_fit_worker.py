@@ -27,6 +27,9 @@ History to OUT/result-<mode>.npz, and its recoveries to OUT/recoveries.json (sec
 took, the wall-clock times the loop met each failure and the times this rank first knew of
 each new generation); a killed rank writes the time of its kill to OUT/killed-<member>.
 With GROW every rank writes its own result too, OUT/result-member<M>.npz.
+
+``ELASTIC_DIE_TAKING_STATE=M`` (``ELASTIC_DIE_GIVING_STATE=M``): member ``M`` SIGKILLs
+itself as it would take (give) the state of a joining rank, the other ranks in the broadcast.
 """
 
 from __future__ import annotations
