@@ -23,10 +23,23 @@ ConnectionWatch::ConnectionWatch(const std::shared_ptr<gloo::Context>& context,
                                  std::function<void(const std::string&)> on_failure)
     : sentinel_(context->createUnboundBuffer(&byte_, 1)) {
   const std::uint64_t slot = gloo::Slot::build(kSentinelSlotPrefix, 0);
-  for (int peer = 0; peer < context->size; ++peer) {
-    if (peer != context->rank) sentinel_->recv(peer, slot);
+  // A peer may have closed its side already (it found a configuration error the same set-up
+  // gives every rank, and left): posting on that pair throws. That is a failure to report,
+  // as any later one, not an error of the set-up: the rank goes on to find the same error.
+  std::string failed;
+  try {
+    for (int peer = 0; peer < context->size; ++peer) {
+      if (peer != context->rank) sentinel_->recv(peer, slot);
+    }
+  } catch (...) {
+    failed = describe_exception(std::current_exception());
   }
-  thread_ = std::thread([buffer = sentinel_.get(), on_failure = std::move(on_failure)] {
+  thread_ = std::thread([buffer = sentinel_.get(), on_failure = std::move(on_failure),
+                         failed = std::move(failed)] {
+    if (!failed.empty()) {
+      on_failure(failed);
+      return;
+    }
     try {
       if (!buffer->waitRecv(kForever)) return;  // stopped
     } catch (...) {
