@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import types
 import warnings
 
@@ -509,6 +510,43 @@ def test_checkpoints_of_master_only_callbacks_are_written_atomically(tmp_path):
     assert seen == [True, True], "each checkpoint written by the master alone"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-1.keras", "epoch-2.keras"]
     assert keras.models.load_model(tmp_path / "epoch-2.keras").count_params() == model.count_params()
+
+
+def test_keras_backup_metadata_interrupted_in_its_write_leaves_the_previous_file(tmp_path,
+                                                                                   monkeypatch):
+    """Where Keras' own BackupAndRestore runs (steps_per_execution above 1, an elastic
+    data-parallel job), its training_metadata.json is written whole: a write that dies in the
+    middle (here its json.dumps fails after Keras opened the file) leaves the previous
+    epoch's file, where plain Keras leaves an empty one that a resumed fit cannot read."""
+    from keras.src.callbacks import backup_and_restore
+
+    class FailingSecondDump:
+        calls = 0
+
+        @staticmethod
+        def dumps(value):
+            FailingSecondDump.calls += 1
+            if FailingSecondDump.calls == 2:
+                raise OSError("killed in the middle of the write")
+            return json.dumps(value)
+
+        loads = staticmethod(json.loads)
+
+    def fit(model, backup_dir):
+        FailingSecondDump.calls = 0
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+        with monkeypatch.context() as m:
+            m.setattr(backup_and_restore, "json", FailingSecondDump)
+            with pytest.raises(OSError, match="killed in the middle"):
+                model.fit(np.ones((4, 3)), np.ones((4, 2)), batch_size=2, epochs=3, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(str(backup_dir))])
+        return (backup_dir / "training_metadata.json").read_text()
+
+    assert fit(_mlp(), tmp_path / "plain") == ""  # plain Keras: the file truncated
+    written = fit(tnt.Model(_mlp()), tmp_path / "tnt")
+    assert json.loads(written)["epoch"] == 1, written  # the first epoch's (Keras counts from 1)
+    assert sorted(p.name for p in (tmp_path / "tnt").iterdir()) == [
+        "latest.weights.h5", "training_metadata.json"]
 
 
 def test_a_pydatasets_epoch_hooks_run_as_in_plain_keras():

@@ -19,6 +19,7 @@ part in the master's saves there (they hold the other partitions).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,7 @@ import tnt_core
 
 from . import comm
 from .data_parallel.weights import broadcast_model_state
-from .files import local_writes
+from .files import local_writes, written_whole
 
 __all__ = ["INTERNAL", "Callback", "distribute_callbacks", "wrap_callback"]
 
@@ -201,6 +202,34 @@ def _master_only(cb: keras.callbacks.Callback, master: bool, everywhere: Sequenc
     return Callback(cb, run_on_all_ranks=False, _master=master, _everywhere=everywhere)
 
 
+class _KerasBackupAndRestore(Callback):
+    """Keras' own ``BackupAndRestore`` run as Keras runs it (every rank restores at the epoch,
+    the master writes), where tarantella's step backup does not apply (an elastic
+    data-parallel job, ``steps_per_execution`` above 1). Its weights go through the model's
+    atomic ``save_weights``; its small ``training_metadata.json``, which Keras writes in
+    place, is written whole too (:func:`tarantella.files.written_whole`): a master killed in
+    that write leaves the previous file, not an empty one that the resumed ``fit`` could not
+    read."""
+
+    def _saving(self, name: str, *args: Any, **kwargs: Any) -> None:
+        callback = self.keras_callback
+        whole: Any = contextlib.nullcontext()
+        if self._is_master:  # double_checkpoint copies the file aside before it writes it
+            whole = written_whole(callback, "_training_metadata_path",
+                                  keep_content=bool(getattr(callback, "double_checkpoint", False)))
+        with whole:
+            getattr(Callback, name)(self, *args, **kwargs)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._saving("on_epoch_end", epoch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if getattr(self.keras_callback, "save_freq", "epoch") == "epoch":  # never saves here
+            Callback.on_train_batch_end(self, batch, logs)
+        else:
+            self._saving("on_train_batch_end", batch, logs)
+
+
 def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -> Any:
     """``tnt_wrap_callback`` for Keras: how ``callback`` runs on this rank."""
     if isinstance(callback, Callback):
@@ -223,7 +252,8 @@ def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -
         if state is not None and state.resumes_at_step and getattr(model, "steps_per_execution", 1) == 1:
             return state.step_backup_callback(callback)
         # every rank restores (all resume at the same epoch); only the master writes
-        return _master_only(callback, master, everywhere=("on_train_begin",))
+        return _KerasBackupAndRestore(callback, run_on_all_ranks=False, _master=master,
+                                      _everywhere=("on_train_begin",))
     if isinstance(callback, _WRITERS):
         return _master_only(callback, master)
     return Callback(callback)

@@ -26,7 +26,8 @@ import tnt_core
 
 from . import comm
 
-__all__ = ["agree", "attempt_write", "local_writes", "write_collectively", "writes_locally"]
+__all__ = ["agree", "attempt_write", "local_writes", "write_collectively", "writes_locally",
+           "written_whole"]
 
 _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".hdf5")
 _local = threading.local()
@@ -57,6 +58,35 @@ def _temporary_path(path: str) -> str:
     else:
         stem, suffix = os.path.splitext(name)
     return os.path.join(head, f".{stem}.tnt-tmp-{os.getpid()}{suffix}")
+
+
+@contextlib.contextmanager
+def written_whole(owner: Any, attribute: str, *, keep_content: bool = False) -> Iterator[None]:
+    """A file that code not ours writes in place, its path in ``owner.<attribute>`` (Keras'
+    ``BackupAndRestore`` writes its ``training_metadata.json`` so), written whole: inside the
+    block the attribute names a temporary file next to it, renamed into place afterwards if
+    the block wrote it. A writer killed in the middle leaves the hidden temporary file and
+    the previous file whole, never an empty or truncated one. ``keep_content``: the
+    temporary file starts as a copy of the file (for code that reads or copies the file
+    before it writes)."""
+    path = getattr(owner, attribute, None)
+    if not isinstance(path, str):  # not where this Keras keeps it: written as Keras writes
+        yield
+        return
+    tmp = _temporary_path(path)
+    _remove(tmp)
+    if keep_content and os.path.isfile(path):
+        shutil.copyfile(path, tmp)
+    setattr(owner, attribute, tmp)
+    try:
+        yield
+    except BaseException:
+        _remove(tmp)
+        raise
+    finally:
+        setattr(owner, attribute, path)
+    if os.path.lexists(tmp):
+        os.replace(tmp, path)
 
 
 def _remove(path: str) -> None:
