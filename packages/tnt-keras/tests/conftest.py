@@ -125,6 +125,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """Start every run the session's tests need as soon as they are collected: the launches
     then work while the other packages' tests (mostly waiting on their peers and timeouts)
     run, rather than after them."""
+    if config.option.collectonly:  # nothing will run: launch nothing (it took minutes)
+        return
     # pytest's own factory behind the tmp_path_factory fixture (no fixture exists yet here)
     runs = SuiteRuns(config._tmp_path_factory)  # type: ignore[attr-defined]
     runs.start_needed(items)
