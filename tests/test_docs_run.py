@@ -41,7 +41,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -753,12 +753,24 @@ class Runs:
                 self.listing.append(f"{b.id:<28} {b.kind:<8} {o.status:<14} {first}")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def start_runs(workdir: Path) -> Future | None:
+    """Every block's run, started in the background (``tests/conftest.py`` starts it with the
+    session's first repository-level test: its launches fill the cores that the one-process
+    tests before this module leave idle); None where tnt-keras is not installed."""
     if importlib.util.find_spec("tarantella") is None:   # (not imported here: TensorFlow's start-up)
+        return None
+    result = Runs(workdir)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docs-run")
+    future = pool.submit(lambda: (result.run(), result)[1])
+    pool.shutdown(wait=False)
+    return future
+
+
+@pytest.fixture(scope="module")
+def runs(docs_runs):
+    if docs_runs is None:
         pytest.skip("tnt-keras is not installed")
-    result = Runs(tmp_path_factory.mktemp("docs-run"))
-    result.run()
+    result = docs_runs.result()
     print("\nevery block of the user pages:\n" + "\n".join(result.listing))
     print("\nwall seconds:\n" + "\n".join(f"{s:7.1f}  {what}" for what, s in result.timings))
     return result
