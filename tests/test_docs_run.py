@@ -760,8 +760,13 @@ def start_runs(workdir: Path) -> Future | None:
     if importlib.util.find_spec("tarantella") is None:   # (not imported here: TensorFlow's start-up)
         return None
     result = Runs(workdir)
+
+    def run() -> Runs:
+        result.run()
+        return result
+
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docs-run")
-    future = pool.submit(lambda: (result.run(), result)[1])
+    future = pool.submit(run)
     pool.shutdown(wait=False)
     return future
 

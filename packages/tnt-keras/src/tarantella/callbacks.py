@@ -211,23 +211,25 @@ class _KerasBackupAndRestore(Callback):
     that write leaves the previous file, not an empty one that the resumed ``fit`` could not
     read."""
 
-    def _saving(self, name: str, *args: Any, **kwargs: Any) -> None:
+    def _metadata_whole(self) -> Any:
+        """Where this rank writes (the master), Keras' metadata write made whole."""
         callback = self.keras_callback
-        whole: Any = contextlib.nullcontext()
-        if self._is_master:  # double_checkpoint copies the file aside before it writes it
-            whole = written_whole(callback, "_training_metadata_path",
-                                  keep_content=bool(getattr(callback, "double_checkpoint", False)))
-        with whole:
-            getattr(Callback, name)(self, *args, **kwargs)
+        if not self._is_master:
+            return contextlib.nullcontext()
+        # double_checkpoint copies the file aside before it writes it
+        return written_whole(callback, "_training_metadata_path",
+                             keep_content=bool(getattr(callback, "double_checkpoint", False)))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self._saving("on_epoch_end", epoch, logs)
+        with self._metadata_whole():
+            super().on_epoch_end(epoch, logs)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if getattr(self.keras_callback, "save_freq", "epoch") == "epoch":  # never saves here
-            Callback.on_train_batch_end(self, batch, logs)
-        else:
-            self._saving("on_train_batch_end", batch, logs)
+            super().on_train_batch_end(batch, logs)
+            return
+        with self._metadata_whole():
+            super().on_train_batch_end(batch, logs)
 
 
 def wrap_callback(callback: keras.callbacks.Callback, context: dict[str, Any]) -> Any:
