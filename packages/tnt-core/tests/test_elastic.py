@@ -141,3 +141,35 @@ def test_a_generation_that_only_adds_ranks_leaves_the_communicator_working(serve
             assert runtime.generation == 2 and runtime.membership.joined == (1,)
         finally:
             runtime._watcher.stop()
+
+
+def test_a_process_started_late_takes_the_newer_generation_its_connect_met(server, monkeypatch):
+    """A replacement connecting in generation 1 while a rank leaves (generation 2 is out)
+    starts over in generation 2; the failed connect then explains no later exception (the
+    process would otherwise end as a peer's consequence, exit 75, on its own bug)."""
+    from types import SimpleNamespace
+
+    from tnt_core import _errors, _lifecycle
+    from tnt_core._peer_failure import comm_error_of
+
+    host, port = server.address
+    config = Config(rank=1, size=2, local_size=2, rendezvous=f"{host}:{port}",
+                    rendezvous_key=server.key, elastic=True, timeout_s=10.0, member_id=3)
+    tried: list[int] = []
+
+    def start_backend(config, name, pm):
+        tried.append(config.size)
+        if len(tried) == 1:  # generation 1's peer leaves while this rank connects
+            publish_membership(launcher, Membership(2, (0, 3), ("h",) * 2, joined=(1,),
+                                                    departed=(Departure(2, 1, "killed"),)))
+            raise CommError("the elastic job's membership changed while waiting "
+                            "(generation 2 is out)")
+        return SimpleNamespace(name="fake"), SimpleNamespace(name="fake")
+
+    monkeypatch.setattr(_lifecycle, "start_backend", start_backend)
+    monkeypatch.setattr(_errors, "_first_comm_error", [])
+    with connect_store(config) as launcher:
+        publish_membership(launcher, Membership(1, (0, 2, 3), ("h",) * 3, joined=(1, 2)))
+        _, _, joined, membership = _lifecycle._start_elastic(config, "gloo", None)
+    assert tried == [3, 2] and membership.generation == 2 and joined.rank == 1
+    assert comm_error_of(ValueError("the user's own bug")) is None

@@ -12,14 +12,17 @@ are whole (the values of plain Keras' files), the one the master died in is not 
 user's path at all, and each death was known to the survivor within seconds.
 Float64, so a difference beyond round-off is a wrong step, not noise.
 
-A second launch, ``tnt run -n 2 --min-np 2 --max-restarts 2 --max-np 3`` with a host
+A second launch, ``tnt run -n 2 --min-np 2 --max-restarts 3 --max-np 3`` with a host
 discovery script, takes ranks in: rank 1 is SIGKILLed as a train step begins in the first
-epoch and a replacement joins (the survivor waits for it: --min-np 2); the kill also makes
-the discovery script offer a third slot, and that new rank joins too (at a step's boundary
-when it comes after the replacement). Each joiner runs the script from the top: its fit
-joins the running one, its evaluate and predict are the job's. Every rank's result is plain
-Keras'. The new rank dies as the master gives it the state
-(``ELASTIC_DIE_TAKING_STATE``): the survivors go on and a replacement of it joins in turn.
+epoch and a replacement (member 2) joins at that step (the survivor waits for it: --min-np
+2); the kill also makes the discovery script offer a third slot, whose new rank (member 3)
+joins at a step's boundary once the replacement holds the state. Each joiner runs the
+script from the top: its fit joins the running one, its evaluate and predict are the job's.
+Deaths in the state transfer: member 2 as it gives member 3 the state
+(``ELASTIC_DIE_GIVING_STATE``): member 3 binds the next membership and takes the state
+from the master; member 2's replacement (member 4) as it takes the state
+(``ELASTIC_DIE_TAKING_STATE``): the others go on and its replacement joins. Every rank's
+result is plain Keras'.
 
 A third launch, ``tnt run -n 2 --max-restarts 1`` of a pipelined model, restarts every rank
 when one dies; the fit resumes from its BackupAndRestore backup at the step.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,26 +142,33 @@ def test_a_replacement_and_a_new_rank_join_and_fit_still_gives_plain_keras_resul
     hosts.write_text(f"#!/bin/sh\nif [ -e {tmp_path}/grow ]; then echo localhost:3; "
                      "else echo localhost:2; fi\n")
     hosts.chmod(0o755)
-    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "90", "ELASTIC_DIE_TAKING_STATE": "3"}
+    env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "90", "ELASTIC_JOIN_AFTER": "3:2",
+           "ELASTIC_DIE_GIVING_STATE": "2", "ELASTIC_DIE_TAKING_STATE": "4"}
     proc = subprocess.run(
-        [str(TNT), "run", "-n", "2", "--min-np", "2", "--max-restarts", "2", "--max-np", "3",
+        [str(TNT), "run", "-n", "2", "--min-np", "2", "--max-restarts", "3", "--max-np", "3",
          "--host-discovery-script", str(hosts), "--backend", "gloo", "--",
          str(WORKERS / "elastic_fit_worker.py"), "tnt", str(tmp_path), "1:train:0:3", "3:1:2"],
         env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
+    (tmp_path / "output.txt").write_text(output)
     assert proc.returncode == 0, output[-6000:]
-    for says in ("rank 1 on localhost exited with code 137", "rank 2 on localhost joined",
-                 "rank 3 on localhost joined", "going on with 3 rank(s)",
-                 "rank 1 left (exited with code 137 (signal SIGKILL?)); rank 1 joined; training "
-                 "goes on with 2 rank(s) after",
-                 "rank 3 on localhost exited with code 137", "rank 4 on localhost joined"):
+    for says in ("rank 1 left (exited with code 137 (signal SIGKILL?)); rank 1 joined; training "
+                 "goes on with 2 rank(s) after",  # the replacement, at the step that failed
+                 "rank 3 on localhost joined; going on with 3 rank(s)",  # the new slot's rank
+                 "rank 2 on localhost exited with code 137", "rank 4 on localhost exited with code 137",
+                 "rank 5 on localhost joined; going on with 3 rank(s)"):
         assert says in output, output[-4000:]
+    # the giver died: the joiner bound the next membership and took the state from the master
+    assert re.search(r"rank 2 joined; then generation \d+: 2 ranks; rank 1 left \(exited with code "
+                     r"137 \(signal SIGKILL\?\)\); training goes on with 2 rank\(s\) after [\d.]+s, "
+                     r"the joining rank\(s\) took the state", output), output[-4000:]
+    assert "exited with code 75" not in output and "evicted" not in output, output[-4000:]
     record = json.loads((tmp_path / "recoveries.json").read_text())
     assert record["size"] == 3, record
-    # the new rank died as the master gave it the state: the survivors knew in seconds
-    killed = float((tmp_path / "killed-3").read_text())
-    assert any(0 <= seen - killed < 5.0 for seen, _ in record["notices"]), (killed, record)
-    for member in (0, 2, 4):  # the survivor, the replacement, the new rank's replacement
+    for member in (2, 4):  # each death in a state transfer known to the master in seconds
+        killed = float((tmp_path / f"killed-{member}").read_text())
+        assert any(0 <= seen - killed < 5.0 for seen, _ in record["notices"]), (member, killed, record)
+    for member in (0, 3, 5):  # the survivor, the joiner whose giver died, the last replacement
         _assert_serial(dict(np.load(tmp_path / f"result-member{member}.npz")), serial["result"],
                        rtol=1e-12, atol=1e-15)
     assert _shm() <= before, sorted(_shm() - before)

@@ -17,7 +17,7 @@ from ._backend import BackendSpec, CommBackend
 from ._backend_choice import start_backend
 from ._config import Config
 from ._elastic import Membership, join_membership, latest_generation
-from ._errors import CommError, ConfigError
+from ._errors import CommError, ConfigError, handled
 from ._log import configure_logging
 from ._peer_failure import install_excepthook
 from ._plugins import get_plugin_manager
@@ -107,6 +107,7 @@ def _start_elastic(config: Config, name: str | None, pm: pluggy.PluginManager
             except CommError:
                 if latest_generation(store) == membership.generation:
                     raise
+                handled()  # the newer generation is joined: this failure explains nothing later
                 continue
             return comm, spec, config, membership
 

@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         loop.done = 4
     ahead = state() if rank == 1 else None
-    finished_for_me = loop._agree("train")
+    finished_for_me, _ = loop._agree("train")
     report = {"finished_for_me": finished_for_me, "done": loop.done, "state": state(),
               "ahead": ahead, "last": {k: float(v) for k, v in (loop.last or {}).items()}}
-    report["again"] = loop._agree("train")  # the same number everywhere: a redo, nothing moves
+    report["again"], _ = loop._agree("train")  # the same number everywhere: a redo, nothing moves
     report["state_again"] = state()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

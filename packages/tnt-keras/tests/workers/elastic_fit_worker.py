@@ -15,8 +15,9 @@ OOM kill or a lost host would end it, where ``phase`` says:
 * ``hang``: as that train batch begins, the process stops itself (SIGSTOP): alive, stuck.
 
 GROW, ``size:epoch:batch``: a kill first writes OUT/grow (the test's host discovery script
-then offers one slot more), and the master waits as that train batch begins until the job
-has ``size`` ranks or it has seen them coming (they join at the next step's boundary).
+then offers one slot more); as each train batch begins from that one on, while the job has
+fewer than ``size`` ranks, the master waits until it sees a new generation coming (its ranks
+join at the next step's boundary; one may die there, and the master waits again).
 
 The float64 model has BatchNormalization(synchronized=True) (collectives in the forward
 pass, statistics moved there), Adam, metrics; the training data is a ``PyDataset`` shuffled
@@ -30,6 +31,9 @@ With GROW every rank writes its own result too, OUT/result-member<M>.npz.
 
 ``ELASTIC_DIE_TAKING_STATE=M`` (``ELASTIC_DIE_GIVING_STATE=M``): member ``M`` SIGKILLs
 itself as it would take (give) the state of a joining rank, the other ranks in the broadcast.
+``ELASTIC_JOIN_AFTER=M:H``: member ``M`` starts its runtime once member ``H`` holds the job's
+state (it wrote OUT/holds-H after its first train step), so that ``M`` joins a job ``H`` is
+part of, never together with it.
 """
 
 from __future__ import annotations
@@ -51,12 +55,19 @@ kills = [tuple(k.split(":")) for k in (sys.argv[3].split(",") if len(sys.argv) >
 grow = [int(v) for v in sys.argv[4].split(":")] if len(sys.argv) > 4 else None
 keras.config.set_floatx("float64")
 keras.utils.set_random_seed(7)
+# the rank this process started as, or the member id tnt run gave a process started later
+me = int(os.environ.get("TNT_MEMBER_ID", os.environ.get("TNT_RANK", "0")))
+if mode == "tnt" and os.environ.get("ELASTIC_JOIN_AFTER", "").startswith(f"{me}:"):
+    holder = out / f"holds-{os.environ['ELASTIC_JOIN_AFTER'].split(':')[1]}"
+    deadline = time.monotonic() + 120
+    while not holder.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"member {me}: no {holder.name} within 120s")
+        time.sleep(0.01)
 if mode == "tnt":
     import tarantella as tnt
     import tnt_core
 
-# the rank this process started as, or the member id tnt run gave a process started later
-me = int(os.environ.get("TNT_MEMBER_ID", os.environ.get("TNT_RANK", "0")))
 if mode == "tnt" and os.environ.get("ELASTIC_DIE_TAKING_STATE") == str(me):
     # a joiner that dies as the master gives it the state (the others are in the broadcast)
     from tarantella.data_parallel.elastic import ElasticLoop
@@ -107,12 +118,17 @@ class Killer(keras.callbacks.Callback):
         if (me, where["epoch"], batch) in _kills("hang"):
             (out / f"killed-{me}").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
-        if grow is not None and (where["epoch"], batch) == tuple(grow[1:]) and tnt.get_rank() == 0:
+        if (grow is not None and where["epoch"] is not None and tnt.get_rank() == 0
+                and (where["epoch"], batch) >= tuple(grow[1:])):
             runtime, deadline = tnt_core.init(), time.monotonic() + 120
             while runtime.size < grow[0] and runtime.newest_seen() == runtime.generation:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no rank joined within 120s ({runtime.size} ranks)")
                 time.sleep(0.05)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not (out / f"holds-{me}").exists():  # a joiner's first step with the job's state
+            (out / f"holds-{me}").touch()
 
     def on_test_batch_begin(self, batch, logs=None):
         self._maybe("test", batch)

@@ -76,6 +76,11 @@ def is_membership_failure(exc: BaseException, runtime: tnt_core.Runtime) -> bool
     return runtime.membership_changed()
 
 
+#: how a joiner's exchange with the job fails (a rank left: CommError, or TensorFlow's
+#: error carrying it)
+_EXCHANGE_FAILURES = (tnt_core.TntError, tf.errors.OpError)
+
+
 class _JoinNow(tnt_core.TntError):
     """The ranks agreed, at an operation's boundary, to take in the ranks that joined."""
 
@@ -286,8 +291,6 @@ class ElasticLoop:
                     _first_line(failure))
         started = time.monotonic()
         book = joining.ledger()
-        if book.holders is None:
-            book.holders = set(runtime.membership.members) if runtime.membership else set()
         master = runtime.membership.members[0] if runtime.membership else None
         changes: list[str] = []  # a rank may die while the others recover: each generation
         welcomed = False
@@ -297,8 +300,12 @@ class ElasticLoop:
             if runtime.membership is not None:
                 changes.append(runtime.membership.describe_change())
             try:
-                done_by_root = self._agree(kind)
-                welcomed = self._welcome(None if done_by_root else kind) or welcomed
+                done_by_root, stateless = self._agree(kind)
+                if stateless:
+                    self._welcome(None if done_by_root else kind)
+                    welcomed = True
+                if runtime.membership is not None:
+                    book.holders = set(runtime.membership.members)
                 break
             except Exception as exc:
                 if not is_membership_failure(exc, runtime):
@@ -323,19 +330,27 @@ class ElasticLoop:
                                "from now on (tnt.get_rank() == 0)")
         return done_by_root
 
-    def _agree(self, kind: str | None) -> bool:
+    def _agree(self, kind: str | None) -> tuple[bool, bool]:
         """The ranks compare their operation counts; a rank behind takes the state and the
-        outputs of the first rank ahead (True on it). A joiner (``kind`` None) holds no
-        state: it takes part in the collectives and takes nothing."""
+        outputs of the first rank ahead (True first on it). A joiner (``kind`` None) holds no
+        state: it takes part in the collectives and takes nothing. Second: whether any rank
+        holds no state (a joiner, also one whose taking of the state failed before): the
+        ranks decide it from the same numbers, so all of them welcome it, or none."""
         channel = self.state.channel
         mine = np.array([self.done if kind is not None else -1,
                          KINDS.index(kind) if kind is not None else 0], dtype=np.int64)
         every = np.asarray(channel.backend.allgather(mine)).reshape(-1, 2)
         holding = every[:, 0] >= 0
+        stateless = not holding.all()
+        if not holding[0]:  # survivors keep their order: no rank holding the state is left
+            raise tnt_core.TntError(
+                "every rank that held the job's state left before the joining ranks took it: "
+                "the job cannot go on exactly; resume it from its last checkpoint "
+                "(keras.callbacks.BackupAndRestore)")
         top = int(every[holding, 0].max())
         behind = holding & (every[:, 0] < top)
         if not behind.any():
-            return False
+            return False, stateless
         root = int(np.flatnonzero(every[:, 0] == top)[0])
         needed = KINDS[int(every[behind][0, 1])]  # the operation the ranks behind are in
         payload = b""
@@ -348,7 +363,7 @@ class ElasticLoop:
                                     "weights": weights})
         received = channel.broadcast_bytes(payload, root)
         if kind is None or self.done == top:
-            return False
+            return False, stateless
         answer = pickle.loads(received)
         if answer["weights"] is not None:
             for v, value in zip(model_state_variables(self.model), answer["weights"]):
@@ -359,7 +374,7 @@ class ElasticLoop:
         self.done = top
         self.last = answer["outputs"]
         self._metrics_at_reset = None
-        return True
+        return True, stateless
 
     # -- ranks that join ------------------------------------------------------------------------
 
@@ -376,23 +391,15 @@ class ElasticLoop:
         if int(newest[0]) > runtime.generation:
             raise _JoinNow(f"generation {int(newest[0])} takes in new ranks")
 
-    def _welcome(self, kind: str | None) -> bool:
-        """After a rebind: when ranks joined that hold no state, the master tells them
-        where the job is, and gives them the state when the call in progress is theirs
-        (they replay up to it first; every rank waits here meanwhile). True when it did."""
+    def _welcome(self, kind: str | None) -> None:
+        """After a rebind, when ranks are in the job that hold no state (``_agree`` found
+        them): the master tells them where the job is and gives them the state when the
+        call in progress is theirs (they replay up to it first; every rank waits here
+        meanwhile)."""
         runtime, channel = self.state.runtime, self.state.channel
-        book = joining.ledger()
-        membership = runtime.membership
-        if membership is None or book.holders is None:
-            return False
-        new = [m for m in membership.members if m not in book.holders]
-        if not new:
-            return False
-        where = book.describe(self.done, kind) if runtime.is_master else None
+        where = joining.ledger().describe(self.done, kind) if runtime.is_master else None
         channel.broadcast_bytes(pickle.dumps(where) if where is not None else b"", 0)
         self._give_state()
-        book.holders = set(membership.members)
-        return True
 
     def _give_state(self) -> None:
         """The master's state to every rank (what a joiner needs to run the next operation);
@@ -413,21 +420,48 @@ class ElasticLoop:
     def greet(self) -> dict[str, Any]:
         """A joiner's first call: take part in the survivors' agreement and learn where the
         job is (``joining.CallLedger.describe``)."""
-        channel = self.state.channel
+        while True:
+            try:
+                return self._greeting()
+            except _EXCHANGE_FAILURES as exc:
+                self._rejoin_as_joiner(exc)
+
+    def _greeting(self) -> dict[str, Any]:
+        self._agree(None)
+        return pickle.loads(self.state.channel.broadcast_bytes(b"", 0))
+
+    def _rejoin_as_joiner(self, exc: BaseException) -> None:
+        """A joiner's exchange with the job failed. A rank left meanwhile (another joiner,
+        or one that gives the state): this rank binds the next membership and is welcomed
+        anew by the survivors, who recover from the same failure. Anything else, or no
+        place in the next membership: it leaves the job, which goes on without it (a
+        CommError, so the rank ends in one line)."""
+        runtime = self.state.runtime
+        if not is_membership_failure(exc, runtime):
+            if isinstance(exc, tnt_core.TntError):
+                raise self._cannot_join(exc) from exc
+            raise exc
+        logger.info("elastic: rank %d, joining, lost a peer while it took the job's state "
+                    "(%s); rejoining", runtime.rank, _first_line(exc))
         try:
-            self._agree(None)
-            return pickle.loads(channel.broadcast_bytes(b"", 0))
-        except Exception as exc:
-            raise self._cannot_join(exc) from exc
+            self.state.channel.bind(runtime.rejoin())
+        except tnt_core.TntError as again:  # evicted, or no next membership in time
+            raise self._cannot_join(again) from exc
 
     def _cannot_join(self, exc: BaseException) -> tnt_core.CommError:
-        """A joining rank could not take the job's state (a peer failed meanwhile): it
-        leaves the job, whose survivors go on; a CommError, so the rank ends in one line."""
-        if not (isinstance(exc, tnt_core.TntError) or is_membership_failure(exc, self.state.runtime)):
-            raise exc
+        """A joining rank could not take the job's state: it leaves the job, whose
+        survivors go on; a CommError, so the rank ends in one line."""
         return tnt_core.CommError(f"this rank, joining the running job, could not take its state "
                          f"({_first_line(exc)}); it leaves the job, which goes on without it",
                          rank=self.state.runtime.rank, operation="join")
+
+    def _check_same_place(self, where: dict[str, Any]) -> None:
+        """The job, welcoming this joiner anew, is at the operation this joiner replayed
+        up to (the survivors redo the welcome of the same operation)."""
+        if int(where["done"]) != self.done:
+            raise tnt_core.TntError(
+                f"the job is at operation {int(where['done'])} welcoming this rank anew, which "
+                f"replayed up to operation {self.done}")
 
     def start_replay(self, where: dict[str, Any]) -> None:
         """This joiner's call is the job's call in progress: replay it up to the job's
@@ -455,11 +489,17 @@ class ElasticLoop:
                 f"rank {runtime.rank} joins the running job at a {kind} operation where the "
                 f"master runs a {self._next_kind} one: the script must call fit, evaluate and "
                 "predict alike on every rank (a call from inside a callback cannot be replayed)")
-        try:
-            broadcast_model_state(self.model, runtime)
-            given = pickle.loads(self.state.channel.broadcast_bytes(b"", 0))
-        except Exception as exc:
-            raise self._cannot_join(exc) from exc
+        again = False
+        while True:
+            try:
+                if again:  # welcomed anew over the next membership: where the job is first
+                    self._check_same_place(self._greeting())
+                broadcast_model_state(self.model, runtime)
+                given = pickle.loads(self.state.channel.broadcast_bytes(b"", 0))
+                break
+            except _EXCHANGE_FAILURES as exc:
+                self._rejoin_as_joiner(exc)
+                again = True
         for v, value in zip(self.model.metrics_variables, given["metrics"]):
             v.assign(value)
         self._metrics_at_reset, self.last = given["at_reset"], given["last"]
