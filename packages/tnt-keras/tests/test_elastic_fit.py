@@ -163,6 +163,8 @@ def test_a_replacement_and_a_new_rank_join_and_fit_still_gives_plain_keras_resul
                      r"137 \(signal SIGKILL\?\)\); training goes on with 2 rank\(s\) after [\d.]+s, "
                      r"the joining rank\(s\) took the state", output), output[-4000:]
     assert "exited with code 75" not in output and "evicted" not in output, output[-4000:]
+    # Keras' step functions, made anew at each rebind on purpose, are no retracing to warn of
+    assert "triggered tf.function retracing" not in output, output[-4000:]
     record = json.loads((tmp_path / "recoveries.json").read_text())
     assert record["size"] == 3, record
     for member in (2, 4):  # each death in a state transfer known to the master in seconds

@@ -47,7 +47,7 @@ import tnt_core
 from ..comm import native as native_ops
 from ..datasets import Resharder
 from ..errors import NotSupportedError
-from ..reporting.log import logger
+from ..reporting.log import logger, quiet_keras_step_retracing
 from . import joining
 from .steps import SeveralUpdates, is_distributed, model_optimizers
 from .weights import broadcast_model_state, model_state_variables
@@ -279,6 +279,7 @@ class ElasticLoop:
         model = self.model
         for kind, (attribute, _) in _FUNCTIONS.items():
             setattr(model, attribute, ElasticFunction(self, kind, None))
+        quiet_keras_step_retracing()
 
     # -- recovery -------------------------------------------------------------------------------
 
