@@ -102,7 +102,8 @@ def test_generations_renumber_survivors_replace_and_stop_below_min_np():
 def test_ranks_that_joined_a_generation_a_finished_rank_never_bound_are_ended():
     """A rank finished its script in generation 0 (it says so in the store), while a rank
     joined in generation 1: that rank waits for it in vain and is ended, without failure;
-    nobody is taken in once the job is finishing, and the job is done when the rest are."""
+    nobody is taken in once the job is finishing, and the job is done when the rest are. A
+    rank that fails after the others finished ends the job saying they finished."""
     with StoreServer("127.0.0.1", 0) as server:
         store = StoreClient(*server.address, server.key, connect_timeout=5)
         procs = [ProcessSpec(["agent"], "localhost", (r,), [{}]) for r in range(2)]
@@ -125,6 +126,12 @@ def test_ranks_that_joined_a_generation_a_finished_rank_never_bound_are_ended():
         assert job.take_ready() == (None, None)  # finishing: nobody is taken in
         store.set(FINISHED_KEY.format(member=1), b"1")
         assert job.finished(1) == (True, [])
+        # a rank failing after the others finished their script: not a job that shrank
+        late = ElasticJob(ElasticLimits(1, 2, 0), procs, store, make)
+        assert late.finished(0) == (False, [])
+        assert late.change({1: "exited with code 1 (TypeError: x)"}) == ([], (
+            "no rank is still running (rank 0 on localhost finished), fewer than --min-np 1: "
+            "rank 1 on localhost exited with code 1 (TypeError: x)"))
         store.close()
 
 

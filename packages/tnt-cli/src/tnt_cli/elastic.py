@@ -164,6 +164,8 @@ class ElasticJob:
         self.history: dict[int, Membership] = {0: self.published}
         #: a member finished its script: the job is ending, nobody is taken in any more
         self.finishing = False
+        #: the labels of the members whose script ended well (exit code 0)
+        self.done: list[str] = []
         #: members ended because the job finished before they could join (their exit is
         #: no failure)
         self.ended: set[int] = set()
@@ -243,6 +245,7 @@ class ElasticJob:
             self.finishing = True
             if member in self.members:
                 self.members.remove(member)
+                self.done.append(self.known[member].label)
             doomed: list[int] = []
             try:
                 key = FINISHED_KEY.format(member=member)
@@ -325,6 +328,9 @@ class ElasticJob:
             size = len(self.members) + len(self.pending)
             left = "no rank is" if size == 0 else f"{size} rank{'s are' if size > 1 else ' is'}"
             died = "; ".join(f"{label} {why}" for label, why in self.departures)
+            if self.done:  # the others' scripts ended well: this is not the job shrinking
+                return (f"{left} still running ({', '.join(self.done)} finished), fewer than "
+                        f"--min-np {self.limits.min_np}: {died}")
             return f"{left} left, fewer than --min-np {self.limits.min_np}: {died}"
         joining = [m for m in self.pending if m in self._ready]
         if not (self._departed or joining) or len(self.members) + len(joining) < self.limits.min_np:
