@@ -631,3 +631,24 @@ def test_warnings_for_a_users_call_name_the_users_line():
         model.fit(data, shuffle=True, epochs=1, verbose=0)
     shuffle = [w for w in caught if "`shuffle=True` was passed" in str(w.message)]
     assert [(w.filename, w.lineno) for w in shuffle] == [(__file__, line)]
+
+
+def test_a_joiner_keeps_the_results_of_the_calls_it_skips(monkeypatch):
+    """A joiner skips the script's calls the job had finished, returning the master's
+    results, and keeps them: should it become the master, a later joiner learns them from
+    it (here a joiner that skips call 1, an evaluate, and replays call 2)."""
+    from tarantella.data_parallel import joining
+
+    book = joining.CallLedger()
+    monkeypatch.setattr(joining, "_LEDGER", book)
+    position = {"call": 2, "first_operation": 7, "done": 9, "kind": "train",
+                "results": {1: {"loss": 0.5}}, "predictions": {}}
+    replayed: list[dict] = []
+    loop = types.SimpleNamespace(state=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(joined_late=True, rank=1)),
+        greet=lambda: position, start_replay=replayed.append, done=7)
+    assert joining.run_call(None, loop, "evaluate", lambda: pytest.fail("skipped")) == {"loss": 0.5}
+    assert joining.run_call(None, loop, "fit", lambda: "history") == "history"
+    assert replayed == [position]
+    assert book.results == {1: {"loss": 0.5}, 2: "history"}
+    assert book.describe(9, "train")["results"] == {1: {"loss": 0.5}, 2: "history"}

@@ -250,6 +250,8 @@ def run_call(model: keras.Model, loop: Any, name: str, run: Any) -> Any:
                     f"rank {runtime.rank} joined the running job, whose script made no call "
                     f"#{number} ({name}): the script must call fit, evaluate and predict alike "
                     "on every rank")
+            # kept as the job's: should this rank be the master later, a joiner learns it here
+            book.results[number] = position["results"][number]
             return skipped_result(name, position["results"][number], model)
         if number > running:
             raise NotSupportedError(
