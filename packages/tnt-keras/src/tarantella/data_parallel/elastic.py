@@ -476,7 +476,8 @@ class ElasticLoop:
         """An operation the job did before this joiner came: the input was taken already
         (by the caller), nothing runs."""
         self.done += 1
-        if kind == "predict":
+        if kind == "predict":  # kept as the master's are: a rank joining later may need them
+            joining.ledger().predictions[self.done] = self._predictions[self.done]
             return self._predictions[self.done]
         return 0 if kind == "sync" else ({} if kind in ("train", "test") else None)
 
