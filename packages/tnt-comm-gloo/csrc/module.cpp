@@ -401,6 +401,12 @@ NB_MODULE(_gloo, m) {
   m.doc() = "Private native layer of tnt_comm_gloo: Gloo collectives on a worker thread, "
             "sends and receives beside it.";
 
+  // A communicator still referenced when the interpreter exits (a script's uncaught
+  // exception keeps its frames, and through them the backend, alive past this module's
+  // teardown) is freed with the process; nanobind's leak report would read to the user as a
+  // bug of the script's failure, above the script's own traceback.
+  nb::set_leak_warnings(false);
+
   nb::exception<GlooError>(m, "GlooError");
 
   nb::class_<Work>(m, "Work", "An operation queued on the worker thread.")
