@@ -115,3 +115,17 @@ def test_pipelined_mlp_trains_as_serial_keras(tmp_path):
     diff = re.search(r"largest relative weight difference, pipelined vs serial: (\S+)", out)
     assert diff and float(diff.group(1)) < 1e-10, out[-3000:]  # float64: round-off only
     assert (tmp_path / "mlp.weights.h5").stat().st_size > 0
+
+
+def test_the_quickstart_without_scikit_learn_says_how_to_get_its_data(tmp_path):
+    """The quick-start's default data set comes with scikit-learn, which tnt does not
+    install: without it the example says what to do, in one line (no traceback)."""
+    pytest.importorskip("tarantella")
+    (tmp_path / "sklearn.py").write_text("raise ImportError('no scikit-learn (a test stand-in)')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TNT_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore", PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "quickstart" / "lenet5.py")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "pip install scikit-learn, or pass --mnist PATH" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

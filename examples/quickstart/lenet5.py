@@ -22,6 +22,7 @@ The two Tarantella lines are marked ``# tnt``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import tarantella as tnt  # tnt: first, before TensorFlow runs anything
@@ -60,7 +61,11 @@ def load_data(args: argparse.Namespace):
         x_train = (x_train.astype(np.float32) / 255.0)[..., None]
         x_test = (x_test.astype(np.float32) / 255.0)[..., None]
     else:
-        from sklearn.datasets import load_digits
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            sys.exit("lenet5.py: its default data set, the digits, comes with scikit-learn: "
+                     "pip install scikit-learn, or pass --mnist PATH (a Keras mnist.npz)")
 
         digits = load_digits()
         images = digits.images.astype(np.float32) / 16.0             # 8x8, values 0..16
