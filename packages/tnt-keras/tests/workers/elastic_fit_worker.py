@@ -57,13 +57,19 @@ keras.config.set_floatx("float64")
 keras.utils.set_random_seed(7)
 # the rank this process started as, or the member id tnt run gave a process started later
 me = int(os.environ.get("TNT_MEMBER_ID", os.environ.get("TNT_RANK", "0")))
+
+
+def wait_for(condition, what: str, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"member {me}: {what} did not happen within {seconds:g}s")
+        time.sleep(0.01)
+
+
 if mode == "tnt" and os.environ.get("ELASTIC_JOIN_AFTER", "").startswith(f"{me}:"):
     holder = out / f"holds-{os.environ['ELASTIC_JOIN_AFTER'].split(':')[1]}"
-    deadline = time.monotonic() + 120
-    while not holder.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"member {me}: no {holder.name} within 120s")
-        time.sleep(0.01)
+    wait_for(holder.exists, f"{holder.name}")
 if mode == "tnt":
     import tarantella as tnt
     import tnt_core
@@ -93,14 +99,6 @@ def die() -> None:
         (out / "grow").touch()
     (out / f"killed-{me}").write_text(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def wait_for(condition, what: str, seconds: float = 120.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"member {me}: {what} did not happen within {seconds:g}s")
-        time.sleep(0.01)
 
 
 class Killer(keras.callbacks.Callback):

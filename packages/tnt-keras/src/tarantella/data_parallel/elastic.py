@@ -421,15 +421,23 @@ class ElasticLoop:
     def greet(self) -> dict[str, Any]:
         """A joiner's first call: take part in the survivors' agreement and learn where the
         job is (``joining.CallLedger.describe``)."""
-        while True:
-            try:
-                return self._greeting()
-            except _EXCHANGE_FAILURES as exc:
-                self._rejoin_as_joiner(exc)
+        return self._as_joiner(self._greeting)
 
     def _greeting(self) -> dict[str, Any]:
         self._agree(None)
         return pickle.loads(self.state.channel.broadcast_bytes(b"", 0))
+
+    def _as_joiner(self, exchange: Callable[[], Any], again: Callable[[], Any] | None = None) -> Any:
+        """``exchange`` with the job; when a rank leaves meanwhile, this rank rebinds and
+        runs ``again`` (default: ``exchange``) over the next membership, until it succeeds
+        or this rank has to leave (:meth:`_rejoin_as_joiner`)."""
+        attempt = exchange
+        while True:
+            try:
+                return attempt()
+            except _EXCHANGE_FAILURES as exc:
+                self._rejoin_as_joiner(exc)
+                attempt = again or exchange
 
     def _rejoin_as_joiner(self, exc: BaseException) -> None:
         """A joiner's exchange with the job failed. A rank left meanwhile (another joiner,
@@ -491,17 +499,15 @@ class ElasticLoop:
                 f"rank {runtime.rank} joins the running job at a {kind} operation where the "
                 f"master runs a {self._next_kind} one: the script must call fit, evaluate and "
                 "predict alike on every rank (a call from inside a callback cannot be replayed)")
-        again = False
-        while True:
-            try:
-                if again:  # welcomed anew over the next membership: where the job is first
-                    self._check_same_place(self._greeting())
-                broadcast_model_state(self.model, runtime)
-                given = pickle.loads(self.state.channel.broadcast_bytes(b"", 0))
-                break
-            except _EXCHANGE_FAILURES as exc:
-                self._rejoin_as_joiner(exc)
-                again = True
+        def transfer() -> dict[str, Any]:
+            broadcast_model_state(self.model, runtime)
+            return pickle.loads(self.state.channel.broadcast_bytes(b"", 0))
+
+        def welcomed_anew() -> dict[str, Any]:  # over the next membership: where the job is first
+            self._check_same_place(self._greeting())
+            return transfer()
+
+        given = self._as_joiner(transfer, welcomed_anew)
         for v, value in zip(self.model.metrics_variables, given["metrics"]):
             v.assign(value)
         self._metrics_at_reset, self.last = given["at_reset"], given["last"]
