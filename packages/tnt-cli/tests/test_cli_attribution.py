@@ -66,6 +66,20 @@ def test_a_consequence_that_exits_first_is_not_named():
     assert "Traceback" in err  # the cause's own traceback got out before the verdict
 
 
+@pytest.mark.parametrize(("exit_call", "said"), [
+    ("sys.exit('no data in ./data: run get_data.py first')",
+     "exited with code 1 (no data in ./data: run get_data.py first)"),
+    ("print('prog: error: argument --epochs: invalid int', file=sys.stderr); sys.exit(2)",
+     "exited with code 2 (prog: error: argument --epochs: invalid int)"),
+    # another code does not say its reason in its last line: nothing is quoted
+    ("print('epoch 1/3', file=sys.stderr); sys.exit(3)", "exited with code 3"),
+])
+def test_a_rank_that_exits_saying_why_is_quoted(exit_call, said):
+    code, err, _ = _supervise("import time; time.sleep(5)", f"import sys; {exit_call}")
+    assert _last(err) == f"tnt run: rank 1 on localhost failed: {said}; ending the other ranks"
+    assert code == int(said.split()[3])
+
+
 def test_the_verdict_is_the_last_line_even_when_a_peer_prints_while_it_ends():
     # rank 0 prints its CommError only once told to end (its stdin closes, as an agent's
     # does): after the verdict on rank 1 was known

@@ -68,6 +68,25 @@ def exception_text(line: str) -> str | None:
     return text if len(text) <= _CAUSE_CHARS else text[:_CAUSE_CHARS - 3] + "..."
 
 
+#: exit codes with which a Python program states its reason in its last line of error
+#: output: ``sys.exit("message")`` exits with 1 after printing the message, argparse's usage
+#: errors with 2 after ``prog: error: ...``
+_STATED_EXIT_CODES = (1, 2)
+_RANK_PREFIX = re.compile(r"^\[\d+\] ")
+
+
+def stated_reason(line: str, code: int) -> str | None:
+    """The last line of a rank's error output as the reason it exited with ``code``, where
+    a program that exits on purpose says why (``sys.exit("no data in ./data: run
+    get_data.py")``): no traceback says it then. None for other codes and empty lines."""
+    if code not in _STATED_EXIT_CODES:
+        return None
+    text = _RANK_PREFIX.sub("", line.strip(), count=1).strip()
+    if not text:
+        return None
+    return text if len(text) <= _CAUSE_CHARS else text[:_CAUSE_CHARS - 3] + "..."
+
+
 def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int, int] | None:
     """``(rank, size, local_rank, local_size)`` from an MPI launcher or ``srun``, or None.
 

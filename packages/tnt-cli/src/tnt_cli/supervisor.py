@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, BinaryIO
 
-from .agent import PEER_FAILURE_EXIT_CODE, STATUS_PREFIX, describe_exit, exception_text
+from .agent import PEER_FAILURE_EXIT_CODE, STATUS_PREFIX, describe_exit, exception_text, stated_reason
 from .elastic import ElasticJob
 from .launchers.base import ProcessSpec
 
@@ -165,9 +165,11 @@ class Supervisor:
         self.exit_code: int | None = None
         self.stopping_since: float | None = None
         self.killed = False
-        #: per process: the last exception line of its error output, its stderr pump
+        #: per process: the last exception line of its error output, its last line at
+        #: all (a ``sys.exit("message")``'s reason), its stderr pump
         self.last_exception: dict[int, str] = {}
-        #: per rank reported by an agent under mpirun/srun: its last exception line
+        self.last_line: dict[int, str] = {}
+        #: per rank reported by an agent under mpirun/srun: the reason in its last line
         self.rank_causes: dict[int, str] = {}
         self.err_pumps: dict[int, threading.Thread] = {}
         #: per process whose agent said so (status lines): the host name its rank started
@@ -201,7 +203,7 @@ class Supervisor:
         """Report a failed rank the processes' own exit codes cannot show (thread-safe):
         under mpirun/srun one process stands for all ranks and may not end them.
         ``last_line``: the last line of the rank's error output (its cause, if any)."""
-        cause = exception_text(last_line) if last_line else None
+        cause = exception_text(last_line) or stated_reason(last_line, code) if last_line else None
         if cause:
             self.rank_causes[rank] = cause
         self.events.put(("rank-failed", rank, code))
@@ -246,7 +248,10 @@ class Supervisor:
             except OSError:
                 pass  # it died at once; its exit code tells why
         def seen(line: bytes) -> None:
-            text = exception_text(line.decode(errors="replace"))
+            decoded = line.decode(errors="replace").strip()
+            if decoded:
+                self.last_line[index] = decoded
+            text = exception_text(decoded)
             if text is not None:
                 self.last_exception[index] = text
             said = _AGENT_EXIT_LINE.match(line)
@@ -388,7 +393,7 @@ class Supervisor:
         """Process ``index`` of an elastic job failed: the next generation goes on without
         it (a replacement joins later, while restarts last), or the job ends below --min-np."""
         assert self.elastic is not None
-        cause = self.last_exception.get(index)  # not waited for: the survivors wait on us
+        cause = self._cause(index, value)  # not waited for: the survivors wait on us
         if self._lost_connection(index, value):
             why = (f"was lost: {_connection_ended(self.specs[index], value, 'it')}; "
                    f"{_WENT_DOWN}")
@@ -516,7 +521,7 @@ class Supervisor:
             return
         started = index in self.agent_started  # then ssh did reach the host
         hint = self.specs[index].failure_hints.get(code) if kind == "exit" and not started else None
-        notes = "; ".join(n for n in (hint, self._exception(kind, index)) if n)
+        notes = "; ".join(n for n in (hint, self._exception(kind, index, value)) if n)
         self._conclude(f"{self._label(kind, index)} failed: {describe_exit(value)}"
                        + (f" ({notes})" if notes else "") + self._ending(kind))
         self._stop_all()
@@ -557,8 +562,9 @@ class Supervisor:
     def _ending(self, kind: str) -> str:
         return "; ending the other ranks" if len(self.specs) > 1 or kind == "rank-failed" else ""
 
-    def _exception(self, kind: str, index: int) -> str | None:
-        """The exception that process ``index`` printed last (its output read to the end)."""
+    def _exception(self, kind: str, index: int, value: int | None = None) -> str | None:
+        """The exception that process ``index`` printed last (its output read to the end),
+        or for an exit ``value`` of 1 or 2 without one the reason in its last line."""
         if kind == "rank-failed":
             return self.rank_causes.get(index)
         if kind != "exit":
@@ -566,7 +572,15 @@ class Supervisor:
         pump = self.err_pumps.get(index)
         if pump is not None:
             pump.join(timeout=1.0)
-        return self.last_exception.get(index)
+        return self._cause(index, value)
+
+    def _cause(self, index: int, value: int | None) -> str | None:
+        """What process ``index`` said of its end: its last exception, else (exit status
+        ``value`` 1 or 2) its last line, the message of a ``sys.exit("...")``."""
+        cause = self.last_exception.get(index)
+        if cause is None and value is not None:
+            cause = stated_reason(self.last_line.get(index, ""), value)
+        return cause
 
     def _name_secondary(self) -> None:
         """Only failures because a peer failed, for ``SETTLE_S``: name the ranks still
