@@ -396,7 +396,7 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
     ),
     "performance.md": Page(skip=dict.fromkeys(range(8), "a benchmark run (minutes of training or of "
                                               "allreduces); its output is what the results pages show")),
-    "performance_results.md": Page(skip=dict.fromkeys(range(19), "the benchmark runs that produced the "
+    "performance_results.md": Page(skip=dict.fromkeys(range(21), "the benchmark runs that produced the "
                                                                 "page's tables (minutes each)")),
 }
 
