@@ -182,6 +182,9 @@ class Supervisor:
         #: an elastic job that cannot go on without a rank lost one: every rank ends, and
         #: ``tnt run`` starts them all again (the line that said so)
         self.restart_all: str | None = None
+        #: such a job's ranks that exited because a peer failed, and when to name them if
+        #: the rank that failed first has not exited by then: (index, exit status, deadline)
+        self.consequences: list[tuple[int, int, float]] = []
         #: the verdict, held back until the other processes ended and their output was
         #: read, so that it is the last line however their output and their end interleave
         self.verdict: str | None = None
@@ -329,6 +332,8 @@ class Supervisor:
             self._escalate()
         if self.secondary and self.stopping_since is None:
             self._name_secondary()  # every process ended within the settle time
+        if self.consequences and self.stopping_since is None:
+            self._depart(*self.consequences[0][:2])  # likewise, in an elastic job
         for t in self.threads:  # the processes' output, read to its end
             t.join(timeout=2.0)
         self._say_verdict()
@@ -368,8 +373,14 @@ class Supervisor:
         if code == 0 or self.stopping_since is not None:
             return
         if kind == "exit" and self.elastic is not None:
-            if index not in self.elastic.ended:
-                self._depart(index, value)
+            if index in self.elastic.ended:
+                return
+            if code == PEER_FAILURE_EXIT_CODE and self.elastic.restart_all_reason() is not None:
+                # every rank restarts for the rank that died, whose exit may come a moment
+                # after this consequence's: name it, as a job that is not elastic does
+                self.consequences.append((index, value, time.monotonic() + SETTLE_S))
+                return
+            self._depart(index, value)
             return
         if kind == "exit" and self.rank_reports and len(self.specs[index].ranks) > 1:
             # mpiexec/srun ended because a rank failed: the ranks' reports say which and
@@ -478,6 +489,10 @@ class Supervisor:
         """Members starting up that are ready join in a new generation; a rank the stall
         inspector found hung is evicted."""
         if self.elastic is None or self.stopping_since is not None:
+            return
+        if self.consequences and time.monotonic() >= self.consequences[0][2]:
+            index, value, _ = self.consequences[0]  # no other rank's exit came: it is named
+            self._depart(index, value)
             return
         if self.elastic.pending:
             before = self.elastic.generation

@@ -4,7 +4,11 @@ Each step every rank contributes ``(rank + 1) * (step + 1)``; the sum checks aga
 size of the generation it completed in. The member named SIGKILLs itself at its step,
 writing the time into ``$TNT_TEST_DIR/killed-M``;
 ``ELASTIC_HANG=M:S`` makes member M hang at step S instead; ``ELASTIC_FAIL_AT_START=M``
-makes member M (a replacement) exit before ``tnt_core.init()``. A
+makes member M (a replacement) exit before ``tnt_core.init()``.
+``ELASTIC_RESTART_ALL=REASON`` makes the job one that cannot lose a rank (as a pipelined
+model does: a failed allreduce ends the rank with the peer-failure exit code), and
+``ELASTIC_LATE_DEATH=M:S`` makes member M of the job's first start abort its communicator
+at step S (its peers fail at once) and SIGKILL itself 0.5 s later. A
 failed allreduce rejoins and redoes its step; a generation that only adds ranks is taken in
 at a step's boundary the ranks agree on; ranks that joined get the step from rank 0.
 Every rank prints its recoveries (kill to first completed allreduce in the new generation)
@@ -30,6 +34,12 @@ if os.environ.get("TNT_MEMBER_ID") == os.environ.get("ELASTIC_FAIL_AT_START", "-
     raise SystemExit(f"member {os.environ['TNT_MEMBER_ID']} fails before it joins")
 rt = tnt_core.init()
 me = rt.config.member_id
+restart_all = os.environ.get("ELASTIC_RESTART_ALL")
+if restart_all:
+    rt.restart_all_on_failure(restart_all)
+late_death = tuple(int(v) for v in os.environ.get("ELASTIC_LATE_DEATH", "-1:-1").split(":"))
+if (folder / "late-death").exists():  # the restarted job: nobody dies again
+    late_death = (-1, -1)
 first_generation = rt.generation
 
 
@@ -48,6 +58,11 @@ while step < steps:
     if hang == (me, step):
         (folder / f"killed-{me}").write_text(repr(time.time()))
         time.sleep(3600)  # alive but stuck: the stall inspector names it, tnt run evicts it
+    if late_death == (me, step):
+        (folder / "late-death").write_text(repr(time.time()))
+        rt.backend.abort("member dies late on purpose")
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
     if kills.get(me) == step:
         (folder / f"killed-{me}").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
@@ -63,7 +78,10 @@ while step < steps:
             step = step_from_rank0(step)
             continue
         rt.backend.allreduce(x)
-    except tnt_core.CommError:
+    except tnt_core.CommError as exc:
+        if restart_all:
+            print(f"tnt_core.CommError: {exc}", file=sys.stderr, flush=True)
+            sys.exit(tnt_core.PEER_FAILURE_EXIT_CODE)
         tnt_core.rejoin(timeout=30)
         report = True
         if rt.membership is not None and rt.membership.joined:
