@@ -64,7 +64,11 @@ def exception_text(line: str) -> str | None:
     m = _EXCEPTION_LINE.match(line.strip())
     if m is None:
         return None
-    text = m.group(1)
+    return _quoted(m.group(1))
+
+
+def _quoted(text: str) -> str:
+    """``text`` as the verdict quotes a cause: at most ``_CAUSE_CHARS`` characters."""
     return text if len(text) <= _CAUSE_CHARS else text[:_CAUSE_CHARS - 3] + "..."
 
 
@@ -82,9 +86,7 @@ def stated_reason(line: str, code: int) -> str | None:
     if code not in _STATED_EXIT_CODES:
         return None
     text = _RANK_PREFIX.sub("", line.strip(), count=1).strip()
-    if not text:
-        return None
-    return text if len(text) <= _CAUSE_CHARS else text[:_CAUSE_CHARS - 3] + "..."
+    return _quoted(text) if text else None
 
 
 def rank_identity(env: Mapping[str, str]) -> tuple[int, int, int, int] | None:
