@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 import psutil
@@ -294,3 +295,19 @@ def test_tensorflows_start_up_lines_stay_out_of_the_output(run_tnt, tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout == "sum 3.0\n"
     assert res.stderr == "", res.stderr
+
+
+def test_a_niced_tnt_run_keeps_its_ranks_niced_in_their_own_sessions(h, tmp_path):
+    """``nice tnt run``: each rank runs in a session of its own (setsid), which with autogroup
+    scheduling is a scheduling group weighed at nice 0 unless given the launcher's value."""
+    script = tmp_path / "priority.py"
+    script.write_text("import os\n"
+                      "group = open('/proc/self/autogroup').read().split()[-1] "
+                      "if os.path.exists('/proc/self/autogroup') else 'none'\n"
+                      "print(os.getsid(0) == os.getpid(), os.getpriority(os.PRIO_PROCESS, 0), group)\n")
+    res = subprocess.run(["nice", "-n", "7", *h.tnt_executable(), "run", "-n", "2",
+                          "--output-on-all-devices", "--", str(script)],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    group = "7" if os.path.exists("/proc/self/autogroup") else "none"
+    assert sorted(res.stdout.splitlines()) == [f"[{r}] True 7 {group}" for r in range(2)]

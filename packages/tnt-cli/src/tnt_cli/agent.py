@@ -245,6 +245,15 @@ class Agent:
     def _preexec(self) -> None:
         """Runs in the child between fork and exec: only what is safe there."""
         os.setsid()
+        # the rank's new session keeps the agent's (tnt run's) priority, as
+        # tnt_core.carry_priority does (the agent imports no tnt-core: start-up time)
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+        if nice > 0:
+            try:
+                with open("/proc/self/autogroup", "w") as f:
+                    f.write(str(nice))
+            except OSError:
+                pass
         if self._prctl is not None:
             self._prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != self._pid:  # the agent died between fork and prctl

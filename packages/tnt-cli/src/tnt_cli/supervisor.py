@@ -51,6 +51,8 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, BinaryIO
 
+from tnt_core import carry_priority
+
 from .agent import PEER_FAILURE_EXIT_CODE, STATUS_PREFIX, describe_exit, exception_text, stated_reason
 from .elastic import ElasticJob
 from .launchers.base import ProcessSpec
@@ -226,7 +228,9 @@ class Supervisor:
     def _preexec(self) -> None:
         """In the child between fork and exec: SIGTERM it when tnt run dies, even by
         SIGKILL. mpiexec/srun, in a session of their own, outlived a killed tnt run and
-        kept every rank running; on SIGTERM they end their ranks and clean up."""
+        kept every rank running; on SIGTERM they end their ranks and clean up. And the
+        child's session keeps tnt run's priority (``nice tnt run ...``)."""
+        carry_priority()
         if self._prctl is not None:
             self._prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != self._pid:  # tnt run died between fork and prctl

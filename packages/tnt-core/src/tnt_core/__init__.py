@@ -75,6 +75,7 @@ from ._markers import ENTRY_POINT_GROUP, hookimpl, hookspec
 from ._native import NativeComm, native_comm
 from ._peer_failure import PEER_FAILURE_EXIT_CODE
 from ._plugins import get_plugin_manager, reset_plugin_manager
+from ._priority import carry_priority
 from ._rendezvous import (
     StoreClient,
     StoreServer,
@@ -191,6 +192,7 @@ __all__ = [
     "StoreServer",
     "address_towards",
     "can_bind",
+    "carry_priority",
     "connect_store",
     "detect_mpi_launch",
     "is_loopback",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._config import Config
+from .._priority import carry_priority
 from .._rendezvous import StoreServer
 from .store_backend import enable_store_backend
 
@@ -116,6 +117,7 @@ def launch_ranks(argv: Sequence[str], nprocs: int, *, backend: str | None = None
                 with open(out, "wb") as fo, open(err, "wb") as fe:
                     proc = subprocess.Popen(cmd, env=renv, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
                                             cwd=cwd, start_new_session=True)
+                carry_priority(proc.pid)  # a niced caller's ranks stay niced in their session
                 procs.append((rank, proc, out, err))
             deadline = t0 + timeout
             timed_out = False
