@@ -47,8 +47,6 @@ from pathlib import Path
 
 import pytest
 
-from tnt_core.testing.background import background_pool
-
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^( *)```([^\s`]*)[^\n]*\n(.*?)^ *```\s*$", re.MULTILINE | re.DOTALL)
@@ -756,8 +754,9 @@ class Runs:
 
 
 def start_runs(workdir: Path) -> Future | None:
-    """Every block's run, started in the background (``tests/conftest.py`` starts it when the
-    session's tests are collected), niced; None where tnt-keras is not installed."""
+    """Every block's run, started in the background (``tests/conftest.py`` starts it with the
+    session's first repository-level test: its launches fill the cores that the one-process
+    tests before this module leave idle); None where tnt-keras is not installed."""
     if importlib.util.find_spec("tarantella") is None:   # (not imported here: TensorFlow's start-up)
         return None
     result = Runs(workdir)
@@ -766,7 +765,7 @@ def start_runs(workdir: Path) -> Future | None:
         result.run()
         return result
 
-    pool = background_pool(1, "docs-run")
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docs-run")
     future = pool.submit(run)
     pool.shutdown(wait=False)
     return future

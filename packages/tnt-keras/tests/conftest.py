@@ -7,17 +7,18 @@ number of ranks) come from a single launch of ``workers/suite_worker.py``, and a
 references from one plain process; the test modules compare their files. The launches are
 ``tnt_keras_helpers.SUITE_LAUNCHES``: 1 rank; 3 on gloo; 2 on store.
 
-A session starts every run its tests need once they are collected (``SuiteRuns.start_needed``,
-up to three side by side; test_pipeline_model's four runs beside them), in the background:
-their processes run niced (``tnt_core.testing.background``), so they fill the cores the other
-packages' tests leave idle while they wait on peers and timeouts without slowing those
-tests, and the tests of one launch find the others under way or done.
+A session starts every run its tests need once they are collected, up to three side by side
+(``SuiteRuns.start_needed``): they work while the other packages' tests run, the tests of
+one launch find the others under way or done, and the two cores work while a launch waits
+on its peers. test_pipeline_model's four runs start with the first tnt-keras test
+(``pipelined_model_runs``), for the same reason.
 """
 
 from __future__ import annotations
 
 import sys
-from concurrent.futures import Future
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -28,7 +29,6 @@ for path in (HERE, HERE / "workers"):
 import pytest  # noqa: E402
 
 from tnt_core.testing import LaunchResult  # noqa: E402
-from tnt_core.testing.background import background_pool  # noqa: E402
 from tnt_keras_helpers import (  # noqa: E402
     NATIVE_PATH,
     ONE_RANK,
@@ -59,13 +59,8 @@ class SuiteRuns:
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp = tmp_path_factory
-        self._pool = background_pool(SIDE_BY_SIDE, "suite-launch")
+        self._pool = ThreadPoolExecutor(max_workers=SIDE_BY_SIDE, thread_name_prefix="suite-launch")
         self._runs: dict[SuiteLaunch | str, Future] = {}
-        # test_pipeline_model's runs, side by side in a pool of their own (a pipeline's
-        # stages wait on each other much of the time, so the four runs take little longer
-        # than the longest alone)
-        self._pipelined_pool = background_pool(2 * len(PIPELINE_LAYOUTS), "pipelined")
-        self._pipelined: dict[str, tuple[int, int, Path, list[Future]]] = {}
 
     def start(self, run: SuiteLaunch | str) -> None:
         """Start ``run`` (a launch, or ``"serial"``) unless it was started before."""
@@ -78,8 +73,7 @@ class SuiteRuns:
 
     def start_needed(self, items: list[pytest.Item]) -> None:
         """Start, in ``START_ORDER``, every run that one of ``items`` (the session's tests)
-        asks for: a launch as a parameter, the serial run through ``serial_suite``; and
-        test_pipeline_model's runs when that module is among them."""
+        asks for: a launch as a parameter, the serial run through ``serial_suite``."""
         needed: set[SuiteLaunch | str] = set()
         for item in items:
             callspec = getattr(item, "callspec", None)
@@ -91,26 +85,6 @@ class SuiteRuns:
         for run in START_ORDER:
             if run in needed:
                 self.start(run)
-        if any(item.path.name == "test_pipeline_model.py" for item in items):
-            self.pipelined()
-
-    def pipelined(self) -> dict[str, tuple[int, int, Path, list[Future]]]:
-        """test_pipeline_model's runs, started on the first call: every layout's serial run
-        and launch, layout -> ``(ranks, stages, out, [launch, serial])``."""
-        if not self._pipelined:
-            for layout, (stages, strategy, ranks) in PIPELINE_LAYOUTS.items():
-                out = self._tmp.mktemp(f"pipelined-model-{stages}-{strategy}")
-                args = ["--partitions", str(stages), "--out", str(out),
-                        *(["--routing"] if layout == PIPELINE_ROUTING else [])]
-                sparse = ["--sparse"] if layout == PIPELINE_SPARSE_REFERENCE else []
-                self._pipelined[layout] = (ranks, stages, out, [
-                    self._pipelined_pool.submit(
-                        run_workers, "pipeline_model_worker.py",
-                        ["--mode", "pipeline", "--strategy", strategy, *args], ranks,
-                        PIPELINE_BACKEND, timeout=400),
-                    self._pipelined_pool.submit(run_serial, "pipeline_model_worker.py",
-                                                ["--mode", "serial", *args, *sparse])])
-        return self._pipelined
 
     def get(self, launch: SuiteLaunch) -> tuple[Path, int, LaunchResult]:
         """``(out, nprocs, launch result)``, waiting for the launch: the workers' files are
@@ -127,7 +101,6 @@ class SuiteRuns:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._pipelined_pool.shutdown(wait=True)
 
     @staticmethod
     def _launch(launch: SuiteLaunch, out: Path) -> tuple[Path, int, LaunchResult]:
@@ -189,7 +162,29 @@ def rank_suite(request, suite_runs):
 
 
 @pytest.fixture(scope="session")
-def pipelined_model_runs(suite_runs) -> dict[str, tuple[int, int, Path, list[Future]]]:
-    """test_pipeline_model's runs (``SuiteRuns.pipelined``), started when the session's tests
-    were collected."""
-    return suite_runs.pipelined()
+def pipelined_model_runs(tmp_path_factory) -> Iterator[dict[str, tuple[int, int, Path, list[Future]]]]:
+    """test_pipeline_model's runs: every layout's serial run and launch, side by side (a
+    pipeline's stages wait on each other much of the time, so the four runs take little
+    longer than the longest alone): layout -> ``(ranks, stages, out, [launch, serial])``."""
+    with ThreadPoolExecutor(max_workers=2 * len(PIPELINE_LAYOUTS), thread_name_prefix="pipelined") as pool:
+        started = {}
+        for layout, (stages, strategy, ranks) in PIPELINE_LAYOUTS.items():
+            out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")
+            args = ["--partitions", str(stages), "--out", str(out),
+                    *(["--routing"] if layout == PIPELINE_ROUTING else [])]
+            sparse = ["--sparse"] if layout == PIPELINE_SPARSE_REFERENCE else []
+            started[layout] = (ranks, stages, out, [
+                pool.submit(run_workers, "pipeline_model_worker.py",
+                            ["--mode", "pipeline", "--strategy", strategy, *args], ranks,
+                            PIPELINE_BACKEND, timeout=400),
+                pool.submit(run_serial, "pipeline_model_worker.py", ["--mode", "serial", *args, *sparse])])
+        yield started
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pipelined_model_runs_early(request) -> None:
+    """Start test_pipeline_model's runs with the session's first tnt-keras test, when that
+    module is to run: they take minutes of both cores, and the tnt-keras tests before it
+    leave a core idle much of the time (waits on peers, timeouts, one-process checks)."""
+    if any(item.path.name == "test_pipeline_model.py" for item in request.session.items):
+        request.getfixturevalue("pipelined_model_runs")
