@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tnt_core import MpiLaunch, detect_mpi_launch
 from tnt_core._launch_env import expand_tasks_per_node
 from tnt_core.testing import launch_ranks
-from tnt_core.testing.background import BACKGROUND_NICE, background_pool
 
 
 @pytest.mark.parametrize(("env", "expected"), [
@@ -52,15 +53,20 @@ def test_expand_tasks_per_node() -> None:
 
 
 def test_ranks_launched_from_a_niced_thread_stay_niced_in_their_sessions(tmp_path) -> None:
-    """``tnt_core.testing.background``'s threads start niced launches; each rank's session
-    (an autogroup) carries the thread's nice value, or the rank would compete at nice 0."""
+    """A niced caller's ranks: each runs in a session of its own, an autogroup that would
+    weigh as much as any other session unless it carries the caller's nice value."""
     script = tmp_path / "priority.py"
     script.write_text("import os\n"
                       "group = open('/proc/self/autogroup').read().split()[-1] "
                       "if os.path.exists('/proc/self/autogroup') else 'none'\n"
                       "print(os.getpriority(os.PRIO_PROCESS, 0), group)\n")
-    with background_pool(1, "test") as pool:
-        result = pool.submit(launch_ranks, [str(script)], 2, timeout=60).result()
-    group = str(BACKGROUND_NICE) if os.path.exists("/proc/self/autogroup") else "none"
-    assert [r.stdout.split() for r in result.check().ranks] == [[str(BACKGROUND_NICE), group]] * 2
+
+    def niced_launch():  # Linux: a nice value belongs to the thread; processes inherit it
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        return launch_ranks([str(script)], 2, timeout=60)
+
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(niced_launch).result()
+    group = "10" if os.path.exists("/proc/self/autogroup") else "none"
+    assert [r.stdout.split() for r in result.check().ranks] == [["10", group]] * 2
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the test's own thread is untouched

@@ -5,8 +5,8 @@ kernel's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on 
 distributions' kernels) every session is a scheduling group of its own, and a nice value
 only ranks threads within their group: the group's weight against other sessions is the
 nice value in ``/proc/<pid>/autogroup``, 0 for a new session. So ``nice tnt run ...`` would
-start ranks as heavy as any other session, and a niced test's launches would take the cores
-from the tests in front. ``carry_priority`` writes the nice value into the new session.
+start ranks as heavy as any other session on a shared machine, whatever their threads' nice
+value. ``carry_priority`` writes the nice value into the new session.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 conformance suite (``tnt_core.testing.suite.BackendConformance``, which needs pytest), the
 reference ``store`` backend, which production processes never load, and an emulated
 cluster of network namespaces (``tnt_core.testing.cluster``) for tests and benchmarks
-across hosts, and a pool for launches a test session runs beside its tests at a lower CPU
-priority (``tnt_core.testing.background``).
+across hosts.
 """
 
 from __future__ import annotations
