@@ -10,14 +10,13 @@ references from one plain process; the test modules compare their files. The lau
 A session starts every run its tests need once they are collected, up to three side by side
 (``SuiteRuns.start_needed``): they work while the other packages' tests run, the tests of
 one launch find the others under way or done, and the two cores work while a launch waits
-on its peers. test_pipeline_model's four runs start with the first tnt-keras test
-(``pipelined_model_runs``), for the same reason.
+on its peers. test_pipeline_model's four runs follow in the same queue as the first runs
+end: then the tnt-cli tests, mostly waiting on timeouts, leave a core idle.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,6 +60,7 @@ class SuiteRuns:
         self._tmp = tmp_path_factory
         self._pool = ThreadPoolExecutor(max_workers=SIDE_BY_SIDE, thread_name_prefix="suite-launch")
         self._runs: dict[SuiteLaunch | str, Future] = {}
+        self._pipelined: dict[str, tuple[int, int, Path, list[Future]]] = {}
 
     def start(self, run: SuiteLaunch | str) -> None:
         """Start ``run`` (a launch, or ``"serial"``) unless it was started before."""
@@ -73,7 +73,9 @@ class SuiteRuns:
 
     def start_needed(self, items: list[pytest.Item]) -> None:
         """Start, in ``START_ORDER``, every run that one of ``items`` (the session's tests)
-        asks for: a launch as a parameter, the serial run through ``serial_suite``."""
+        asks for: a launch as a parameter, the serial run through ``serial_suite``; then
+        test_pipeline_model's runs when that module is among them (they start as the first
+        runs end, while the tnt-cli tests leave cores idle)."""
         needed: set[SuiteLaunch | str] = set()
         for item in items:
             callspec = getattr(item, "callspec", None)
@@ -85,6 +87,28 @@ class SuiteRuns:
         for run in START_ORDER:
             if run in needed:
                 self.start(run)
+        if any(item.path.name == "test_pipeline_model.py" for item in items):
+            self.pipelined()
+
+    def pipelined(self) -> dict[str, tuple[int, int, Path, list[Future]]]:
+        """test_pipeline_model's runs, queued on the first call (every launch, then every
+        serial run): layout -> ``(ranks, stages, out, [launch, serial])``."""
+        if not self._pipelined:
+            plans = []
+            for layout, (stages, strategy, ranks) in PIPELINE_LAYOUTS.items():
+                out = self._tmp.mktemp(f"pipelined-model-{stages}-{strategy}")
+                args = ["--partitions", str(stages), "--out", str(out),
+                        *(["--routing"] if layout == PIPELINE_ROUTING else [])]
+                plans.append((layout, stages, strategy, ranks, out, args))
+                self._pipelined[layout] = (ranks, stages, out, [self._pool.submit(
+                    run_workers, "pipeline_model_worker.py",
+                    ["--mode", "pipeline", "--strategy", strategy, *args], ranks, PIPELINE_BACKEND,
+                    timeout=400)])
+            for layout, _stages, _strategy, _ranks, _out, args in plans:
+                sparse = ["--sparse"] if layout == PIPELINE_SPARSE_REFERENCE else []
+                self._pipelined[layout][3].append(self._pool.submit(
+                    run_serial, "pipeline_model_worker.py", ["--mode", "serial", *args, *sparse]))
+        return self._pipelined
 
     def get(self, launch: SuiteLaunch) -> tuple[Path, int, LaunchResult]:
         """``(out, nprocs, launch result)``, waiting for the launch: the workers' files are
@@ -162,29 +186,7 @@ def rank_suite(request, suite_runs):
 
 
 @pytest.fixture(scope="session")
-def pipelined_model_runs(tmp_path_factory) -> Iterator[dict[str, tuple[int, int, Path, list[Future]]]]:
-    """test_pipeline_model's runs: every layout's serial run and launch, side by side (a
-    pipeline's stages wait on each other much of the time, so the four runs take little
-    longer than the longest alone): layout -> ``(ranks, stages, out, [launch, serial])``."""
-    with ThreadPoolExecutor(max_workers=2 * len(PIPELINE_LAYOUTS), thread_name_prefix="pipelined") as pool:
-        started = {}
-        for layout, (stages, strategy, ranks) in PIPELINE_LAYOUTS.items():
-            out = tmp_path_factory.mktemp(f"pipelined-model-{stages}-{strategy}")
-            args = ["--partitions", str(stages), "--out", str(out),
-                    *(["--routing"] if layout == PIPELINE_ROUTING else [])]
-            sparse = ["--sparse"] if layout == PIPELINE_SPARSE_REFERENCE else []
-            started[layout] = (ranks, stages, out, [
-                pool.submit(run_workers, "pipeline_model_worker.py",
-                            ["--mode", "pipeline", "--strategy", strategy, *args], ranks,
-                            PIPELINE_BACKEND, timeout=400),
-                pool.submit(run_serial, "pipeline_model_worker.py", ["--mode", "serial", *args, *sparse])])
-        yield started
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pipelined_model_runs_early(request) -> None:
-    """Start test_pipeline_model's runs with the session's first tnt-keras test, when that
-    module is to run: they take minutes of both cores, and the tnt-keras tests before it
-    leave a core idle much of the time (waits on peers, timeouts, one-process checks)."""
-    if any(item.path.name == "test_pipeline_model.py" for item in request.session.items):
-        request.getfixturevalue("pipelined_model_runs")
+def pipelined_model_runs(suite_runs) -> dict[str, tuple[int, int, Path, list[Future]]]:
+    """test_pipeline_model's runs (``SuiteRuns.pipelined``), queued when the session's tests
+    were collected."""
+    return suite_runs.pipelined()

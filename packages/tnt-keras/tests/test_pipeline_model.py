@@ -40,7 +40,7 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def started(pipelined_model_runs) -> dict[str, tuple[int, int, Path, list[Future]]]:
     """Every layout's serial run and launch (conftest's ``pipelined_model_runs``: under way
-    since the first tnt-keras test of the session)."""
+    queued when the session's tests were collected)."""
     return pipelined_model_runs
 
 
