@@ -99,12 +99,12 @@ class SuiteRuns:
                 out = self._tmp.mktemp(f"pipelined-model-{stages}-{strategy}")
                 args = ["--partitions", str(stages), "--out", str(out),
                         *(["--routing"] if layout == PIPELINE_ROUTING else [])]
-                plans.append((layout, stages, strategy, ranks, out, args))
+                plans.append((layout, args))
                 self._pipelined[layout] = (ranks, stages, out, [self._pool.submit(
                     run_workers, "pipeline_model_worker.py",
                     ["--mode", "pipeline", "--strategy", strategy, *args], ranks, PIPELINE_BACKEND,
                     timeout=400)])
-            for layout, _stages, _strategy, _ranks, _out, args in plans:
+            for layout, args in plans:
                 sparse = ["--sparse"] if layout == PIPELINE_SPARSE_REFERENCE else []
                 self._pipelined[layout][3].append(self._pool.submit(
                     run_serial, "pipeline_model_worker.py", ["--mode", "serial", *args, *sparse]))
