@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -246,14 +248,21 @@ class Agent:
         """Runs in the child between fork and exec: only what is safe there."""
         os.setsid()
         # the rank's new session keeps the agent's (tnt run's) priority, as
-        # tnt_core.carry_priority does (the agent imports no tnt-core: start-up time)
+        # tnt_core.carry_priority does, retrying the kernel's rate limit (EAGAIN) for
+        # half a second (the agent imports no tnt-core: start-up time)
         nice = os.getpriority(os.PRIO_PROCESS, 0)
-        if nice > 0:
+        for _ in range(10 if nice > 0 else 0):
             try:
-                with open("/proc/self/autogroup", "w") as f:
-                    f.write(str(nice))
-            except OSError:
-                pass
+                fd = os.open("/proc/self/autogroup", os.O_WRONLY)
+                try:
+                    os.write(fd, str(nice).encode())
+                finally:
+                    os.close(fd)
+                break
+            except OSError as e:
+                if e.errno != errno.EAGAIN:
+                    break
+            time.sleep(0.05)
         if self._prctl is not None:
             self._prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != self._pid:  # the agent died between fork and prctl

@@ -11,7 +11,9 @@ value. ``carry_priority`` writes the nice value into the new session.
 
 from __future__ import annotations
 
+import errno
 import os
+import time
 
 __all__ = ["carry_priority"]
 
@@ -23,12 +25,27 @@ def carry_priority(pid: int = 0) -> None:
     Call it in the child between fork and exec (``preexec_fn``, after ``setsid``), or in the
     parent right after starting the child (the child then runs its first instants at the
     session's default weight). A kernel without autogroups has no such file: the nice value
-    the child inherited is then its whole priority, and nothing is done."""
+    the child inherited is then its whole priority, and nothing is done.
+
+    Without CAP_SYS_ADMIN the kernel takes one such write per tenth of a second, machine-wide,
+    and answers EAGAIN to the others: ranks started together would all but one stay at the
+    default weight. So EAGAIN is retried for up to half a second."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)  # Linux: the calling thread's
     if nice <= 0:
         return
-    try:
-        with open(f"/proc/{pid or 'self'}/autogroup", "w") as f:
-            f.write(str(nice))
-    except OSError:  # no autogroup scheduling here, or the process has already ended
-        pass
+    for _ in range(_ATTEMPTS):
+        try:  # unbuffered: the kernel's answer is the write's, not a later close's
+            fd = os.open(f"/proc/{pid or 'self'}/autogroup", os.O_WRONLY)
+            try:
+                os.write(fd, str(nice).encode())
+            finally:
+                os.close(fd)
+            return
+        except OSError as e:  # no autogroup scheduling here, or the process has ended
+            if e.errno != errno.EAGAIN:
+                return
+        time.sleep(_RATE_LIMIT_S / 2)
+
+
+_RATE_LIMIT_S = 0.1  # the kernel's HZ / 10 between two unprivileged autogroup writes
+_ATTEMPTS = 10
