@@ -17,12 +17,54 @@ if [ "${#gates_failed[@]}" -gt 0 ]; then
   exit 1
 fi
 
+# With arguments: one pytest run with them (a file, -k, -x ...). Without: every test, in
+# two shards side by side. Most tests wait on processes they started (ranks, launchers,
+# timeouts) and leave a core idle; the other shard's work fills it. tnt-cli and tnt-keras
+# go together, in that order: tnt-keras' conftest starts its rank launches at collection,
+# and the tnt-cli tests, which mostly wait, run while they compute. Shard "a" streams; "b"
+# is printed when both have ended.
+# The slowest tests are listed: the suite must stay within CI's 15 minutes (README).
+check_rc() {  # pytest exits 5 when it collected no test: broken test paths, so a failure
+  if [ "$1" -eq 5 ]; then
+    echo "error: pytest collected no tests in shard $2; check the test paths" >&2
+    return 1
+  fi
+  return "$1"
+}
+
 echo "== pytest"
-# the slowest tests listed: the suite must stay within CI's 15 minutes (README)
-"$VENV/bin/python" -m pytest --durations=25 "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "error: pytest collected no tests; check testpaths in pyproject.toml" >&2
+if [ "$#" -gt 0 ]; then
+  "$VENV/bin/python" -m pytest --durations=25 "$@"
+  check_rc $? "(all)"
+  exit $?
+fi
+
+SHARD_A=(packages/tnt-cli/tests packages/tnt-keras/tests)
+SHARD_B=(packages/tnt-core/tests packages/tnt-comm-gloo/tests packages/tnt-comm-mpi/tests tests)
+# the shards together are pyproject.toml's testpaths, each once
+"$VENV/bin/python" - "${SHARD_A[@]}" "${SHARD_B[@]}" <<'PY' || exit 1
+import sys, tomllib
+paths = tomllib.load(open("pyproject.toml", "rb"))["tool"]["pytest"]["ini_options"]["testpaths"]
+if sorted(sys.argv[1:]) != sorted(paths):
+    sys.exit(f"error: ci/test.sh's shards {sys.argv[1:]} are not pyproject.toml's testpaths {paths}")
+PY
+logs=$(mktemp -d)
+pid_b=
+trap 'if [ -n "$pid_b" ]; then kill "$pid_b" 2>/dev/null; fi; rm -rf "$logs"' EXIT
+"$VENV/bin/python" -m pytest --durations=15 "${SHARD_B[@]}" >"$logs/b.log" 2>&1 &
+pid_b=$!
+echo "-- shard a: ${SHARD_A[*]}"
+"$VENV/bin/python" -m pytest --durations=15 "${SHARD_A[@]}"
+rc_a=$?
+wait "$pid_b"
+rc_b=$?
+pid_b=
+echo "-- shard b: ${SHARD_B[*]}"
+cat "$logs/b.log"
+failed=()
+check_rc "$rc_a" a || failed+=("a (${SHARD_A[*]})")
+check_rc "$rc_b" b || failed+=("b (${SHARD_B[*]})")
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "error: failed shard(s): ${failed[*]}; the output of each is above" >&2
   exit 1
 fi
-exit "$rc"
