@@ -9,11 +9,12 @@ project = "Tarantella-NT"
 author = "The Tarantella-NT developers"
 copyright = "2026, The Tarantella-NT developers"
 
+# no sphinx.ext.viewcode: its highlighted copies of the sources doubled the pages (and the
+# build's time) for what the repository shows
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.intersphinx",
-    "sphinx.ext.viewcode",
     "tnt_docs",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

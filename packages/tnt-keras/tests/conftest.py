@@ -131,6 +131,10 @@ class SuiteRuns:
         args = ["--mode", "tnt", "--out", str(out)]
         if launch.also:
             args += ["--also", ",".join(launch.also)]
+        if launch.parts:
+            args += ["--parts", ",".join(launch.parts)]
+        if launch.fidelity_cases:
+            args += ["--fidelity-cases", ",".join(launch.fidelity_cases)]
         return out, launch.nprocs, run_workers("suite_worker.py", args, launch.nprocs, launch.backend,
                                                timeout=1200)
 

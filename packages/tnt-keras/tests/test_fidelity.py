@@ -51,8 +51,8 @@ def _load(path: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def fidelity(rank_suite):
-    out, nprocs, _ = rank_suite
-    return out / "fidelity", nprocs
+    out, nprocs, launch = rank_suite
+    return out / "fidelity", nprocs, launch
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +62,10 @@ def serial_fidelity(serial_suite) -> Path:
 
 @pytest.mark.parametrize("case", CASES)
 def test_equals_plain_keras(case, fidelity, serial_fidelity, record_property):
-    out, nprocs = fidelity
+    out, nprocs, launch = fidelity
+    if not launch.runs_case(case):
+        pytest.skip(f"{case} runs in the other launches: the {launch.id} launch runs "
+                    f"{', '.join(launch.fidelity_cases)} (tnt_keras_helpers.SUITE_LAUNCHES)")
     serial = _load(serial_fidelity / f"{case}.serial.npz")
     worst = 0.0
     for rank in range(nprocs):
@@ -91,7 +94,7 @@ def test_equals_plain_keras(case, fidelity, serial_fidelity, record_property):
 
 @pytest.fixture(scope="session")
 def facts(fidelity):
-    out, nprocs = fidelity
+    out, nprocs, _ = fidelity
     return [json.loads((out / f"facts.rank{r}.json").read_text()) for r in range(nprocs)], nprocs
 
 

@@ -97,6 +97,17 @@ class SuiteLaunch:
     backend: str | None
     nprocs: int
     also: tuple[str, ...] = ()
+    #: the parts of ``suite_worker`` it runs (every one: empty)
+    parts: tuple[str, ...] = ()
+    #: the fidelity cases it runs (every one: empty), those where its path differs from the
+    #: other launches'
+    fidelity_cases: tuple[str, ...] = ()
+
+    def runs(self, part: str) -> bool:
+        return not self.parts or part in self.parts
+
+    def runs_case(self, case: str) -> bool:
+        return self.runs("fidelity") and (not self.fidelity_cases or case in self.fidelity_cases)
 
     @property
     def id(self) -> str:
@@ -109,19 +120,29 @@ _NATIVE_BACKENDS = [b for b in BACKENDS if b != "store"]
 #: more (the backends' own conformance suites run every size), for another TensorFlow
 #: start-up per rank.
 #: 1 rank, on the backend a launcher picks for it (``local``): ``tnt.Model`` with no
-#: collectives at all.
-ONE_RANK = SuiteLaunch("local", 1)
+#: collectives at all: the data pipeline with no sharding, training, and the fidelity cases
+#: whose data or layers take a path of their own; the callbacks' and files' checks
+#: (``features``) show nothing on one rank, where the only rank is the master.
+ONE_RANK = SuiteLaunch("local", 1, parts=("data", "train", "fidelity"),
+                       fidelity_cases=("dense3d_dataset", "generator", "pydataset",
+                                       "unknown_cardinality", "mixed_precision", "synchronized_bn"))
 #: 3 ranks on the first launchable backend other than ``store`` (gloo): the native gradient
 #: path; 3 ranks divide none of the global batches, and with a global batch of one, two
 #: ranks hold no sample.
 NATIVE_PATH = SuiteLaunch(_NATIVE_BACKENDS[0] if _NATIVE_BACKENDS else None, 3,
                           also=("channel", "small_batches", "collectives"))
 #: 2 ranks on ``store``, tnt-core's reference backend (``launch_ranks`` registers it in the
-#: ranks it starts): no native hand-off, so the Python gradient path; also the logs wrapped
-#: callbacks receive, against plain Keras in the ranks' own processes (2 ranks: each shard
-#: differs from the global batch); and an elastic job's agreement of two ranks.
+#: ranks it starts): no native hand-off, so the Python gradient path, with the fidelity
+#: cases whose gradients take it differently (loss scaling, two optimizers, a user's step,
+#: batch-wise calls, sparse and synchronized layers; the data cases are the 3-rank
+#: launch's); also the logs wrapped callbacks receive, against plain Keras in the ranks' own
+#: processes (2 ranks: each shard differs from the global batch); and an elastic job's
+#: agreement of two ranks.
 PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "callback_logs", "collectives",
-                                            "elastic_agree"))
+                                            "elastic_agree"),
+                          fidelity_cases=("custom_training", "two_optimizers", "on_batch",
+                                          "mixed_precision", "synchronized_bn",
+                                          "position_embedding", "two_outputs"))
 SUITE_LAUNCHES = (ONE_RANK, NATIVE_PATH, PYTHON_PATH)
 
 #: test_pipeline_model's launches (conftest's ``pipelined_model_runs``): layout -> (stages,

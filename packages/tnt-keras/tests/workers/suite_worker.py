@@ -4,7 +4,8 @@
 ``DIR/data``), ``train_worker`` (``DIR/train``), ``fidelity_worker`` (``DIR/fidelity``),
 ``loop_worker`` (``DIR/loops``; on 3 ranks only), ``xla_worker`` (``DIR/xla``; 2-rank
 launches only) and ``features_worker`` (``DIR/features``; it changes the working directory)
-with the same arguments; ``--mode serial`` also ``pipeline_resume_worker``
+with the same arguments (``--parts`` picks some of them, ``--fidelity-cases`` some of
+fidelity_worker's cases); ``--mode serial`` also ``pipeline_resume_worker``
 (``DIR/pipeline_resume``), whose tarantella side is a launch of its own.
 ``--also channel,small_batches,callback_logs,collectives`` (``--mode tnt``) then runs the
 workers that compare within the rank or against NumPy or plain Keras in the rank's own
@@ -34,6 +35,9 @@ import xla_worker
 
 #: ``--also`` names -> modules; imported only when asked for: they import tarantella, which
 #: the plain-Keras serial process never does
+#: the parts every launch and the serial run can run, in their order -> modules
+PARTS = {"data": dataset_worker, "train": train_worker, "fidelity": fidelity_worker,
+         "loops": loop_worker, "xla": xla_worker, "features": features_worker}
 ALSO = {"channel": "channel_worker", "small_batches": "small_batch_worker",
         "callback_logs": "callback_logs_worker",
         "collectives": "user_collectives_worker", "elastic_agree": "elastic_agree_worker"}
@@ -44,17 +48,26 @@ def main() -> None:
     parser.add_argument("--mode", choices=("serial", "tnt"), required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--also", default="", help=f"comma-separated, of {sorted(ALSO)} (--mode tnt)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {list(PARTS)} (default: all)")
+    parser.add_argument("--fidelity-cases", default="",
+                        help="comma-separated cases of fidelity_worker (default: all)")
     args = parser.parse_args()
     also = [name for name in args.also.split(",") if name]
     unknown = sorted(set(also) - set(ALSO))
     if unknown or (also and args.mode == "serial"):
         parser.error(f"--also takes {sorted(ALSO)} with --mode tnt, not {also}")
+    parts = [name for name in args.parts.split(",") if name]
+    if set(parts) - set(PARTS):
+        parser.error(f"--parts takes {list(PARTS)}, not {parts}")
+    cases = [name for name in args.fidelity_cases.split(",") if name]
+    if set(cases) - set(fidelity_worker.CASES):
+        parser.error(f"--fidelity-cases takes {list(fidelity_worker.CASES)}, not {cases}")
     out = os.path.abspath(args.out)
-    for name, worker in (("data", dataset_worker), ("train", train_worker),
-                         ("fidelity", fidelity_worker), ("loops", loop_worker), ("xla", xla_worker),
-                         ("features", features_worker)):
+    for name in parts:
         start = time.monotonic()
-        worker.main(["--mode", args.mode, "--out", os.path.join(out, name)])
+        extra = ["--only", ",".join(cases)] if name == "fidelity" and cases else []
+        PARTS[name].main(["--mode", args.mode, "--out", os.path.join(out, name), *extra])
         print(f"suite: {name} done in {time.monotonic() - start:.1f} s", flush=True)
     if args.mode == "serial":  # its tnt side is a launch of its own (tnt run --max-restarts)
         start = time.monotonic()
