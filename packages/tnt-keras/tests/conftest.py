@@ -185,8 +185,9 @@ def serial_suite(suite_runs) -> Path:
 
 @pytest.fixture(scope="session", params=launch_params(SUITE_LAUNCHES))
 def rank_suite(request, suite_runs):
-    """``(out, nprocs, launch)`` of each launch of ``SUITE_LAUNCHES`` (see ``SuiteRuns.get``)."""
-    return suite_runs.get(request.param)
+    """``(out, nprocs, launch result, SuiteLaunch)`` of each launch of ``SUITE_LAUNCHES``
+    (see ``SuiteRuns.get``)."""
+    return (*suite_runs.get(request.param), request.param)
 
 
 @pytest.fixture(scope="session")

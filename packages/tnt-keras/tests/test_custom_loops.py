@@ -31,7 +31,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="session")
 def loops(rank_suite) -> Path:
-    out, nprocs, _ = rank_suite
+    out, nprocs, *_ = rank_suite
     if nprocs != RANKS:
         pytest.skip(f"the custom-loop checks run in the {RANKS}-rank launches")
     return out / "loops"

@@ -29,7 +29,7 @@ def serial_batches(serial_suite) -> dict:
 
 @pytest.fixture(scope="session")
 def rank_batches(rank_suite) -> tuple[list[dict], int]:
-    out, nprocs, _ = rank_suite
+    out, nprocs, *_ = rank_suite
     return [json.loads(Path(out, "data", f"rank{r}.json").read_text()) for r in range(nprocs)], nprocs
 
 

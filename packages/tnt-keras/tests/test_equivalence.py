@@ -43,7 +43,7 @@ def serial_results(serial_suite) -> Path:
 
 @pytest.fixture(scope="session")
 def distributed_results(rank_suite) -> tuple[Path, int]:
-    out, nprocs, _ = rank_suite
+    out, nprocs, *_ = rank_suite
     return out / "train", nprocs
 
 

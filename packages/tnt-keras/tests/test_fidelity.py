@@ -51,7 +51,7 @@ def _load(path: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def fidelity(rank_suite):
-    out, nprocs, launch = rank_suite
+    out, nprocs, _, launch = rank_suite
     return out / "fidelity", nprocs, launch
 
 

@@ -56,7 +56,7 @@ def _load(path: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def xla_results(rank_suite):
-    out, nprocs, _ = rank_suite
+    out, nprocs, *_ = rank_suite
     if nprocs != 2:
         pytest.skip("the XLA cases run in the 2-rank launch")
     return out / "xla", nprocs
