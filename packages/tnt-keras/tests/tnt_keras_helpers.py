@@ -132,14 +132,16 @@ ONE_RANK = SuiteLaunch("local", 1, parts=("data", "train", "fidelity"),
 NATIVE_PATH = SuiteLaunch(_NATIVE_BACKENDS[0] if _NATIVE_BACKENDS else None, 3,
                           also=("channel", "small_batches", "collectives"))
 #: 2 ranks on ``store``, tnt-core's reference backend (``launch_ranks`` registers it in the
-#: ranks it starts): no native hand-off, so the Python gradient path, with the fidelity
-#: cases whose gradients take it differently (loss scaling, two optimizers, a user's step,
-#: batch-wise calls, sparse and synchronized layers; the data cases are the 3-rank
-#: launch's); also the logs wrapped callbacks receive, against plain Keras in the ranks' own
-#: processes (2 ranks: each shard differs from the global batch); and an elastic job's
-#: agreement of two ranks.
+#: ranks it starts): no native hand-off, so the Python gradient path: training, XLA (2-rank
+#: launches only), and the fidelity cases whose gradients take it differently (loss
+#: scaling, two optimizers, a user's step, batch-wise calls, sparse and synchronized
+#: layers). The data pipeline, the data cases and the callbacks' files do not touch the
+#: gradient path: the 3-rank launch runs them. Also the logs wrapped callbacks receive,
+#: against plain Keras in the ranks' own processes (2 ranks: each shard differs from the
+#: global batch); and an elastic job's agreement of two ranks.
 PYTHON_PATH = SuiteLaunch("store", 2, also=("channel", "callback_logs", "collectives",
                                             "elastic_agree"),
+                          parts=("train", "fidelity", "xla"),
                           fidelity_cases=("custom_training", "two_optimizers", "on_batch",
                                           "mixed_precision", "synchronized_bn",
                                           "position_embedding", "two_outputs"))
