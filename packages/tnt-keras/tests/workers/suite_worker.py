@@ -33,11 +33,12 @@ import pipeline_resume_worker
 import train_worker
 import xla_worker
 
-#: ``--also`` names -> modules; imported only when asked for: they import tarantella, which
-#: the plain-Keras serial process never does
-#: the parts every launch and the serial run can run, in their order -> modules
+#: the parts every launch and the serial run can run -> modules, in the order they run
+#: (features last: it changes the working directory)
 PARTS = {"data": dataset_worker, "train": train_worker, "fidelity": fidelity_worker,
          "loops": loop_worker, "xla": xla_worker, "features": features_worker}
+#: ``--also`` names -> modules; imported only when asked for: they import tarantella, which
+#: the plain-Keras serial process never does
 ALSO = {"channel": "channel_worker", "small_batches": "small_batch_worker",
         "callback_logs": "callback_logs_worker",
         "collectives": "user_collectives_worker", "elastic_agree": "elastic_agree_worker"}
@@ -64,7 +65,7 @@ def main() -> None:
     if set(cases) - set(fidelity_worker.CASES):
         parser.error(f"--fidelity-cases takes {list(fidelity_worker.CASES)}, not {cases}")
     out = os.path.abspath(args.out)
-    for name in parts:
+    for name in [name for name in PARTS if name in parts]:
         start = time.monotonic()
         extra = ["--only", ",".join(cases)] if name == "fidelity" and cases else []
         PARTS[name].main(["--mode", args.mode, "--out", os.path.join(out, name), *extra])
