@@ -141,7 +141,9 @@ def _run_namespaced(script: str, work: Path, timeout: float) -> tuple[str, float
     proc = subprocess.run([*_unshare_argv(), "bash", str(path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout,
                           env={k: v for k, v in os.environ.items()
-                               if not k.startswith(("TNT_", "VIRTUAL_ENV", "PYTHON"))})
+                               # the clean venv gets none of this run's settings: a
+                               # PYTEST_ADDOPTS naming a plugin would fail its pytest
+                               if not k.startswith(("TNT_", "VIRTUAL_ENV", "PYTHON", "PYTEST_"))})
     out = proc.stdout + "\n[stderr]\n" + proc.stderr
     assert "CHECK-FAILED" not in out, out[-8000:]
     assert "HIDDEN-OK" in out, f"hiding Gloo and the build tools failed:\n{out[-8000:]}"
