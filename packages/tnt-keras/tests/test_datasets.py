@@ -30,9 +30,7 @@ def serial_batches(serial_suite) -> dict:
 @pytest.fixture(scope="session")
 def rank_batches(rank_suite) -> tuple[list[dict], int]:
     out, nprocs, _, planned = rank_suite
-    if not planned.runs("data"):
-        pytest.skip(f"the {planned.id} launch runs {', '.join(planned.parts)} of suite_worker's parts "
-                    "(tnt_keras_helpers.SUITE_LAUNCHES)")
+    planned.skip_unless_it_runs("data")
     return [json.loads(Path(out, "data", f"rank{r}.json").read_text()) for r in range(nprocs)], nprocs
 
 

@@ -31,9 +31,7 @@ def serial_features(serial_suite) -> dict:
 @pytest.fixture(scope="session")
 def features(rank_suite):
     out, nprocs, launch, planned = rank_suite
-    if not planned.runs("features"):
-        pytest.skip(f"the {planned.id} launch runs {', '.join(planned.parts)} of suite_worker's parts "
-                    "(tnt_keras_helpers.SUITE_LAUNCHES)")
+    planned.skip_unless_it_runs("features")
     ranks = [json.loads(Path(out, "features", f"rank{r}.json").read_text()) for r in range(nprocs)]
     return ranks, nprocs, launch
 

@@ -106,6 +106,12 @@ class SuiteLaunch:
     def runs(self, part: str) -> bool:
         return not self.parts or part in self.parts
 
+    def skip_unless_it_runs(self, part: str) -> None:
+        """Skip the calling test when this launch leaves ``part`` to the others."""
+        if not self.runs(part):
+            pytest.skip(f"the {self.id} launch runs {', '.join(self.parts)} of suite_worker's parts "
+                        "(tnt_keras_helpers.SUITE_LAUNCHES)")
+
     def runs_case(self, case: str) -> bool:
         return self.runs("fidelity") and (not self.fidelity_cases or case in self.fidelity_cases)
 
