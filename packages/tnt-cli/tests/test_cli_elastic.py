@@ -179,20 +179,24 @@ def test_a_killed_rank_is_replaced_then_the_job_shrinks(run_tnt, h):
     assert ("replacement", "3") in recovered and ("survivor", "0") in recovered
 
 
-def test_a_job_restarted_for_a_death_names_the_rank_that_died_not_its_consequence(run_tnt, h):
+def test_a_job_restarted_for_a_death_names_the_rank_that_died_not_its_consequence(run_tnt, h,
+                                                                                   tmp_path):
     """A job that cannot lose a rank (a pipelined model's): rank 1 fails its peer at once
     and dies 0.5 s later; rank 0's exit for that failure (code 75) comes first, but the
-    restart names rank 1, and the restarted job finishes."""
+    restart names rank 1, and the restarted job finishes. Rank 0 takes 1.5 s to write what
+    the restarted job needs before it exits: it is not stopped meanwhile."""
     res = run_tnt("-n", "2", "--max-restarts", "1", "--output-on-all-devices", "--",
                   h.rank_script("elastic_loop.py"), "20",
                   env={"ELASTIC_RESTART_ALL": "a stage is held by its ranks alone",
-                       "ELASTIC_LATE_DEATH": "1:5"}, timeout=60)
+                       "ELASTIC_LATE_DEATH": "1:5", "ELASTIC_SURVIVOR_WRITES_S": "1.5"},
+                  timeout=60)
     assert res.returncode == 0, res.stderr
     assert ("tnt run: rank 1 on localhost exited with code 137 (signal SIGKILL?); a stage is "
             "held by its ranks alone: restarting every rank (restart 1 of 1)") in res.stderr, \
         res.stderr
     assert "exited with code 75" not in res.stderr, res.stderr
     assert len(_done(res.stdout)) == 2, res.stdout
+    assert (tmp_path / "wrote-0").exists(), res.stderr  # not stopped while it wrote
 
 
 def test_a_hung_rank_is_evicted_and_below_min_np_the_job_ends_in_one_line(run_tnt, h):

@@ -75,6 +75,10 @@ AGENT_LINE_WAIT_S = 1.0
 #: seconds between two looks of an elastic job's supervisor for a rank the stall
 #: inspector found hung (it is then evicted)
 HUNG_POLL_S = 1.0
+#: seconds the ranks left running get to end on their own once every rank is to restart
+#: (the survivors of a pipelined job under ALL write the step in flight first), before
+#: they are stopped
+RESTART_WAIT_S = 30.0
 #: the line an agent under mpirun/srun writes when its rank failed (see agent.Agent.run)
 _AGENT_EXIT_LINE = re.compile(rb"^\[(\d+)\] tnt: rank (\d+) on \S+ (?:exited|was killed)")
 
@@ -184,6 +188,8 @@ class Supervisor:
         #: an elastic job that cannot go on without a rank lost one: every rank ends, and
         #: ``tnt run`` starts them all again (the line that said so)
         self.restart_all: str | None = None
+        #: when the ranks still running are stopped, if they have not ended by then
+        self.restart_deadline: float | None = None
         #: such a job's ranks that exited because a peer failed, and when to name them if
         #: the rank that failed first has not exited by then: (index, exit status, deadline)
         self.consequences: list[tuple[int, int, float]] = []
@@ -334,9 +340,10 @@ class Supervisor:
                 continue
             self._handle(kind, index, value)
             self._escalate()
-        if self.secondary and self.stopping_since is None:
+        settled = self.stopping_since is None and self.restart_deadline is None
+        if self.secondary and settled:
             self._name_secondary()  # every process ended within the settle time
-        if self.consequences and self.stopping_since is None:
+        if self.consequences and settled:
             self._depart(*self.consequences[0][:2])  # likewise, in an elastic job
         for t in self.threads:  # the processes' output, read to its end
             t.join(timeout=2.0)
@@ -369,6 +376,8 @@ class Supervisor:
             self._hosts_changed()
             return
         code = value if value >= 0 else 128 - value
+        if self.restart_deadline is not None:
+            return  # every rank restarts: the others end on their own, as expected
         if code == 0 and kind == "exit" and self.elastic is not None and self.stopping_since is None:
             done, doomed = self.elastic.finished(index)
             self._end_unjoined(doomed)
@@ -444,7 +453,7 @@ class Supervisor:
         self.restart_all = (f"{label} {why}; {reason}: restarting every rank (restart "
                             f"{self.elastic.restarts} of {self.elastic.limits.max_restarts})")
         self.say(self.restart_all)
-        self._stop_all()
+        self.restart_deadline = time.monotonic() + RESTART_WAIT_S  # they end on their own
 
     def _end_unjoined(self, members: Sequence[int]) -> None:
         """End members the job finished without (see ``ElasticJob.finished``)."""
@@ -492,7 +501,7 @@ class Supervisor:
     def _elastic_tick(self) -> None:
         """Members starting up that are ready join in a new generation; a rank the stall
         inspector found hung is evicted."""
-        if self.elastic is None or self.stopping_since is not None:
+        if self.elastic is None or self.stopping_since is not None or self.restart_deadline is not None:
             return
         if self.consequences and time.monotonic() >= self.consequences[0][2]:
             index, value, _ = self.consequences[0]  # no other rank's exit came: it is named
@@ -640,6 +649,9 @@ class Supervisor:
             return None
 
     def _escalate(self) -> None:
+        if self.restart_deadline is not None and self.stopping_since is None \
+                and time.monotonic() >= self.restart_deadline:
+            self._stop_all()  # a rank that did not end on its own
         self._elastic_tick()
         if self.stopping_since is None and self.settle_until is not None \
                 and time.monotonic() >= self.settle_until:

@@ -8,7 +8,10 @@ makes member M (a replacement) exit before ``tnt_core.init()``.
 ``ELASTIC_RESTART_ALL=REASON`` makes the job one that cannot lose a rank (as a pipelined
 model does: a failed allreduce ends the rank with the peer-failure exit code), and
 ``ELASTIC_LATE_DEATH=M:S`` makes member M of the job's first start abort its communicator
-at step S (its peers fail at once) and SIGKILL itself 0.5 s later. A
+at step S (its peers fail at once) and SIGKILL itself 0.5 s later;
+``ELASTIC_SURVIVOR_WRITES_S=T`` makes a rank of such a job whose allreduce failed take T
+seconds to write ``$TNT_TEST_DIR/wrote-M`` before it exits (as a pipeline's survivor writes
+the step in flight). A
 failed allreduce rejoins and redoes its step; a generation that only adds ranks is taken in
 at a step's boundary the ranks agree on; ranks that joined get the step from rank 0.
 Every rank prints its recoveries (kill to first completed allreduce in the new generation)
@@ -80,6 +83,10 @@ while step < steps:
         rt.backend.allreduce(x)
     except tnt_core.CommError as exc:
         if restart_all:
+            writes = float(os.environ.get("ELASTIC_SURVIVOR_WRITES_S", "0"))
+            if writes:
+                time.sleep(writes)
+                (folder / f"wrote-{me}").write_text(repr(time.time()))
             print(f"tnt_core.CommError: {exc}", file=sys.stderr, flush=True)
             sys.exit(tnt_core.PEER_FAILURE_EXIT_CODE)
         tnt_core.rejoin(timeout=30)
