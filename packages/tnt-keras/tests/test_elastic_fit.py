@@ -24,8 +24,10 @@ from the master; member 2's replacement (member 4) as it takes the state
 (``ELASTIC_DIE_TAKING_STATE``): the others go on and its replacement joins. Every rank's
 result is plain Keras'.
 
-A third launch, ``tnt run -n 2 --max-restarts 1`` of a pipelined model, restarts every rank
-when one dies; the fit resumes from its BackupAndRestore backup at the step.
+A third launch, ``tnt run -n 4 --max-restarts 2`` of a pipelined model under ALL (2 stages
+x 2 pipelines), restarts every rank when one dies: the fit resumes at the step that failed
+from the survivors' copies, and, when both replicas of a stage died, from its
+BackupAndRestore backup at the step.
 
 A rank one operation ahead of another (its last collective completed, the other's failed)
 is placed there by ``workers/elastic_agree_worker.py`` in the suite's 2-rank launch.
@@ -196,24 +198,30 @@ def test_a_rank_behind_takes_the_state_and_logs_of_the_rank_ahead(agreed):
 @NO_GLOO
 def test_a_pipelined_job_restarts_every_rank_and_resumes_at_the_step_as_plain_keras(tmp_path,
                                                                                    serial_suite):
-    """``tnt run --max-restarts 1`` of a pipelined fit (``workers/pipeline_resume_worker.py``):
-    rank 1 is SIGKILLed as batch 5 of the second epoch begins; both ranks restart, and the
-    user's BackupAndRestore(save_freq=2) resumes the fit at batch 4 (its backup), not at the
-    epoch's start. Final weights and History are plain Keras' (round-off of the
-    micro-batches; the plain Keras run is part of the suite's plain process)."""
+    """``tnt run -n 4 --max-restarts 2`` of a fit pipelined under ALL
+    (``workers/pipeline_resume_worker.py``): rank 3 is SIGKILLed as batch 5 of the second
+    epoch begins, and every rank restarts at batch 5, from the survivors' copies (the
+    user's BackupAndRestore(save_freq=2) is at batch 4); then both replicas of stage 1 as
+    batch 4 of the third epoch begins, and every rank restarts at batch 3, the backup's step
+    (no survivor holds stage 1). Final weights and History are plain Keras' (round-off of
+    the micro-batches; the plain Keras run is part of the suite's plain process)."""
     before = _shm()
     env = {**os.environ, **QUIET, "TNT_TIMEOUT_S": "30"}
     proc = subprocess.run(
-        [str(TNT), "run", "-n", "2", "--max-restarts", "1", "--backend", "gloo", "--",
+        [str(TNT), "run", "-n", "4", "--max-restarts", "2", "--backend", "gloo", "--",
          str(WORKERS / "pipeline_resume_worker.py"), "tnt", str(tmp_path / "tnt")],
         env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    assert ("tnt run: rank 1 on localhost exited with code 137 (signal SIGKILL?); a pipelined "
-            "tnt.Model cannot go on without one of its ranks (a stage is held by its ranks "
-            "alone): restarting every rank (restart 1 of 1)") in output, output[-4000:]
-    first = [json.loads((tmp_path / "tnt" / f"first-batch-{run}.json").read_text()) for run in (0, 1)]
-    assert first == [[0, 0], [1, 4]]  # the restarted run's callbacks begin at the backup's step
+    reason = ("a pipelined tnt.Model cannot go on with fewer ranks (the survivors back up the "
+              "step in flight): restarting every rank")
+    for restart, ranks in ((1, "3"), (2, "[13]")):  # the second: whichever died first
+        assert re.search(rf"tnt run: rank {ranks} on localhost exited with code 137 \(signal "
+                         rf"SIGKILL\?\); {re.escape(reason)} \(restart {restart} of 2\)",
+                         output), output[-4000:]
+    first = [json.loads((tmp_path / "tnt" / f"first-batch-{run}.json").read_text())
+             for run in (0, 1, 2)]
+    assert first == [[0, 0], [1, 5], [2, 3]]  # where each run's callbacks begin
     _assert_serial(dict(np.load(tmp_path / "tnt" / "result-tnt.npz")),
                    dict(np.load(serial_suite / "pipeline_resume" / "result-serial.npz")),
                    rtol=1e-12, atol=1e-15, keys={"h_loss", "h_mae", "h_val_loss", "w0"})

@@ -652,3 +652,47 @@ def test_a_joiner_keeps_the_results_of_the_calls_it_skips(monkeypatch):
     assert replayed == [position]
     assert book.results == {1: {"loss": 0.5}, 2: "history"}
     assert book.describe(9, "train")["results"] == {1: {"loss": 0.5}, 2: "history"}
+
+
+def test_survivors_copies_resume_at_the_newest_step_every_stage_has(tmp_path):
+    """``tarantella.step_rescue``: rank 3 (stage 1 of pipeline 1) died; ranks 0 and 2
+    (stage 0) had begun step 5, rank 1 (stage 1) was still in step 4, so only step 4 has
+    every stage. Each survivor wrote its last two copies; a restarted rank 3 takes rank 1's
+    stage 1 at step 4 with its own seed stream, and every rank the lowest rank's metric and
+    callbacks' state."""
+    from tarantella import step_rescue
+    from tarantella.randomness import refold_seed_state
+
+    def rank_state(stage: int, replica: int, rank: int):
+        weight = keras.Variable(np.zeros((2, 3)), name=f"w{stage}")
+        seeds = keras.random.SeedGenerator(7)
+        metric = keras.Variable(np.zeros(()), name="total")
+        history = keras.callbacks.History()
+        return (weight, seeds, metric, history,
+                step_rescue.StepCopies([weight, seeds.state], stage, replica, rank))
+
+    ranks = {0: (0, 0), 2: (0, 1), 1: (1, 0)}  # survivor -> (stage, replica)
+    steps = {0: (3, 4, 5), 2: (3, 4, 5), 1: (2, 3, 4)}
+    for rank, (stage, replica) in ranks.items():
+        weight, seeds, metric, history, copies = rank_state(stage, replica, rank)
+        for step in steps[rank]:
+            seeds.state.assign(refold_seed_state(np.array([7, step]), 0, replica))
+            weight.assign(np.full((2, 3), 10.0 * stage + step))
+            metric.assign(100.0 * rank + step)
+            history.history = {"loss": [float(rank)]}
+            copies.take((1, step), step // 2, [metric], [history])
+            copies.take((1, step), 0, [], [])  # once per position: the epoch's first hook too
+        assert copies.write(str(tmp_path)) == [(1, steps[rank][2]), (1, steps[rank][1])]
+    (tmp_path / "tnt-rescue-000001-00000003" / "stage-1-rank-1.pkl").unlink()  # not written
+    found = step_rescue.complete_positions(str(tmp_path), 2)
+    assert [position for position, _ in found] == [(1, 4)]
+
+    weight, seeds, metric, history, copies = rank_state(1, 1, 3)
+    saves = step_rescue.load(found[0][1], copies, [metric], [history])
+    assert saves == 2
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(weight), np.full((2, 3), 14.0))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(seeds.state),
+                                  refold_seed_state(np.array([7, 4]), 0, 1))
+    assert float(keras.ops.convert_to_numpy(metric)) == 4.0 and history.history == {"loss": [0.0]}
+    step_rescue.remove_all(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-__all__ = ["SEED_STATE_NAME", "fold_rank_into_seeds", "is_seed_state"]
+__all__ = ["SEED_STATE_NAME", "fold_rank_into_seeds", "is_seed_state", "refold_seed_state"]
 
 #: the name Keras gives every ``keras.random.SeedGenerator``'s state variable
 SEED_STATE_NAME = "seed_generator_state"
@@ -32,9 +32,17 @@ def fold_rank_into_seeds(model: keras.Model, rank: int) -> int:
     states = [v for v in model.variables if is_seed_state(v)]
     if rank == 0:
         return len(states)
-    offset = (rank * _STRIDE) % (2**62)
     for v in states:
-        value = np.array(keras.ops.convert_to_numpy(v), dtype=np.int64)
-        value[0] = (int(value[0]) + offset) % (2**62)
-        v.assign(value.astype(np.dtype(v.dtype)))
+        v.assign(refold_seed_state(keras.ops.convert_to_numpy(v), 0, rank))
     return len(states)
+
+
+def refold_seed_state(value: np.ndarray, rank: int, to_rank: int) -> np.ndarray:
+    """The seed state rank ``to_rank`` holds where rank ``rank`` holds ``value`` (they
+    drew alike since: Keras' ordered draws advance the second word only). A restarted rank
+    takes its stream from a surviving replica of its stage this way
+    (:mod:`tarantella.step_rescue`)."""
+    folded = np.array(value, dtype=np.int64)
+    offset = ((to_rank - rank) * _STRIDE) % (2**62)
+    folded[0] = (int(folded[0]) + offset) % (2**62)
+    return folded.astype(np.asarray(value).dtype)

@@ -24,6 +24,10 @@ callback resumes at the step instead:
   hook the backup was written in, every rank loads it (``backup_dir`` on a file system
   every rank sees, as for Keras' own restore on every rank) and training goes on. The master
   decides whether and where a fit resumes, so the ranks agree.
+* **The step in flight.** A pipelined job under ALL in an elastic job keeps host copies of
+  each stage as the last two steps began; when a rank dies, the survivors write them, and
+  the restarted fit resumes at the step that failed when that position is newer than the
+  backup (:mod:`tarantella.step_rescue`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from . import _keras_compat
+from . import _keras_compat, step_rescue
 from . import callbacks as tnt_callbacks
 from .data_parallel import joining
 from .errors import NotSupportedError
@@ -77,6 +81,11 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         #: a resumed fit: the backup and the position it was written at
         self.resume_from: str | None = None
         self.resume_at: tuple[int, int] | None = None
+        #: the resumed backup is the survivors' copies of the step in flight
+        self.resume_rescue = False
+        #: this rank's copies of its stage as the last two steps began, when the model's
+        #: survivors write them on a rank's death (step_rescue); None otherwise
+        self.copies: step_rescue.StepCopies | None = None
         #: the loop's callbacks (their state is backed up; a list or Keras' CallbackList),
         #: set by the model's fit
         self.callbacks: Any = []
@@ -88,12 +97,18 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         self.epoch, self.step, self.since_save, self.due, self.saves = 0, 0, 0, False, 0
         backup_dir = str(self.keras_callback.backup_dir)
         state = self.model._tnt  # noqa: SLF001 (tarantella's own state of the model)
+        rescue = getattr(state, "rescue_copies", None)
+        self.copies = rescue(self.model) if rescue is not None else None
         found: dict[str, Any] = {}
         if state.runtime.is_master:
             newest = _newest(backup_dir)
             if newest is not None:
                 with open(os.path.join(newest, _JOB), "rb") as f:
                     found = {"path": newest, "position": tuple(pickle.load(f)["position"])}
+            stages = getattr(getattr(state, "parts", None), "num_partitions", 0)
+            rescued = step_rescue.complete_positions(backup_dir, stages) if stages else []
+            if rescued and (not found or rescued[0][0] > found["position"]):
+                found = {"path": rescued[0][1], "position": rescued[0][0], "rescue": True}
                 for name in os.listdir(backup_dir):  # what a rank killed while writing left
                     if name.startswith("tnt-state-") and name.endswith(".tmp"):
                         shutil.rmtree(os.path.join(backup_dir, name), ignore_errors=True)
@@ -105,6 +120,7 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
             self.keras_callback.on_train_begin(logs)
         elif found:
             self.resume_from, self.resume_at = found["path"], found["position"]
+            self.resume_rescue = bool(found.get("rescue"))
             state.replaying = True
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -150,6 +166,9 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
             if (self.epoch, self.step) == self.resume_at:
                 self._load()
             return
+        if self.copies is not None:
+            self.copies.take((self.epoch, self.step), self.saves, self.model.metrics_variables,
+                             self.callbacks)
         if self.due:
             self.due = False
             self._save()
@@ -186,6 +205,7 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
             "callbacks": joining.callback_states(self.callbacks)})
         shutil.rmtree(final, ignore_errors=True)
         os.rename(temporary, final)
+        step_rescue.remove_all(backup_dir)  # older than this backup
         keep = 2 if self.keras_callback.double_checkpoint else 1
         for number in sorted(_numbers(backup_dir))[:-keep]:
             shutil.rmtree(os.path.join(backup_dir, f"tnt-state-{number:08d}"), ignore_errors=True)
@@ -196,6 +216,9 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         state = model._tnt  # noqa: SLF001
         found = self.resume_from
         assert found is not None
+        if self.resume_rescue:
+            self._load_rescue(found)
+            return
         mine = os.path.join(found, _rank_file(state.runtime.rank))
         if not os.path.exists(mine):
             raise NotSupportedError(
@@ -220,6 +243,29 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         joining.restore_callback_states(self.callbacks, job["callbacks"], strict=False)
         self.saves, self.since_save, self.due = int(job["saves"]), 0, False
         state.replaying = False
+
+
+    def _load_rescue(self, found: str) -> None:
+        """Every rank takes its stage's state from the survivors' copies."""
+        model = self.model
+        state = model._tnt  # noqa: SLF001
+        copies = self.copies
+        if copies is None:
+            raise NotSupportedError(
+                f"BackupAndRestore: {found} holds the step a pipelined job under ALL was in "
+                "when a rank died; only that job (the same model, strategy and number of "
+                "ranks, in an elastic tnt run) can resume from it: remove it to start anew")
+        self.saves = step_rescue.load(found, copies, model.metrics_variables, self.callbacks)
+        self.since_save, self.due = 0, False
+        state.replaying = False
+
+    def write_rescue(self, reason: str) -> list[tuple[int, int]]:
+        """A rank died (``reason``): this survivor writes its copies for the restarted job;
+        the positions written (none when this model keeps no copies)."""
+        if self.copies is None or _replaying(self.model):
+            return []
+        self.model._tnt.abort_communicators(reason)  # noqa: SLF001 (its peers fail at once)
+        return self.copies.write(str(self.keras_callback.backup_dir))
 
 
 def _write(path: str, value: Any) -> None:

@@ -1,13 +1,20 @@
-"""A pipelined fit resumed at the step from its BackupAndRestore backup after every rank was
-restarted, against plain Keras running the same script: ``pipeline_resume_worker.py
-serial|tnt OUT`` (the serial run is part of the suite's plain process, ``suite_worker``).
+"""A pipelined fit restarted twice, resumed at the step each time, against plain Keras
+running the same script: ``pipeline_resume_worker.py serial|tnt OUT`` (the serial run is part
+of the suite's plain process, ``suite_worker``).
 
-Float64, two stages (cut automatically), Adam, a metric, shuffled data and validation data;
-the user's own ``keras.callbacks.BackupAndRestore(save_freq=2)``. Under ``tnt run -n 2
---max-restarts 1`` rank 1 SIGKILLs itself as train batch 5 of the second epoch begins (in
-the first run only: it leaves OUT/killed); ``tnt run`` then restarts both ranks, whose fit
-resumes from the backup written as batch 4 began. Rank 0 writes the final weights and
-History to OUT/result-<mode>.npz, and the first batch its callbacks saw in each run to
+Float64, two stages (cut automatically) under ``ParallelStrategy.ALL`` (two pipelines on
+4 ranks), Adam, a metric, shuffled data and validation data; the user's own
+``keras.callbacks.BackupAndRestore(save_freq=2)``. Under ``tnt run -n 4 --max-restarts 2``:
+
+* in the first run, rank 3 (stage 1 of pipeline 1) SIGKILLs itself as train batch 5 of the
+  second epoch begins; the survivors write the step in flight, and the restarted fit
+  resumes at batch 5 (its backup is at batch 4);
+* in the second run, ranks 1 and 3 (both replicas of stage 1) SIGKILL themselves as batch 4
+  of the third epoch begins: no survivor holds stage 1, and the fit resumes from the backup
+  written as batch 3 began.
+
+Each run leaves OUT/killed-<run>. Rank 0 writes the final weights and History to
+OUT/result-<mode>.npz, and the first batch its callbacks saw in each run to
 OUT/first-batch-<run>.json.
 """
 
@@ -32,7 +39,8 @@ def main(argv: list[str]) -> None:
     keras.config.set_floatx("float64")
     keras.utils.set_random_seed(11)
     out.mkdir(parents=True, exist_ok=True)
-    restarted = (out / "killed").exists()
+    run = len(list(out.glob("killed-*")))
+    kills = {0: ((1, 5), {3}), 1: ((2, 4), {1, 3})}
     seen: list[list[int]] = []  # not the callback's state: the backup restores that
 
     class Killer(keras.callbacks.Callback):
@@ -43,9 +51,10 @@ def main(argv: list[str]) -> None:
             if not seen:
                 seen.append([self.epoch, batch])
                 if mode == "serial" or tnt.get_rank() == 0:
-                    (out / f"first-batch-{int(restarted)}.json").write_text(json.dumps(seen[0]))
-            if mode == "tnt" and not restarted and tnt.get_rank() == 1 and (self.epoch, batch) == (1, 5):
-                (out / "killed").touch()
+                    (out / f"first-batch-{run}.json").write_text(json.dumps(seen[0]))
+            at, ranks = kills.get(run, (None, set()))
+            if mode == "tnt" and tnt.get_rank() in ranks and (self.epoch, batch) == at:
+                (out / f"killed-{run}").touch()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     rng = np.random.default_rng(5)
@@ -56,8 +65,8 @@ def main(argv: list[str]) -> None:
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
     if mode == "tnt":
-        model = tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                          num_micro_batches=2)
+        model = tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.ALL,
+                          num_pipeline_stages=2, num_micro_batches=2)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     callbacks = [keras.callbacks.BackupAndRestore(str(out / "backup"), save_freq=2), Killer()]
     history = model.fit(x, y, batch_size=16, epochs=3, shuffle=True, validation_data=(vx, vy),

@@ -42,13 +42,15 @@ import tensorflow as tf
 
 import tnt_core
 
-from .. import _keras_compat, arguments, files, randomness, step_backup, timeline
+from .. import _keras_compat, arguments, files, randomness, step_backup, step_rescue, timeline
 from ..callbacks import distribute_callbacks
 from ..comm import Channel
 from ..comm.gradients import GradientReducer
 from ..comm.step_reductions import StepReductions
+from ..data_parallel.elastic import is_membership_failure
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
+from ..reporting.log import logger
 from ..reporting.tracebacks import user_facing
 from . import saving as stage_saving
 from .batch_fingerprint import check_same_batch
@@ -94,11 +96,13 @@ class _TracedLoss:
         return traced(*flat)
 
 
-def _restart_all_on_failure(runtime: tnt_core.Runtime) -> None:
+def _restart_all_on_failure(runtime: tnt_core.Runtime, replicated: bool = False) -> None:
     """In an elastic job: a stage is held by its ranks alone (a replica's state is not
     handed over), so the job cannot go on with other ranks; under ``tnt run
     --max-restarts`` alone every rank is restarted when one dies, and resumes from the
-    last ``BackupAndRestore`` backup at its step (:mod:`tarantella.step_backup`)."""
+    last ``BackupAndRestore`` backup at its step (:mod:`tarantella.step_backup`), or, with
+    replicas of every stage (``replicated``: ALL), at the step that failed, from the
+    survivors' copies (:mod:`tarantella.step_rescue`)."""
     if getattr(runtime, "membership", None) is None:
         return
     if runtime.config.elastic_resizes:
@@ -107,8 +111,13 @@ def _restart_all_on_failure(runtime: tnt_core.Runtime) -> None:
             "below -n, --max-np, --host-discovery-script): a stage is held by its ranks alone; "
             "run with --max-restarts R alone, and every rank restarts from the last "
             "keras.callbacks.BackupAndRestore backup, at its step")
-    runtime.restart_all_on_failure("a pipelined tnt.Model cannot go on without one of its "
-                                   "ranks (a stage is held by its ranks alone)")
+    if replicated:
+        runtime.restart_all_on_failure(
+            "a pipelined tnt.Model cannot go on with fewer ranks (the survivors back up the "
+            "step in flight)")
+    else:
+        runtime.restart_all_on_failure("a pipelined tnt.Model cannot go on without one of its "
+                                       "ranks (a stage is held by its ranks alone)")
 
 
 class _PipelineState(DistributedState):
@@ -154,6 +163,23 @@ class _PipelineState(DistributedState):
         """This rank's partition (it holds no values of the others)."""
         return self.parts.models[self.stage]
 
+    def rescue_copies(self, model: keras.Model) -> step_rescue.StepCopies | None:
+        """Under ALL in an elastic job, the copies of this rank's stage that the survivors
+        write when a rank dies (:mod:`tarantella.step_rescue`); None otherwise."""
+        if self.num_replicas < 2 or getattr(self.runtime, "membership", None) is None:
+            return None
+        variables = list(self.held_model(model).variables)
+        if model.optimizer is not None and model.optimizer.built:
+            variables += list(model.optimizer.variables)
+        return step_rescue.StepCopies(variables, self.stage, self.replica, self.runtime.rank)
+
+    def abort_communicators(self, reason: str) -> None:
+        """Fail this rank's communicators (the job's, its pipeline's, its stage's replicas'):
+        its peers' operations with it fail at once, while it writes its copies."""
+        for channel in (self.channel, self.pipe, self.replicas):
+            if channel is not None:
+                channel.backend.abort(reason)
+
     def master_writes(self, model: keras.Model, run: Callable[[], None] | None) -> None:
         """A master-only callback's hook: the master runs it, writing alone, while the other
         stages of its pipeline serve its saves until it ends the hook (if it raised, they
@@ -195,10 +221,10 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         wanted = arguments.check_num_pipeline_stages(num_pipeline_stages)
         schedule = arguments.check_pipeline_schedule(pipeline_schedule, SCHEDULES)
         runtime = tnt_core.init()
-        _restart_all_on_failure(runtime)
         if wanted is None and strategy is ParallelStrategy.PIPELINING and not split_layers(model):
             wanted = runtime.size
         parts = partition(model, wanted)
+        _restart_all_on_failure(runtime, replicated=runtime.size // parts.num_partitions > 1)
         recomputed = arguments.check_recompute(recompute, parts.num_partitions)
         check_distribute(model, strategy, runtime, parts)
         stages = parts.num_partitions
@@ -478,13 +504,36 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             validation_freq=validation_freq)
         self._tnt_start()
         master = self._tnt.runtime.is_master
-        return super().fit(
-            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
-            callbacks=self._tnt_loop_callbacks(callbacks, verbose if master else 0),
-            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
-            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        loop_callbacks = self._tnt_loop_callbacks(callbacks, verbose if master else 0)
+        try:
+            return super().fit(
+                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
+                callbacks=loop_callbacks, validation_split=validation_split,
+                validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+                sample_weight=sample_weight, initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        except Exception as exc:
+            self._tnt_rescue(exc, loop_callbacks)
+            raise
+
+    def _tnt_rescue(self, exc: Exception, loop_callbacks: list[Any]) -> None:
+        """A rank of the job died in this fit: under ALL, this survivor writes its copies
+        of the steps in flight for the restarted job (:mod:`tarantella.step_rescue`)."""
+        runtime = self._tnt.runtime
+        backups = [cb for cb in loop_callbacks if isinstance(cb, step_backup.StepBackupAndRestore)]
+        if not backups or backups[0].copies is None or not is_membership_failure(exc, runtime):
+            return
+        try:
+            written = backups[0].write_rescue(f"rank {runtime.rank} left: {exc}")
+        except OSError as error:
+            logger.warning("rank %d could not write its stage's state for the restart (%s); "
+                           "the job resumes from its last backup", runtime.rank, error)
+            return
+        if written:
+            epoch, step = written[0]
+            logger.info("rank %d wrote its stage's state as batch %d of epoch %d began, for the restart",
+                        runtime.rank, step, epoch + 1)
 
     @user_facing
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
