@@ -173,3 +173,45 @@ def test_a_process_started_late_takes_the_newer_generation_its_connect_met(serve
         _, _, joined, membership = _lifecycle._start_elastic(config, "gloo", None)
     assert tried == [3, 2] and membership.generation == 2 and joined.rank == 1
     assert comm_error_of(ValueError("the user's own bug")) is None
+
+
+@pytest.mark.parametrize("case", ["a", "b"])
+def test_settle_gives_every_survivor_one_outcome_whoever_dies(server, case):
+    """``settle``, what ``hvd.elastic.run``'s return agrees through: (a) member 2 dies
+    after its last collective and says nothing; the others completed: once ``tnt run``
+    publishes the generation without it, both get True (a barrier could have completed on
+    one and failed on the other). (b) member 1 failed and says so: member 0, which
+    completed, gets False; member 1 then leaves, and member 2, completing later, still gets
+    False (the first outcome stands), so all three go round again together."""
+    from tnt_core._elastic import settle
+
+    host, port = server.address
+    generation0 = Membership(0, (0, 1, 2), ("h",) * 3)
+
+    def store() -> StoreClient:
+        return StoreClient(host, port, server.key, connect_timeout=5)
+
+    publish_membership(store(), generation0)
+    got: dict[int, bool] = {}
+
+    def member(m: int, completed: bool = True) -> threading.Thread:
+        t = threading.Thread(target=lambda: got.__setitem__(
+            m, settle(store(), "run/0", generation0, m, completed, timeout=10.0, poll_s=0.005)))
+        t.start()
+        return t
+
+    if case == "a":
+        waiting = [member(0), member(1)]
+        time.sleep(0.2)
+        assert got == {}  # member 2's word is missing while it is in the job
+        publish_membership(store(), Membership(1, (0, 1), ("h",) * 2))
+    else:
+        waiting = [member(0)]
+        time.sleep(0.1)
+        member(1, completed=False).join(5)
+        waiting[0].join(5)
+        publish_membership(store(), Membership(1, (0, 2), ("h",) * 2))
+        waiting.append(member(2))
+    for t in waiting:
+        t.join(5)
+    assert got == ({0: True, 1: True} if case == "a" else {0: False, 1: False, 2: False})

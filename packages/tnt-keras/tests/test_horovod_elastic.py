@@ -130,7 +130,8 @@ class _Recorded(elastic.ObjectState):
 @pytest.mark.parametrize("failure, fail_at, rolled_back", [
     (tnt_core.CommError("peer 2 closed the connection"), 3, True),  # in batch 3's collective
     (elastic.HostsUpdatedInterrupt(skip_sync=True), 2, False),  # as the commit after batch 2 finds it
-], ids=["collective-failed", "hosts-updated"])
+    (None, None, True),  # returned here, while another rank failed in its last steps
+], ids=["collective-failed", "hosts-updated", "another-rank-failed-last"])
 def test_a_reset_rolls_back_rebinds_calls_back_syncs_and_calls_again(monkeypatch, failure, fail_at,
                                                                      rolled_back):
     """The order of a reset, with tnt-core's runtime and the rebind stood in for."""
@@ -139,7 +140,16 @@ def test_a_reset_rolls_back_rebinds_calls_back_syncs_and_calls_again(monkeypatch
                               config=SimpleNamespace(elastic_joins=False))
     monkeypatch.setattr(elastic.tnt_core, "init", lambda: runtime)
     monkeypatch.setattr(elastic, "_rejoin", lambda *_: said.append("rejoin"))
-    monkeypatch.setattr(elastic, "_all_finished", lambda _: said.append("all finished"))
+
+    def all_finished(_runtime, label, completed=True):
+        assert label.startswith("hvd.elastic.run/")
+        if not completed:
+            said.append("said it failed")
+            return False
+        said.append("all finished")  # the ranks' outcome: not at the first return, if so
+        return failure is not None or said.count("all finished") > 1
+
+    monkeypatch.setattr(elastic, "_all_finished", all_finished)
     state = _Recorded(said)
     state.register_reset_callbacks([lambda: said.append("reset callback")])
 
@@ -155,9 +165,13 @@ def test_a_reset_rolls_back_rebinds_calls_back_syncs_and_calls_again(monkeypatch
         return state.batch
 
     assert train(state, fail_at) == 4
+    if failure is None:  # the function returned and is redone from the last commit
+        assert said == ["sync", "train from 0", "all finished", "restore to 4", "rejoin",
+                        "reset callback", "sync", "train from 4", "all finished"]
+        return
     back = ["restore to 2"] if rolled_back else []
-    assert said == ["sync", "train from 0", *back, "rejoin", "reset callback", "sync",
-                    "train from 2", "all finished"]
+    assert said == ["sync", "train from 0", "said it failed", *back, "rejoin", "reset callback",
+                    "sync", "train from 2", "all finished"]
 
 
 def test_outside_an_elastic_job_run_calls_once_and_failures_go_through():

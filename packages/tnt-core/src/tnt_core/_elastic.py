@@ -32,6 +32,9 @@ Store keys (the launcher contract):
     set by a rank whose job cannot go on without any one of its ranks (a pipeline stage
     is held by its ranks alone), saying why: when a rank dies, ``tnt run`` restarts every
     rank (while ``--max-restarts`` lasts) instead of going on without it or replacing it.
+``tnt/elastic/settle/L/G/M``, ``.../L/G/claim``, ``.../L/G/outcome``
+    member ``M``'s word on operation ``L`` of generation ``G`` (b"1" completed, b"0"
+    failed), and the outcome the first member to know it wrote (:func:`settle`).
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ from typing import Any
 from ._errors import CommError, TntError, handled
 
 __all__ = ["FINISHED_KEY", "LATEST_KEY", "MEMBERSHIP_KEY", "READY_KEY", "RESTART_ALL_KEY",
-           "Departure", "GenerationWatcher",
+           "SETTLE_KEY", "Departure", "GenerationWatcher",
            "Membership", "interrupt_on_change", "join_membership", "latest_generation",
-           "publish_membership", "read_membership"]
+           "publish_membership", "read_membership", "settle"]
 
 log = logging.getLogger("tnt.elastic")
 
@@ -58,6 +61,11 @@ LATEST_KEY = "tnt/elastic/latest"
 READY_KEY = "tnt/elastic/ready/{member}"
 FINISHED_KEY = "tnt/elastic/finished/{member}"
 RESTART_ALL_KEY = "tnt/elastic/restart_all"
+#: a member's word on an operation of a generation (``settle``): b"1" completed, b"0" failed
+SETTLE_KEY = "tnt/elastic/settle/{label}/{generation}/{member}"
+#: the first member to decide an operation's outcome takes this counter to 1 and writes it
+SETTLE_CLAIM_KEY = "tnt/elastic/settle/{label}/{generation}/claim"
+SETTLE_OUTCOME_KEY = "tnt/elastic/settle/{label}/{generation}/outcome"
 #: seconds a watcher's store wait lasts before it looks whether it should stop
 _WATCH_POLL_S = 0.5
 
@@ -189,6 +197,47 @@ def latest_generation(store: Any, at_least: int = 0) -> int:
     while store.check([MEMBERSHIP_KEY.format(generation=generation + 1)]):
         generation += 1
     return generation
+
+
+def settle(store: Any, label: str, membership: Membership, member: int, completed: bool,
+           timeout: float, poll_s: float = 0.01) -> bool:
+    """Whether every member of ``membership`` that is still in the job completed operation
+    ``label`` in its generation: one answer for all, which a death cannot split.
+
+    Why not a collective: when a rank dies in one, it may complete on some ranks and fail on
+    others, and the ranks it completed on leave while the others wait for them in vain.
+    Each member says here whether it completed (``completed``); the first member to know
+    the outcome writes it, and every member returns the outcome written: False as soon as a
+    member of the newest membership said it failed, True once every member of the newest
+    membership (the dead are not in it) said it completed. A member that failed says so
+    and returns False at once.
+
+    :raises CommError: no outcome within ``timeout`` seconds.
+    """
+    keys = {name: key.format(label=label, generation=membership.generation)
+            for name, key in (("claim", SETTLE_CLAIM_KEY), ("outcome", SETTLE_OUTCOME_KEY))}
+    word = SETTLE_KEY.format(label=label, generation=membership.generation, member="{member}")
+    store.set(word.format(member=member), b"1" if completed else b"0")
+    if not completed:
+        return False
+    deadline = time.monotonic() + timeout
+    while not store.check([keys["outcome"]]):
+        newest = read_membership(store, latest_generation(store, membership.generation))
+        members = [m for m in newest.members if m in membership.members]
+        said = {m: store.get(word.format(member=m)) for m in members
+                if store.check([word.format(member=m)])}
+        outcome = False if b"0" in said.values() else True if len(said) == len(members) else None
+        if outcome is not None:
+            if store.add(keys["claim"], 1) == 1:
+                store.set(keys["outcome"], b"1" if outcome else b"0")
+            break
+        if time.monotonic() > deadline:
+            missing = [m for m in members if m not in said]
+            raise CommError(f"{label}: members {missing} of generation {membership.generation} "
+                            f"did not say within {timeout:g}s whether they completed it",
+                            operation="settle")
+        time.sleep(poll_s)
+    return bool(store.get(keys["outcome"], max(deadline - time.monotonic(), 1.0)) == b"1")
 
 
 def read_membership(store: Any, generation: int, timeout: float | None = None) -> Membership:

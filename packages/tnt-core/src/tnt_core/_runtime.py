@@ -20,6 +20,7 @@ from ._elastic import (
     Membership,
     latest_generation,
     read_membership,
+    settle,
 )
 from ._errors import CommError, ConfigError, TntError, handled
 from ._log import configure_logging, logger
@@ -210,6 +211,26 @@ class Runtime:
                     if latest_generation(store, newest.generation) == newest.generation:
                         raise
                     # another change while connecting: the newest generation is the one
+        finally:
+            store.close()
+
+    def settle(self, label: str, completed: bool, timeout: float | None = None) -> bool:
+        """Whether every rank completed operation ``label`` (the last one before the ranks
+        part: an ``hvd.elastic.run`` function's return), in one answer that a rank's death
+        cannot split, as a collective's failure can (:func:`tnt_core._elastic.settle`).
+        Call it on every rank, with ``completed`` False on a rank that failed in it; waits up
+        to ``timeout`` seconds (default ``TNT_TIMEOUT_S``). Outside an elastic job:
+        ``completed`` (a failure ends such a job).
+
+        :raises CommError: no outcome in time.
+        """
+        if self.membership is None or not self.config.rendezvous:
+            return completed
+        member = self.config.rank if self.config.member_id is None else self.config.member_id
+        store = store_client(self.config)
+        try:
+            return settle(store, label, self.membership, member, completed,
+                          self.config.timeout_s if timeout is None else timeout)
         finally:
             store.close()
 

@@ -15,6 +15,10 @@ TensorFlow's error carrying it), or :meth:`State.commit` finds the membership ch
 4. synchronises the state from the new rank 0 (a survivor: survivors keep their order), and
    calls the function again.
 
+The function returns on every rank or on none: once it returned, the ranks agree through
+the store whether it returned on all of them (``tnt_core.Runtime.settle``); if a rank
+failed in its last steps, the ranks whose function returned go round again too.
+
 Why the user's traced steps still work after that: tarantella does not trace them again (it
 does not own them), so in an elastic job Horovod's reductions are traced to find the
 communicator, and the number of ranks, when they run (``GradientReduction.rebinding``,
@@ -30,6 +34,7 @@ aborts the communicator, so a rank that has not seen it yet fails at its next co
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -264,11 +269,22 @@ def _rejoin(runtime: tnt_core.Runtime, failure: BaseException, started: float) -
                        change, runtime.size, time.monotonic() - started, how)
 
 
-def _all_finished(runtime: tnt_core.Runtime) -> None:
-    """A collective after the function returned: a rank that left during its last steps
-    makes every survivor go round again, none returns while another redoes a step."""
-    if runtime.size > 1:
-        comm.world(runtime).backend.barrier()
+def _all_finished(runtime: tnt_core.Runtime, label: str, completed: bool = True) -> bool:
+    """Whether every rank's function returned, one answer for all: True, and every rank
+    returns; False (a rank failed in its last steps), and every survivor goes round again.
+    Not a barrier: one a rank dies in may complete on some ranks, which would return, and
+    fail on others, which would roll back and wait for them in vain
+    (``tnt_core.Runtime.settle`` agrees through the store instead)."""
+    if runtime.membership is None:
+        if runtime.size > 1:
+            comm.world(runtime).backend.barrier()
+        return completed
+    return runtime.settle(label, completed)
+
+
+#: numbers the calls of ``hvd.elastic.run`` functions, alike on every rank (their outcomes
+#: are agreed on by call)
+_calls = itertools.count()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -284,21 +300,29 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 "hvd.elastic.run does not take new ranks into a running job (tnt run "
                 "--max-restarts, --max-np, --host-discovery-script): use --min-np alone, or "
                 "the data-parallel tnt.Model's fit, which does"))
+        label = f"hvd.elastic.run/{next(_calls)}"
         while True:
+            failure: BaseException
             try:
                 state.sync()
                 result = func(state, *args, **kwargs)
-                _all_finished(runtime)
-                return result
+                if _all_finished(runtime, label):
+                    return result
+                logger.info("elastic: a rank failed before the function returned on every rank; "
+                            "rolling back to the last commit")
+                state.restore()
+                failure = tnt_core.CommError("a rank failed in the function's last steps")
             except HostsUpdatedInterrupt as exc:
                 if runtime.membership is None:
                     raise
-                failure: BaseException = exc
+                _all_finished(runtime, label, completed=False)
+                failure = exc
             except Exception as exc:
                 if runtime.membership is None or not is_membership_failure(exc, runtime):
                     raise
                 logger.info("elastic: a collective failed (%s); rolling back to the last commit",
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                _all_finished(runtime, label, completed=False)
                 state.restore()
                 failure = exc
             started = time.monotonic()
