@@ -24,6 +24,11 @@ mode costs a step that nothing disturbs.
   its TensorFlow and Keras imported (TensorFlow's start-up, also given apart), tarantella
   imported (the communicator bound), the backup loaded at its step (the replay done), and
   the first step complete.
+* **pipelined under ALL** (``tnt run -n 4 --max-restarts 1``: 2 stages x 2 pipelines), the
+  same kill: the survivors write their copies of the step in flight, and the restarted fit
+  resumes at step 22 itself (nothing but the step in flight redone); the same times after
+  the kill. Beside it, the cost of keeping those copies: the master's median step before
+  the kill against the same fit not elastic (``tnt run -n 4``, no copies), interleaved.
 * **steady state**: the same training (5 epochs) on RANKS-1 ranks, elastic (``--min-np``),
   elastic that ranks may join (``--max-restarts 1``: an allreduce of one number before each
   step, where the ranks agree on taking new ranks in) and not elastic, interleaved;
@@ -91,8 +96,8 @@ def rank_main(out: Path, kill: bool, epochs: int) -> None:
             {"ends": ends, "events": [] if elastic is None else elastic.events}))
 
 
-def pipelined_main(out: Path) -> None:
-    """A rank of the pipelined restart (see the module doc)."""
+def pipelined_main(out: Path, replicated: bool, kill: bool) -> None:
+    """A rank of the pipelined restart, under ALL when ``replicated`` (see the module doc)."""
     import keras  # TensorFlow with it
     import numpy as np
 
@@ -106,34 +111,39 @@ def pipelined_main(out: Path) -> None:
     y = rng.integers(0, 10, size=(STEPS * BATCH,))
     model = tnt.Model(keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
                                         keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)]),
-                      parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_micro_batches=4)
+                      parallel_strategy=tnt.ParallelStrategy.ALL if replicated else
+                      tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2, num_micro_batches=4)
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     times: dict[str, float] = {}
+    ends: list[float] = []
 
     class Clock(keras.callbacks.Callback):  # its hooks do not run while the fit replays
         def on_train_batch_begin(self, batch, logs=None):
             times.setdefault("resumed", time.time())
             times.setdefault("resumed_at", batch)
-            if first_run and tnt.get_rank() == 1 and batch == PIPELINED_KILL_STEP:
+            if kill and first_run and tnt.get_rank() == 1 and batch == PIPELINED_KILL_STEP:
                 (out / "killed").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_train_batch_end(self, batch, logs=None):
             times.setdefault("first_step", time.time())
+            ends.append(time.time())
 
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[
         keras.callbacks.BackupAndRestore(str(out / "backup"), save_freq=SAVE_FREQ), Clock()])
     if tnt.get_rank() == 0:
         (out / "master.json").write_text(json.dumps(
-            {"started": STARTED, "imported": imported, "joined": joined, **times}))
+            {"started": STARTED, "imported": imported, "joined": joined, "ends": ends, **times}))
 
 
-def launch(args: list[str], out: Path, kill: bool, epochs: int = 1, pipelined: bool = False) -> dict:
+def launch(args: list[str], out: Path, kill: bool, epochs: int = 1, pipelined: bool = False,
+           replicated: bool = False) -> dict:
     tnt = Path(sys.executable).with_name("tnt")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TNT_TIMEOUT_S": "60"}
     cmd = [str(tnt), "run", *args, "--", __file__, "--rank", str(out), "--epochs", str(epochs)] \
-        + (["--kill"] if kill else []) + (["--pipelined"] if pipelined else [])
+        + (["--kill"] if kill else []) + (["--pipelined"] if pipelined else []) \
+        + (["--replicated"] if replicated else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -153,30 +163,50 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--pipelined", action="store_true",
-                        help="the pipelined restart alone")
+                        help="the pipelined restarts alone")
+    parser.add_argument("--replicated", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.rank is not None:
-        (pipelined_main(options.rank) if options.pipelined
+        (pipelined_main(options.rank, options.replicated, options.kill) if options.pipelined
          else rank_main(options.rank, options.kill, options.epochs))
         return
-    restart: dict[str, list[float]] = {name: [] for name in (
-        "restarted master process started", "its TensorFlow and Keras imported",
-        "tarantella imported (communicator bound)", "backup loaded at its step",
-        "the master's next step complete", "TensorFlow start-up alone (context)")}
+    names = ("restarted master process started", "its TensorFlow and Keras imported",
+             "tarantella imported (communicator bound)", "state loaded at its step",
+             "the master's next step complete", "TensorFlow start-up alone (context)")
+    restart: dict[bool, dict[str, list[float]]] = {r: {n: [] for n in names} for r in (False, True)}
+    steps: dict[str, list[float]] = {"ALL, elastic (copies kept)": [], "ALL, not elastic": []}
     for _ in range(options.repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            master = launch(["-n", "2", "--max-restarts", "1"], out, kill=False, pipelined=True)
-            killed = float((out / "killed").read_text())
-            assert master["resumed_at"] == PIPELINED_KILL_STEP // SAVE_FREQ * SAVE_FREQ, master
-            for name, key in zip(restart, ("started", "imported", "joined", "resumed", "first_step")):
-                restart[name].append(master[key] - killed)
-            restart["TensorFlow start-up alone (context)"].append(master["imported"] - master["started"])
-    print(f"pipelined restart: tnt run -n 2 --max-restarts 1, 2 stages, BackupAndRestore(save_freq="
-          f"{SAVE_FREQ}), member 1 SIGKILLed as step {PIPELINED_KILL_STEP} begins, resumed at step "
-          f"{PIPELINED_KILL_STEP // SAVE_FREQ * SAVE_FREQ} (seconds after the kill)")
-    for name, samples in restart.items():
+        for replicated, ranks in ((False, "2"), (True, "4")):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp)
+                master = launch(["-n", ranks, "--max-restarts", "1"], out, kill=True,
+                                pipelined=True, replicated=replicated)
+                killed = float((out / "killed").read_text())
+                at = PIPELINED_KILL_STEP if replicated else PIPELINED_KILL_STEP // SAVE_FREQ * SAVE_FREQ
+                assert master["resumed_at"] == at, master
+                for name, key in zip(names, ("started", "imported", "joined", "resumed", "first_step")):
+                    restart[replicated][name].append(master[key] - killed)
+                restart[replicated][names[-1]].append(master["imported"] - master["started"])
+        for name, extra in (("ALL, elastic (copies kept)", ["--max-restarts", "1"]),
+                            ("ALL, not elastic", [])):
+            with tempfile.TemporaryDirectory() as tmp:
+                ends = launch(["-n", "4", *extra], Path(tmp), kill=False, pipelined=True,
+                              replicated=True)["ends"]
+                steps[name].append(statistics.median(
+                    [b - a for a, b in itertools.pairwise(ends[5:PIPELINED_KILL_STEP])]))
+    for replicated, ranks in ((False, 2), (True, 4)):
+        at = PIPELINED_KILL_STEP if replicated else PIPELINED_KILL_STEP // SAVE_FREQ * SAVE_FREQ
+        source = "the survivors' copies" if replicated else "the backup"
+        print(f"pipelined restart{' under ALL' if replicated else ''}: tnt run -n {ranks} "
+              f"--max-restarts 1, 2 stages, BackupAndRestore(save_freq={SAVE_FREQ}), member 1 "
+              f"SIGKILLed as step {PIPELINED_KILL_STEP} begins, resumed at step {at} "
+              f"({source}; seconds after the kill)")
+        for name, samples in restart[replicated].items():
+            print(_line(name, samples))
+    print("a step of the pipelined fit under ALL on 4 ranks (steps 5-22, interleaved runs)")
+    for name, samples in steps.items():
         print(_line(name, samples))
+    print(_line("elastic / not elastic", [e / p for e, p in zip(*steps.values())], "x"))
     if options.pipelined:
         print(f"load average (1, 5, 15 min): {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
         return
