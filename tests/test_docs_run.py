@@ -379,13 +379,16 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         # the custom loop (block 4) runs here in a job that is not elastic: hvd.elastic.run
         # synchronises the state and calls it once; packages/tnt-keras/tests/
         # test_horovod_elastic.py kills a rank of such a loop
-        checks={4: SAME_WEIGHTS.format(model="model")},
+        checks={5: SAME_WEIGHTS.format(model="model")},
         skip={0: "an elastic run that ranks die in; packages/tnt-keras/tests/test_elastic_fit.py "
                  "runs one (tnt run -n 4 --min-np 1, three ranks SIGKILLed) against plain Keras",
-              5: "a Slurm allocation of several hosts reachable by ssh"},
+              6: "a Slurm allocation of several hosts reachable by ssh"},
         quoted={1: "the output of an elastic run above (test_elastic_fit.py checks its lines)",
                 2: "the new master's line when the master died (test_elastic_fit.py checks it)",
-                3: "tnt run's line when a pipelined job restarts (test_elastic_fit.py checks it)"},
+                3: "tnt run's line when a pipelined job restarts (test_elastic_fit.py checks "
+                   "the reason)",
+                4: "tnt run's line when a pipelined job under ALL restarts (test_elastic_fit.py "
+                   "checks it)"},
     ),
     "examples.md": Page(
         skip=dict.fromkeys((0, 2, 3), "an example's full-length run (minutes); tests/test_examples.py "

@@ -655,12 +655,12 @@ def test_a_joiner_keeps_the_results_of_the_calls_it_skips(monkeypatch):
 
 
 def test_survivors_copies_resume_at_the_newest_step_every_stage_has(tmp_path):
-    """``tarantella.step_rescue``: rank 3 (stage 1 of pipeline 1) died; ranks 0 and 2
+    """``tarantella.pipeline.rescue``: rank 3 (stage 1 of pipeline 1) died; ranks 0 and 2
     (stage 0) had begun step 5, rank 1 (stage 1) was still in step 4, so only step 4 has
     every stage. Each survivor wrote its last two copies; a restarted rank 3 takes rank 1's
     stage 1 at step 4 with its own seed stream, and every rank the lowest rank's metric and
     callbacks' state."""
-    from tarantella import step_rescue
+    from tarantella.pipeline import rescue as step_rescue
     from tarantella.randomness import refold_seed_state
 
     def rank_state(stage: int, replica: int, rank: int):

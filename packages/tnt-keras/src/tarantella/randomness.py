@@ -41,7 +41,7 @@ def refold_seed_state(value: np.ndarray, rank: int, to_rank: int) -> np.ndarray:
     """The seed state rank ``to_rank`` holds where rank ``rank`` holds ``value`` (they
     drew alike since: Keras' ordered draws advance the second word only). A restarted rank
     takes its stream from a surviving replica of its stage this way
-    (:mod:`tarantella.step_rescue`)."""
+    (:mod:`tarantella.pipeline.rescue`)."""
     folded = np.array(value, dtype=np.int64)
     offset = ((to_rank - rank) * _STRIDE) % (2**62)
     folded[0] = (int(folded[0]) + offset) % (2**62)

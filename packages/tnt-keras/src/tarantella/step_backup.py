@@ -27,7 +27,7 @@ callback resumes at the step instead:
 * **The step in flight.** A pipelined job under ALL in an elastic job keeps host copies of
   each stage as the last two steps began; when a rank dies, the survivors write them, and
   the restarted fit resumes at the step that failed when that position is newer than the
-  backup (:mod:`tarantella.step_rescue`).
+  backup (:mod:`tarantella.pipeline.rescue`).
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from . import _keras_compat, step_rescue
+from . import _keras_compat
 from . import callbacks as tnt_callbacks
 from .data_parallel import joining
 from .errors import NotSupportedError
+from .pipeline import rescue as step_rescue
 from .randomness import is_seed_state
 
 __all__ = ["QuietProgbar", "SkippedWhileReplaying", "StepBackupAndRestore"]
@@ -84,7 +85,7 @@ class StepBackupAndRestore(tnt_callbacks.Callback):
         #: the resumed backup is the survivors' copies of the step in flight
         self.resume_rescue = False
         #: this rank's copies of its stage as the last two steps began, when the model's
-        #: survivors write them on a rank's death (step_rescue); None otherwise
+        #: survivors write them on a rank's death (tarantella.pipeline.rescue); None otherwise
         self.copies: step_rescue.StepCopies | None = None
         #: the loop's callbacks (their state is backed up; a list or Keras' CallbackList),
         #: set by the model's fit

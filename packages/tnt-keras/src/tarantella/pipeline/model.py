@@ -42,7 +42,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from .. import _keras_compat, arguments, files, randomness, step_backup, step_rescue, timeline
+from .. import _keras_compat, arguments, files, randomness, step_backup, timeline
 from ..callbacks import distribute_callbacks
 from ..comm import Channel
 from ..comm.gradients import GradientReducer
@@ -52,6 +52,7 @@ from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
 from ..reporting.log import logger
 from ..reporting.tracebacks import user_facing
+from . import rescue as step_rescue
 from . import saving as stage_saving
 from .batch_fingerprint import check_same_batch
 from .checks import check_compile, check_distribute, check_file_format
@@ -102,7 +103,7 @@ def _restart_all_on_failure(runtime: tnt_core.Runtime, replicated: bool = False)
     --max-restarts`` alone every rank is restarted when one dies, and resumes from the
     last ``BackupAndRestore`` backup at its step (:mod:`tarantella.step_backup`), or, with
     replicas of every stage (``replicated``: ALL), at the step that failed, from the
-    survivors' copies (:mod:`tarantella.step_rescue`)."""
+    survivors' copies (:mod:`tarantella.pipeline.rescue`)."""
     if getattr(runtime, "membership", None) is None:
         return
     if runtime.config.elastic_resizes:
@@ -165,13 +166,16 @@ class _PipelineState(DistributedState):
 
     def rescue_copies(self, model: keras.Model) -> step_rescue.StepCopies | None:
         """Under ALL in an elastic job, the copies of this rank's stage that the survivors
-        write when a rank dies (:mod:`tarantella.step_rescue`); None otherwise."""
-        if self.num_replicas < 2 or getattr(self.runtime, "membership", None) is None:
-            return None
-        variables = list(self.held_model(model).variables)
-        if model.optimizer is not None and model.optimizer.built:
-            variables += list(model.optimizer.variables)
+        write when a rank dies (:mod:`tarantella.pipeline.rescue`); None otherwise."""
+        if not self.survivors_write_steps() or model.optimizer is None or not model.optimizer.built:
+            return None  # (compile builds the optimizer: a fit never meets one unbuilt)
+        variables = [*self.held_model(model).variables, *model.optimizer.variables]
         return step_rescue.StepCopies(variables, self.stage, self.replica, self.runtime.rank)
+
+    def survivors_write_steps(self) -> bool:
+        """Whether the survivors of a rank's death write the step in flight: ALL (every
+        stage has replicas) in an elastic job."""
+        return self.num_replicas > 1 and getattr(self.runtime, "membership", None) is not None
 
     def abort_communicators(self, reason: str) -> None:
         """Fail this rank's communicators (the job's, its pipeline's, its stage's replicas'):
@@ -505,6 +509,14 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         self._tnt_start()
         master = self._tnt.runtime.is_master
         loop_callbacks = self._tnt_loop_callbacks(callbacks, verbose if master else 0)
+        if master and self._tnt.survivors_write_steps() and not any(
+                isinstance(cb, (step_backup.StepBackupAndRestore,
+                                keras.callbacks.BackupAndRestore)) for cb in loop_callbacks):
+            logger.warning(
+                "this fit has no keras.callbacks.BackupAndRestore: if a rank dies, every rank "
+                "restarts and trains from the start; with one (its backup_dir on a file system "
+                "every rank sees), the survivors back up the step in flight and the restarted "
+                "fit resumes there")
         try:
             return super().fit(
                 x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
@@ -519,7 +531,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
     def _tnt_rescue(self, exc: Exception, loop_callbacks: list[Any]) -> None:
         """A rank of the job died in this fit: under ALL, this survivor writes its copies
-        of the steps in flight for the restarted job (:mod:`tarantella.step_rescue`)."""
+        of the steps in flight for the restarted job (:mod:`tarantella.pipeline.rescue`)."""
         runtime = self._tnt.runtime
         backups = [cb for cb in loop_callbacks if isinstance(cb, step_backup.StepBackupAndRestore)]
         if not backups or backups[0].copies is None or not is_membership_failure(exc, runtime):

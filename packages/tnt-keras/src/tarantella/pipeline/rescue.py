@@ -47,9 +47,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .data_parallel import joining
-from .errors import NotSupportedError
-from .randomness import is_seed_state, refold_seed_state
+from ..data_parallel import joining
+from ..errors import NotSupportedError
+from ..randomness import is_seed_state, refold_seed_state
 
 __all__ = ["StepCopies", "complete_positions", "load", "remove_all"]
 
