@@ -20,8 +20,9 @@ every stage has a copy of.
 * **What a copy holds** (as a backup does): the stage's weights and optimizer slots, the
   rank's seed states (a restarted replica takes its own stream from another replica's:
   :func:`tarantella.randomness.refold_seed_state`), the metric states, the callbacks'
-  state and the position (epoch, steps done). Taken where a backup is written, at the
-  step's first hook, before any other callback's.
+  state and the position (epoch, steps done). Taken by the user's ``BackupAndRestore``
+  (:class:`tarantella.step_backup.StepBackupAndRestore`) at the step's first hook, just
+  before it may write a backup there.
 * **Never half-written.** Each survivor writes
   ``<backup_dir>/tnt-rescue-<epoch>-<step>/stage-<s>-rank-<r>.pkl`` to a temporary name
   and renames it; a position is complete when every stage has a file. Its own
