@@ -97,16 +97,20 @@ def test_waited_settings_default_and_env() -> None:
 
 
 def test_a_waited_transfer_is_polled_without_sleeping() -> None:
-    # 8 MiB at the initial 1 GB/s guess: a transfer of ~8 ms, longer than the 1 ms cap
-    settings = PollSettings(50e-6, 1e-3, 1e-3, spin_waited_max_s=50e-3)
-    nbytes = 8 << 20
+    # 256 MiB at the initial 1 GB/s guess: a transfer longer than both caps
+    settings = PollSettings(50e-6, 1e-3, 1e-3, spin_waited_max_s=200e-3)
+    nbytes = 256 << 20
     waited = Poller(settings, 0, lambda: None, waited=lambda: True)
     alone = Poller(settings, 0, lambda: None, waited=lambda: False)
-    assert waited.spin_budget(nbytes, waited=True) > 10 * alone.spin_budget(nbytes)
-    spun, slept = ScriptedRequest(0.02), ScriptedRequest(0.02)
+    assert waited.spin_budget(nbytes, waited=True) > 100 * alone.spin_budget(nbytes)
+    # each request made just before its wait (its 0.1 s run from there); the wait long
+    # against the time slices a loaded machine takes the process away for
+    spun = ScriptedRequest(0.1)
     waited.wait(spun, "allreduce #1", nbytes, timeout_s=10)
+    slept = ScriptedRequest(0.1)
     alone.wait(slept, "allreduce #2", nbytes, timeout_s=10)
-    # spinning tests many times per millisecond; sleeping (20 us growing to 1 ms) a few
+    # spinning tests many times per millisecond for 0.1 s; the other spins 1 ms, then
+    # sleeps (20 us growing to 1 ms)
     assert spun.tests > 20 * slept.tests, (spun.tests, slept.tests)
 
 
