@@ -174,8 +174,8 @@ def test_sparse_gradients_train_as_serial_with_adam_rmsprop_and_momentum(runs, s
     a sparse gradient row by row, so the stages hand them the rows of every micro-batch (and
     of every pipeline, under ALL: there the second has no sample of the last batch), as
     serial Keras hands the batch's. Round-off only: float64 within 1e-12, float32 1e-5.
-    Activation recomputation (on stages 0 and 2, under ZB-H1) changes no bit of the weights
-    (of 1F1B's without it: the schedules make the same sums in the same order)."""
+    Activation recomputation (on stages 0 and 2, under ZB-fused) changes no bit of the
+    weights (of the same schedule's without it: the same ops on the same values)."""
     from pipeline_sparse_worker import CASES
 
     ranks, _, out = runs
@@ -187,8 +187,8 @@ def test_sparse_gradients_train_as_serial_with_adam_rmsprop_and_momentum(runs, s
         got = dict(np.load(out / f"sparse.pipeline.rank{rank}.npz"))
         assert set(got) == set(ref)
         for i in range(11):
-            assert np.array_equal(got[f"adam_float64_zb-h1_recompute_w{i}"],
-                                  got[f"adam_float64_1f1b_w{i}"]), f"rank {rank}: weight {i}"
+            assert np.array_equal(got[f"adam_float64_zb-fused_recompute_w{i}"],
+                                  got[f"adam_float64_zb-fused_w{i}"]), f"rank {rank}: weight {i}"
         for name, value in ref.items():
             tolerance = 1e-12 if "float64" in name else 1e-5
             assert got[name].dtype == value.dtype, name
@@ -321,7 +321,7 @@ def test_pipelining_arguments_are_checked():
     with pytest.raises(TypeError, match="cuts the model into a pipeline"):
         tnt.Model(_cut_model(), num_pipeline_stages=2)
     with pytest.raises(ValueError, match=r"pipeline_schedule='zb'\): the order of each stage's "
-                       r"passes, one of '1f1b' \(the default\), 'zb-h1', 'gpipe'$"):
+                       r"passes, one of '1f1b' \(the default\), 'zb-h1', 'zb-fused', 'gpipe'$"):
         tnt.Model(_cut_model(), parallel_strategy="pipelining", pipeline_schedule="zb")
     with pytest.raises(TypeError, match="orders the passes of a pipeline"):
         tnt.Model(_cut_model(), pipeline_schedule="zb-h1")

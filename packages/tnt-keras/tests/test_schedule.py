@@ -55,12 +55,12 @@ def test_training_schedules_make_every_pass_once_and_their_messages_match(name):
         result = dry_run(every)  # raises on any mismatch, lost message or deadlock
         for p, actions in enumerate(every):
             passes = sorted((a.op.value, a.micro_batch) for a in actions if a.op.is_compute)
-            made = "FBW" if name == "zb-h1" else "FB"
+            made = "FBW" if name.startswith("zb-") else "FB"
             assert passes == sorted((op, k) for op in made for k in range(count))
             sends = [a for a in actions if a.op.is_send]
             assert len(sends) == count * ((p < stages - 1) + (p > 0))
         # held activations: 1F1B at most P - p, ZB-H1 at most P (1F1B's first stage), GPipe
-        # all of them
+        # and ZB-fused all of them
         expected = [min(stages - p, count) if name == "1f1b" else min(stages, count)
                     if name == "zb-h1" else count for p in range(stages)]
         assert list(result.peak_in_flight) == expected
@@ -130,6 +130,24 @@ def test_zero_bubble_h1_defers_each_weight_pass_by_its_stage_and_cuts_the_bubble
         dry_run(build("1f1b", 2, 4), measured).bubble
 
 
+def test_zero_bubble_fused_puts_weight_passes_together_where_no_stage_waits_for_them():
+    """The last stages run every W after their last B (one fused pass), the first stage,
+    whose B are empty, all its forward passes first and its W in two runs: the first half's
+    as soon as their gradients are in, the rest at the end."""
+    every = schedule.zero_bubble_fused(2, 4)
+    assert " ".join(map(str, every[0])) == "F0 F1 F2 F3 B0 B1 W0 W1 B2 B3 W2 W3"
+    assert " ".join(map(str, every[1])) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3"
+    middle = schedule.zero_bubble_fused(3, 3)[1]
+    assert " ".join(map(str, middle)) == "F0 F1 B0 F2 B1 B2 W0 W1 W2"
+    assert " ".join(map(str, schedule.zero_bubble_fused(2, 3)[0])) == "F0 F1 F2 B0 B1 W0 W1 B2 W2"
+    # the first stage's B cost nothing and a fused W less than its parts: the dry run with
+    # the benchmark's measured passes (ms) has the last stage never wait after its first F
+    measured = Costs(forward=[4.6, 5.0], backward=[0.0, 3.4], weight=[7.0, 5.2])
+    fused = dry_run(build("zb-fused", 2, 4), measured)
+    last = [s for s in fused.spans[1] if s.action.op is Op.RECV_F]
+    assert [s.end - s.start for s in last[1:]] == [0.0, 0.0, 0.0]
+
+
 def test_evaluation_is_the_forward_passes_in_order():
     every = build("forward", 3, 2)
     assert " ".join(map(str, every[1])) == "RECV_F0<0 F0 SEND_F0>2 RECV_F1<0 F1 SEND_F1>2"
@@ -188,7 +206,7 @@ def test_a_pass_out_of_order_on_its_own_stage_is_refused_naming_it(stages, probl
 
 
 def test_unknown_schedule_names_are_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"schedule='zb': one of 1f1b, zb-h1, gpipe"):
+    with pytest.raises(ValueError, match=r"schedule='zb': one of 1f1b, zb-h1, zb-fused, gpipe"):
         build("zb", 2, 4)
 
 

@@ -161,3 +161,47 @@ def test_a_recomputed_forward_pass_draws_its_dropout_masks_again_and_changes_no_
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     first, second = (np.asarray(again[k][0][0]) for k in range(2))
     assert not np.array_equal(first, second), "each micro-batch its own masks"
+
+
+def test_weight_passes_of_several_micro_batches_are_one_op_over_their_rows(float64):
+    """``fused_weights.fused``: the kernel (``MatMul``) and bias (``BiasAddGrad``) gradients
+    of three micro-batches become one op each over their rows joined, equal to the whole
+    batch's gradient (the serial step's product) and to the sum of the three within
+    round-off; the three per-micro-batch products are left without a consumer (pruned); a
+    gradient of another kind (a ``Conv1D`` filter's) is not fused."""
+    from tarantella.pipeline.fused_weights import fused
+
+    keras.utils.set_random_seed(3)
+    dense, conv = keras.layers.Dense(4, activation="tanh"), keras.layers.Conv1D(2, 3)
+    x = np.random.default_rng(0).standard_normal((9, 6, 5))
+    variables = None
+
+    def grads(rows):
+        nonlocal variables
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dense(tf.reshape(rows, (-1, 5)))) + tf.reduce_sum(conv(rows))
+        variables = dense.trainable_weights + conv.trainable_weights
+        return tape.gradient(loss, variables)
+
+    seen = {}
+
+    @tf.function(autograph=False)
+    def joined():
+        parts = [grads(tf.constant(x[i:i + 3])) for i in (0, 3, 6)]
+        out = fused(parts)
+        seen.update(kinds=[None if o is None else o.op.type for o in out],
+                    kernels=[p[0].op for p in parts])
+        return [tf.zeros(()) if o is None else o for o in out]
+
+    @tf.function(autograph=False)
+    def summed():
+        return [tf.add_n(list(g)) for g in zip(*[grads(tf.constant(x[i:i + 3])) for i in (0, 3, 6)])]
+
+    out, sums, whole = joined(), summed(), grads(tf.constant(x))
+    assert seen["kinds"] == ["MatMul", "BiasAddGrad", None, None]  # the Dense kernel, bias
+    for got, sum_, ref in zip(out[:2], sums[:2], whole[:2]):
+        np.testing.assert_allclose(got, ref, rtol=1e-14)
+        np.testing.assert_allclose(got, sum_, rtol=1e-12)
+    assert all(op.type == "MatMul" and op.get_attr("transpose_a") and not op.outputs[0].consumers()
+               for op in seen["kernels"])
+    assert fused([[tf.constant(1.0)]]) == [None]  # one micro-batch: nothing to join

@@ -199,7 +199,9 @@ class Model(keras.Model):
         with SplitLayers is cut at them; a different ``num_pipeline_stages`` is refused.
     :param pipeline_schedule: for ``PIPELINING``/``ALL``, the order of each stage's passes:
         ``"1f1b"`` (the default), ``"zb-h1"`` (zero bubble: each weight gradient apart,
-        filling the waits) or ``"gpipe"``; see the "Pipelining" guide.
+        filling the waits), ``"zb-fused"`` (the weight gradients of several micro-batches
+        together, one op each, for the memory of GPipe) or ``"gpipe"``; see the
+        "Pipelining" guide.
     :param recompute: for ``PIPELINING``/``ALL``, activation recomputation: ``True`` (every
         stage), or a list of one bool per partition; such a stage keeps only the inputs of
         the micro-batches in flight and computes their forward pass again in their backward

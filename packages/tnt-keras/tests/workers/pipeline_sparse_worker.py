@@ -8,9 +8,10 @@ regulariser's is added to it). Trained with Adam, RMSprop and SGD with momentum 
 ``global_clipnorm`` that clips every step (the norm counts each sparse row, as Keras
 squares them), in float64 (and Adam in float32), 4 micro-batches, on 33 samples: batches
 of 16, 16 and 1 (with 2 pipelines, the second has no sample of the last batch). The
-schedule is 1F1B, and ZB-H1 (weight gradients apart from the input gradients) for Adam in
-float64 once more, there with activation recomputation on the first and every second stage
-(``tnt.Model(recompute=[...])``): the same serial weights, and bitwise 1F1B's without it.
+schedule is 1F1B; for Adam in float64 also ZB-H1 (weight gradients apart from the input
+gradients) with activation recomputation on the first and every second stage
+(``tnt.Model(recompute=[...])``), and ZB-fused (several micro-batches' weight gradients in
+one op) without and with it: the same serial weights, and recomputation changes no bit.
 
 Writes ``sparse.<mode>.rank<r>.npz``: every case's weights (get_weights) and losses, which
 ``test_pipeline_model`` compares.
@@ -30,7 +31,8 @@ SAMPLES, EPOCHS, BATCH, MICRO = 33, 2, 16, 4
 #: kept between them, never the result
 CASES = (("adam", "float64", "1f1b", False), ("rmsprop", "float64", "1f1b", False),
          ("sgd", "float64", "1f1b", False), ("adam", "float32", "1f1b", False),
-         ("adam", "float64", "zb-h1", True))
+         ("adam", "float64", "zb-h1", True), ("adam", "float64", "zb-fused", False),
+         ("adam", "float64", "zb-fused", True))
 
 
 class Lookup(keras.layers.Layer):

@@ -63,8 +63,11 @@ class MicroBatchGradients:
         self._rows: list[dict[int, tf.IndexedSlices]] = [{} for _ in self.variables]
 
     def add(self, k: int, grads: Sequence[Any]) -> None:
-        """Micro-batch ``k``'s gradients: dense ones are summed now, sparse ones kept."""
+        """Micro-batch ``k``'s gradients: dense ones are summed now, sparse ones kept; a
+        None is one given with another micro-batch's (a gradient of several at once)."""
         for i, (g, v) in enumerate(zip(grads, self.variables)):
+            if g is None:
+                continue
             if isinstance(g, tf.IndexedSlices):
                 self._rows[i][k] = g
             else:

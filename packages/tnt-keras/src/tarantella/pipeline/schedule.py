@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 __all__ = ["SCHEDULES", "Action", "Costs", "Deadlock", "DryRun", "Op", "ScheduleError",
            "build", "check", "dry_run", "forward_only", "gpipe", "one_f_one_b", "parse",
-           "with_messages", "zero_bubble_h1"]
+           "with_messages", "zero_bubble_fused", "zero_bubble_h1"]
 
 
 class Op(enum.Enum):
@@ -151,6 +151,38 @@ def zero_bubble_h1(num_stages: int, num_micro_batches: int) -> list[list[Action]
     return schedules
 
 
+def zero_bubble_fused(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
+    """1F1B's forward and backward passes with every ``W`` apart, as in ZB-H1, but placed so
+    that several micro-batches' ``W`` come one after the other, which the stage's step
+    computes as one pass over their rows joined
+    (:mod:`tarantella.pipeline.fused_weights`):
+
+    - the last stage and the middle ones run all their ``W`` after their last ``B``: a ``W``
+      before it would delay the input gradients every earlier stage waits for;
+    - the first stage, which has no input gradient (its ``B`` are empty) and so waits for
+      the next stage's gradients, runs all its forward passes first, then the ``W`` of the
+      first ``ceil(M / 2)`` micro-batches as soon as their gradients are in (while the later
+      stages are still busy) and the rest at the end.
+
+    Why: fused, the ``W`` of ``n`` micro-batches cost one matrix product of ``n`` times the
+    rows instead of ``n`` products and ``n - 1`` additions of weight-sized tensors. The
+    price is memory: a stage holds every micro-batch's activations until its ``W`` (the
+    dry run's ``peak_in_flight``: ``M``, as GPipe)."""
+    m = num_micro_batches
+    half = (m + 1) // 2
+    weights = [Action(Op.WEIGHT, k) for k in range(m)]
+    schedules = []
+    for p, actions in enumerate(one_f_one_b(num_stages, m)):
+        if p == 0 and num_stages > 1:
+            actions = [Action(Op.FORWARD, k) for k in range(m)] + \
+                [Action(Op.BACKWARD, k) for k in range(half)] + weights[:half] + \
+                [Action(Op.BACKWARD, k) for k in range(half, m)] + weights[half:]
+        else:
+            actions = actions + weights
+        schedules.append(actions)
+    return schedules
+
+
 def forward_only(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
     """Evaluation and prediction: each micro-batch's forward pass, in order."""
     return [[Action(Op.FORWARD, k) for k in range(num_micro_batches)] for _ in range(num_stages)]
@@ -160,6 +192,7 @@ def forward_only(num_stages: int, num_micro_batches: int) -> list[list[Action]]:
 SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {
     "1f1b": one_f_one_b,
     "zb-h1": zero_bubble_h1,
+    "zb-fused": zero_bubble_fused,
     "gpipe": gpipe,
 }
 

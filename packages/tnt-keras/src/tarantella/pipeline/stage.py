@@ -23,8 +23,11 @@ last stage, which computes the loss of all outputs at once, as compile does
 stage. The gradients flow back the same way, and each stage accumulates its own weights'
 gradients and applies them once, with its own optimizer, after the last micro-batch. The
 default order is 1F1B (``schedule="1f1b"``; ``"zb-h1"``, zero bubble, runs each weight
-gradient as a pass ``W`` of its own; ``"gpipe"`` for comparison: docs/pipelining.md has
-them measured).
+gradient as a pass ``W`` of its own; ``"zb-fused"`` places several micro-batches' ``W``
+together, and ``W`` one after the other in a list are one pass over their micro-batches'
+rows (:mod:`tarantella.pipeline.fused_weights`); ``"gpipe"`` for comparison:
+docs/pipelining.md has them measured). The optimizer's update is one XLA-compiled function
+unless ``compile(jit_compile=False)`` (:mod:`tarantella.pipeline.compiled_update`).
 
 A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
 a shorter last batch traces once more): every action unrolled in the schedule's order, the
@@ -65,9 +68,11 @@ from ..comm import Channel
 from ..comm.compression import for_fit
 from ..comm.gradients import GradientReducer, reduce_weighted
 from ..comm.sparse_rows import RowKind
+from . import fused_weights
 from . import schedule as schedules
 from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
+from .compiled_update import CompiledUpdate, wants_xla
 from .messages import StageMessages
 from .micro_batches import concat, micro_batch_sizes, shares, split
 from .partition import Partitioning
@@ -102,6 +107,8 @@ class StageStep:
         ``"1f1b"`` or ``"gpipe"``.
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
+    :param jit_compile: ``compile(jit_compile=...)``: unless False, the optimizer's update is
+        one XLA-compiled function (:mod:`tarantella.pipeline.compiled_update`).
     :param recompute: activation recomputation: a micro-batch's forward pass keeps only
         what it was computed from (its inputs), and its backward pass computes it again
         (:meth:`tarantella.pipeline.passes.StagePasses.replay`), where the schedule places
@@ -112,7 +119,8 @@ class StageStep:
                  loss: Any, optimizer: keras.optimizers.Optimizer, num_micro_batches: int,
                  ranks: Sequence[int] | None = None, replicas: GradientReducer | None = None,
                  regularise: bool = True, timeline: tnt_core.Timeline | None = None,
-                 schedule: str = "1f1b", recompute: bool = False) -> None:
+                 schedule: str = "1f1b", recompute: bool = False,
+                 jit_compile: Any = False) -> None:
         channel = backend if isinstance(backend, Channel) else Channel(tnt_core.init(), backend)
         backend = channel.backend
         check_point_to_point(backend)
@@ -137,11 +145,15 @@ class StageStep:
             raise ValueError(f"schedule={schedule!r}: one of {', '.join(schedules.SCHEDULES)}")
         self.schedule = schedule
         self.recompute = bool(recompute)
+
         self._lane = f"stage {stage}"
         self.messages = StageMessages(channel, self.ranks, timeline=timeline, lane=self._lane)
         #: this stage's compute on one micro-batch
         self.passes = StagePasses(parts, stage, loss)
         self.weights = self.passes.weights
+        #: the optimizer's update as one XLA-compiled function (None: as TensorFlow ops)
+        self._compiled_update = CompiledUpdate(optimizer, self.weights, explicit=jit_compile is True) \
+            if wants_xla(jit_compile) else None
         #: what crosses the cuts, per batch shape (a model of variable-length inputs)
         self.shapes = CutShapes(parts)
         self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
@@ -253,7 +265,8 @@ class StageStep:
         apart = {a.micro_batch for a in actions if a.op is Op.WEIGHT}  # B without the weights'
         weight_passes: dict[int, WeightPass] = {}
         last: list[Any] = []  # what the latest action made: an F or a W starts after it
-        for action in actions:
+        weight_group: list[int] = []  # W actions one after the other: one W (fused_weights)
+        for i, action in enumerate(actions):
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
                 assert peer is not None
@@ -289,8 +302,12 @@ class StageStep:
                 last = self._send(sent, peer, _BACKWARD)
             else:
                 assert action.op is Op.WEIGHT, action
-                last = self._weight_pass(k, weight_passes.pop(k), last)
-                accumulated.add(k, last)
+                weight_group.append(k)
+                if i + 1 < len(actions) and actions[i + 1].op is Op.WEIGHT:
+                    continue
+                last = self._weight_passes(weight_group, [weight_passes.pop(j) for j in weight_group],
+                                           last, accumulated)
+                weight_group = []
         self._optimizer_step(accumulated)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
         total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
@@ -335,14 +352,27 @@ class StageStep:
                    f"backward {k}", begin=False)
         return grads, back
 
-    def _weight_pass(self, k: int, weight_pass: WeightPass, after: list[Any]) -> list[Any]:
-        """Micro-batch ``k``'s ``W``, after the ops ``after`` (the action before it),
-        marked on the timeline: its weights' gradients."""
-        begun = self._mark(tensors_in(after), f"weight {k}", begin=True)
-        weight_pass.start_after([*after, *begun])
-        grads = weight_pass.grads
-        self._mark([g for g in grads if isinstance(g, tf.Tensor)], f"weight {k}", begin=False)
-        return grads
+    def _weight_passes(self, ks: list[int], weight_passes: list[WeightPass], after: list[Any],
+                       accumulated: MicroBatchGradients) -> list[Any]:
+        """The ``W`` of micro-batches ``ks`` (one after the other in the schedule), after the
+        ops ``after`` (the action before them), marked on the timeline, added to
+        ``accumulated``: each weight gradient that is a sum over the batch's rows in one op
+        over their rows joined (:mod:`tarantella.pipeline.fused_weights`), the others per
+        micro-batch. Returns the gradients made."""
+        name = f"weight {ks[0]}" if len(ks) == 1 else f"weight {ks[0]}-{ks[-1]}"
+        begun = self._mark(tensors_in(after), name, begin=True)
+        for weight_pass in weight_passes:
+            weight_pass.start_after([*after, *begun])
+        gates = [t.op for t in tensors_in([*after, *begun])]
+        joined = fused_weights.fused([wp.grads for wp in weight_passes], after=gates)
+        made: list[Any] = []
+        for n, (k, weight_pass) in enumerate(zip(ks, weight_passes)):
+            grads = [(j if n == 0 else None) if j is not None else g
+                     for g, j in zip(weight_pass.grads, joined)]
+            accumulated.add(k, grads)
+            made += [g for g in grads if g is not None]
+        self._mark([g for g in made if isinstance(g, tf.Tensor)], name, begin=False)
+        return made
 
     # -- the gradients to the optimizer -------------------------------------------------------
 
@@ -423,7 +453,10 @@ class StageStep:
         resumes, added its own on top: docs/pipelining.md, "Models larger than one rank").
         Nothing differentiates the update, so the registrations are dropped once traced."""
         with forgetting_custom_gradients():
-            self.optimizer.apply(grads, self.weights)
+            if self._compiled_update is not None:
+                self._compiled_update(grads)
+            else:
+                self.optimizer.apply(grads, self.weights)
 
     def _loss_seed(self, loss: tf.Tensor) -> tf.Tensor:
         """The gradient the backward pass starts from at this stage's loss: 1, or with loss
