@@ -50,6 +50,14 @@ def test_all_layers_walks_nested_models_and_attribute_layers():
     assert {"nested", "held_as_attribute"} <= set(names) and model.name not in names
 
 
+def test_is_op_determinism_enabled_reads_tensorflows_setting(monkeypatch):
+    assert _keras_compat.is_op_determinism_enabled() is False
+    from tarantella.pipeline import compiled_update
+
+    monkeypatch.setattr(_keras_compat, "is_op_determinism_enabled", lambda: True)
+    assert not compiled_update.wants_xla("auto")  # Keras' rule: no XLA with determinism
+
+
 def test_symbolic_build_builds_model_metrics_and_optimizer():
     model = keras.Sequential([keras.layers.Dense(2)])
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])

@@ -52,6 +52,11 @@ from keras.src.trainers.data_adapters import get_data_adapter
 # and never removes it (forgetting_custom_gradients). Checked on TensorFlow 2.21.0.
 from tensorflow.python.framework import ops as tf_ops
 
+# TensorFlow's getter of enable_op_determinism() (public only as the setter), which Keras'
+# own jit_compile="auto" consults (keras.src.trainers.trainer.model_supports_jit): a stage's
+# optimizer update is compiled with XLA by the same rule. Checked on TensorFlow 2.21.0.
+from tensorflow.python.framework.config import is_op_determinism_enabled
+
 __all__ = [
     "all_layers",
     "batch_norm_moments",
@@ -64,6 +69,7 @@ __all__ = [
     "has_value",
     "in_stateless_scope",
     "initialize_deferred",
+    "is_op_determinism_enabled",
     "is_fit_validation",
     "new_compiled_loss",
     "own_variables",

@@ -25,6 +25,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from .. import _keras_compat
+
 __all__ = ["CompiledUpdate", "wants_xla"]
 
 
@@ -32,9 +34,7 @@ def wants_xla(jit_compile: Any) -> bool:
     """Whether ``compile(jit_compile=...)`` asks for the stage's update compiled."""
     if jit_compile is False or jit_compile is None:
         return False
-    from tensorflow.python.framework.config import is_op_determinism_enabled
-
-    return not is_op_determinism_enabled()
+    return not _keras_compat.is_op_determinism_enabled()
 
 
 def _spec(value: Any) -> Any:
