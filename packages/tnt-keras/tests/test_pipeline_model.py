@@ -80,7 +80,7 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
                                        err_msg=f"rank {rank}: {name}")
         named = [n for n in ref_arrays if n.startswith("named")]
         assert bool(named) == (partitions == LAYOUTS[ROUTING][0]), "dict inputs: " + repr(named)
-        for name in named:  # a model of two named inputs, fed a dict
+        for name in named:  # a model of two named inputs, fed a dict; use_ema's averages
             rel = np.linalg.norm(arrays[name] - ref_arrays[name]) / np.linalg.norm(ref_arrays[name])
             assert rel <= TOLERANCE, f"rank {rank}: dict inputs: {name} differs by {rel:.2e}"
         resumed = [n for n in ref_arrays if n.startswith("resumed")]

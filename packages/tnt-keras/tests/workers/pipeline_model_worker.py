@@ -132,7 +132,9 @@ def stage_memory(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> dict
 
 
 def dict_inputs(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
-    """A model of two named inputs, fed a dict: 2 epochs, its weights."""
+    """A model of two named inputs, fed a dict: 2 epochs, its weights. The optimizer keeps
+    a moving average of the weights (``use_ema``), which fit's end writes into them: on a
+    pipeline, each stage's own."""
     keras.utils.set_random_seed(3)
     a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
     h = keras.layers.Concatenate()([keras.layers.Dense(6, activation="tanh")(a), b])
@@ -147,7 +149,8 @@ def dict_inputs(args: argparse.Namespace, x: np.ndarray, y: np.ndarray) -> list[
         strategy = (tnt.ParallelStrategy.PIPELINING if args.strategy == "pipelining"
                     else tnt.ParallelStrategy.ALL)
         model = tnt.Model(model, parallel_strategy=strategy, num_micro_batches=MICRO)
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, use_ema=True,
+                                                 ema_overwrite_frequency=3), loss="mse")
     model.fit({"a": x[:, :4], "b": x[:, 4:]}, y, batch_size=BATCH, epochs=2, shuffle=False,
               verbose=0)
     return model.get_weights()

@@ -33,6 +33,7 @@ the argument checks of :mod:`tarantella.arguments` before their loops.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
 from ..reporting.log import logger
 from ..reporting.tracebacks import user_facing
+from ..seams.overrides import instance_attributes
 from . import rescue as step_rescue
 from . import saving as stage_saving
 from .batch_fingerprint import check_same_batch
@@ -537,16 +539,33 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 "every rank sees), the survivors back up the step in flight and the restarted "
                 "fit resumes there")
         try:
-            return super().fit(
-                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
-                callbacks=loop_callbacks, validation_split=validation_split,
-                validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
-                sample_weight=sample_weight, initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+            with self._tnt_finalizing_own_weights():
+                return super().fit(
+                    x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
+                    callbacks=loop_callbacks, validation_split=validation_split,
+                    validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+                    sample_weight=sample_weight, initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                    validation_batch_size=validation_batch_size, validation_freq=validation_freq)
         except Exception as exc:
             self._tnt_rescue(exc, loop_callbacks)
             raise
+
+    def _tnt_finalizing_own_weights(self) -> Any:
+        """While Keras' fit runs, the optimizer's ``finalize_variable_values`` (what fit
+        calls at its end with the whole model's weights: an optimizer with ``use_ema``
+        overwrites them with their moving averages, pairing the two lists by position)
+        takes this stage's weights, the ones its optimizer was built over."""
+        optimizer = self.optimizer
+        step = self._tnt.step
+        if optimizer is None or step is None:
+            return contextlib.nullcontext()
+        finalize = optimizer.finalize_variable_values
+
+        def own_weights_only(var_list: Any) -> None:
+            finalize(step.weights)
+
+        return instance_attributes([(optimizer, "finalize_variable_values", own_weights_only)])
 
     def _tnt_rescue(self, exc: Exception, loop_callbacks: list[Any]) -> None:
         """A rank of the job died in this fit: under ALL, this survivor writes its copies
