@@ -148,12 +148,14 @@ def _take_loss_parts(step: StepContext, traced: dict[str, Any], out: dict[str, A
     step.prescaled = inner.prescaled
 
 
-def _compiled_apply(optimizer: keras.optimizers.Optimizer,
-                    variables: list[Any] | None) -> Callable[[list[Any]], Any]:
-    """``optimizer.apply(grads, variables)`` as an XLA function of the gradients."""
+def compiled_apply(optimizer: keras.optimizers.Optimizer,
+                   variables: list[Any] | None) -> Callable[..., Any]:
+    """``optimizer.apply(grads, variables)`` as an XLA function of the gradients, one
+    argument each (also a pipeline stage's update: ``tarantella.pipeline.compiled_update``,
+    which checks it with ``experimental_get_compiler_ir``, given one spec per argument)."""
 
-    def tnt_xla_apply(grads: list[Any]) -> Any:
-        return optimizer.apply(grads, variables)
+    def tnt_xla_apply(*grads: Any) -> Any:
+        return optimizer.apply(list(grads), variables)
 
     return tf.function(tnt_xla_apply, jit_compile=True, autograph=False)
 
@@ -161,7 +163,7 @@ def _compiled_apply(optimizer: keras.optimizers.Optimizer,
 def _update(optimizer: keras.optimizers.Optimizer, variables: list[Any] | None, reduced: list[Any],
             reducer: Any) -> Callable[[], None]:
     def update() -> None:
-        _compiled_apply(optimizer, variables)(reduced)
+        compiled_apply(optimizer, variables)(*reduced)
         if reducer is not None and reducer.timeline is not None and variables:
             reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
 

@@ -26,6 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from .. import _keras_compat
+from ..data_parallel.xla import compiled_apply
 
 __all__ = ["CompiledUpdate", "wants_xla"]
 
@@ -54,12 +55,8 @@ class CompiledUpdate:
 
     def __init__(self, optimizer: Any, weights: Sequence[Any], explicit: bool = False) -> None:
         self.optimizer, self.weights, self.explicit = optimizer, list(weights), explicit
-        self._fn = tf.function(self._update, jit_compile=True, autograph=False)
+        self._fn = compiled_apply(optimizer, self.weights)
         self.compiled: bool | None = None  # unknown until the first trace
-
-    def _update(self, *grads: Any) -> tf.Tensor:
-        self.optimizer.apply(list(grads), self.weights)
-        return tf.constant(0)
 
     def _compilable(self, grads: Sequence[Any]) -> bool:
         try:
