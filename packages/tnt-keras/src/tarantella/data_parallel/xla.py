@@ -149,7 +149,7 @@ def _take_loss_parts(step: StepContext, traced: dict[str, Any], out: dict[str, A
 
 
 def compiled_apply(optimizer: keras.optimizers.Optimizer,
-                   variables: list[Any] | None) -> Callable[..., Any]:
+                   variables: list[Any] | None) -> Any:
     """``optimizer.apply(grads, variables)`` as an XLA function of the gradients, one
     argument each (also a pipeline stage's update: ``tarantella.pipeline.compiled_update``,
     which checks it with ``experimental_get_compiler_ir``, given one spec per argument)."""
