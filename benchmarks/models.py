@@ -77,8 +77,10 @@ def build(name: str, keras):
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(ALL_MODELS)}")
 
 
-def compile_for_benchmark(model, keras, jit_compile=False):
-    kwargs = {"jit_compile": True} if jit_compile else {}
+def compile_for_benchmark(model, keras, jit_compile="auto"):
+    """SGD with momentum and ``jit_compile`` as given (Keras' default ``"auto"``: no XLA on
+    a machine without a GPU; a tnt.Model then compiles the optimizer's update alone)."""
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **kwargs)
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
     return model

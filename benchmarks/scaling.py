@@ -19,6 +19,10 @@ thread per process:
 * with --python-path, Tarantella-NT again with TNT_NATIVE_OPS=false (gradients through one
   ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
 * with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
+* with --update-ab, Tarantella-NT on 1 rank (with --one-rank) and on N ranks again with
+  ``jit_compile=False``: the optimizer's update as TensorFlow ops, against the default
+  (``"auto"``, no XLA for Keras here), where a ``tnt.Model`` compiles the update alone with
+  XLA (``tarantella.data_parallel.compiled_update``); printed: compiled / as ops;
 * with --frames, Python frames entered per step on each path (profiled runs, slower);
 * with --priority N (root for N < 0), every timed process at nice N in a scheduling
   group of its own (throughput_worker.set_priority), so that other work on a shared
@@ -111,9 +115,10 @@ def run_keras(args, model: str, tmp: Path, cpus: int = 0, jit: bool = False) -> 
 
 def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
             comm_free: bool = False, native: bool = True, ranks: int = 0, cpus: int = 0,
-            frames: bool = False, jit: bool = False) -> dict:
+            frames: bool = False, jit: bool = False, update_ops: bool = False) -> dict:
     ranks = ranks or args.ranks
-    out = tmp / f"tnt-{backend}-{model}-{overlap}-{comm_free}-{native}-{ranks}-{cpus}-{frames}-{jit}.json"
+    out = tmp / (f"tnt-{backend}-{model}-{overlap}-{comm_free}-{native}-{ranks}-{cpus}-{frames}-"
+                 f"{jit}-{update_ops}.json")
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
     cmd = [tnt, "run", "-n", str(ranks), "-x", "TNT_NUM_THREADS=1",
            "-x", f"TNT_NATIVE_OPS={str(native).lower()}"]
@@ -136,6 +141,8 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
         cmd += ["--count-frames"]
     if jit:
         cmd += ["--jit"]
+    if update_ops:
+        cmd += ["--update-as-ops"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     return _read(out, f"tnt run ({backend})", p.stdout + p.stderr)
 
@@ -236,6 +243,9 @@ def configurations(args, model: str, backends: list[str], tmp: Path) -> dict:
         for jit, suffix in ((False, ""), (True, "-xla"))[:2 if args.xla else 1]:
             jobs[f"tnt-1-rank-1cpu{suffix}"] = (
                 lambda jit=jit: run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1, jit=jit))
+        if args.update_ab:
+            jobs["tnt-1-rank-1cpu-update-ops"] = (
+                lambda: run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1, update_ops=True))
     if args.comm_free:
         jobs["comm-free"] = lambda: run_independent(args, model, tmp)
         if args.xla:
@@ -244,6 +254,9 @@ def configurations(args, model: str, backends: list[str], tmp: Path) -> dict:
         jobs[f"tnt-{backend}"] = lambda b=backend: run_tnt(args, model, b, tmp)
         if args.xla:
             jobs[f"tnt-{backend}-xla"] = lambda b=backend: run_tnt(args, model, b, tmp, jit=True)
+        if args.update_ab:
+            jobs[f"tnt-{backend}-update-ops"] = (
+                lambda b=backend: run_tnt(args, model, b, tmp, update_ops=True))
         if args.python_path:
             jobs[f"tnt-{backend}-python-path"] = (
                 lambda b=backend: run_tnt(args, model, b, tmp, native=False))
@@ -310,6 +323,8 @@ def main() -> int:
     p.add_argument("--xla", action="store_true",
                    help="also run Keras on 1 CPU, tnt (N ranks; with --one-rank 1 rank; with "
                         "--comm-free the bound) with jit_compile=True")
+    p.add_argument("--update-ab", action="store_true",
+                   help="also run tnt with its optimizer update as TensorFlow ops (jit_compile=False)")
     p.add_argument("--frames", action="store_true",
                    help="also count Python frames per step, native and Python paths (slow runs)")
     p.add_argument("--timeline", action="store_true", help="write TNT_TIMELINE traces to --out-dir")
@@ -399,12 +414,23 @@ def print_row(row: dict, backends: list[str], args) -> None:
     if "tnt-1-rank-1cpu" in row:
         one = row["tnt-1-rank-1cpu"]["samples_per_s"]
         print(f"    tnt 1 rank / Keras, both on 1 CPU: {one / base_1cpu:.2f}")
+        ops = row.get("tnt-1-rank-1cpu-update-ops")
+        if ops:
+            print(f"    tnt 1 rank, update compiled / as ops: {one / ops['samples_per_s']:.2f} "
+                  f"(as ops / Keras on 1 CPU: {ops['samples_per_s'] / base_1cpu:.2f})")
     free = row.get("comm-free")
     if free:
         print(f"    {args.ranks} ranks comm-free / {args.ranks}x Keras on 1 CPU: "
               f"{free['samples_per_s'] / (args.ranks * base_1cpu):.2f}")
     for backend in backends:
         ours = row[f"tnt-{backend}"]["samples_per_s"]
+        print(f"    {backend}: {args.ranks} ranks / {args.ranks}x Keras on 1 CPU: "
+              f"{ours / (args.ranks * base_1cpu):.2f}")
+        ops = row.get(f"tnt-{backend}-update-ops")
+        if ops:
+            print(f"    {backend}: {args.ranks} ranks, update compiled / as ops: "
+                  f"{ours / ops['samples_per_s']:.2f} (as ops / {args.ranks}x Keras on 1 CPU: "
+                  f"{ops['samples_per_s'] / (args.ranks * base_1cpu):.2f})")
         if free:
             print(f"    {backend}: with communication / comm-free: {ours / free['samples_per_s']:.2f}")
         py = row.get(f"tnt-{backend}-python-path")

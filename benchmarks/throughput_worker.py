@@ -52,6 +52,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--jit", action="store_true",
                    help="keras, tnt: compile with jit_compile=True (XLA; tnt compiles the step's "
                         "body and update, the collectives run between them)")
+    p.add_argument("--update-as-ops", action="store_true",
+                   help="compile with jit_compile=False: a tnt.Model's optimizer update as "
+                        "TensorFlow ops, not compiled with XLA (what jit_compile='auto' does "
+                        "without a GPU); plain Keras runs the same either way there")
     p.add_argument("--priority", type=int, default=None,
                    help="run at this nice value in a scheduling group of its own (root for a "
                         "negative one): see set_priority")
@@ -211,7 +215,8 @@ def main() -> int:
 
                 backend = tnt_core.init().backend  # the runtime tnt.Model started
                 backend.allreduce_async = lambda buf, op="sum": tnt_core.CompletedHandle(buf)
-        models.compile_for_benchmark(model, keras, jit_compile=args.jit)
+        models.compile_for_benchmark(
+            model, keras, jit_compile=True if args.jit else False if args.update_as_ops else "auto")
 
     global_batch = args.micro_batch * workers
     x, y = models.synthetic_data(args.model, global_batch * steps)
@@ -231,6 +236,7 @@ def main() -> int:
         "global_batch": global_batch, "steps": len(timed) - 1, "seconds": seconds,
         "samples_per_s": global_batch * (len(timed) - 1) / seconds,
         "overlap": not args.no_overlap, "comm_free": args.comm_free, "jit": args.jit,
+        "update_as_ops": args.update_as_ops,
         "params": int(model.count_params()), "cpus": len(os.sched_getaffinity(0)),
         "cpu_ms_per_step": 1e3 * cpu_seconds / (len(timed) - 1), "load": os.getloadavg()[0],
     }

@@ -1,6 +1,7 @@
-"""A pipeline stage's optimizer update compiled with XLA (``tarantella.pipeline.compiled_update``),
-single process: the same weights as Keras' update as TensorFlow ops, and an update XLA
-cannot compile falls back to those ops (with a warning when ``jit_compile=True`` asked)."""
+"""The optimizer's update compiled with XLA (``tarantella.data_parallel.compiled_update``),
+single process: the same weights as Keras' update as TensorFlow ops, an update XLA cannot
+compile falls back to those ops (with a warning when ``jit_compile=True`` asked), and a
+data-parallel ``tnt.Model`` compiles it under ``jit_compile="auto"`` only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tarantella.pipeline.compiled_update import CompiledUpdate, wants_xla
+import tarantella as tnt
+from tarantella.data_parallel import compiled_update
+from tarantella.data_parallel.compiled_update import CompiledUpdate, wants_compiled_update
 
 
 class HostSGD(keras.optimizers.SGD):
@@ -61,8 +64,8 @@ def test_an_update_xla_cannot_compile_runs_as_tensorflow_ops_and_warns_when_aske
         warnings.simplefilter("always")
         quiet, update = _train(HostSGD(0.1), compiled=True)
     assert update.compiled is False and not caught  # jit_compile="auto": no warning
-    with pytest.warns(UserWarning, match=r"jit_compile=True: XLA cannot compile this stage's "
-                                         r"optimizer update \(HostSGD"):
+    with pytest.warns(UserWarning, match=r"jit_compile=True: XLA cannot compile this "
+                                         r"optimizer's update \(HostSGD"):
         asked, _ = _train(HostSGD(0.1), compiled=True, explicit=True)
     for a, b, c in zip(quiet, asked, plain):
         np.testing.assert_array_equal(a, c)
@@ -70,5 +73,52 @@ def test_an_update_xla_cannot_compile_runs_as_tensorflow_ops_and_warns_when_aske
 
 
 def test_jit_compile_false_keeps_the_update_as_tensorflow_ops():
-    assert not wants_xla(False)
-    assert wants_xla("auto") and wants_xla(True)
+    assert not wants_compiled_update(False)
+    assert wants_compiled_update("auto") and wants_compiled_update(True)
+
+
+def test_a_data_parallel_step_compiles_its_update_under_auto_only(monkeypatch):
+    """One rank, float64: with compile's default (``"auto"``, which Keras resolves to no XLA
+    on this machine) the step's update is the compiled function, within round-off of plain
+    Keras; ``jit_compile=False`` keeps Keras' ops, bit for bit."""
+    calls: list[bool] = []
+    original = CompiledUpdate.__call__
+
+    def spy(self, grads):
+        out = original(self, grads)
+        calls.append(bool(self.compiled))
+        return out
+
+    monkeypatch.setattr(compiled_update.CompiledUpdate, "__call__", spy)
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        def build():
+            keras.utils.set_random_seed(5)
+            return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                     keras.layers.Dense(3)])
+
+        rng = np.random.default_rng(1)
+        x, y = rng.normal(size=(48, 6)), rng.normal(size=(48, 3))
+        plain = build()
+        plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        plain.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+        trained = {}
+        for jit_compile in ("auto", False):
+            calls.clear()
+            model = tnt.Model(build())
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile)
+            model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+            trained[jit_compile] = (model.get_weights(), list(calls))
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
+    weights, traced = trained["auto"]
+    assert traced and all(traced), "the auto step did not run the compiled update"
+    for a, b in zip(weights, plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    weights, traced = trained[False]
+    assert not traced
+    for a, b in zip(weights, plain.get_weights()):
+        np.testing.assert_array_equal(a, b)

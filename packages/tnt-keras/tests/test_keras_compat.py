@@ -52,10 +52,20 @@ def test_all_layers_walks_nested_models_and_attribute_layers():
 
 def test_is_op_determinism_enabled_reads_tensorflows_setting(monkeypatch):
     assert _keras_compat.is_op_determinism_enabled() is False
-    from tarantella.pipeline import compiled_update
+    from tarantella.data_parallel import compiled_update
 
     monkeypatch.setattr(_keras_compat, "is_op_determinism_enabled", lambda: True)
-    assert not compiled_update.wants_xla("auto")  # Keras' rule: no XLA with determinism
+    assert not compiled_update.wants_compiled_update("auto")  # Keras' rule: no XLA with determinism
+
+
+@pytest.mark.parametrize("kwargs,asked", [({}, True), ({"jit_compile": False}, False),
+                                          ({"jit_compile": "auto", "run_eagerly": True}, False)])
+def test_asks_auto_jit_compile_sees_what_keras_keeps_only_resolved(kwargs, asked):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with _keras_compat.asks_auto_jit_compile(model) as auto:
+        model.compile(optimizer="sgd", loss="mse", **kwargs)
+    assert bool(auto) is asked
+    assert "_resolve_auto_jit_compile" not in vars(model)  # nothing stays on the model
 
 
 def test_symbolic_build_builds_model_metrics_and_optimizer():

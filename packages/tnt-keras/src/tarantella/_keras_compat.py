@@ -18,6 +18,7 @@ here: ``compiled`` for ``_assert_compile_called``, the class-weight map and
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -59,6 +60,7 @@ from tensorflow.python.framework.config import is_op_determinism_enabled
 
 __all__ = [
     "all_layers",
+    "asks_auto_jit_compile",
     "batch_norm_moments",
     "compile_owner",
     "compiled_loss",
@@ -214,3 +216,27 @@ def own_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
     """The variables ``layer`` itself saves and loads (``Layer.save_own_variables`` writes
     ``_trainable_variables + _non_trainable_variables``), not those of its sub-layers."""
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def asks_auto_jit_compile(model: keras.Model) -> Iterator[list[bool]]:
+    """While ``model``'s ``compile`` runs (the user's own ``compile`` too): records in the
+    list it gives whether Keras resolved ``jit_compile="auto"``, which its ``compile`` does
+    through ``Trainer._resolve_auto_jit_compile`` (when not ``run_eagerly``). Why: Keras
+    keeps only the resolved value, and "auto" (False on a machine without a GPU) and an
+    explicit False are not the same request. The ``jit_compile`` getter resolves too when
+    nothing was set yet (the setter reads it first): only calls from ``compile`` count.
+    Checked on Keras 3.15.1."""
+    asked: list[bool] = []
+    resolve = model._resolve_auto_jit_compile  # noqa: SLF001
+
+    def recording() -> Any:
+        if sys._getframe(1).f_code.co_name == "compile":  # noqa: SLF001
+            asked.append(True)
+        return resolve()
+
+    object.__setattr__(model, "_resolve_auto_jit_compile", recording)
+    try:
+        yield asked
+    finally:
+        object.__delattr__(model, "_resolve_auto_jit_compile")

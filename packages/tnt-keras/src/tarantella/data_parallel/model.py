@@ -43,6 +43,7 @@ from ..reporting.tracebacks import user_facing
 from ..reporting.user_frames import user_stacklevel
 from . import joining, steps
 from .batchnorm import synchronized_layers
+from .compiled_update import wants_compiled_update
 from .elastic import ElasticFunction, ElasticLoop
 from .losses import normaliser, summed_terms, weigh_backward
 from .steps import current_step, gradient_factor
@@ -83,6 +84,9 @@ class DataParallelState(DistributedState):
         self.ready: set[str] = set()
         #: compiles the steps' bodies with XLA when Keras' jit_compile resolved to True
         self.xla: XlaStep | None = None
+        #: the optimizer's update is one XLA function in a step XLA does not compile
+        #: (compile's jit_compile="auto" resolved to False: tarantella.data_parallel.compiled_update)
+        self.compiled_update = False
         #: an elastic job's loop state (tarantella.data_parallel.elastic); None otherwise
         self.elastic: ElasticLoop | None = None
 
@@ -122,10 +126,15 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """As ``keras.Model.compile``. ``jit_compile`` resolves as in Keras; when it is on, the
         step's body is compiled with XLA and its collectives run between the compiled parts
-        (``tarantella.data_parallel.xla``), so ``self.jit_compile`` (Keras' outer function) reads False."""
+        (``tarantella.data_parallel.xla``), so ``self.jit_compile`` (Keras' outer function) reads
+        False. When ``"auto"`` resolves to False (no GPU), the optimizer's update alone is
+        compiled (``tarantella.data_parallel.compiled_update``)."""
         arguments.check_optimizer(kwargs.get("optimizer", args[0] if args else None))
-        super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
+        with _keras_compat.asks_auto_jit_compile(self) as auto:
+            super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
         self._tnt_check_compiled()
+        self._tnt.compiled_update = (bool(auto) and self._tnt.xla is None and not self.jit_compile
+                                     and wants_compiled_update("auto"))
 
     def _tnt_check_compiled(self) -> None:
         super()._tnt_check_compiled()

@@ -40,6 +40,7 @@ from ..comm.graph_ops import allreduce_sum, gather_rows
 from ..errors import DatasetError, NotSupportedError
 from ..seams.overrides import instance_attributes
 from .batchnorm import global_moments
+from .compiled_update import CompiledUpdate
 from .losses import Normaliser, per_sample, summed_terms
 from .metrics import MetricCalls, MetricStates
 
@@ -251,7 +252,10 @@ def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
         out, reducer = reduce_gradients(step, optimizer, grads, variables, factor, state)
 
         def update() -> Any:
-            result = apply(out, trainable_variables)
+            if state.compiled_update:
+                result = CompiledUpdate(optimizer, variables, apply=apply)(out)
+            else:
+                result = apply(out, trainable_variables)
             if reducer is not None and reducer.timeline is not None and variables:
                 reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
             return result

@@ -39,6 +39,9 @@ compiles what lies between the collectives:
 On one rank there is no collective: Keras compiles the whole step itself (see
 :func:`take_jit_compile`).
 
+Where the step is not compiled (``jit_compile="auto"`` on a machine without a GPU), the
+optimizer's update alone is (:mod:`tarantella.data_parallel.compiled_update`).
+
 Differences from serial Keras with XLA: XLA compiles clusters, not Keras' whole function,
 so fusions across a cut differ (round-off); with ``TNT_OVERLAP=false`` a ``train_step``
 that reads an optimizer's state after its ``apply`` (``optimizer.iterations``, a scheduled
@@ -61,6 +64,7 @@ from .._keras_compat import run_after
 from ..comm import traced_collectives
 from ..reporting.user_frames import user_stacklevel
 from ..seams.overrides import instance_attributes
+from .compiled_update import compiled_apply
 from .losses import Normaliser
 from .steps import StepContext, gradient_factor, model_optimizers, reduce_gradients, remaining_factor, tracing
 
@@ -146,18 +150,6 @@ def _take_loss_parts(step: StepContext, traced: dict[str, Any], out: dict[str, A
         step.normaliser = Normaliser(out["scale"], out["divisor"], inner.normaliser.divide,
                                      out.get("total"))
     step.prescaled = inner.prescaled
-
-
-def compiled_apply(optimizer: keras.optimizers.Optimizer,
-                   variables: list[Any] | None) -> Any:
-    """``optimizer.apply(grads, variables)`` as an XLA function of the gradients, one
-    argument each (also a pipeline stage's update: ``tarantella.pipeline.compiled_update``,
-    which checks it with ``experimental_get_compiler_ir``, given one spec per argument)."""
-
-    def tnt_xla_apply(*grads: Any) -> Any:
-        return optimizer.apply(list(grads), variables)
-
-    return tf.function(tnt_xla_apply, jit_compile=True, autograph=False)
 
 
 def _update(optimizer: keras.optimizers.Optimizer, variables: list[Any] | None, reduced: list[Any],

@@ -300,7 +300,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 auto_scale_loss: bool = True) -> None:
         """As ``keras.Model.compile``; the steps run eagerly (they exchange tensors between
         micro-batches), so ``run_eagerly`` does not apply; ``jit_compile`` compiles the stage's
-        optimizer update with XLA unless it is False (:mod:`tarantella.pipeline.compiled_update`)."""
+        optimizer update with XLA unless it is False (:mod:`tarantella.data_parallel.compiled_update`)."""
         check_compile(self, type(self)._tnt_base, loss, steps_per_execution)  # noqa: SLF001 - the class's own attribute
         arguments.check_optimizer(optimizer)
         optimizer = keras.optimizers.get(optimizer)

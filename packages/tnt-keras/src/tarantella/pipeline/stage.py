@@ -27,7 +27,7 @@ gradient as a pass ``W`` of its own; ``"zb-fused"`` places several micro-batches
 together, and ``W`` one after the other in a list are one pass over their micro-batches'
 rows (:mod:`tarantella.pipeline.fused_weights`); ``"gpipe"`` for comparison:
 docs/pipelining.md has them measured). The optimizer's update is one XLA-compiled function
-unless ``compile(jit_compile=False)`` (:mod:`tarantella.pipeline.compiled_update`).
+unless ``compile(jit_compile=False)`` (:mod:`tarantella.data_parallel.compiled_update`).
 
 A stage's whole step is one compiled graph per batch size (``tf.function``, traced once;
 a shorter last batch traces once more): every action unrolled in the schedule's order, the
@@ -68,11 +68,11 @@ from ..comm import Channel
 from ..comm.compression import for_fit
 from ..comm.gradients import GradientReducer, reduce_weighted
 from ..comm.sparse_rows import RowKind
+from ..data_parallel.compiled_update import CompiledUpdate, wants_compiled_update
 from . import fused_weights
 from . import schedule as schedules
 from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
-from .compiled_update import CompiledUpdate, wants_xla
 from .messages import StageMessages
 from .micro_batches import concat, micro_batch_sizes, shares, split
 from .partition import Partitioning
@@ -108,7 +108,7 @@ class StageStep:
     :param timeline: where to record each micro-batch's forward and backward pass and each
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
     :param jit_compile: ``compile(jit_compile=...)``: unless False, the optimizer's update is
-        one XLA-compiled function (:mod:`tarantella.pipeline.compiled_update`).
+        one XLA-compiled function (:mod:`tarantella.data_parallel.compiled_update`).
     :param recompute: activation recomputation: a micro-batch's forward pass keeps only
         what it was computed from (its inputs), and its backward pass computes it again
         (:meth:`tarantella.pipeline.passes.StagePasses.replay`), where the schedule places
@@ -153,7 +153,7 @@ class StageStep:
         self.weights = self.passes.weights
         #: the optimizer's update as one XLA-compiled function (None: as TensorFlow ops)
         self._compiled_update = CompiledUpdate(optimizer, self.weights, explicit=jit_compile is True) \
-            if wants_xla(jit_compile) else None
+            if wants_compiled_update(jit_compile) else None
         #: what crosses the cuts, per batch shape (a model of variable-length inputs)
         self.shapes = CutShapes(parts)
         self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
