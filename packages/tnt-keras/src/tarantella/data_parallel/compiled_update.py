@@ -17,7 +17,9 @@ It follows ``compile(jit_compile=...)`` as the user gave it (:func:`wants_compil
 ``False`` keeps the update as TensorFlow ops; ``"auto"`` and ``True`` compile it, but not
 when TensorFlow's op determinism is enabled (Keras' own rule: XLA does not promise
 determinism) nor when XLA cannot compile the optimizer (a custom optimizer's op XLA lacks):
-the update then stays as TensorFlow ops, with a warning under ``True``.
+the update then stays as TensorFlow ops, with a warning under ``True``. A data-parallel
+fit whose epochs end by running out of data keeps the ops too, to count the optimizer's
+iterations as plain Keras does (``DataParallelModel._tnt_update_for``).
 """
 
 from __future__ import annotations

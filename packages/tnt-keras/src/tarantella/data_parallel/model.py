@@ -87,6 +87,9 @@ class DataParallelState(DistributedState):
         #: the optimizer's update is one XLA function in a step XLA does not compile
         #: (compile's jit_compile="auto" resolved to False: tarantella.data_parallel.compiled_update)
         self.compiled_update = False
+        #: this fit's loop may call the step once more after the data ran out, so its update
+        #: runs as TensorFlow ops this fit (see DataParallelModel._tnt_update_for)
+        self.update_as_ops = False
         #: an elastic job's loop state (tarantella.data_parallel.elastic); None otherwise
         self.elastic: ElasticLoop | None = None
 
@@ -379,6 +382,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
                                purpose="validation", runtime=runtime, global_batches=elastic)
             loops.append(val)
         self._tnt_build(train.batch_spec, train.distributed)
+        self._tnt_update_for(train, steps_per_epoch)
         callback_list = self._tnt_callbacks(callbacks, verbose=verbose, epochs=epochs,
                                             steps=train.steps, add_history=True, data=loops)
         return super().fit(
@@ -393,6 +397,26 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
             validation_steps=validation_steps,
             validation_freq=validation_freq,
         )
+
+    def _tnt_update_for(self, train: Any, steps_per_epoch: int | None) -> None:
+        """Whether this fit's step runs its optimizer's update compiled (compile's choice,
+        :mod:`tarantella.data_parallel.compiled_update`) or as TensorFlow ops. Why: when
+        Keras learns an epoch's end by running out of data (a dataset of unknown length, or
+        ``steps_per_epoch`` over a finite one), it calls the step once more; that call
+        fails at its input, but plain Keras' update ops that do not wait for the data
+        (``optimizer.iterations += 1``) have run, so each such epoch counts one iteration
+        more (Adam's bias correction reads it). A compiled update waits for the data as a
+        whole, so it would count one less: there the update runs as Keras' ops, and the
+        result stays plain Keras'. The step is traced anew when this changes."""
+        state = self._tnt
+        if not state.compiled_update:
+            return
+        card = int(train.dataset.cardinality())
+        dries = card != tf.data.INFINITE_CARDINALITY and (steps_per_epoch is not None
+                                                          or train.steps is None)
+        if dries != state.update_as_ops:
+            state.update_as_ops = dries
+            self.train_function = None
 
     @user_facing
     @_joinable("evaluate")
