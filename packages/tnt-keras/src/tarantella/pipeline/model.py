@@ -123,6 +123,23 @@ def _restart_all_on_failure(runtime: tnt_core.Runtime, replicated: bool = False)
                                        "ranks (a stage is held by its ranks alone)")
 
 
+class _CountingDryCall:
+    """Keras' train function of a pipelined model: a call that finds no data left has each
+    stage count it as plain Keras' graph step would (:meth:`StageStep.count_dry_step`)."""
+
+    def __init__(self, model: keras.Model, function: Any) -> None:
+        self.model, self.function = model, function
+
+    def __call__(self, data: Any) -> Any:
+        try:
+            return self.function(data)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            step = self.model._tnt.step  # noqa: SLF001 - the model's own state
+            if step is not None:
+                step.count_dry_step()
+            raise
+
+
 class _PipelineState(DistributedState):
     """This rank's stage of its pipeline (:mod:`tarantella.pipeline.groups`: the ranks and
     groups), its step, and what it holds."""
@@ -145,6 +162,9 @@ class _PipelineState(DistributedState):
         self.recompute = recompute
         #: compile(jit_compile=...): whether the stage's optimizer update is XLA-compiled
         self.jit_compile: Any = False
+        #: compile(run_eagerly=False): the serial step is a graph, which counts a call that
+        #: finds no data (see PipelinedModel.make_train_function)
+        self.counts_dry_steps = True
         self.step: StageStep | None = None
         #: the model's compiled loss as a traced step runs it (for the logs; set by compile)
         self.logged_loss: _TracedLoss | None = None
@@ -312,6 +332,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         # (every output's loss weighted and summed): the model's one keeps the per-output
         # loss trackers, which the logs update on every rank alike (_tnt_logs)
         self._tnt.jit_compile = jit_compile
+        self._tnt.counts_dry_steps = not run_eagerly
         self._tnt.step = self._tnt_stage_step(
             _keras_compat.new_compiled_loss(self, loss, loss_weights), self.optimizer)
         self._tnt.logged_loss = _TracedLoss(_keras_compat.compiled_loss(self))
@@ -489,9 +510,15 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         return out
 
     def make_train_function(self, force: bool = False) -> Any:
-        """Keras' step function; it skips its steps while a resumed fit replays."""
+        """Keras' step function; it skips its steps while a resumed fit replays, and counts
+        the call that finds the data run out as plain Keras' graph step does
+        (:meth:`StageStep.count_dry_step`; not when compile asked for ``run_eagerly``, as
+        plain Keras' eager step counts nothing then)."""
         super().make_train_function(force)
-        return self._tnt_skipping("train_function")
+        function = self._tnt_skipping("train_function")
+        if self._tnt.counts_dry_steps and not isinstance(function.function, _CountingDryCall):
+            function.function = _CountingDryCall(self, function.function)
+        return function
 
     def make_test_function(self, force: bool = False) -> Any:
         super().make_test_function(force)

@@ -152,6 +152,7 @@ class StageStep:
         self.passes = StagePasses(parts, stage, loss)
         self.weights = self.passes.weights
         #: the optimizer's update as one XLA-compiled function (None: as TensorFlow ops)
+        self._dry_update: Any = None
         self._compiled_update = CompiledUpdate(optimizer, self.weights, explicit=jit_compile is True) \
             if wants_compiled_update(jit_compile) else None
         #: what crosses the cuts, per batch shape (a model of variable-length inputs)
@@ -498,6 +499,29 @@ class StageStep:
         norm = tf.cast(norm, widest or keras.config.floatx())
         scale = clipnorm * tf.minimum(1.0 / norm, 1.0 / clipnorm) + (norm - norm)
         return [g * tf.cast(scale, g.dtype) for g in grads]
+
+    def count_dry_step(self) -> None:
+        """What plain Keras' step, traced as a graph (``fit``'s default), does to this
+        stage's optimizer when it is called once more after the data ran out (an epoch of
+        unknown length ends so): the input fails, but the update's ops that do not wait for
+        the data have run (``iterations += 1`` for most optimizers, which Adam's bias
+        correction reads; a ``LossScaleOptimizer``'s do wait). Here the same update is
+        traced over gradients made from an exhausted iterator's element, so exactly those
+        ops run. A pipelined step runs eagerly and would skip them (measured: 3 such epochs
+        with Adam, float64, 0.66 relative from plain Keras)."""
+        if self._dry_update is None:
+            optimizer, weights = self.optimizer, self.weights
+
+            def dry() -> None:
+                missing = next(iter(tf.data.Dataset.from_tensors(tf.zeros([], tf.float32)).take(0)))
+                optimizer.apply([tf.zeros_like(w) + tf.cast(missing, w.dtype) for w in weights],
+                                weights)
+
+            self._dry_update = tf.function(dry, autograph=False)
+        try:
+            self._dry_update()
+        except tf.errors.OutOfRangeError:
+            pass  # as Keras' own call: the data-independent ops ran, the rest did not
 
     def forward(self, x: Any, batch: int) -> float:
         """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by
