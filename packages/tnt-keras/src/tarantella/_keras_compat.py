@@ -221,8 +221,9 @@ def own_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
 @contextlib.contextmanager
 def asks_auto_jit_compile(model: keras.Model) -> Iterator[list[bool]]:
     """While ``model``'s ``compile`` runs (the user's own ``compile`` too): records in the
-    list it gives whether Keras resolved ``jit_compile="auto"``, which its ``compile`` does
-    through ``Trainer._resolve_auto_jit_compile`` (when not ``run_eagerly``). Why: Keras
+    list it gives what Keras resolved ``jit_compile="auto"`` to (empty: "auto" was not
+    asked), which its ``compile`` does through ``Trainer._resolve_auto_jit_compile`` (when
+    not ``run_eagerly``). Why: Keras
     keeps only the resolved value, and "auto" (False on a machine without a GPU) and an
     explicit False are not the same request. The ``jit_compile`` getter resolves too when
     nothing was set yet (the setter reads it first): only calls from ``compile`` count.
@@ -231,9 +232,10 @@ def asks_auto_jit_compile(model: keras.Model) -> Iterator[list[bool]]:
     resolve = model._resolve_auto_jit_compile  # noqa: SLF001
 
     def recording() -> Any:
+        resolved = resolve()
         if sys._getframe(1).f_code.co_name == "compile":  # noqa: SLF001
-            asked.append(True)
-        return resolve()
+            asked.append(bool(resolved))
+        return resolved
 
     object.__setattr__(model, "_resolve_auto_jit_compile", recording)
     try:

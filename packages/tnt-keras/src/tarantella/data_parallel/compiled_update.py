@@ -28,7 +28,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from .. import _keras_compat
@@ -45,15 +44,13 @@ def wants_compiled_update(jit_compile: Any) -> bool:
     return not _keras_compat.is_op_determinism_enabled()
 
 
-def compiled_apply(optimizer: keras.optimizers.Optimizer, variables: list[Any] | None,
-                   apply: Callable[..., Any] | None = None) -> Any:
-    """``optimizer.apply(grads, variables)`` (or ``apply``, the optimizer's own while a step
-    overrides it) as an XLA function of the gradients, one argument each (so that
-    ``experimental_get_compiler_ir`` takes one spec each)."""
-    run = optimizer.apply if apply is None else apply
+def compiled_apply(apply: Callable[..., Any], variables: list[Any] | None) -> Any:
+    """``apply(grads, variables)`` (an optimizer's own ``apply``) as an XLA function of the
+    gradients, one argument each (so that ``experimental_get_compiler_ir`` takes one spec
+    each)."""
 
     def tnt_xla_apply(*grads: Any) -> Any:
-        return run(list(grads), variables)
+        return apply(list(grads), variables)
 
     return tf.function(tnt_xla_apply, jit_compile=True, autograph=False)
 
@@ -80,7 +77,7 @@ class CompiledUpdate:
         self.optimizer, self.explicit = optimizer, explicit
         self.weights = None if weights is None else list(weights)
         self._apply = optimizer.apply if apply is None else apply
-        self._fn = compiled_apply(optimizer, self.weights, self._apply)
+        self._fn = compiled_apply(self._apply, self.weights)
         self.compiled: bool | None = None  # unknown until the first trace
 
     def _compilable(self, grads: Sequence[Any]) -> bool:

@@ -136,7 +136,8 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         with _keras_compat.asks_auto_jit_compile(self) as auto:
             super().compile(*args, **kwargs)  # maybe the user's own compile(...) signature
         self._tnt_check_compiled()
-        self._tnt.compiled_update = (bool(auto) and self._tnt.xla is None and not self.jit_compile
+        # "auto" that Keras resolved to no XLA: the update alone is compiled
+        self._tnt.compiled_update = (bool(auto) and not any(auto)
                                      and wants_compiled_update("auto"))
 
     def _tnt_check_compiled(self) -> None:

@@ -155,7 +155,7 @@ def _take_loss_parts(step: StepContext, traced: dict[str, Any], out: dict[str, A
 def _update(optimizer: keras.optimizers.Optimizer, variables: list[Any] | None, reduced: list[Any],
             reducer: Any) -> Callable[[], None]:
     def update() -> None:
-        compiled_apply(optimizer, variables)(*reduced)
+        compiled_apply(optimizer.apply, variables)(*reduced)
         if reducer is not None and reducer.timeline is not None and variables:
             reducer.mark_optimizer_done([tf.convert_to_tensor(optimizer.iterations)])
 
