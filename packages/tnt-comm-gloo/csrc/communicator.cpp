@@ -373,6 +373,7 @@ Communicator::Communicator(const ConnectOptions& options,
     setup = setup_shm(shm, *store);
     shm_reason_ = std::move(setup.reason);
     if (setup.shm) shm_name_ = setup.shm->segment_name();
+    shm_view_ = setup.shm;
   } catch (...) {
     throw GlooError("setting up the shared-memory allreduce failed: " +
                     describe_exception(std::current_exception()));

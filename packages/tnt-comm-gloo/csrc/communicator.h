@@ -139,6 +139,12 @@ class Communicator {
   const std::string& shm_reason() const { return shm_reason_; }
   // The (already unlinked) name of this rank's segment, "" without shared memory.
   const std::string& shm_segment_name() const { return shm_name_; }
+  // How this rank copies into its shared-memory slots (ShmAllreduce::copy_mode), "" without
+  // shared memory or once closed.
+  std::string shm_copy() const {
+    const auto shm = shm_view_.lock();
+    return shm ? shm->copy_mode() : "";
+  }
 
   using Body = std::function<void(const Exec&)>;
 
@@ -224,6 +230,7 @@ class Communicator {
   std::thread worker_;
   std::string shm_reason_;
   std::string shm_name_;
+  std::weak_ptr<ShmAllreduce> shm_view_;  // for shm_copy(): the flat or the local one
   bool hierarchical_ = false;
   std::pair<int, int> host_layout_;
   bool closed_ = false;  // close() ran; only close() and the destructor use it

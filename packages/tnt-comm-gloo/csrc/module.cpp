@@ -309,7 +309,8 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
                                         const std::string& shm_prefix,
                                         const std::string& shm_host_id,
                                         std::size_t shm_chunk_bytes, int shm_spin_us,
-                                        const std::string& hierarchy) {
+                                        const std::string& hierarchy,
+                                        const std::string& shm_copy) {
   if (size < 1 || rank < 0 || rank >= size) {
     throw std::invalid_argument("rank " + std::to_string(rank) + " is not in [0, " +
                     std::to_string(size) + ")");
@@ -338,6 +339,16 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
   }
   options.shm.chunk_bytes = shm_chunk_bytes;
   options.shm.spin_us = shm_spin_us;
+  if (shm_copy == "auto") {
+    options.shm.copy = ShmCopy::kAuto;
+  } else if (shm_copy == "stream") {
+    options.shm.copy = ShmCopy::kStream;
+  } else if (shm_copy == "cache") {
+    options.shm.copy = ShmCopy::kCache;
+  } else {
+    throw std::invalid_argument("shm_copy must be 'auto', 'stream' or 'cache', not '" +
+                                shm_copy + "'");
+  }
 
   StorePtr base;
   std::shared_ptr<PythonStore> python_store;
@@ -424,6 +435,10 @@ NB_MODULE(_gloo, m) {
       .def_prop_ro("shm_reason", [](PyCommunicator& c) { return c.comm().shm_reason(); })
       .def_prop_ro("shm_segment_name",
                    [](PyCommunicator& c) { return c.comm().shm_segment_name(); })
+      .def_prop_ro("shm_copy", [](PyCommunicator& c) { return c.comm().shm_copy(); },
+                   "How this rank copies into its shared-memory slots: 'stream' "
+                   "(non-temporal stores), 'cache' (memcpy), 'auto' while it still times "
+                   "both; '' without shared memory.")
       .def_prop_ro("host_layout", [](PyCommunicator& c) { return c.comm().host_layout(); },
                    "(hosts, ranks per host) of the hierarchical allreduce; (1, size) "
                    "without it.")
@@ -480,10 +495,12 @@ NB_MODULE(_gloo, m) {
   m.def("connect", &connect, "rank"_a, "size"_a, "store"_a.none(), "file_store"_a,
         "prefix"_a, "hostname"_a, "iface"_a, "timeout_s"_a, "shm"_a = "auto",
         "shm_prefix"_a = "tnt-gloo-", "shm_host_id"_a = "", "shm_chunk_bytes"_a = 1 << 20,
-        "shm_spin_us"_a = -1, "hierarchy"_a = "auto",
+        "shm_spin_us"_a = -1, "hierarchy"_a = "auto", "shm_copy"_a = "auto",
         "Build the full TCP mesh (blocking, GIL released) through the store client or the "
         "file store directory; then, collectively, the shared-memory allreduce when every "
         "rank is on this host (shm: 'auto', '0' off, '1' try even so; the caller decides "
         "what a failure means), or the hierarchical one when the ranks are on several "
-        "hosts holding as many (>= 2) each (hierarchy: 'auto', '0' off, '1' as auto).");
+        "hosts holding as many (>= 2) each (hierarchy: 'auto', '0' off, '1' as auto). "
+        "shm_copy: how a rank copies into its slots ('stream', 'cache', or 'auto': the "
+        "faster of the two on its first large copies).");
 }

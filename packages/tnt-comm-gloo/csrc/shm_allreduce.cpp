@@ -48,8 +48,13 @@ constexpr std::size_t kWholeMaxBytes = 32 << 10;
 // spinning 50 µs without yielding, 3.7 µs yielding between bursts (see wait_for_peer).
 constexpr int kDefaultSpinUs = 50;
 
-// Copies into a slot from this size on bypass the caches (see copy_to_slot).
+// Copies into a slot from this size on bypass the caches (see stream_copy).
 constexpr std::size_t kStreamMinBytes = 4096;
+// ShmCopy::kAuto: copies from this size on are timed (smaller ones tell little), the
+// first kTimingWarmup of them not kept, then kTimingSamples of each way compared.
+constexpr std::size_t kTimingMinBytes = 64 << 10;
+constexpr std::uint32_t kTimingWarmup = 4;
+constexpr std::size_t kTimingSamples = 16;
 
 // The control block at the start of every segment. Written once by its owner before
 // its name is published, except the atomics. seq and waiters share a line (the
@@ -81,13 +86,13 @@ inline void cpu_relax() {
 #endif
 }
 
-// Copy this rank's data into a slot its peers read. The peers read the slots of earlier
-// chunks, so their caches hold the lines a plain memcpy writes: each line must first be
-// taken back from another core (a read for ownership across vCPUs), and on the 2-vCPU
-// development VM that ran the copy at 1-2 GB/s. Non-temporal stores write past the
-// caches (12-19 GB/s there; docs/performance.md, "Single-host speed"). The fence orders
-// them before the release that publishes the chunk.
-void copy_to_slot(void* dst, const void* src, std::size_t bytes) {
+// Copy this rank's data into a slot its peers read, past the caches (ShmCopy::kStream).
+// The peers read the slots of earlier chunks, so their caches hold the lines a plain
+// memcpy writes: each line must first be taken back from another core (a read for
+// ownership across vCPUs), and on the 2-vCPU development VM that ran the copy at 1-2 GB/s.
+// Non-temporal stores write past the caches (12-19 GB/s there; docs/performance.md,
+// "Single-host speed"). The fence orders them before the release that publishes the chunk.
+void stream_copy(void* dst, const void* src, std::size_t bytes) {
 #if defined(__x86_64__)
   if (bytes >= kStreamMinBytes) {
     auto* d = static_cast<char*>(dst);
@@ -502,7 +507,8 @@ ShmAllreduce::ShmAllreduce(const ShmOptions& options,
       own_name_(segments[options.rank]->name),
       segments_(std::move(segments)),
       peers_(std::move(peers)),
-      names_(std::move(names)) {}
+      names_(std::move(names)),
+      copy_(options.copy) {}
 
 ShmAllreduce::~ShmAllreduce() {
   for (auto& peer : peers_) {
@@ -512,6 +518,54 @@ ShmAllreduce::~ShmAllreduce() {
 
 char* ShmAllreduce::slot(int rank, unsigned index) const {
   return segments_[rank]->data() + index * chunk_bytes_;
+}
+
+const char* ShmAllreduce::copy_mode() const {
+  switch (copy_.load(std::memory_order_relaxed)) {
+    case ShmCopy::kStream: return "stream";
+    case ShmCopy::kCache: return "cache";
+    case ShmCopy::kAuto: break;
+  }
+  return "auto";
+}
+
+namespace {
+double median(std::vector<double> values) {
+  auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
+  std::nth_element(values.begin(), middle, values.end());
+  return *middle;
+}
+}  // namespace
+
+void ShmAllreduce::copy_in(void* dst, const void* src, std::size_t bytes) {
+  const ShmCopy mode = copy_.load(std::memory_order_relaxed);
+  if (mode == ShmCopy::kCache) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  if (mode == ShmCopy::kStream || bytes < kTimingMinBytes) {
+    stream_copy(dst, src, bytes);
+    return;
+  }
+  // Timing (kAuto): the two ways in turn, each on its own data, so that both meet the
+  // same load. The copy's own time is what is compared: the peers' reads of the slot
+  // follow the same way (measured by benchmarks/shm_copy.c: memory or another cache).
+  const bool stream = timed_copies_ % 2 == 0;
+  const auto start = Clock::now();
+  if (stream) {
+    stream_copy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+  const double ns = std::chrono::duration<double, std::nano>(Clock::now() - start).count();
+  if (timed_copies_++ < kTimingWarmup) return;
+  timed_[stream ? 0 : 1].push_back(ns / static_cast<double>(bytes));
+  if (timed_[0].size() >= kTimingSamples && timed_[1].size() >= kTimingSamples) {
+    const bool cache = median(timed_[1]) < median(timed_[0]);
+    copy_.store(cache ? ShmCopy::kCache : ShmCopy::kStream, std::memory_order_relaxed);
+    timed_[0] = {};
+    timed_[1] = {};
+  }
 }
 
 void ShmAllreduce::publish(std::uint32_t value) {
@@ -626,13 +680,13 @@ void ShmAllreduce::allreduce(void* data, std::size_t count, DType dtype, ReduceO
     const std::uint32_t base = next_seq_;
     next_seq_ += 3;
     char* const out = user + first * es;
-    copy_to_slot(slot(rank_, s), out, n * es);
+    copy_in(slot(rank_, s), out, n * es);
     publish(base + 1);  // data in
     wait_all(base + 1);
     // Every element is reduced once, in rank order (numpy's order for a reduction over
     // the ranks), by one rank, and copied by the others: bitwise the same everywhere.
     // This rank's own slot holds what `out` holds: read `out`, still in this core's
-    // cache, rather than the slot that bypassed it.
+    // cache, rather than the slot (which a streaming copy bypassed).
     if (size_ == 2 || n * es <= kWholeMaxBytes) {
       reduce(out, rank_ == 0 ? out : slot(0, s), rank_ == 1 ? out : slot(1, s), n);
       for (int r = 2; r < size_; ++r) reduce(out, out, slot(r, s), n);
@@ -648,7 +702,7 @@ void ShmAllreduce::allreduce(void* data, std::size_t count, DType dtype, ReduceO
         const std::size_t off = a * es;
         reduce(out + off, slot(0, s) + off, slot(1, s) + off, b - a);
         for (int r = 2; r < size_; ++r) reduce(out + off, out + off, slot(r, s) + off, b - a);
-        copy_to_slot(slot(rank_, s) + off, out + off, (b - a) * es);
+        copy_in(slot(rank_, s) + off, out + off, (b - a) * es);
       }
       publish(base + 2);  // part reduced
       wait_all(base + 2);
@@ -711,12 +765,12 @@ void ShmAllreduce::slices(bool reduce_step, void* data, std::size_t count, DType
     if (reduce_step) {
       for (int r = 0; r < size_; ++r) {
         const std::size_t first = piece(r, step, &n);
-        if (n > 0) copy_to_slot(slot(rank_, s) + r * piece_bytes, user + first * es, n * es);
+        if (n > 0) copy_in(slot(rank_, s) + r * piece_bytes, user + first * es, n * es);
       }
     } else {
       const std::size_t first = piece(rank_, step, &n);
       if (n > 0) {
-        copy_to_slot(slot(rank_, s) + rank_ * piece_bytes, user + first * es, n * es);
+        copy_in(slot(rank_, s) + rank_ * piece_bytes, user + first * es, n * es);
       }
     }
     publish(target);  // data in

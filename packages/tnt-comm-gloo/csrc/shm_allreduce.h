@@ -15,6 +15,7 @@
 // communicator is poisoned or closed).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +32,13 @@ namespace tnt_gloo {
 
 enum class ShmMode : std::uint8_t { kOff, kAuto, kRequired };
 
+// How a rank copies its data into its slots. kStream: non-temporal stores, past the
+// caches (the peers read it from memory); kCache: memcpy (the peers take the lines from
+// this core's cache). Which is faster is a property of the host: non-temporal stores were
+// 3-10x faster on one VM (the caches' way at times ran at 1.3 GB/s), memcpy 3x faster on
+// another. kAuto times both on this rank's first large copies and keeps the faster.
+enum class ShmCopy : std::uint8_t { kAuto, kStream, kCache };
+
 struct ShmOptions {
   ShmMode mode = ShmMode::kAuto;
   int rank = 0;
@@ -45,6 +53,7 @@ struct ShmOptions {
   std::size_t chunk_bytes = 1 << 20;
   // Spin this long before sleeping on the futex; < 0: the default (50 µs).
   int spin_us = -1;
+  ShmCopy copy = ShmCopy::kAuto;
   std::chrono::milliseconds timeout{1800000};
 };
 
@@ -139,6 +148,9 @@ class ShmAllreduce {
   // The name this rank's segment had (already unlinked): for tests and diagnostics.
   const std::string& segment_name() const { return own_name_; }
   std::size_t chunk_bytes() const { return chunk_bytes_; }
+  // "stream" or "cache": how this rank copies into its slots; "auto" while it is still
+  // timing both (ShmCopy). Any thread.
+  const char* copy_mode() const;
 
  private:
   void publish(std::uint32_t value);
@@ -150,6 +162,9 @@ class ShmAllreduce {
   std::string check_peers(int waiting_for, std::chrono::milliseconds timeout,
                           std::chrono::steady_clock::time_point deadline, bool liveness);
   char* slot(int rank, unsigned index) const;
+  // Copy into a slot the way copy_ says; while it says kAuto, time the large copies, the
+  // two ways in turn, and settle on the faster (see copy_mode).
+  void copy_in(void* dst, const void* src, std::size_t bytes);
   // One pass over the slices, a piece of every slice per chunk (see reduce_scatter).
   void slices(bool reduce, void* data, std::size_t count, DType dtype, ReduceOp op,
               std::chrono::milliseconds timeout,
@@ -168,6 +183,11 @@ class ShmAllreduce {
   // same on every rank
   std::uint32_t next_seq_ = 0;
   std::uint64_t next_chunk_ = 0;  // picks the slot: chunks alternate between the two
+  std::atomic<ShmCopy> copy_;
+  // kAuto's timings, ns per byte: [0] non-temporal stores, [1] memcpy; and the large
+  // copies made so far while timing (the first ones, which touch fresh pages, are not kept)
+  std::vector<double> timed_[2];
+  std::uint32_t timed_copies_ = 0;
 };
 
 }  // namespace tnt_gloo

@@ -30,8 +30,10 @@ def test_shm_settings() -> None:
         assert GlooSettings.from_env({"TNT_GLOO_SHM": raw}).shm == value
         assert GlooSettings.from_env({"TNT_GLOO_HIERARCHY": raw}).hierarchy == value
     s = GlooSettings.from_env({"TNT_GLOO_SHM_CHUNK_BYTES": "65536", "TNT_GLOO_SHM_SPIN_US": "0",
-                               "TNT_GLOO_SHM_HOST_ID": " box-7 "})
-    assert (s.shm_chunk_bytes, s.shm_spin_us, s.shm_host_id) == (65536, 0, "box-7")
+                               "TNT_GLOO_SHM_HOST_ID": " box-7 ", "TNT_GLOO_SHM_COPY": " Cache"})
+    assert (s.shm_chunk_bytes, s.shm_spin_us, s.shm_host_id, s.shm_copy) == (65536, 0, "box-7",
+                                                                             "cache")
+    assert GlooSettings.from_env({}).shm_copy == "auto"
 
 
 @pytest.mark.parametrize(("env", "fragment"), [
@@ -46,6 +48,7 @@ def test_shm_settings() -> None:
     ({"TNT_GLOO_SHM_CHUNK_BYTES": str(1 << 30)}, "TNT_GLOO_SHM_CHUNK_BYTES"),
     ({"TNT_GLOO_SHM_SPIN_US": "fast"}, "TNT_GLOO_SHM_SPIN_US"),
     ({"TNT_GLOO_SHM_SPIN_US": "-5"}, "between 0 and"),
+    ({"TNT_GLOO_SHM_COPY": "nt"}, r"TNT_GLOO_SHM_COPY='nt' is not one of auto .*, stream .* or cache"),
 ])
 def test_bad_settings_name_the_variable(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

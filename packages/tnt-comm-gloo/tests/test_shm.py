@@ -25,14 +25,19 @@ def _assert_no_leftovers(reports: dict[int, dict]) -> None:
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_every_dtype_and_op_matches_numpy(scenario, nprocs: int) -> None:
-    # 3 ranks reduce-scatter the full 64 KiB chunks and reduce small ones whole; 2 ranks
-    # reduce whole, and take the default TNT_GLOO_SHM (auto) to show it picks shm here.
+    # 3 ranks reduce-scatter the full 64 KiB chunks and reduce small ones whole, copying
+    # into the slots with non-temporal stores (the unaligned view: head and tail too); 2
+    # ranks reduce whole, and take the defaults of TNT_GLOO_SHM (auto: shm here) and
+    # TNT_GLOO_SHM_COPY (auto: both ways timed in turn on the first large copies, so the
+    # bits are checked with both, then the faster kept)
     env = {"TNT_GLOO_SHM_CHUNK_BYTES": str(CHUNK)}
     if nprocs == 3:
-        env["TNT_GLOO_SHM"] = "1"
+        env.update(TNT_GLOO_SHM="1", TNT_GLOO_SHM_COPY="stream")
     run = scenario("shm-reduce", nprocs, args=["--chunk", str(CHUNK)], env=env)
     run.assert_ok(nprocs)
     assert all(r["info"]["transport"] == "shm" for r in run.reports.values())
+    copies = {r["info"]["copy"] for r in run.reports.values()}
+    assert copies == {"stream"} if nprocs == 3 else copies <= {"stream", "cache"}, copies
     _assert_no_leftovers(run.reports)
 
 

@@ -48,6 +48,11 @@ Environment (besides the launcher's ``TNT_*`` contract; declared in
 ``TNT_GLOO_SHM_CHUNK_BYTES``
     bytes per shared-memory slot (default :data:`DEFAULT_SHM_CHUNK_BYTES`); each rank's
     segment holds two slots. The same on every rank.
+``TNT_GLOO_SHM_COPY``
+    how a rank copies its data into its shared-memory slots: ``stream`` (non-temporal
+    stores, past the caches), ``cache`` (memcpy) or ``auto`` (default: each rank times
+    both on its first large copies and keeps the faster; which is faster depends on the
+    host). The bits are the same either way.
 ``TNT_GLOO_SHM_SPIN_US``
     microseconds a rank waiting for a peer spins (yielding the CPU every few µs) before it
     sleeps on a futex (default 50).
@@ -144,6 +149,7 @@ class GlooSettings:
     hierarchy: str = "auto"
     shm_chunk_bytes: int = DEFAULT_SHM_CHUNK_BYTES
     shm_spin_us: int | None = None  # None: the native default
+    shm_copy: str = "auto"
     shm_host_id: str | None = None
 
     @classmethod
@@ -160,6 +166,7 @@ class GlooSettings:
             # its rule (a multiple of 64 in [4096, 64 MiB]) is declared, so tnt run checks it
             shm_chunk_bytes=gloo_settings.TNT_GLOO_SHM_CHUNK_BYTES.read(env),
             shm_spin_us=gloo_settings.TNT_GLOO_SHM_SPIN_US.read(env),
+            shm_copy=gloo_settings.TNT_GLOO_SHM_COPY.read(env),
             shm_host_id=gloo_settings.TNT_GLOO_SHM_HOST_ID.read(env),
         )
 
@@ -344,7 +351,7 @@ class GlooBackend(CommBackend):
                     shm_prefix=f"tnt-gloo-{_job_token(config)}-{generation}-",
                     shm_host_id=settings.shm_host_id or "",
                     shm_chunk_bytes=settings.shm_chunk_bytes, shm_spin_us=spin_us,
-                    hierarchy=settings.hierarchy,
+                    hierarchy=settings.hierarchy, shm_copy=settings.shm_copy,
                 )
         finally:
             if store is not None:

@@ -22,6 +22,7 @@ __all__ = [
     "TNT_GLOO_IFACE",
     "TNT_GLOO_SHM",
     "TNT_GLOO_SHM_CHUNK_BYTES",
+    "TNT_GLOO_SHM_COPY",
     "TNT_GLOO_SHM_HOST_ID",
     "TNT_GLOO_SHM_SPIN_US",
 ]
@@ -71,6 +72,13 @@ TNT_GLOO_SHM_SPIN_US = GLOO.declare(
     "TNT_GLOO_SHM_SPIN_US", "int", None,
     "µs a waiting rank spins (yielding every few µs) before sleeping on a futex",
     default_doc="`50` (the native default)", minimum=0, maximum=1_000_000, unit="µs")
+TNT_GLOO_SHM_COPY = GLOO.declare(
+    "TNT_GLOO_SHM_COPY", "choice", "auto",
+    "how a rank copies its data into its shared-memory slots (which way is faster depends "
+    "on the host)", case="lower",
+    choices=(("auto", "both timed on the rank's first large copies, the faster kept"),
+             ("stream", "non-temporal stores, past the caches"),
+             ("cache", "memcpy, through the caches")))
 TNT_GLOO_SHM_HOST_ID = GLOO.declare(
     "TNT_GLOO_SHM_HOST_ID", "str", None,
     "this rank's host identity, e.g. for containers on one host sharing `/dev/shm`",
