@@ -23,6 +23,10 @@ thread per process:
   ``jit_compile=False``: the optimizer's update as TensorFlow ops, against the default
   (``"auto"``, no XLA for Keras here), where a ``tnt.Model`` compiles the update alone with
   XLA (``tarantella.data_parallel.compiled_update``); printed: compiled / as ops;
+* with --shm-copy-ab (gloo), Tarantella-NT on N ranks again with ``TNT_GLOO_SHM_COPY=stream``
+  (every copy into the shared-memory slots with non-temporal stores, the way before
+  ``auto``), against the default (``auto``: the faster way on the host, timed by each
+  rank); printed: auto / stream;
 * with --frames, Python frames entered per step on each path (profiled runs, slower);
 * with --priority N (root for N < 0), every timed process at nice N in a scheduling
   group of its own (throughput_worker.set_priority), so that other work on a shared
@@ -115,15 +119,18 @@ def run_keras(args, model: str, tmp: Path, cpus: int = 0, jit: bool = False) -> 
 
 def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
             comm_free: bool = False, native: bool = True, ranks: int = 0, cpus: int = 0,
-            frames: bool = False, jit: bool = False, update_ops: bool = False) -> dict:
+            frames: bool = False, jit: bool = False, update_ops: bool = False,
+            shm_copy: str = "") -> dict:
     ranks = ranks or args.ranks
     out = tmp / (f"tnt-{backend}-{model}-{overlap}-{comm_free}-{native}-{ranks}-{cpus}-{frames}-"
-                 f"{jit}-{update_ops}.json")
+                 f"{jit}-{update_ops}-{shm_copy}.json")
     tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
     cmd = [tnt, "run", "-n", str(ranks), "-x", "TNT_NUM_THREADS=1",
            "-x", f"TNT_NATIVE_OPS={str(native).lower()}"]
     if ranks > 1:  # one rank runs on the built-in local backend
         cmd[4:4] = ["--backend", backend]
+    if shm_copy:
+        cmd += ["-x", f"TNT_GLOO_SHM_COPY={shm_copy}"]
     if args.timeline:
         compiled = "+xla" if jit else ""  # one dash-separated field: render_results splits on them
         timeline = args.out_dir / f"timeline-{backend}-{model}{compiled}-overlap{int(overlap)}.json"
@@ -257,6 +264,9 @@ def configurations(args, model: str, backends: list[str], tmp: Path) -> dict:
         if args.update_ab:
             jobs[f"tnt-{backend}-update-ops"] = (
                 lambda b=backend: run_tnt(args, model, b, tmp, update_ops=True))
+        if args.shm_copy_ab and backend == "gloo":
+            jobs[f"tnt-{backend}-shm-stream"] = (
+                lambda b=backend: run_tnt(args, model, b, tmp, shm_copy="stream"))
         if args.python_path:
             jobs[f"tnt-{backend}-python-path"] = (
                 lambda b=backend: run_tnt(args, model, b, tmp, native=False))
@@ -325,6 +335,9 @@ def main() -> int:
                         "--comm-free the bound) with jit_compile=True")
     p.add_argument("--update-ab", action="store_true",
                    help="also run tnt with its optimizer update as TensorFlow ops (jit_compile=False)")
+    p.add_argument("--shm-copy-ab", action="store_true",
+                   help="gloo: also run tnt with TNT_GLOO_SHM_COPY=stream (non-temporal stores "
+                        "into the shared-memory slots) beside the default (auto)")
     p.add_argument("--frames", action="store_true",
                    help="also count Python frames per step, native and Python paths (slow runs)")
     p.add_argument("--timeline", action="store_true", help="write TNT_TIMELINE traces to --out-dir")
@@ -431,6 +444,11 @@ def print_row(row: dict, backends: list[str], args) -> None:
             print(f"    {backend}: {args.ranks} ranks, update compiled / as ops: "
                   f"{ours / ops['samples_per_s']:.2f} (as ops / {args.ranks}x Keras on 1 CPU: "
                   f"{ops['samples_per_s'] / (args.ranks * base_1cpu):.2f})")
+        stream = row.get(f"tnt-{backend}-shm-stream")
+        if stream:
+            print(f"    {backend}: shared-memory copies auto / stream: "
+                  f"{ours / stream['samples_per_s']:.2f} (stream / {args.ranks}x Keras on 1 CPU: "
+                  f"{stream['samples_per_s'] / (args.ranks * base_1cpu):.2f})")
         if free:
             print(f"    {backend}: with communication / comm-free: {ours / free['samples_per_s']:.2f}")
         py = row.get(f"tnt-{backend}-python-path")
