@@ -42,7 +42,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--comm-free", action="store_true",
                    help="tnt, diagnostic only: every gradient allreduce is a no-op (the ranks do "
                         "not average their gradients), to measure the throughput without "
-                        "communication: the bound that faster collectives could approach")
+                        "communication: the bound that faster collectives could approach; on "
+                        "the Python gradient path (TNT_NATIVE_OPS=false), whose collectives "
+                        "the no-op replaces")
     p.add_argument("--cpus", type=int, default=0,
                    help="run on this many CPUs only (the first ones this process may use); 0: all")
     p.add_argument("--pin", type=int, default=-1,
@@ -205,6 +207,8 @@ def main() -> int:
         if args.mode == "tnt":
             if args.no_overlap:
                 os.environ["TNT_OVERLAP"] = "0"
+            if args.comm_free:  # the native ops call the backend's C table, which the no-op
+                os.environ["TNT_NATIVE_OPS"] = "false"  # below cannot replace: Python path
             import tarantella as tnt
 
             workers, rank = tnt.get_size(), tnt.get_rank()
