@@ -302,6 +302,13 @@ ShmMode parse_shm_mode(const std::string& mode) {
   throw std::invalid_argument("mode must be 'auto', '0' or '1', not '" + mode + "'");
 }
 
+ShmCopy parse_shm_copy(const std::string& copy) {
+  if (copy == "auto") return ShmCopy::kAuto;
+  if (copy == "stream") return ShmCopy::kStream;
+  if (copy == "cache") return ShmCopy::kCache;
+  throw std::invalid_argument("shm_copy must be 'auto', 'stream' or 'cache', not '" + copy + "'");
+}
+
 std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_client,
                                         const std::string& file_store, const std::string& prefix,
                                         const std::string& hostname, const std::string& iface,
@@ -339,16 +346,7 @@ std::unique_ptr<PyCommunicator> connect(int rank, int size, nb::object store_cli
   }
   options.shm.chunk_bytes = shm_chunk_bytes;
   options.shm.spin_us = shm_spin_us;
-  if (shm_copy == "auto") {
-    options.shm.copy = ShmCopy::kAuto;
-  } else if (shm_copy == "stream") {
-    options.shm.copy = ShmCopy::kStream;
-  } else if (shm_copy == "cache") {
-    options.shm.copy = ShmCopy::kCache;
-  } else {
-    throw std::invalid_argument("shm_copy must be 'auto', 'stream' or 'cache', not '" +
-                                shm_copy + "'");
-  }
+  options.shm.copy = parse_shm_copy(shm_copy);
 
   StorePtr base;
   std::shared_ptr<PythonStore> python_store;
