@@ -7,6 +7,7 @@ on (or a replacement joins), and the job ends below ``--min-np`` in one line.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -15,7 +16,15 @@ from tnt_cli.elastic import ElasticJob, ElasticLimits, parse_hosts
 from tnt_cli.launchers.base import ProcessSpec
 from tnt_cli.placement import RankSlot
 from tnt_cli.run import run_command
-from tnt_core import FINISHED_KEY, READY_KEY, RESTART_ALL_KEY, StoreClient, StoreServer, read_membership
+from tnt_core import (
+    FINISHED_KEY,
+    NOT_ARRIVED_KEY,
+    READY_KEY,
+    RESTART_ALL_KEY,
+    StoreClient,
+    StoreServer,
+    read_membership,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,6 +105,31 @@ def test_generations_renumber_survivors_replace_and_stop_below_min_np():
         doomed, started = grow.grow_or_shrink({"localhost": 1, "other": 2})
         assert doomed == [1]  # up to --max-np 3 once rank 1 is gone:
         assert [(p.host, p.ranks) for p in started] == [("other", (2,)), ("other", (3,))]
+        store.close()
+
+
+def test_a_stall_verdict_of_an_older_generation_evicts_nobody():
+    """A rank that waited in generation 0 blames ranks 0 and 2 (rank 2 died, rank 0 was
+    slow) after the survivors went on in generation 1: its numbers are generation 0's, and
+    rank 0 of generation 1 is alive and well. Seen in the suite: the master was killed for
+    it. A verdict of the current generation names its members."""
+    with StoreServer("127.0.0.1", 0) as server:
+        store = StoreClient(*server.address, server.key, connect_timeout=5)
+        procs = [ProcessSpec(["agent"], "localhost", (r,), [{}]) for r in range(3)]
+
+        def make(slot: RankSlot, env: dict[str, str]) -> ProcessSpec:
+            return ProcessSpec(["agent"], slot.host, (slot.rank,), [{}])
+
+        job = ElasticJob(ElasticLimits(min_np=1, max_np=3, max_restarts=0), procs, store, make)
+        job.publish_initial()
+        job.change({1: "was killed by signal SIGKILL"})
+        assert job.generation == 1 and job.members == [0, 2]
+        text = "ranks 0, 2 did not arrive at allreduce #5 within 30s (hung or too slow?)"
+        store.set(NOT_ARRIVED_KEY, json.dumps({"ranks": [0, 2], "text": text, "generation": 0}).encode())
+        assert job.take_hung() is None
+        assert not store.check([NOT_ARRIVED_KEY])  # taken, not left for the next poll
+        store.set(NOT_ARRIVED_KEY, json.dumps({"ranks": [1], "text": "rank 1 ...", "generation": 1}).encode())
+        assert job.take_hung() == ([2], "rank 1 ...")  # rank 1 of generation 1 is member 2
         store.close()
 
 

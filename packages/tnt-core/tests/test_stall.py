@@ -190,7 +190,7 @@ def test_a_wait_that_fails_says_who_did_not_arrive_and_tells_the_launcher(store,
         # what a rank prints at exit when a framework re-raised the error as its own type
         assert tnt_core._errors._first_comm_error == [info.value]
         verdict = _record(store, NOT_ARRIVED_KEY)
-        assert verdict["ranks"] == [0]
+        assert verdict["ranks"] == [0] and verdict["generation"] == 0
         assert verdict["text"] == "rank 0 did not arrive at allreduce #2 within 30s (hung or too slow?)"
         assert verdict["seen"].startswith("last seen: rank 0 (before its first collective; alive")
     finally:

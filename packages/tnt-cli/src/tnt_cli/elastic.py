@@ -358,7 +358,10 @@ class ElasticJob:
 
     def take_hung(self) -> tuple[list[int], str] | None:
         """The members a stall inspector found hung (its record is then removed), and its
-        sentence about them; None when there is none."""
+        sentence about them; None when there is none, or when the record is of an older
+        generation: its ranks were that generation's numbers, and the wait it explains
+        ended with it (the survivors go on in the newer one; a rank that hangs there is
+        found there)."""
         try:
             if not self.store.check([NOT_ARRIVED_KEY]):
                 return None
@@ -367,6 +370,8 @@ class ElasticJob:
         except (TntError, OSError, ValueError):
             return None
         with self._lock:
+            if record.get("generation", self.generation) != self.generation:
+                return None
             members = [self.members[r] for r in record.get("ranks", ())
                        if isinstance(r, int) and 0 <= r < len(self.members)]
         return members, str(record.get("text", "hung"))

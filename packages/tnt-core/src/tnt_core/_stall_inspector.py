@@ -99,6 +99,9 @@ class StallInspector:
         self.rank, self.size = backend.rank, backend.size
         self.warn_s = warn_s
         self.timeout_s = config.timeout_s
+        #: the elastic generation whose ranks this inspector numbers: ``tnt run`` maps the
+        #: ranks of its verdict to processes only within that generation
+        self.generation = config.generation
         # several beats within the warning time and within the timeout, so that a peer's
         # record read then is younger than the wait it explains
         self.interval = max(0.5, min(10.0, warn_s / 4, self.timeout_s / 4))
@@ -236,7 +239,8 @@ class StallInspector:
         text = (f"rank{'s' if several else ''} {names} did not arrive at {op} #{seq} "
                 f"within {self.timeout_s:g}s (hung or too slow?)")
         seen = "last seen: " + "; ".join(_where(p, now) for p in missing)
-        record = {"ranks": [p.rank for p in missing], "text": text, "seen": seen}
+        record = {"ranks": [p.rank for p in missing], "text": text, "seen": seen,
+                  "generation": self.generation}
         store = self._store
         if store is None:
             return
