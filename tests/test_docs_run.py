@@ -22,11 +22,11 @@ Anything not run carries its reason below (``SKIP``), and the listing of every b
 skipped, is printed (``pytest tests/test_docs_run.py -rA`` shows it; with ``-v`` each
 block is a test of its own, ``page.md:line``).
 
-To fit the suite, the python blocks of all pages share three launches of ``tnt run -n 2``
-(the pages in each run one after the other in fresh namespaces, so TensorFlow starts
-three times, not once per page); the three launches run side by side, and the console
-commands one at a time beside them. A block that fails ends its launch (its ranks could no longer
-agree on the next collective); the blocks after it in that launch are reported as not run.
+To fit the suite, the python blocks of all pages share one launch of ``tnt run -n 2`` (the
+pages run one after the other in fresh namespaces, so TensorFlow starts once per rank, not
+once per page: the suite is bound by CPU, and each start costs seconds of it), and the console
+commands run one at a time beside it. A block that fails ends the launch (its ranks could no
+longer agree on the next collective); the blocks after it are reported as not run.
 """
 
 from __future__ import annotations
@@ -84,8 +84,6 @@ class Page:
     output_of: dict[int, str] = field(default_factory=dict)
     #: text block index -> why it is not a block's output
     quoted: dict[int, str] = field(default_factory=dict)
-    #: the launch the page's python blocks run in
-    launch: str = "a"
 
 
 MESSAGE = ("an error message the page quotes for a failing case, not a block's output "
@@ -174,7 +172,6 @@ val_dataset = tf.data.Dataset.from_tensor_slices((x_train[:32], y_train[:32])).b
         quoted={2: MESSAGE, 4: MESSAGE, 5: MESSAGE},
     ),
     "callbacks.md": Page(
-        launch="b",
         prelude=SMALL_CLASSIFIER.format(n=32) + """
 train_dataset = dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train)).batch(16)
 val_dataset = train_dataset.take(1)
@@ -213,7 +210,6 @@ assert isinstance(restored, keras.Model) and restored.optimizer is not None   # 
                  "another path is tested by packages/tnt-keras/tests (tnt_save_all_devices)"},
     ),
     "custom_loops.md": Page(
-        launch="b",
         prelude=SMALL_CLASSIFIER.format(n=256) + """
 epochs = 2
 
@@ -224,7 +220,6 @@ def make_model():
         checks={0: SAME_WEIGHTS.format(model="model")},
     ),
     "collectives.md": Page(
-        launch="b",
         prelude="""
 import numpy as np
 import tensorflow as tf
@@ -257,7 +252,6 @@ assert losses.tolist() == [0.5 * (r + 1) for r in range(n)]
         quoted={5: MESSAGE, 6: MESSAGE},
     ),
     "migration.md": Page(
-        launch="b",
         prelude=SMALL_CLASSIFIER.format(n=64) + """
 import sys
 import types
@@ -287,7 +281,6 @@ model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=[
         },
     ),
     "pipelining.md": Page(
-        launch="c",
         prelude="""
 import numpy as np
 import keras
@@ -514,7 +507,7 @@ class Outcome:
 
 
 class Runs:
-    """Runs every page's blocks once (launches and commands side by side) and keeps what
+    """Runs every page's blocks once (the launch and the commands side by side) and keeps what
     happened to each block, by block id."""
 
     def __init__(self, workdir: Path):
@@ -533,8 +526,8 @@ class Runs:
                 (folder / name).chmod(0o755)
         return folder
 
-    def plan(self) -> tuple[dict[str, list[dict]], list[tuple[Block, int, str, list[str], Page, Path]]]:
-        launches: dict[str, list[dict]] = {}
+    def plan(self) -> tuple[list[dict], list[tuple[Block, int, str, list[str], Page, Path]]]:
+        units: list[dict] = []
         console: list[tuple[Block, int, str, list[str], Page, Path]] = []
         for page in user_pages():
             spec = PAGES[page]
@@ -582,7 +575,6 @@ class Runs:
                 else:
                     self.outcomes[b.id] = Outcome("failed", f"a block of kind {b.kind!r}: the test "
                                                   "does not know how to run it")
-            units = launches.setdefault(spec.launch, [])
             for head, members in groups.items():
                 code = [(f"<prelude of {page}>", spec.prelude)] if spec.prelude else []
                 for b in members:
@@ -595,22 +587,21 @@ class Runs:
                                           if m.index in spec.prints},
                                   known={m.id: spec.known_failures[m.index] for m in members
                                          if m.index in spec.known_failures}))
-        # a unit expected to fail ends its launch: run it last
-        for units in launches.values():
-            units.sort(key=lambda u: bool(u["known"]))
-        return launches, console
+        # a unit expected to fail ends the launch: run it last
+        units.sort(key=lambda u: bool(u["known"]))
+        return units, console
 
     # -- running ---------------------------------------------------------------------
-    def _launch(self, name: str, units: list[dict]) -> None:
-        spec_file = self.workdir / f"launch-{name}.json"
+    def _launch(self, units: list[dict]) -> None:
+        spec_file = self.workdir / "launch.json"
         spec_file.write_text(json.dumps(units))
         harness = self.workdir / "harness.py"
         start = time.perf_counter()
         proc = subprocess.run(
             [_bin("tnt"), "run", "-n", str(RANKS), "--timeout", "120", "--output-on-all-devices",
              "--", str(harness), str(spec_file)],
-            cwd=self.workdir, env=_env(), capture_output=True, text=True, timeout=600)
-        self.timings.append((f"launch {name} ({', '.join(u['id'] for u in units)})",
+            cwd=self.workdir, env=_env(), capture_output=True, text=True, timeout=800)
+        self.timings.append((f"the launch ({', '.join(u['id'] for u in units)})",
                              time.perf_counter() - start))
         out = proc.stdout
         for unit in units:
@@ -715,15 +706,14 @@ class Runs:
 
     def run(self) -> None:
         (self.workdir / "harness.py").write_text(HARNESS)
-        launches, console = self.plan()
+        units, console = self.plan()
         started = time.perf_counter()
-        # the three launches, and beside them one command at a time (the commands mostly wait
-        # for their ranks to meet: they add little CPU)
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            jobs = [pool.submit(self._launch, name, units) for name, units in sorted(launches.items())]
+        # the launch, and beside it one command at a time (the commands mostly wait for their
+        # ranks to meet: they add little CPU)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            job = pool.submit(self._launch, units)
             results = list(pool.map(self._command, console))
-            for job in jobs:
-                job.result()
+            job.result()
         self.timings.append(("all, side by side", time.perf_counter() - started))
         # a console block's outcome: its commands' together; a text block's: its command's
         by_block: dict[str, list[tuple[str, Outcome]]] = {}
@@ -758,7 +748,7 @@ class Runs:
 
 def start_runs(workdir: Path) -> Future | None:
     """Every block's run, started in the background (``tests/conftest.py`` starts it with the
-    session's first repository-level test: its launches fill the cores that the one-process
+    session's first repository-level test: its launch fills the cores that the one-process
     tests before this module leave idle); None where tnt-keras is not installed."""
     if importlib.util.find_spec("tarantella") is None:   # (not imported here: TensorFlow's start-up)
         return None
