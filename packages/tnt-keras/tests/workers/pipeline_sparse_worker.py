@@ -36,12 +36,14 @@ CASES = (("adam", "float64", "1f1b", False), ("rmsprop", "float64", "1f1b", Fals
 
 
 def cases(strategy: str) -> tuple[tuple[str, str, str, bool], ...]:
-    """The cases a layout runs: every one pipelined alone; under ALL those of the default
-    schedule without recomputation (a schedule orders a stage's own passes, the same code
-    in every pipeline, so the 3-stage layout shows the others)."""
+    """The cases a layout runs: every one pipelined alone; under ALL the first only (Adam in
+    float64, the one that broke). What ALL adds is the allreduce of each stage's sparse
+    gradient across the pipelines, which every optimizer then sees the same; a schedule orders
+    a stage's own passes, the same code in every pipeline; so the 3-stage layout shows the
+    other optimizers, precisions and schedules."""
     if strategy == "pipelining":
         return CASES
-    return tuple(c for c in CASES if c[2] == CASES[0][2] and not c[3])
+    return CASES[:1]
 
 
 class Lookup(keras.layers.Layer):
