@@ -18,10 +18,12 @@ refusal cases make the ranks disagree on purpose).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,9 +46,12 @@ ALSO = {"channel": "channel_worker", "small_batches": "small_batch_worker",
         "collectives": "user_collectives_worker", "elastic_agree": "elastic_agree_worker"}
 
 
-def done(name: str, start: float, cpu: float) -> None:
+@contextlib.contextmanager
+def timed(name: str) -> Iterator[None]:
     """One line per part: its wall and CPU time (the suite's budget is CPU: ranks of several
     launches share two cores)."""
+    start, cpu = time.monotonic(), time.process_time()
+    yield
     print(f"suite: {name} done in {time.monotonic() - start:.1f} s, "
           f"{time.process_time() - cpu:.1f} CPU-s", flush=True)
 
@@ -73,18 +78,15 @@ def main() -> None:
         parser.error(f"--fidelity-cases takes {list(fidelity_worker.CASES)}, not {cases}")
     out = os.path.abspath(args.out)
     for name in [name for name in PARTS if name in parts]:
-        start, cpu = time.monotonic(), time.process_time()
         extra = ["--only", ",".join(cases)] if name == "fidelity" and cases else []
-        PARTS[name].main(["--mode", args.mode, "--out", os.path.join(out, name), *extra])
-        done(name, start, cpu)
+        with timed(name):
+            PARTS[name].main(["--mode", args.mode, "--out", os.path.join(out, name), *extra])
     if args.mode == "serial":  # its tnt side is a launch of its own (tnt run --max-restarts)
-        start, cpu = time.monotonic(), time.process_time()
-        pipeline_resume_worker.main(["serial", os.path.join(out, "pipeline_resume")])
-        done("pipeline_resume", start, cpu)
+        with timed("pipeline_resume"):
+            pipeline_resume_worker.main(["serial", os.path.join(out, "pipeline_resume")])
     for name in also:
-        start, cpu = time.monotonic(), time.process_time()
-        importlib.import_module(ALSO[name]).main(["--out", os.path.join(out, name)])
-        done(name, start, cpu)
+        with timed(name):
+            importlib.import_module(ALSO[name]).main(["--out", os.path.join(out, name)])
 
 
 if __name__ == "__main__":
