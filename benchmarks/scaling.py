@@ -16,6 +16,13 @@ thread per process:
 * the bound without communication (on unless --no-comm-free): N independent single-rank
   Tarantella-NT processes at once, each held to its own CPU (the same step, no collective);
   the N ranks of a job are held to a CPU each as well (unless --no-pin-ranks);
+* the same bound in lockstep (unless --no-lockstep, with the comm-free bound): the N processes
+  wait for each other at the end of every step (``throughput_worker.Lockstep``, a shared
+  counter, no data): what a synchronous job's waiting for its slowest rank costs before a
+  byte moves. With 2 ranks the table also gives the allreduce's own memory traffic at this
+  machine's memcpy speed (the gradients copied into shared memory once, then both ranks'
+  copies read and the sum written: 2.5 copies per rank) and what the step could reach with
+  nothing else: the lockstep bound's step plus that traffic;
 * with --python-path, Tarantella-NT again with TNT_NATIVE_OPS=false (gradients through one
   ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
 * with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
@@ -154,18 +161,23 @@ def run_tnt(args, model: str, backend: str, tmp: Path, overlap: bool = True,
     return _read(out, f"tnt run ({backend})", p.stdout + p.stderr)
 
 
-def run_independent(args, model: str, tmp: Path, jit: bool = False) -> dict:
+def run_independent(args, model: str, tmp: Path, jit: bool = False, lockstep: bool = False) -> dict:
     """The comm-free bound: ``--ranks`` single-rank tnt processes at once, each held to its
     own CPU. The same step as a rank's, with no collective and no waiting for a peer (one
     rank reduces its gradients in the graph); their summed throughput is what N ranks
-    could reach with free communication."""
+    could reach with free communication. With ``lockstep``, the processes wait for each
+    other at the end of every step (no data): free communication, synchronous steps."""
     procs, outs = [], []
+    meeting = tmp / f"lockstep-{model}-{jit}.bin"
+    meeting.unlink(missing_ok=True)
     for i in range(args.ranks):
-        out = tmp / f"independent-{model}-{i}-{jit}.json"
+        out = tmp / f"independent-{model}-{i}-{jit}-{lockstep}.json"
         outs.append(out)
+        wait = (["--lockstep", str(meeting), "--lockstep-of", str(args.ranks),
+                 "--lockstep-index", str(i)] if lockstep else [])
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), "--mode", "tnt", *_common(args, model), "--pin", str(i),
-             "--out", str(out)] + (["--jit"] if jit else []), stdout=subprocess.PIPE,
+             "--out", str(out)] + (["--jit"] if jit else []) + wait, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True,
             env={k: v for k, v in os.environ.items() if not k.startswith("TNT_")}))
     output = "".join(p.communicate(timeout=args.timeout)[0] for p in procs)
@@ -255,6 +267,8 @@ def configurations(args, model: str, backends: list[str], tmp: Path) -> dict:
                 lambda: run_tnt(args, model, backends[0], tmp, ranks=1, cpus=1, update_ops=True))
     if args.comm_free:
         jobs["comm-free"] = lambda: run_independent(args, model, tmp)
+        if args.lockstep:
+            jobs["comm-free-lockstep"] = lambda: run_independent(args, model, tmp, lockstep=True)
         if args.xla:
             jobs["comm-free-xla"] = lambda: run_independent(args, model, tmp, jit=True)
     for backend in backends:
@@ -323,6 +337,9 @@ def main() -> int:
     p.add_argument("--comm-free", action=argparse.BooleanOptionalAction, default=True,
                    help="the bound without communication: N independent single-rank processes, "
                         "each held to its own CPU (on by default)")
+    p.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --comm-free, also the comm-free bound in lockstep: the processes "
+                        "wait for each other at every step (on by default)")
     p.add_argument("--pin-ranks", action=argparse.BooleanOptionalAction, default=True,
                    help="hold each rank of an N-rank job to the CPU of its local rank, as the "
                         "comm-free bound's processes are (on by default)")
@@ -435,6 +452,21 @@ def print_row(row: dict, backends: list[str], args) -> None:
     if free:
         print(f"    {args.ranks} ranks comm-free / {args.ranks}x Keras on 1 CPU: "
               f"{free['samples_per_s'] / (args.ranks * base_1cpu):.2f}")
+    lockstep = row.get("comm-free-lockstep")
+    traffic_ms = None
+    if lockstep:
+        print(f"    {args.ranks} ranks comm-free in lockstep / {args.ranks}x Keras on 1 CPU: "
+              f"{lockstep['samples_per_s'] / (args.ranks * base_1cpu):.2f} (in lockstep / "
+              f"free: {lockstep['samples_per_s'] / free['samples_per_s']:.2f}, what waiting for "
+              "the slowest rank costs)")
+        if args.ranks == 2:
+            # one copy into shared memory, then the sum: both copies read, the sum written
+            traffic_ms = 2.5 * 4 * row["keras"]["params"] / row["memcpy_gbps"] / 1e6
+            step_ms = 1e3 * args.ranks * args.micro_batch / lockstep["samples_per_s"]
+            reach = lockstep["samples_per_s"] * step_ms / (step_ms + traffic_ms)
+            print(f"    the allreduce's memory traffic: {traffic_ms:.3f} ms per step (2.5 copies of "
+                  f"the gradients at memcpy speed) on a {step_ms:.2f} ms lockstep step: at most "
+                  f"{reach / (args.ranks * base_1cpu):.2f} of {args.ranks}x Keras on 1 CPU")
     for backend in backends:
         ours = row[f"tnt-{backend}"]["samples_per_s"]
         print(f"    {backend}: {args.ranks} ranks / {args.ranks}x Keras on 1 CPU: "
@@ -451,6 +483,13 @@ def print_row(row: dict, backends: list[str], args) -> None:
                   f"{stream['samples_per_s'] / (args.ranks * base_1cpu):.2f})")
         if free:
             print(f"    {backend}: with communication / comm-free: {ours / free['samples_per_s']:.2f}")
+        if lockstep:
+            ms = {k: 1e3 * args.ranks * args.micro_batch / row[k]["samples_per_s"]
+                  for k in (f"tnt-{backend}", "comm-free-lockstep")}
+            print(f"    {backend}: with communication / comm-free in lockstep: "
+                  f"{ours / lockstep['samples_per_s']:.2f} (step {ms[f'tnt-{backend}']:.2f} ms "
+                  f"against {ms['comm-free-lockstep']:.2f} ms"
+                  + (f"; the allreduce's traffic {traffic_ms:.2f} ms of it)" if traffic_ms else ")"))
         py = row.get(f"tnt-{backend}-python-path")
         if py:
             print(f"    {backend}: native path / Python path: {ours / py['samples_per_s']:.2f}")

@@ -63,6 +63,11 @@ def parse() -> argparse.Namespace:
                         "negative one): see set_priority")
     p.add_argument("--count-frames", action="store_true",
                    help="count Python frames entered per timed step, on every thread (slow)")
+    p.add_argument("--lockstep", type=Path, default=None,
+                   help="a file that --lockstep-of independent processes share: each waits at "
+                        "the end of every step until all have ended it (see Lockstep)")
+    p.add_argument("--lockstep-of", type=int, default=0, help="the processes of --lockstep")
+    p.add_argument("--lockstep-index", type=int, default=0, help="this process among them")
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args()
 
@@ -105,6 +110,50 @@ class StepTimer:
             def on_train_batch_end(self, batch, logs=None):
                 timer.times.append(time.perf_counter())
                 timer.cpu.append(_cpu_seconds())
+
+        return _Cb()
+
+
+class Lockstep:
+    """Independent processes that wait for each other at the end of every step, with no data.
+
+    Why: the ranks of a synchronous job wait for the slowest of them at every step (its
+    gradients are summed before any rank updates), so the step takes the longest of the
+    ranks' step times, and every rank's jitter (the VM's, the other processes') becomes
+    everybody's. The comm-free bound runs the same step with no collective *and* no wait;
+    this runs it with the wait alone: what synchronisation costs before a byte is moved.
+
+    A counter per process in a shared file (its own cache line); a process publishes its
+    step count and polls the others', yielding its CPU between looks (each process is held
+    to a CPU of its own, so the wait costs no other process any time)."""
+
+    def __init__(self, path: Path, size: int, index: int, timeout: float = 60.0) -> None:
+        import mmap
+
+        self.size, self.index, self.timeout, self.step = size, index, timeout, 0
+        with open(path, "a+b") as f:
+            if os.fstat(f.fileno()).st_size < 64 * size:
+                f.truncate(64 * size)
+            self.map = mmap.mmap(f.fileno(), 64 * size)
+        self.counters = memoryview(self.map).cast("q")  # one int64 per 64-byte line: [8 * i]
+
+    def wait(self) -> None:
+        self.step += 1
+        self.counters[8 * self.index] = self.step
+        deadline = time.monotonic() + self.timeout
+        for i in range(self.size):
+            while self.counters[8 * i] < self.step:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"lockstep: process {i} did not end step {self.step} "
+                                       f"within {self.timeout:g} s")
+                os.sched_yield()
+
+    def callback(self, keras):
+        lockstep = self
+
+        class _Cb(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                lockstep.wait()
 
         return _Cb()
 
@@ -230,8 +279,11 @@ def main() -> int:
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
         model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[timer.callback(keras)])
     else:
+        lockstep = ([Lockstep(args.lockstep, args.lockstep_of, args.lockstep_index).callback(keras)]
+                    if args.lockstep else [])  # before the timer: a step ends when all have
         model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[timer.callback(keras)] + ([frames.callback(keras)] if frames else []))
+                  callbacks=lockstep + [timer.callback(keras)]
+                  + ([frames.callback(keras)] if frames else []))
     timed = timer.times[args.warmup - 1:]
     seconds = timed[-1] - timed[0]
     cpu_seconds = timer.cpu[-1] - timer.cpu[args.warmup - 1]
