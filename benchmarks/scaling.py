@@ -454,6 +454,10 @@ def print_row(row: dict, backends: list[str], args) -> None:
               f"{free['samples_per_s'] / (args.ranks * base_1cpu):.2f}")
     lockstep = row.get("comm-free-lockstep")
     traffic_ms = None
+
+    def step_ms(key: str) -> float:  # one step of an N-rank row (N x micro-batch samples)
+        return 1e3 * args.ranks * args.micro_batch / row[key]["samples_per_s"]
+
     if lockstep:
         print(f"    {args.ranks} ranks comm-free in lockstep / {args.ranks}x Keras on 1 CPU: "
               f"{lockstep['samples_per_s'] / (args.ranks * base_1cpu):.2f} (in lockstep / "
@@ -462,10 +466,10 @@ def print_row(row: dict, backends: list[str], args) -> None:
         if args.ranks == 2:
             # one copy into shared memory, then the sum: both copies read, the sum written
             traffic_ms = 2.5 * 4 * row["keras"]["params"] / row["memcpy_gbps"] / 1e6
-            step_ms = 1e3 * args.ranks * args.micro_batch / lockstep["samples_per_s"]
-            reach = lockstep["samples_per_s"] * step_ms / (step_ms + traffic_ms)
+            synced = step_ms("comm-free-lockstep")
+            reach = lockstep["samples_per_s"] * synced / (synced + traffic_ms)
             print(f"    the allreduce's memory traffic: {traffic_ms:.3f} ms per step (2.5 copies of "
-                  f"the gradients at memcpy speed) on a {step_ms:.2f} ms lockstep step: at most "
+                  f"the gradients at memcpy speed) on a {synced:.2f} ms lockstep step: at most "
                   f"{reach / (args.ranks * base_1cpu):.2f} of {args.ranks}x Keras on 1 CPU")
     for backend in backends:
         ours = row[f"tnt-{backend}"]["samples_per_s"]
@@ -484,11 +488,9 @@ def print_row(row: dict, backends: list[str], args) -> None:
         if free:
             print(f"    {backend}: with communication / comm-free: {ours / free['samples_per_s']:.2f}")
         if lockstep:
-            ms = {k: 1e3 * args.ranks * args.micro_batch / row[k]["samples_per_s"]
-                  for k in (f"tnt-{backend}", "comm-free-lockstep")}
             print(f"    {backend}: with communication / comm-free in lockstep: "
-                  f"{ours / lockstep['samples_per_s']:.2f} (step {ms[f'tnt-{backend}']:.2f} ms "
-                  f"against {ms['comm-free-lockstep']:.2f} ms"
+                  f"{ours / lockstep['samples_per_s']:.2f} (step {step_ms(f'tnt-{backend}'):.2f} ms "
+                  f"against {step_ms('comm-free-lockstep'):.2f} ms"
                   + (f"; the allreduce's traffic {traffic_ms:.2f} ms of it)" if traffic_ms else ")"))
         py = row.get(f"tnt-{backend}-python-path")
         if py:
