@@ -72,6 +72,25 @@ def test_an_update_xla_cannot_compile_runs_as_tensorflow_ops_and_warns_when_aske
         np.testing.assert_array_equal(b, c)
 
 
+def test_checking_that_xla_compiles_the_update_leaves_no_op_in_the_step():
+    """Asked for a compiler IR without a device, TensorFlow makes a random number to find
+    its preferred device: traced into the step, that op would run every step."""
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    weights = [keras.Variable(np.ones((4, 3)), dtype="float32")]
+    optimizer.build(weights)
+    update = CompiledUpdate(optimizer, weights)
+
+    @tf.function(autograph=False)
+    def step():
+        update([tf.ones((4, 3))])
+        return tf.constant(0)
+
+    graph = step.get_concrete_function().graph
+    assert update.compiled is True
+    kinds = {op.type for op in graph.get_operations()}
+    assert kinds <= {"Placeholder", "Const", "StatefulPartitionedCall", "Identity", "NoOp"}, kinds
+
+
 def test_jit_compile_false_keeps_the_update_as_tensorflow_ops():
     assert not wants_compiled_update(False)
     assert wants_compiled_update("auto") and wants_compiled_update(True)

@@ -82,7 +82,10 @@ class CompiledUpdate:
 
     def _compilable(self, grads: Sequence[Any]) -> bool:
         try:
-            self._fn.experimental_get_compiler_ir(*[_spec(g) for g in grads])(stage="hlo")
+            # Outside the step's graph: asked without a device, TensorFlow finds its preferred
+            # one by making a random number, which would stay in the step and run every step.
+            with tf.init_scope():
+                self._fn.experimental_get_compiler_ir(*[_spec(g) for g in grads])(stage="hlo")
         except Exception as exc:  # noqa: BLE001 - any reason XLA gives is a reason to fall back
             if self.explicit:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

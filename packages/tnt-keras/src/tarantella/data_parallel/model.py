@@ -177,7 +177,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         if type(self)._tnt_base.compute_loss is keras.Model.compute_loss:  # noqa: SLF001
             step.normaliser = normaliser(self, y_pred, sample_weight, step.n, step.b)
         sums = summed_terms(step.added_losses, step.batch)
-        if step.kind != "train" and not sums:
+        if step.alone or (step.kind != "train" and not sums):  # alone: a sum counts once
             return loss
         if sums and step.compiled:
             raise NotSupportedError(

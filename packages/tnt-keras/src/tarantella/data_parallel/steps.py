@@ -161,6 +161,8 @@ class StepContext:
         #: in an elastic job, the optimizers' updates, run after the step's last collective
         #: (:meth:`after_collectives`); None: at once
         self.pending: list[Callable[[], Any]] | None = None
+        #: nothing to combine across ranks (:func:`alone`): Keras' step runs as it is
+        self.alone = False
 
     def after_collectives(self, update: Callable[[], Any]) -> Any:
         """Run ``update`` (an optimizer's apply) now, or, in an elastic job, once the step's
@@ -248,8 +250,12 @@ def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
         variables = None if trainable_variables is None else list(trainable_variables)
         if all(g is None for g in grads):
             return apply(grads, trainable_variables)
-        factor = tf.constant(1.0, tf.float64) if step.prescaled else gradient_factor(step, state)
-        out, reducer = reduce_gradients(step, optimizer, grads, variables, factor, state)
+        if step.alone:  # one rank's gradients are the serial ones
+            out, reducer = grads, None
+        else:
+            factor = (tf.constant(1.0, tf.float64) if step.prescaled
+                      else gradient_factor(step, state))
+            out, reducer = reduce_gradients(step, optimizer, grads, variables, factor, state)
 
         def update() -> Any:
             if state.compiled_update and not state.update_as_ops:
@@ -365,11 +371,44 @@ def _check_added_losses(step: StepContext) -> None:
 # -- the steps -------------------------------------------------------------------------------
 
 
+def alone(state: Any, kind: str) -> bool:
+    """Whether a step traced now has nothing to combine across ranks: one rank, not in an
+    elastic job (which may grow, and applies its updates after its last collective), with no
+    XLA body split around collectives and no rank-local logs recorded. A change of any of
+    these traces the step again."""
+    return (state.channel.size == 1 and getattr(state, "elastic", None) is None
+            and state.xla is None and not state.local_increments(kind).enabled)
+
+
+def _run_alone(model: keras.Model, step: StepContext, batch: Any, run: Callable[[Any], Any],
+               state: Any) -> Any:
+    """Keras' step as it is, on the one rank's batch (the global batch): no metric state is
+    zeroed and summed, no loss or gradient weighed, so the graph is plain Keras' (with the
+    compiled update). Why: those sums over one rank were 150 of the 249 nodes of the
+    benchmark MLP's step and about a tenth of its time. What more ranks would refuse is
+    refused here too (the metrics' writes, the losses added with ``add_loss``, the logs), so
+    a script behaves alike on every world size."""
+    calls = MetricCalls(model.metrics, model.metrics_variables, lambda: step.returned_loss)
+    with tracing(step), calls.recording(), _recording_added_losses(model, step):
+        if step.kind == "train":
+            with _reducing_gradients(model, step, state):
+                logs = run(batch)
+        else:
+            logs = run(batch)
+    _check_added_losses(step)
+    _averaged_logs(model, step, calls, logs)
+    state.local_increments(step.kind).traced = False
+    return logs
+
+
 def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any],
               state: Any) -> Any:
     batch, n, b = unpack(data)
     step = StepContext(model, kind, n, b)
     step.batch = keras.tree.flatten(batch)
+    step.alone = alone(state, kind)
+    if step.alone:
+        return _run_alone(model, step, batch, run, state)
     if getattr(state, "elastic", None) is not None and state.elastic.defer_updates:
         step.pending = []
     variables = model.metrics_variables
@@ -424,6 +463,34 @@ def _averaged(leaf: Any) -> bool:
     return tf.is_tensor(leaf) and leaf.dtype != tf.string
 
 
+def _returned_scalar(step: StepContext) -> tf.Tensor | None:
+    """The scalar loss compute_loss returned: a log of it is the global batch's loss."""
+    return step.returned_loss if getattr(step.returned_loss, "shape", None) == () else None
+
+
+def _averaged_logs(model: keras.Model, step: StepContext, calls: MetricCalls,
+                   logs: Any) -> tuple[list[tuple[Any, Any]], list[tuple[int, tf.Tensor]]]:
+    """The step's logs flattened with their paths, and (position, leaf) of the leaves to
+    average over the global batch (neither a metric's result nor the loss); refuses logs
+    that are not a dict and leaves without a static shape."""
+    if not isinstance(logs, Mapping):
+        raise tnt_core.TntError(
+            f"{type(model).__name__}.{step.kind}_step returned {type(logs).__name__}; "
+            "tarantella needs a dict of logs, as Keras' fit/evaluate do"
+        )
+    flat = keras.tree.flatten_with_path(logs)
+    returned = _returned_scalar(step)
+    averaged = []
+    for i, (path, leaf) in enumerate(flat):
+        if not _averaged(leaf) or calls.result_of(leaf) is not None or leaf is returned:
+            continue
+        if not leaf.shape.is_fully_defined():
+            raise tnt_core.TntError(f"log {'/'.join(map(str, path))!r} of the {step.kind} step "
+                                    "has no static shape")
+        averaged.append((i, leaf))
+    return flat, averaged
+
+
 def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, calls: MetricCalls,
                  before: list, logs: Any, state: Any) -> Any:
     """Sum the metric states (and average the other logs) over ranks; the serial logs.
@@ -432,17 +499,11 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, ca
     tuples inside): a leaf a metric's ``result()`` gave becomes that metric's serial result,
     the loss ``compute_loss`` returned becomes the global batch's loss, other numeric leaves
     are averaged over the global batch (weighted by samples), the rest is passed on."""
-    if not isinstance(logs, Mapping):
-        raise tnt_core.TntError(
-            f"{type(model).__name__}.{step.kind}_step returned {type(logs).__name__}; "
-            "tarantella needs a dict of logs, as Keras' fit/evaluate do"
-        )
+    flat, averaged_leaves = _averaged_logs(model, step, calls, logs)
     has_data = tf.cast(step.has_data, tf.float64)
     increments = states.increments() * has_data
     size = int(increments.shape[0])
-    flat = keras.tree.flatten_with_path(logs)
-    # the scalar loss compute_loss returned: a log of it is the global batch's loss
-    returned = step.returned_loss if getattr(step.returned_loss, "shape", None) == () else None
+    returned = _returned_scalar(step)
     per_step = calls.per_step_slots()
     loss_slots = calls.loss_slots()
     n64 = tf.cast(step.n, tf.float64) * has_data
@@ -451,14 +512,7 @@ def _reduce_logs(model: keras.Model, step: StepContext, states: MetricStates, ca
     at_samples = vector.add(n64)
     # per-step values: each rank's share of the global batch's value (metrics.MetricCalls)
     at_per_step = vector.add(tf.gather(increments, per_step) * n64) if per_step else None
-    averaged: dict[int, slice] = {}
-    for i, (path, leaf) in enumerate(flat):
-        if not _averaged(leaf) or calls.result_of(leaf) is not None or leaf is returned:
-            continue
-        if not leaf.shape.is_fully_defined():
-            raise tnt_core.TntError(f"log {'/'.join(map(str, path))!r} of the {step.kind} step "
-                                    "has no static shape")
-        averaged[i] = vector.add(tf.cast(leaf, tf.float64) * n64)
+    averaged = {i: vector.add(tf.cast(leaf, tf.float64) * n64) for i, leaf in averaged_leaves}
     weights = step.weights()
     needs_loss = returned is not None and (
         bool(loss_slots) or any(leaf is returned for _, leaf in flat))
