@@ -7,6 +7,7 @@ and its errors, and the process set-up rules.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import json
@@ -437,6 +438,25 @@ def test_one_rank_runs_keras_step_as_it_is():
     assert logs == plain_logs
     assert not model._tnt._reducers, "one rank asked for a gradient reduction"
     assert _variable_writes(graph) == _variable_writes(plain_graph) > 0
+
+
+def test_one_rank_with_a_timeline_records_its_steps(tmp_path, monkeypatch):
+    """``TNT_TIMELINE`` on one rank: the step keeps the reduction's marks (it is not Keras'
+    step as it is there), so a trace is written with an optimizer span per step (one rank
+    hands no bucket over, so it has no backprop span: that ends at the last bucket)."""
+    from tarantella import timeline
+
+    model = tnt.Model(keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]))
+    runtime = model._tnt.runtime
+    path = tmp_path / "trace.json"
+    monkeypatch.setattr(runtime, "config", dataclasses.replace(runtime.config, timeline=str(path)))
+    monkeypatch.setattr(timeline, "_timeline", None)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(48, 8)), rng.normal(size=(48, 4)), batch_size=16, verbose=0)
+    timeline.close()
+    spans = [e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert spans.count("optimizer apply") == 3, spans
 
 
 @pytest.mark.parametrize("steps_per_execution,policy", [(3, "float32"), (1, "mixed_float16")])

@@ -374,10 +374,11 @@ def _check_added_losses(step: StepContext) -> None:
 def alone(state: Any, kind: str) -> bool:
     """Whether a step traced now has nothing to combine across ranks: one rank, not in an
     elastic job (which may grow, and applies its updates after its last collective), with no
-    XLA body split around collectives and no rank-local logs recorded. A change of any of
-    these traces the step again."""
+    XLA body split around collectives, no rank-local logs and no timeline recorded (its
+    spans are the reduction's marks). A change of any of these traces the step again."""
     return (state.channel.size == 1 and getattr(state, "elastic", None) is None
-            and state.xla is None and not state.local_increments(kind).enabled)
+            and state.xla is None and not state.local_increments(kind).enabled
+            and not state.runtime.config.timeline)
 
 
 def _run_alone(model: keras.Model, step: StepContext, batch: Any, run: Callable[[Any], Any],
