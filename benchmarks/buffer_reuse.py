@@ -21,25 +21,18 @@ call without the multiply); ratios side by side in one run, absolute times as co
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
+
+import one_cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mbytes", type=float, default=32.0, help="float32 megabytes (1e6)")
-    parser.add_argument("--repeats", type=int, default=9, help="interleaved timed rounds")
-    parser.add_argument("--calls", type=int, default=20, help="calls per round")
-    parser.add_argument("--pin", type=int, default=None, help="hold the process to this CPU")
+    one_cpu.add_arguments(parser, repeats=9, calls=20)
     args = parser.parse_args()
-    if args.pin is not None:
-        os.sched_setaffinity(0, {args.pin})
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf = one_cpu.start_tensorflow(args, inter_op_threads=1)
     n = int(args.mbytes * 1e6 / 4)
     lr, eps, source = tf.Variable(0.01), tf.Variable(0.0), tf.Variable(tf.ones(n))
 

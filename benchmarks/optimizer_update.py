@@ -28,6 +28,8 @@ import os
 import statistics
 import time
 
+import one_cpu
+
 #: per optimizer: Keras' constructor arguments and the weight-sized tensors its update
 #: reads and writes at least (gradient + slots + weight read, slots + weight written)
 OPTIMIZERS = {"sgd": ("SGD", {"learning_rate": 0.01, "momentum": 0.9}, 5),
@@ -65,21 +67,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,gelu")
     parser.add_argument("--optimizers", default="sgd,adam")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds")
-    parser.add_argument("--calls", type=int, default=300, help="calls per round")
-    parser.add_argument("--pin", type=int, default=None, help="hold the process to this CPU")
+    one_cpu.add_arguments(parser, repeats=7, calls=300)
     args = parser.parse_args()
-    if args.pin is not None:
-        os.sched_setaffinity(0, {args.pin})
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    one_cpu.start_tensorflow(args, inter_op_threads=2)  # as the benchmark models' processes
     import keras
     import numpy as np
     import tensorflow as tf
 
     import models
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
     print(f"CPU: {os.sched_getaffinity(0)}; {args.repeats} interleaved rounds of {args.calls} "
           "calls; medians per call")
     for name in args.models.split(","):
