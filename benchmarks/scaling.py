@@ -200,6 +200,51 @@ def memcpy_gbps(nbytes: int) -> float:
     return src.nbytes / best / 1e9
 
 
+def memory_sharing(cpus: int, nbytes: int = 32 << 20, seconds: float = 0.3) -> float:
+    """How much of its memory bandwidth a CPU keeps while ``cpus`` CPUs copy at once: each
+    copies a buffer larger than the caches for ``seconds`` alone, then all together (one
+    thread per CPU; NumPy releases the GIL while it copies); returns the mean ratio.
+
+    Why: on a virtual machine the host may place the vCPUs so that they share a memory
+    path with each other or with other tenants, and that changes from minute to minute. On
+    the development VM (2026-11-30) the two vCPUs copying together kept 0.97 of their speed
+    alone in some minutes and 0.42-0.48 in others, and 2-rank jobs run then were 25 % slower
+    (startup included): a sample's ratio says which machine it ran on."""
+    import threading
+
+    import numpy as np
+
+    def rate(cpu: int, out: list[float], start: threading.Barrier | None) -> None:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        src = np.ones(nbytes // 8, np.float64)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)  # touch the pages before timing
+        if start is not None:
+            start.wait()
+        count, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            np.copyto(dst, src)
+            count += 1
+        out.append(count / (time.perf_counter() - t0))
+
+    available = sorted(os.sched_getaffinity(0))[:cpus]
+    if len(available) < 2:
+        return float("nan")
+    alone: list[float] = []
+    for cpu in available:
+        worker = threading.Thread(target=rate, args=(cpu, alone, None))
+        worker.start()
+        worker.join()
+    together: list[float] = []
+    start = threading.Barrier(len(available))
+    workers = [threading.Thread(target=rate, args=(cpu, together, start)) for cpu in available]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(together) / sum(alone)
+
+
 def run_mwms(args, model: str, tmp: Path) -> dict:
     out = tmp / f"mwms-{model}.json"
     workers = [f"127.0.0.1:{p}" for p in free_ports(args.ranks)]
@@ -301,24 +346,28 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def measure_interleaved(jobs: dict, repeats: int) -> dict[str, dict]:
+def measure_interleaved(jobs: dict, repeats: int, cpus: int) -> dict[str, dict]:
     """Runs every configuration ``repeats`` times in rounds (each round runs each once, the
     order rotated by one per round), so that a change of the machine's load hits every
-    configuration alike; returns per key the median samples/s and every sample."""
+    configuration alike; returns per key the median samples/s and every sample, each with
+    the :func:`memory_sharing` of ``cpus`` CPUs measured just before it."""
     samples: dict[str, list[dict]] = {key: [] for key in jobs}
     keys = list(jobs)
     for round_ in range(repeats):
         for key in keys[round_ % len(keys):] + keys[:round_ % len(keys)]:
-            samples[key].append(jobs[key]())
+            shared = memory_sharing(cpus)
+            samples[key].append({**jobs[key](), "memory_shared": shared})
             print(f"  round {round_ + 1}/{repeats} {key:<28} {samples[key][-1]['samples_per_s']:>10.0f} "
-                  f"samples/s  (load {samples[key][-1].get('load', float('nan')):.1f})", flush=True)
+                  f"samples/s  (load {samples[key][-1].get('load', float('nan')):.1f}, "
+                  f"memory shared {shared:.2f})", flush=True)
     results = {}
     for key, runs in samples.items():
         results[key] = {**runs[0], "samples_per_s": _median([r["samples_per_s"] for r in runs]),
                         "samples": [r["samples_per_s"] for r in runs],
                         "cpu_ms_per_step": _median([r["cpu_ms_per_step"] for r in runs]),
                         "cpu_ms_per_step_samples": [r["cpu_ms_per_step"] for r in runs],
-                        "loads": [r["load"] for r in runs]}
+                        "loads": [r["load"] for r in runs],
+                        "memory_shared": [r["memory_shared"] for r in runs]}
     return results
 
 
@@ -376,7 +425,8 @@ def main() -> int:
             print(f"{model}: {args.repeats} interleaved rounds", flush=True)
             row = {"model": model, "ranks": args.ranks, "micro_batch": args.micro_batch,
                    "repeats": args.repeats,
-                   **measure_interleaved(configurations(args, model, backends, tmp), args.repeats)}
+                   **measure_interleaved(configurations(args, model, backends, tmp), args.repeats,
+                                         args.ranks)}
             base = row["keras"]["samples_per_s"]
             base_1cpu = row["keras_1cpu"]["samples_per_s"]
             for key, r in row.items():
@@ -414,12 +464,14 @@ def main() -> int:
 def print_row(row: dict, backends: list[str], args) -> None:
     print(f"\n{row['model']} ({row['keras']['params']:,} params), {args.ranks} ranks, "
           f"micro-batch {args.micro_batch}; medians of {row['repeats']} interleaved runs, then every "
-          "run: samples/s, CPU ms per step (the process, rank 0 of a job), 1-minute load average")
+          "run: samples/s, CPU ms per step (the process, rank 0 of a job), 1-minute load average, "
+          f"and the memory bandwidth {args.ranks} CPUs copying at once keep (memory_sharing)")
 
     def samples(r: dict) -> None:
         print(f"  {'':<28} runs {' '.join(f'{v:.0f}' for v in r['samples'])};"
               f"  CPU ms/step {' '.join(f'{v:.2f}' for v in r['cpu_ms_per_step_samples'])};"
-              f"  load {' '.join(f'{v:.1f}' for v in r['loads'])}")
+              f"  load {' '.join(f'{v:.1f}' for v in r['loads'])};"
+              f"  memory shared {' '.join(f'{v:.2f}' for v in r['memory_shared'])}")
 
     for key, label in (("keras", "keras, 1 process"), ("keras_1cpu", "keras, 1 process on 1 CPU"),
                        ("keras_1cpu_xla", "keras, on 1 CPU, with XLA")):
