@@ -20,9 +20,10 @@ thread per process:
   wait for each other at the end of every step (``throughput_worker.Lockstep``, a shared
   counter, no data): what a synchronous job's waiting for its slowest rank costs before a
   byte moves. With 2 ranks the table also gives the allreduce's own memory traffic at this
-  machine's memcpy speed (the gradients copied into shared memory once, then both ranks'
-  copies read and the sum written: 2.5 copies per rank) and what the step could reach with
-  nothing else: the lockstep bound's step plus that traffic;
+  machine's memcpy speed times the share of it two CPUs keep copying at once (measured
+  before every run: ``memory_sharing``; the gradients copied into shared memory once, then
+  both ranks' copies read and the sum written: 2.5 copies per rank) and what the step could
+  reach with nothing else: the lockstep bound's step plus that traffic;
 * with --python-path, Tarantella-NT again with TNT_NATIVE_OPS=false (gradients through one
   ``tf.numpy_function`` per bucket instead of the op library): before/after side by side;
 * with --one-rank, Tarantella-NT on 1 rank held to one CPU, against Keras held to one CPU;
@@ -516,12 +517,17 @@ def print_row(row: dict, backends: list[str], args) -> None:
               f"free: {lockstep['samples_per_s'] / free['samples_per_s']:.2f}, what waiting for "
               "the slowest rank costs)")
         if args.ranks == 2:
-            # one copy into shared memory, then the sum: both copies read, the sum written
-            traffic_ms = 2.5 * 4 * row["keras"]["params"] / row["memcpy_gbps"] / 1e6
+            # one copy into shared memory, then the sum: both copies read, the sum written;
+            # both ranks copy at once, at the share of the bandwidth the job's runs measured
+            shared = _median(row[f"tnt-{backends[0]}"]["memory_shared"])
+            shared = shared if 0 < shared <= 1 else 1.0
+            gbps = row["memcpy_gbps"] * shared
+            traffic_ms = 2.5 * 4 * row["keras"]["params"] / gbps / 1e6
             synced = step_ms("comm-free-lockstep")
             reach = lockstep["samples_per_s"] * synced / (synced + traffic_ms)
             print(f"    the allreduce's memory traffic: {traffic_ms:.3f} ms per step (2.5 copies of "
-                  f"the gradients at memcpy speed) on a {synced:.2f} ms lockstep step: at most "
+                  f"the gradients at {gbps:.1f} GB/s: memcpy x the {shared:.2f} memory sharing of "
+                  f"the {backends[0]} runs) on a {synced:.2f} ms lockstep step: at most "
                   f"{reach / (args.ranks * base_1cpu):.2f} of {args.ranks}x Keras on 1 CPU")
     for backend in backends:
         ours = row[f"tnt-{backend}"]["samples_per_s"]
