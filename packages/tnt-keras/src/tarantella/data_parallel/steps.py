@@ -371,6 +371,14 @@ def _check_added_losses(step: StepContext) -> None:
 # -- the steps -------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _recording(model: keras.Model, step: StepContext, calls: MetricCalls) -> Iterator[None]:
+    """While Keras' step is traced: ``step`` is the current step, and what the step does with
+    the metrics and what the layers add with ``add_loss`` are recorded for it."""
+    with tracing(step), calls.recording(), _recording_added_losses(model, step):
+        yield
+
+
 def alone(state: Any, kind: str) -> bool:
     """Whether a step traced now has nothing to combine across ranks: one rank, not in an
     elastic job (which may grow, and applies its updates after its last collective), with no
@@ -390,14 +398,14 @@ def _run_alone(model: keras.Model, step: StepContext, batch: Any, run: Callable[
     refuse is refused here too (the metrics' writes, the losses added with ``add_loss``,
     the logs), so a script behaves alike on every world size."""
     calls = MetricCalls(model.metrics, model.metrics_variables, lambda: step.returned_loss)
-    with tracing(step), calls.recording(), _recording_added_losses(model, step):
+    with _recording(model, step, calls):
         if step.kind == "train":
             with _reducing_gradients(model, step, state):
                 logs = run(batch)
         else:
             logs = run(batch)
     _check_added_losses(step)
-    _averaged_logs(model, step, calls, logs)
+    _averaged_logs(model, step, calls, logs)  # for its refusals: the logs pass as they are
     state.local_increments(step.kind).traced = False
     return logs
 
@@ -422,7 +430,7 @@ def _run_step(model: keras.Model, kind: str, data: Any, run: Callable[[Any], Any
     with tf.control_dependencies([n]):
         before = states.begin()
         kept = [(v, tf.identity(tf.convert_to_tensor(v))) for v in model.non_trainable_variables]
-    with tracing(step), calls.recording(), _recording_added_losses(model, step):
+    with _recording(model, step, calls):
         # XLA (tarantella.data_parallel.xla): the body compiled, the collectives around it; None when this
         # step cannot be split so
         logs = None if state.xla is None else state.xla.run(step, batch, run, state)
