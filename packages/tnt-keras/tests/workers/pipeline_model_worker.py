@@ -261,6 +261,9 @@ def main() -> int:
             "callbacks": lambda: model.evaluate(x, y, callbacks=[42], verbose=0),
             "strings": lambda: model.predict(np.array([["a"] * x.shape[1]] * 4), verbose=0),
             "unbatched": lambda: model.fit(tf.data.Dataset.from_tensor_slices((x, y)), verbose=0),
+            # each rank reading its own order of the same data (batch_fingerprint)
+            "different_batches": lambda: model.fit(np.roll(x, rank, axis=0), np.roll(y, rank, axis=0),
+                                                   batch_size=BATCH, shuffle=False, verbose=0),
             # in the first partition only: every rank refuses it, not only the first stage's
             "batch_norm": lambda: tnt.Model(batch_norm_first(args.partitions),
                                             parallel_strategy=strategy, num_micro_batches=MICRO),

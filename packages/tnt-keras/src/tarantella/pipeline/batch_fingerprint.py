@@ -17,18 +17,15 @@ import tnt_core
 
 from ..comm.step_reductions import StepReductions
 
-__all__ = ["check_same_batch", "checksum"]
+__all__ = ["check_same_batch", "checksum", "checksums"]
 
 
-def checksum(tensor: Any) -> int:
-    """The sum of ``tensor``'s bit patterns as int32 words, wrapping: equal for equal
-    contents on every rank whatever the reduction order (integer sums are exact), and a
-    view of the data, not a float64 copy of it (measured on a 1 MB float32 tensor: 0.26
-    against 0.80 ms for the float64 sum it replaces)."""
-    t = tf.convert_to_tensor(tensor)
+def _words(t: tf.Tensor) -> tf.Tensor:
+    """The checksum of one tensor, traced: the sum of its bit patterns as int32 words,
+    wrapping (strings: of their fast hashes, modulo 2**31), as int64."""
     if t.dtype == tf.string:
-        return int(tf.strings.to_hash_bucket_fast(tf.reshape(t, [-1]), 2**31 - 1)
-                   .numpy().astype(np.int64).sum() % 2**31)
+        hashes = tf.strings.to_hash_bucket_fast(tf.reshape(t, [-1]), 2**31 - 1)
+        return tf.math.floormod(tf.reduce_sum(hashes), 2**31)
     width = t.dtype.size
     if t.dtype.is_bool or width == 1:
         words = tf.cast(t, tf.int32)
@@ -36,16 +33,50 @@ def checksum(tensor: Any) -> int:
         words = tf.cast(tf.bitcast(t, tf.int16), tf.int32)
     else:  # 4, 8 or 16 bytes: whole int32 words
         words = t if t.dtype == tf.int32 else tf.bitcast(t, tf.int32)
-    return int(tf.reduce_sum(words))
+    return tf.cast(tf.reduce_sum(words), tf.int64)
+
+
+def _stacked(tensors: list[tf.Tensor]) -> tf.Tensor:
+    return tf.stack([_words(t) for t in tensors])
+
+
+#: one concrete function per batch signature (dtypes and shapes), called directly
+_traced: dict[tuple[tuple[tf.DType, tuple[int | None, ...]], ...], Any] = {}
+
+
+def _checksums(tensors: list[tf.Tensor]) -> tf.Tensor:
+    """Every tensor's checksum in one call: a step's batch is checked with one dispatch
+    and one read-back, not a few eager ops and a read-back per tensor (in a pipelined step
+    those took 0.9 ms of the 49 ms step, the batch check's allreduce included)."""
+    key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+    traced = _traced.get(key)
+    if traced is None:
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
+        traced = _traced[key] = tf.function(_stacked, autograph=False).get_concrete_function(specs)
+    return traced(tensors)
+
+
+def checksums(tensors: Any) -> np.ndarray:
+    """The checksum of each tensor of the structure ``tensors`` (int64): equal for equal
+    contents on every rank whatever the reduction order (integer sums are exact), and a
+    view of the data, not a float64 copy of it (measured on a 1 MB float32 tensor: 0.26
+    against 0.80 ms for the float64 sum it replaces)."""
+    flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(tensors)]
+    if not flat:
+        return np.zeros(0, np.int64)
+    return _checksums(flat).numpy()
+
+
+def checksum(tensor: Any) -> int:
+    """One tensor's checksum (see :func:`checksums`)."""
+    return int(checksums([tensor])[0])
 
 
 def check_same_batch(reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
     """Raise on every rank unless every rank of ``reductions``' backend holds a batch of
     ``batch`` samples with the same ``x`` and ``y`` (a collective)."""
-    parts = [np.float64(batch)]
-    for t in tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)):
-        parts.append(np.float64(checksum(t)))
-    words = np.array(parts, np.float64)
+    sums = checksums(tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)))
+    words = np.concatenate([[np.float64(batch)], sums.astype(np.float64)])
     both = np.concatenate([words, -words])
     extremes = reductions.allreduce(both, "max")
     if not np.array_equal(extremes[:words.size], -extremes[words.size:]):

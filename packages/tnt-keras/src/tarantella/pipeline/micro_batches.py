@@ -20,7 +20,18 @@ import tensorflow as tf
 
 import tnt_core
 
-__all__ = ["concat", "micro_batch_sizes", "pipeline_rows", "shares", "split"]
+__all__ = ["concat", "micro_batch_sizes", "pipeline_rows", "rows", "shares", "split"]
+
+
+def rows(values: Any) -> int:
+    """The number of rows (samples) of the first tensor of ``values``: its static leading
+    dimension, which every eager tensor has (read without an op), else its dynamic shape."""
+    first = keras.tree.flatten(values)[0]
+    try:
+        lead = first.shape[0]
+    except (AttributeError, IndexError, TypeError, ValueError):  # no shape, or unknown rank
+        lead = None
+    return int(lead) if lead is not None else int(tf.shape(first)[0])
 
 
 def pipeline_rows(batch: int, replica: int, num_replicas: int) -> slice:

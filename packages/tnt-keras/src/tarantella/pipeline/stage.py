@@ -74,7 +74,7 @@ from . import schedule as schedules
 from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
 from .messages import StageMessages
-from .micro_batches import concat, micro_batch_sizes, shares, split
+from .micro_batches import concat, micro_batch_sizes, rows, shares, split
 from .partition import Partitioning
 from .passes import InFlight, StagePasses, WeightPass, tensors_in
 from .schedule import Action, Op
@@ -226,7 +226,7 @@ class StageStep:
         The step is one graph per batch size (traced on the first batch of a size; a
         shorter last batch traces once more), and per shape of what the stage receives
         (variable-length inputs: :mod:`tarantella.pipeline.shapes`): see :meth:`_train_graph`."""
-        local = int(tf.shape(keras.tree.flatten(y)[0])[0])
+        local = rows(y)
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
             self.optimizer.build(self.weights)
