@@ -410,10 +410,14 @@ Communicator::Communicator(const ConnectOptions& options,
     watches_.push_back(std::make_unique<ConnectionWatch>(shared_->hierarchy->cross, on_failure));
   }
   // A failed send or receive fails the communicator, as a failed collective does.
+  // Ranks of this host exchange their messages through rings in the shared-memory group
+  // (the flat one, or the hierarchy's local one); the others over Gloo.
   shared_->p2p = std::make_shared<PointToPoint>(
-      shared_->context, [weak](const std::string& reason) {
+      shared_->context,
+      [weak](const std::string& reason) {
         if (auto shared = weak.lock()) poison(*shared, reason);
-      });
+      },
+      shared_->hierarchy ? shared_->hierarchy->local : shared_->shm);
   worker_ = std::thread(&Communicator::run, shared_);
 }
 
@@ -642,6 +646,11 @@ std::shared_ptr<Work> Communicator::recv_to(Shared& shared, void* data, std::siz
 }
 
 void Communicator::abort(const std::string& reason) { poison(*shared_, reason); }
+
+std::string Communicator::p2p_transport(int peer) const {
+  if (peer < 0 || peer >= size_) throw std::invalid_argument("p2p_transport: no such rank");
+  return shared_->p2p->transport(peer);
+}
 
 void Communicator::abort_to(Shared& shared, const std::string& reason) { poison(shared, reason); }
 

@@ -133,6 +133,8 @@ class Communicator {
   const char* allreduce_transport() const {
     return shm_name_.empty() ? "tcp" : hierarchical_ ? "hierarchical" : "shm";
   }
+  // "shm", "self" or "tcp": what point-to-point messages to and from `peer` go over.
+  std::string p2p_transport(int peer) const;
   // (hosts, ranks per host) of the hierarchical allreduce; (1, size) without it.
   std::pair<int, int> host_layout() const { return host_layout_; }
   // Why shared memory is not used ("" when it is).

@@ -437,6 +437,10 @@ NB_MODULE(_gloo, m) {
                    "How this rank copies into its shared-memory slots: 'stream' "
                    "(non-temporal stores), 'cache' (memcpy), 'auto' while it still times "
                    "both; '' without shared memory.")
+      .def("p2p_transport", [](PyCommunicator& c, int peer) { return c.comm().p2p_transport(peer); },
+           "peer"_a,
+           "What messages to and from `peer` go over: 'shm' (a ring in shared memory: the "
+           "peer is on this host), 'self' or 'tcp'.")
       .def_prop_ro("host_layout", [](PyCommunicator& c) { return c.comm().host_layout(); },
                    "(hosts, ranks per host) of the hierarchical allreduce; (1, size) "
                    "without it.")

@@ -45,13 +45,18 @@ struct PointToPoint::SendOp {
   std::unique_ptr<gloo::transport::UnboundBuffer> hbuf;
   std::unique_ptr<gloo::transport::UnboundBuffer> pbuf;  // null for an empty message
   std::shared_ptr<Work> work;
+  // Through a ring: the payload, and how much of header + payload is in the ring so far.
+  const char* data = nullptr;
+  std::size_t written = 0;
 };
 
-PointToPoint::PointToPoint(std::shared_ptr<gloo::Context> context, FailureCallback on_failure)
+PointToPoint::PointToPoint(std::shared_ptr<gloo::Context> context, FailureCallback on_failure,
+                           std::shared_ptr<ShmAllreduce> shm)
     : context_(std::move(context)),
       rank_(context_->rank),
       size_(context_->size),
-      on_failure_(std::move(on_failure)) {}
+      on_failure_(std::move(on_failure)),
+      shm_(std::move(shm)) {}
 
 PointToPoint::~PointToPoint() { shutdown("the communicator is closed"); }
 
@@ -65,6 +70,7 @@ PointToPoint::Peer& PointToPoint::peer_locked(int rank) {
   if (!peer) {
     peer = std::make_shared<Peer>();
     peer->rank = rank;
+    if (shm_ && rank != rank_) peer->local = shm_->local_of(rank);
   }
   return *peer;
 }
@@ -75,6 +81,9 @@ std::shared_ptr<Work> PointToPoint::send(const void* data, std::size_t nbytes, i
   if (dest < 0 || dest >= size_) throw std::invalid_argument("send: no such rank");
   if (tag > kMaxP2pTag) throw std::invalid_argument("send: tag out of range");
   auto work = std::make_shared<Work>(std::move(name), std::move(on_done));
+  if (dest != rank_ && shm_ && shm_->local_of(dest) >= 0) {
+    return shm_send(data, nbytes, dest, tag, std::move(work));
+  }
   std::shared_ptr<RecvOp> target;  // a receive of this rank's own (dest == rank)
   std::string error;
   {
@@ -172,7 +181,9 @@ std::shared_ptr<Work> PointToPoint::recv(void* data, std::size_t nbytes, int src
       if (src != rank_) {
         Peer& peer = peer_locked(src);
         if (!peer.receiver.joinable()) {
-          peer.receiver = std::thread(&PointToPoint::receive_loop, this, std::ref(peer));
+          peer.receiver = std::thread(peer.local >= 0 ? &PointToPoint::shm_receive_loop
+                                                      : &PointToPoint::receive_loop,
+                                      this, std::ref(peer));
         }
       }
     }
@@ -383,6 +394,219 @@ void PointToPoint::send_loop(Peer& peer) {
   }
 }
 
+// ---------------------------------------------------------------- through the rings
+
+namespace {
+// Sleeps between looks at failures and the peer; the bound on how late a dead peer is
+// noticed when its connection's watch does not tell first.
+constexpr auto kRingSlice = std::chrono::milliseconds(20);
+}  // namespace
+
+std::shared_ptr<Work> PointToPoint::shm_send(const void* data, std::size_t nbytes, int dest,
+                                             std::uint64_t tag, std::shared_ptr<Work> work) {
+  std::shared_ptr<Peer> peer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_usable_locked();
+    peer_locked(dest);
+    peer = peers_[dest];
+    if (!peer->sender.joinable()) {
+      peer->sender = std::thread(&PointToPoint::shm_send_loop, this, std::ref(*peer));
+    }
+  }
+  auto op = std::make_shared<SendOp>();
+  op->header = Header{kHeaderMagic, tag, nbytes};
+  op->work = work;
+  op->data = static_cast<const char*>(data);
+  ShmRing ring = shm_->ring(shm_->local_of(rank_), peer->local);
+  bool done = false;
+  {
+    std::lock_guard<std::mutex> lock(peer->write_mu);
+    if (peer->shm_sends.empty()) {  // nothing ahead of it: this thread copies it in
+      op->written = ring.write_some(&op->header, sizeof(Header));
+      if (op->written == sizeof(Header) && nbytes > 0) {
+        op->written += ring.write_some(op->data, nbytes);
+      }
+      done = op->written == sizeof(Header) + nbytes;
+    }
+    if (!done) peer->shm_sends.push_back(op);  // the rest: the peer's sending thread
+  }
+  if (done) {
+    work->complete("");
+  } else {
+    peer->shm_cv.notify_all();
+  }
+  return work;
+}
+
+void PointToPoint::shm_send_loop(Peer& peer) {
+  const int dest = peer.rank;
+  ShmRing ring = shm_->ring(shm_->local_of(rank_), peer.local);
+  std::string error;
+  while (!stopping_.load()) {
+    std::shared_ptr<SendOp> op;
+    bool done = false;
+    {
+      std::unique_lock<std::mutex> lock(peer.write_mu);
+      if (peer.shm_sends.empty()) {
+        peer.shm_cv.wait_for(lock, kRingSlice);
+        continue;
+      }
+      op = peer.shm_sends.front();
+      if (op->written < sizeof(Header)) {
+        op->written += ring.write_some(reinterpret_cast<const char*>(&op->header) + op->written,
+                                       sizeof(Header) - op->written);
+      }
+      const std::size_t total = sizeof(Header) + op->header.nbytes;
+      if (op->written >= sizeof(Header) && op->written < total) {
+        const std::size_t at = op->written - sizeof(Header);
+        op->written += ring.write_some(op->data + at, op->header.nbytes - at);
+      }
+      done = op->written == total;
+      if (done) peer.shm_sends.pop_front();
+    }
+    if (done) {
+      op->work->complete("");
+      continue;
+    }
+    const std::string gone = shm_->peer_gone(peer.local);
+    if (!gone.empty()) {
+      error = "sending to rank " + std::to_string(dest) + ": " + gone;
+      break;
+    }
+    ring.wait_writable(shm_->spin(), kRingSlice);
+  }
+  if (!error.empty()) {
+    fail(error);
+    on_failure_(error);
+  }
+  // Every send not wholly in the ring fails (the caller may free its buffer now).
+  std::deque<std::shared_ptr<SendOp>> rest;
+  {
+    std::lock_guard<std::mutex> lock(peer.write_mu);
+    rest.swap(peer.shm_sends);
+  }
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reason = closed_ && failure_.empty() ? "the communicator is closed" : failure_;
+  }
+  if (reason.empty()) reason = error.empty() ? "the sending thread stopped" : error;
+  for (auto& op : rest) op->work->complete(reason);
+}
+
+bool PointToPoint::shm_read(Peer& peer, ShmRing& ring, void* dst, std::size_t n,
+                            std::string* why) {
+  char* out = static_cast<char*>(dst);
+  std::size_t got = 0;
+  while (got < n) {
+    const std::size_t k = ring.read_some(out == nullptr ? nullptr : out + got, n - got);
+    got += k;
+    if (k > 0) continue;
+    if (stopping_.load()) {
+      why->clear();
+      return false;
+    }
+    // What a peer wrote before it went is still read: only an empty ring asks.
+    const std::string gone = shm_->peer_gone(peer.local);
+    if (!gone.empty() && ring.readable() == 0) {
+      *why = gone;
+      return false;
+    }
+    ring.wait_readable(shm_->spin(), kRingSlice);
+  }
+  return true;
+}
+
+void PointToPoint::shm_receive_loop(Peer& peer) {
+  const int src = peer.rank;
+  ShmRing ring = shm_->ring(peer.local, shm_->local_of(rank_));
+  std::shared_ptr<RecvOp> target;
+  std::shared_ptr<Message> message;
+  std::string error;   // a failure of this pair
+  std::string gone;    // the peer went (exit, close, failure)
+  bool midway = false;  // between a message's header and the end of its payload
+  for (;;) {
+    Header header{};
+    if (!shm_read(peer, ring, &header, sizeof(Header), &gone)) break;
+    midway = true;
+    if (header.magic != kHeaderMagic || header.tag > kMaxP2pTag) {
+      error = "receiving from rank " + std::to_string(src) +
+              ": malformed point-to-point header in the shared-memory ring";
+      break;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_ || !failure_.empty()) break;
+      auto& channel = channels_[{src, header.tag}];
+      if (!channel.posted.empty()) {
+        target = channel.posted.front();
+        channel.posted.pop_front();
+        if (channel.posted.empty()) channels_.erase({src, header.tag});
+      } else {
+        message = std::make_shared<Message>();
+        message->nbytes = header.nbytes;
+        channel.arrived.push_back(message);
+      }
+    }
+    const std::size_t nbytes = header.nbytes;
+    // (outside the lock: no one reads a message's data before it has arrived)
+    if (message) message->data.resize(nbytes);
+    void* dst = target ? (target->nbytes == nbytes ? target->data : nullptr)  // null: drained
+                       : static_cast<void*>(message->data.data());
+    if (!shm_read(peer, ring, dst, nbytes, &gone)) break;
+    midway = false;
+    if (target) {
+      target->work->complete(target->nbytes == nbytes
+                                 ? std::string()
+                                 : size_error(nbytes, target->nbytes, src, header.tag));
+      target.reset();
+    } else {
+      std::shared_ptr<RecvOp> waiter;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        message->arrived = true;
+        waiter = std::move(message->waiter);
+      }
+      if (waiter) {
+        if (waiter->nbytes != nbytes) {
+          waiter->work->complete(size_error(nbytes, waiter->nbytes, src, header.tag));
+        } else {
+          if (nbytes > 0) std::memcpy(waiter->data, message->data.data(), nbytes);
+          waiter->work->complete("");
+        }
+      }
+      message.reset();
+    }
+  }
+  if (!gone.empty() && error.empty()) {
+    error = "receiving from rank " + std::to_string(src) + ": " + gone;
+    bool idle = !midway && !target && !message;
+    if (idle) {  // as a connection closed while nothing was awaited (see p2p.h)
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, channel] : channels_) {
+        if (key.first == src && !channel.posted.empty()) idle = false;
+      }
+      if (idle) peer.broken = error;
+    }
+    if (idle) error.clear();
+  }
+  if (!error.empty()) {
+    fail(error);
+    on_failure_(error);
+  }
+  std::string reason;
+  std::shared_ptr<RecvOp> waiter;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reason = closed_ && failure_.empty() ? "the communicator is closed" : failure_;
+    if (message) waiter = std::move(message->waiter);
+  }
+  if (reason.empty()) reason = "the receiving thread stopped";
+  if (target) target->work->complete(reason);
+  if (waiter) waiter->work->complete(reason);
+}
+
 void PointToPoint::fail(const std::string& reason) { stop(reason, /*failure=*/true); }
 
 void PointToPoint::stop(const std::string& reason, bool failure) {
@@ -392,6 +616,7 @@ void PointToPoint::stop(const std::string& reason, bool failure) {
     std::lock_guard<std::mutex> lock(mu_);
     if (failure && failure_.empty()) failure_ = reason;
     if (!failure) closed_ = true;
+    stopping_.store(true);
     why = failure_.empty() ? reason : failure_;
     // Receives no message was matched with yet: nothing writes into them, fail them now.
     for (auto& [key, channel] : channels_) {
@@ -404,6 +629,12 @@ void PointToPoint::stop(const std::string& reason, bool failure) {
       if (peer->recv_waiting) peer->recv_waiting->abortWaitRecv();
       if (peer->send_waiting) peer->send_waiting->abortWaitSend();
       peer->send_cv.notify_all();
+      if (peer->local >= 0) {  // the ring threads sleep on the rings' futexes, or on shm_cv
+        const int me = shm_->local_of(rank_);
+        shm_->ring(peer->local, me).wake();
+        shm_->ring(me, peer->local).wake();
+        peer->shm_cv.notify_all();
+      }
     }
   }
   for (auto& op : orphans) op->work->complete(why);

@@ -20,6 +20,14 @@
 // program, as MPI's eager protocol does); one whose receive is posted lands in place.
 // Order per (peer, tag) is the order of the headers, which is the order of the sends.
 //
+// Ranks on one host (the communicator's shared-memory group, shm_allreduce.h) send
+// through a ring in the receiver's segment instead (shm_ring.h): the same header and
+// payload as one stream, copied in by the sending thread itself as far as the ring has
+// room (the rest by the peer's sending thread), and out by the peer's receiving thread,
+// which sleeps on the ring's futex in slices and looks between them for this object's
+// failure and for the peer's exit, close or failure. A peer gone while nothing from it is
+// awaited is handled as a closed connection below.
+//
 // Failures: a broken pair wakes the threads waiting on it (Gloo signals its pending
 // buffers); they report it through `on_failure` (the communicator poisons itself, which
 // calls fail() here). fail() completes every pending operation with the error; an
@@ -29,6 +37,7 @@
 // from it posted later is.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -46,6 +55,7 @@
 #include <gloo/transport/unbound_buffer.h>
 
 #include "communicator.h"
+#include "shm_allreduce.h"
 
 namespace tnt_gloo {
 
@@ -60,7 +70,10 @@ class PointToPoint {
  public:
   using FailureCallback = std::function<void(const std::string&)>;
 
-  PointToPoint(std::shared_ptr<gloo::Context> context, FailureCallback on_failure);
+  // `shm`: the shared-memory group of this rank's host, if the communicator has one (its
+  // ranks' messages go through rings); null: every message goes over Gloo.
+  PointToPoint(std::shared_ptr<gloo::Context> context, FailureCallback on_failure,
+               std::shared_ptr<ShmAllreduce> shm = nullptr);
   ~PointToPoint();
 
   PointToPoint(const PointToPoint&) = delete;
@@ -75,6 +88,13 @@ class PointToPoint {
   // Start receiving the next message from `src` with `tag` into `nbytes` at `data`.
   std::shared_ptr<Work> recv(void* data, std::size_t nbytes, int src, std::uint64_t tag,
                              std::string name, Work::OnDone on_done = nullptr);
+
+  // "shm" (through the rings: the peer shares this host's shared-memory group), "self" or
+  // "tcp": what a message to or from `peer` goes over.
+  const char* transport(int peer) const {
+    if (peer == rank_) return "self";
+    return shm_ && shm_->local_of(peer) >= 0 ? "shm" : "tcp";
+  }
 
   // Fail every pending operation and every later call with `reason` (the first reason
   // wins); wake the threads. Never blocks on the network; callable from any thread.
@@ -116,11 +136,25 @@ class PointToPoint {
     std::condition_variable send_cv;
     // Why the connection broke while no message from the peer was awaited ("" if not).
     std::string broken;
+    // On this host: the peer's index in the shared-memory group (else -1), the sends not
+    // yet wholly in its ring (in order; guarded by write_mu, which orders the writes).
+    int local = -1;
+    std::mutex write_mu;
+    std::condition_variable shm_cv;  // with write_mu: shm_sends filled, or stopping
+    std::deque<std::shared_ptr<SendOp>> shm_sends;
   };
 
   Peer& peer_locked(int rank);
   void receive_loop(Peer& peer);
   void send_loop(Peer& peer);
+  // The same through the peer's rings (shm_ring.h).
+  std::shared_ptr<Work> shm_send(const void* data, std::size_t nbytes, int dest,
+                                 std::uint64_t tag, std::shared_ptr<Work> work);
+  void shm_receive_loop(Peer& peer);
+  void shm_send_loop(Peer& peer);
+  // Read exactly `n` bytes of the peer's ring into `dst` (skipped if null). False if this
+  // object stopped or the peer is gone (`why` says which, "" for a stop).
+  bool shm_read(Peer& peer, ShmRing& ring, void* dst, std::size_t n, std::string* why);
   void check_usable_locked() const;
   void stop(const std::string& reason, bool failure);
 
@@ -128,6 +162,8 @@ class PointToPoint {
   const int rank_;
   const int size_;
   const FailureCallback on_failure_;
+  const std::shared_ptr<ShmAllreduce> shm_;
+  std::atomic<bool> stopping_{false};  // set with closed_ or failure_, read without mu_
 
   mutable std::mutex mu_;  // guards everything below, and every post to Gloo
   std::string failure_;

@@ -21,6 +21,7 @@
 #include <stdexcept>
 
 #include "errors.h"
+#include "shm_futex.h"
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -76,14 +77,24 @@ static_assert(sizeof(Control) <= kHeaderBytes, "control block outgrew its page")
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free,
               "cross-process atomics must be lock-free");
 
-std::size_t segment_bytes(std::size_t chunk_bytes) { return kHeaderBytes + 2 * chunk_bytes; }
+// After the two slots, the point-to-point rings into this rank (shm_ring.h), one per peer
+// of its group: a page of control each, then the ring. About 2 MiB per rank whatever the
+// group's size (each ring at least 64 KiB), so that /dev/shm (Docker's default: 64 MiB)
+// holds them beside the slots.
+constexpr std::size_t kRingControlBytes = 4096;
+constexpr std::size_t kRingsBytes = 2 << 20;
+constexpr std::size_t kRingMinBytes = 64 << 10;
+static_assert(sizeof(RingControl) <= kRingControlBytes, "ring control outgrew its page");
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
+std::size_t ring_bytes(int size) {
+  if (size < 2) return 0;
+  const std::size_t each = kRingsBytes / static_cast<std::size_t>(size - 1) / 4096 * 4096;
+  return std::max(kRingMinBytes, each);
+}
+
+std::size_t segment_bytes(std::size_t chunk_bytes, int size) {
+  return kHeaderBytes + 2 * chunk_bytes +
+         static_cast<std::size_t>(std::max(size - 1, 0)) * (kRingControlBytes + ring_bytes(size));
 }
 
 // Copy this rank's data into a slot its peers read, past the caches (ShmCopy::kStream).
@@ -115,23 +126,6 @@ void stream_copy(void* dst, const void* src, std::size_t bytes) {
   }
 #endif
   std::memcpy(dst, src, bytes);
-}
-
-// Shared (not FUTEX_PRIVATE) futexes: the words live in another process's segment.
-void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected,
-                std::chrono::nanoseconds timeout) {
-  if (timeout.count() <= 0) return;
-  timespec ts;
-  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
-  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
-  // EAGAIN (the value changed), ETIMEDOUT and EINTR all mean: look again.
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts,
-          nullptr, 0);
-}
-
-void futex_wake(std::atomic<std::uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr,
-          nullptr, 0);
 }
 
 std::string errno_text(int error) { return std::strerror(error); }
@@ -221,7 +215,7 @@ using Segment = ShmAllreduce::Segment;
 std::unique_ptr<Segment> create_segment(const std::string& name, const ShmOptions& o) {
   auto seg = std::make_unique<Segment>();
   seg->name = name;
-  seg->bytes = segment_bytes(o.chunk_bytes);
+  seg->bytes = segment_bytes(o.chunk_bytes, o.size);
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     throw std::runtime_error("shm_open(" + name + "): " + errno_text(errno));
@@ -288,7 +282,7 @@ std::unique_ptr<Segment> map_segment(const std::string& name, int rank, const Sh
     throw std::runtime_error("segment " + name + " does not belong to rank " +
                              std::to_string(rank) + " of this job");
   }
-  if (c->chunk_bytes != o.chunk_bytes || seg->bytes != segment_bytes(o.chunk_bytes)) {
+  if (c->chunk_bytes != o.chunk_bytes || seg->bytes != segment_bytes(o.chunk_bytes, o.size)) {
     throw std::runtime_error(
         "rank " + std::to_string(rank) + " uses " + std::to_string(c->chunk_bytes) +
         "-byte chunks, rank " + std::to_string(o.rank) + " " + std::to_string(o.chunk_bytes) +
@@ -809,6 +803,31 @@ void ShmAllreduce::abort(AbortKind kind) noexcept {
                                                             std::memory_order_acq_rel);
   // Sleepers on any word re-check every abort flag when woken: wake them all, ours too.
   for (auto& seg : segments_) futex_wake(&seg->control()->seq);
+}
+
+int ShmAllreduce::local_of(int comm_rank) const {
+  for (int r = 0; r < size_; ++r) {
+    if (names_[r] == comm_rank) return r;
+  }
+  return -1;
+}
+
+ShmRing ShmAllreduce::ring(int from, int to) const {
+  // `to`'s segment holds a ring per peer, in their order without `to` itself
+  const int index = from < to ? from : from - 1;
+  const std::size_t each = kRingControlBytes + ring_bytes(size_);
+  char* base = segments_[to]->data() + 2 * chunk_bytes_ + static_cast<std::size_t>(index) * each;
+  return ShmRing(reinterpret_cast<RingControl*>(base), base + kRingControlBytes, ring_bytes(size_));
+}
+
+std::string ShmAllreduce::peer_gone(int peer) const {
+  const std::uint32_t abort = segments_[peer]->control()->abort.load(std::memory_order_acquire);
+  const std::string who =
+      "rank " + std::to_string(names_[peer]) + " (pid " + std::to_string(peers_[peer].pid) + ")";
+  if (exited(peers_[peer])) return who + " exited";
+  if (abort == kClosed) return who + " closed its communicator";
+  if (abort != kNotAborted) return who + " failed (its communicator is poisoned)";
+  return std::string();
 }
 
 }  // namespace tnt_gloo

@@ -26,6 +26,7 @@
 
 #include <gloo/rendezvous/store.h>
 
+#include "shm_ring.h"
 #include "types.h"
 
 namespace tnt_gloo {
@@ -144,6 +145,15 @@ class ShmAllreduce {
   // Tell the peers (and our own waiting thread) to give up: sets this rank's abort flag
   // and wakes every sleeper on every segment. Any thread, any time; idempotent.
   void abort(AbortKind kind) noexcept;
+
+  // Point-to-point between the ranks of the group (p2p.h): the group's index of a rank of
+  // the communicator (-1 if it is not in the group), the ring from `from` into `to`
+  // (indices of the group), and what ended `peer` ("" if it is still there: not exited,
+  // not closed, not failed). Any thread.
+  int local_of(int comm_rank) const;
+  ShmRing ring(int from, int to) const;
+  std::string peer_gone(int peer) const;
+  std::chrono::nanoseconds spin() const { return spin_; }
 
   // The name this rank's segment had (already unlinked): for tests and diagnostics.
   const std::string& segment_name() const { return own_name_; }

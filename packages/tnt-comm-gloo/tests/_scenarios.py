@@ -475,6 +475,20 @@ def hierarchy(report: Report, victim_after: float) -> None:
         assert backend._settings.algorithm_for(100 << 10, backend.size) == "bcube"  # flat, 4 ranks
 
     report.check("algorithm-between-hosts", algorithm_between_hosts)
+
+    def messages_within_and_between_hosts() -> None:
+        # the peer on this host through a ring, the one on the other host over TCP
+        near, far = rank ^ 1, (rank + 2) % 4
+        got = (backend.p2p_transport(near), backend.p2p_transport(far))
+        assert got == ("shm", "tcp"), got
+        outs = {p: np.full(1000, 10 * rank + p, np.float64) for p in (near, far)}
+        recvs = {p: backend.recv_async(np.zeros(1000), p, tag=6) for p in (near, far)}
+        for p, out in outs.items():
+            backend.send_async(out, p, tag=6).wait(timeout=20)
+        for p, h in recvs.items():
+            assert np.all(h.wait(timeout=20) == 10 * p + rank), p
+
+    report.check("messages-within-and-between-hosts", messages_within_and_between_hosts)
     size = backend.size
     per_slot = int(os.environ["TNT_GLOO_SHM_CHUNK_BYTES"])
     for dtype in _SHM_DTYPES:
@@ -614,6 +628,35 @@ def p2p(report: Report, backend) -> None:
         else:
             raise AssertionError(f"tag {top + 1} was accepted")
 
+    def transport() -> None:
+        want = "tcp" if os.environ.get("TNT_GLOO_SHM") == "0" else "shm"
+        got = (backend.p2p_transport(peer), backend.p2p_transport(rank))
+        assert got == (want, "self"), got
+
+    def larger_than_the_ring() -> None:
+        # The rings hold 2 MiB (2 ranks): a 3 MiB message sent before its receive is posted
+        # (streamed by the sending thread, held by the receiving one) between two small
+        # ones on the same tag, and a 5 MiB one whose receive waits for it (in place).
+        small = [np.full(10, k, np.float32) for k in range(2)]
+        big = np.arange(3 << 18, dtype=np.float32)  # 3 MiB
+        bigger = np.arange(5 << 17, dtype=np.float64) * 0.5  # 5 MiB
+        if rank == 0:
+            sends = [backend.send_async(m, 1, tag=9) for m in (small[0], big, small[1])]
+            backend.barrier()  # rank 1 posts its receives after this
+            got = backend.recv_async(np.empty_like(bigger), 1, tag=10).wait(timeout=20)
+            assert np.array_equal(got, bigger)
+            for h in sends:
+                h.wait(timeout=20)
+        else:
+            backend.barrier()
+            for want in (small[0], big, small[1]):
+                got = backend.recv_async(np.empty_like(want), 0, tag=9).wait(timeout=20)
+                assert np.array_equal(got, want), f"{want.nbytes} bytes"
+            time.sleep(0.1)  # rank 0's receive waits
+            backend.send_async(bigger, 0, tag=10).wait(timeout=20)
+
+    report.check("transport", transport)
+    report.check("larger-than-the-ring", larger_than_the_ring)
     report.check("beside-a-collective", beside_a_collective)
     report.check("done-without-wait", done_without_wait)
     report.check("to-itself", to_itself)

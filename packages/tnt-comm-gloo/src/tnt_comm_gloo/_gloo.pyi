@@ -51,6 +51,11 @@ class Communicator:
         How this rank copies into its shared-memory slots: 'stream' (non-temporal stores), 'cache' (memcpy), 'auto' while it still times both; '' without shared memory.
         """
 
+    def p2p_transport(self, peer: int) -> str:
+        """
+        What messages to and from `peer` go over: 'shm' (a ring in shared memory: the peer is on this host), 'self' or 'tcp'.
+        """
+
     @property
     def host_layout(self) -> tuple[int, int]:
         """

@@ -407,6 +407,12 @@ class GlooBackend(CommBackend):
         rank."""
         return self._comm.allreduce_transport
 
+    def p2p_transport(self, peer: int) -> str:
+        """``"shm"`` (a ring in the shared-memory segments: ``peer`` is on this host and
+        the allreduce's segments exist), ``"self"`` or ``"tcp"``: what
+        :meth:`send_async` and :meth:`recv_async` with ``peer`` go over."""
+        return self._comm.p2p_transport(peer)
+
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}, "
                 f"allreduce over {self.allreduce_transport}>")

@@ -53,7 +53,8 @@ TNT_GLOO_DOUBLING_MAX_BYTES = GLOO.declare(
     minimum=0, unit="bytes")
 TNT_GLOO_SHM = GLOO.declare(
     "TNT_GLOO_SHM", "choice", "auto",
-    "allreduce through shared memory when every rank is on one host", case="lower",
+    "allreduce and point-to-point messages through shared memory when every rank is on one "
+    "host", case="lower",
     choices=(("auto", "shared memory when every rank is on this host"), ("0", "always TCP"),
              ("1", "shared memory, else fail")))
 TNT_GLOO_HIERARCHY = GLOO.declare(
