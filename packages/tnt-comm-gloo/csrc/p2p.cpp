@@ -204,6 +204,68 @@ std::shared_ptr<Work> PointToPoint::recv(void* data, std::size_t nbytes, int src
   return work;
 }
 
+void PointToPoint::match_locked(int src, std::uint64_t tag, std::size_t nbytes,
+                                std::shared_ptr<RecvOp>& target,
+                                std::shared_ptr<Message>& message) {
+  auto& channel = channels_[{src, tag}];
+  if (!channel.posted.empty()) {
+    target = channel.posted.front();
+    channel.posted.pop_front();
+    if (channel.posted.empty()) channels_.erase({src, tag});
+  } else {
+    message = std::make_shared<Message>();
+    message->nbytes = nbytes;
+    channel.arrived.push_back(message);
+  }
+}
+
+void PointToPoint::deliver(int src, std::uint64_t tag, std::size_t nbytes,
+                           std::shared_ptr<RecvOp>& target, std::shared_ptr<Message>& message) {
+  if (target) {
+    target->work->complete(target->nbytes == nbytes ? std::string()
+                                                    : size_error(nbytes, target->nbytes, src, tag));
+    target.reset();
+    return;
+  }
+  std::shared_ptr<RecvOp> waiter;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    message->arrived = true;
+    waiter = std::move(message->waiter);
+  }
+  if (waiter) {
+    if (waiter->nbytes != nbytes) {
+      waiter->work->complete(size_error(nbytes, waiter->nbytes, src, tag));
+    } else {
+      if (nbytes > 0) std::memcpy(waiter->data, message->data.data(), nbytes);
+      waiter->work->complete("");
+    }
+  }
+  message.reset();
+}
+
+bool PointToPoint::broken_if_idle_locked(Peer& peer, const std::string& why) {
+  for (const auto& [key, channel] : channels_) {
+    if (key.first == peer.rank && !channel.posted.empty()) return false;
+  }
+  peer.broken = why;
+  return true;
+}
+
+void PointToPoint::fail_owned(std::shared_ptr<RecvOp>& target,
+                              std::shared_ptr<Message>& message) {
+  std::string reason;
+  std::shared_ptr<RecvOp> waiter;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reason = closed_ && failure_.empty() ? "the communicator is closed" : failure_;
+    if (message) waiter = std::move(message->waiter);
+  }
+  if (reason.empty()) reason = "the receiving thread stopped";
+  if (target) target->work->complete(reason);
+  if (waiter) waiter->work->complete(reason);
+}
+
 void PointToPoint::receive_loop(Peer& peer) {
   const int src = peer.rank;
   Header header{};
@@ -233,16 +295,7 @@ void PointToPoint::receive_loop(Peer& peer) {
         if (header.magic != kHeaderMagic || header.tag > kMaxP2pTag) {
           throw GlooError("malformed point-to-point header (a peer of another version?)");
         }
-        auto& channel = channels_[{src, header.tag}];
-        if (!channel.posted.empty()) {
-          target = channel.posted.front();
-          channel.posted.pop_front();
-          if (channel.posted.empty()) channels_.erase({src, header.tag});
-        } else {
-          message = std::make_shared<Message>();
-          message->nbytes = header.nbytes;
-          channel.arrived.push_back(message);
-        }
+        match_locked(src, header.tag, header.nbytes, target, message);
       }
       const std::uint64_t tag = header.tag;
       const std::size_t nbytes = header.nbytes;
@@ -273,28 +326,7 @@ void PointToPoint::receive_loop(Peer& peer) {
         if (!done) break;
         drain = std::vector<char>();
       }
-      if (target) {
-        target->work->complete(target->nbytes == nbytes
-                                   ? std::string()
-                                   : size_error(nbytes, target->nbytes, src, tag));
-        target.reset();
-      } else {
-        std::shared_ptr<RecvOp> waiter;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          message->arrived = true;
-          waiter = std::move(message->waiter);
-        }
-        if (waiter) {
-          if (waiter->nbytes != nbytes) {
-            waiter->work->complete(size_error(nbytes, waiter->nbytes, src, tag));
-          } else {
-            if (nbytes > 0) std::memcpy(waiter->data, message->data.data(), nbytes);
-            waiter->work->complete("");
-          }
-        }
-        message.reset();
-      }
+      deliver(src, tag, nbytes, target, message);
     }
   } catch (...) {
     error = "receiving from rank " + std::to_string(src) + ": " +
@@ -308,11 +340,7 @@ void PointToPoint::receive_loop(Peer& peer) {
       // The connection broke while no message from this peer was awaited: the peer may
       // have closed its communicator after its last message, as at the end of a job.
       // Nothing failed yet; a later receive from it fails at once (see recv()).
-      idle = true;
-      for (const auto& [key, channel] : channels_) {
-        if (key.first == src && !channel.posted.empty()) idle = false;
-      }
-      if (idle) peer.broken = error;
+      idle = broken_if_idle_locked(peer, error);
     }
   }
   pbuf.reset();
@@ -321,16 +349,7 @@ void PointToPoint::receive_loop(Peer& peer) {
     on_failure_(error);
   }
   // What this thread still owns fails with the communicator's failure.
-  std::string reason;
-  std::shared_ptr<RecvOp> waiter;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    reason = closed_ && failure_.empty() ? "the communicator is closed" : failure_;
-    if (message) waiter = std::move(message->waiter);
-  }
-  if (reason.empty()) reason = "the receiving thread stopped";
-  if (target) target->work->complete(reason);
-  if (waiter) waiter->work->complete(reason);
+  fail_owned(target, message);
 }
 
 void PointToPoint::send_loop(Peer& peer) {
@@ -448,10 +467,8 @@ void PointToPoint::shm_send_loop(Peer& peer) {
     bool done = false;
     {
       std::unique_lock<std::mutex> lock(peer.write_mu);
-      if (peer.shm_sends.empty()) {
-        peer.shm_cv.wait_for(lock, kRingSlice);
-        continue;
-      }
+      peer.shm_cv.wait(lock, [&] { return !peer.shm_sends.empty() || stopping_.load(); });
+      if (peer.shm_sends.empty()) continue;
       op = peer.shm_sends.front();
       if (op->written < sizeof(Header)) {
         op->written += ring.write_some(reinterpret_cast<const char*>(&op->header) + op->written,
@@ -538,16 +555,7 @@ void PointToPoint::shm_receive_loop(Peer& peer) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (closed_ || !failure_.empty()) break;
-      auto& channel = channels_[{src, header.tag}];
-      if (!channel.posted.empty()) {
-        target = channel.posted.front();
-        channel.posted.pop_front();
-        if (channel.posted.empty()) channels_.erase({src, header.tag});
-      } else {
-        message = std::make_shared<Message>();
-        message->nbytes = header.nbytes;
-        channel.arrived.push_back(message);
-      }
+      match_locked(src, header.tag, header.nbytes, target, message);
     }
     const std::size_t nbytes = header.nbytes;
     // (outside the lock: no one reads a message's data before it has arrived)
@@ -556,38 +564,14 @@ void PointToPoint::shm_receive_loop(Peer& peer) {
                        : static_cast<void*>(message->data.data());
     if (!shm_read(peer, ring, dst, nbytes, &gone)) break;
     midway = false;
-    if (target) {
-      target->work->complete(target->nbytes == nbytes
-                                 ? std::string()
-                                 : size_error(nbytes, target->nbytes, src, header.tag));
-      target.reset();
-    } else {
-      std::shared_ptr<RecvOp> waiter;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        message->arrived = true;
-        waiter = std::move(message->waiter);
-      }
-      if (waiter) {
-        if (waiter->nbytes != nbytes) {
-          waiter->work->complete(size_error(nbytes, waiter->nbytes, src, header.tag));
-        } else {
-          if (nbytes > 0) std::memcpy(waiter->data, message->data.data(), nbytes);
-          waiter->work->complete("");
-        }
-      }
-      message.reset();
-    }
+    deliver(src, header.tag, nbytes, target, message);
   }
   if (!gone.empty() && error.empty()) {
     error = "receiving from rank " + std::to_string(src) + ": " + gone;
     bool idle = !midway && !target && !message;
     if (idle) {  // as a connection closed while nothing was awaited (see p2p.h)
       std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [key, channel] : channels_) {
-        if (key.first == src && !channel.posted.empty()) idle = false;
-      }
-      if (idle) peer.broken = error;
+      idle = broken_if_idle_locked(peer, error);
     }
     if (idle) error.clear();
   }
@@ -595,16 +579,7 @@ void PointToPoint::shm_receive_loop(Peer& peer) {
     fail(error);
     on_failure_(error);
   }
-  std::string reason;
-  std::shared_ptr<RecvOp> waiter;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    reason = closed_ && failure_.empty() ? "the communicator is closed" : failure_;
-    if (message) waiter = std::move(message->waiter);
-  }
-  if (reason.empty()) reason = "the receiving thread stopped";
-  if (target) target->work->complete(reason);
-  if (waiter) waiter->work->complete(reason);
+  fail_owned(target, message);
 }
 
 void PointToPoint::fail(const std::string& reason) { stop(reason, /*failure=*/true); }
@@ -633,6 +608,7 @@ void PointToPoint::stop(const std::string& reason, bool failure) {
         const int me = shm_->local_of(rank_);
         shm_->ring(peer->local, me).wake();
         shm_->ring(me, peer->local).wake();
+        { std::lock_guard<std::mutex> write(peer->write_mu); }  // its thread waits, or sees stopping_
         peer->shm_cv.notify_all();
       }
     }

@@ -145,6 +145,18 @@ class PointToPoint {
   };
 
   Peer& peer_locked(int rank);
+  // A receiving thread's parts, whatever the transport: the receive a message whose
+  // header came goes to (`target`: the oldest posted for its peer and tag), else a
+  // `message` held until one is posted; complete the receive of a message
+  // whose payload is in (`target`, or `message` and the receive posted for it since);
+  // after the peer's connection (or the peer) went: mark it broken unless a receive from
+  // it is posted (then true: nothing failed yet); at the thread's end: fail what it holds.
+  void match_locked(int src, std::uint64_t tag, std::size_t nbytes,
+                    std::shared_ptr<RecvOp>& target, std::shared_ptr<Message>& message);
+  void deliver(int src, std::uint64_t tag, std::size_t nbytes, std::shared_ptr<RecvOp>& target,
+               std::shared_ptr<Message>& message);
+  bool broken_if_idle_locked(Peer& peer, const std::string& why);
+  void fail_owned(std::shared_ptr<RecvOp>& target, std::shared_ptr<Message>& message);
   void receive_loop(Peer& peer);
   void send_loop(Peer& peer);
   // The same through the peer's rings (shm_ring.h).
