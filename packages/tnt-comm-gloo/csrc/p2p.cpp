@@ -437,7 +437,7 @@ std::shared_ptr<Work> PointToPoint::shm_send(const void* data, std::size_t nbyte
   op->header = Header{kHeaderMagic, tag, nbytes};
   op->work = work;
   op->data = static_cast<const char*>(data);
-  ShmRing ring = shm_->ring(shm_->local_of(rank_), peer->local);
+  ShmRing ring = shm_->ring(shm_->rank(), peer->local);
   bool done = false;
   {
     std::lock_guard<std::mutex> lock(peer->write_mu);
@@ -460,7 +460,7 @@ std::shared_ptr<Work> PointToPoint::shm_send(const void* data, std::size_t nbyte
 
 void PointToPoint::shm_send_loop(Peer& peer) {
   const int dest = peer.rank;
-  ShmRing ring = shm_->ring(shm_->local_of(rank_), peer.local);
+  ShmRing ring = shm_->ring(shm_->rank(), peer.local);
   std::string error;
   while (!stopping_.load()) {
     std::shared_ptr<SendOp> op;
@@ -537,7 +537,7 @@ bool PointToPoint::shm_read(Peer& peer, ShmRing& ring, void* dst, std::size_t n,
 
 void PointToPoint::shm_receive_loop(Peer& peer) {
   const int src = peer.rank;
-  ShmRing ring = shm_->ring(peer.local, shm_->local_of(rank_));
+  ShmRing ring = shm_->ring(peer.local, shm_->rank());
   std::shared_ptr<RecvOp> target;
   std::shared_ptr<Message> message;
   std::string error;   // a failure of this pair
@@ -605,7 +605,7 @@ void PointToPoint::stop(const std::string& reason, bool failure) {
       if (peer->send_waiting) peer->send_waiting->abortWaitSend();
       peer->send_cv.notify_all();
       if (peer->local >= 0) {  // the ring threads sleep on the rings' futexes, or on shm_cv
-        const int me = shm_->local_of(rank_);
+        const int me = shm_->rank();
         shm_->ring(peer->local, me).wake();
         shm_->ring(me, peer->local).wake();
         { std::lock_guard<std::mutex> write(peer->write_mu); }  // its thread waits, or sees stopping_

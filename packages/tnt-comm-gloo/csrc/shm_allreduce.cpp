@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -618,18 +617,7 @@ void ShmAllreduce::wait_for_peer(int peer, std::uint32_t target, Clock::time_poi
     // modulo 2^32: sequence numbers wrap, peers are never 2^31 phases apart
     return static_cast<std::int32_t>(c.seq.load(std::memory_order_acquire) - target) >= 0;
   };
-  if (arrived()) return;
-  const auto spin_end = Clock::now() + spin_;
-  do {
-    for (int i = 0; i < 64; ++i) {
-      cpu_relax();
-      if (arrived()) return;
-    }
-    // The rank we wait for may be queued behind us on this CPU (more ranks than CPUs, or
-    // other load): let it run. Costs < 1 µs when nothing else is runnable; without it a
-    // rank sharing the CPU with its peer spins its whole budget on every wait.
-    sched_yield();
-  } while (Clock::now() < spin_end);
+  if (spin_until(arrived, spin_)) return;
   // Sleep in slices; between them look for the deadline, exits and aborts.
   auto next_liveness = Clock::now() + kSlice;
   for (;;) {

@@ -1,10 +1,11 @@
-// Waiting on a word of shared memory: a futex (shared, not FUTEX_PRIVATE: the word may
-// live in another process's segment) and the CPU's spin hint. Used by the shared-memory
-// allreduce and the point-to-point rings.
+// Waiting on a word of shared memory: a short spin, then a futex (shared, not
+// FUTEX_PRIVATE: the word may live in another process's segment). Used by the
+// shared-memory allreduce and the point-to-point rings.
 #pragma once
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,6 +22,25 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
+}
+
+// Spin until `ready()` for at most `spin` (one burst at least), yielding the CPU between
+// bursts: the rank waited for may be queued behind this thread on its CPU (more ranks than
+// CPUs, or other load); a yield costs < 1 us when nothing else is runnable, and without it
+// a rank sharing its CPU with its peer spins its whole budget on every wait. True once
+// ready.
+template <typename Ready>
+bool spin_until(Ready ready, std::chrono::nanoseconds spin) {
+  if (ready()) return true;
+  const auto end = std::chrono::steady_clock::now() + spin;
+  do {
+    for (int i = 0; i < 64; ++i) {
+      cpu_relax();
+      if (ready()) return true;
+    }
+    sched_yield();
+  } while (std::chrono::steady_clock::now() < end);
+  return ready();
 }
 
 // Sleep while *word == expected, at most `timeout`. EAGAIN (the value changed), ETIMEDOUT

@@ -1,7 +1,5 @@
 #include "shm_ring.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cstring>
 
@@ -10,25 +8,6 @@
 namespace tnt_gloo {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// Spin on `ready`, yielding the CPU between bursts (the other side may be queued behind
-// this thread on the same CPU), for at most `spin`.
-template <typename Ready>
-bool spin_until(Ready ready, std::chrono::nanoseconds spin) {
-  if (ready()) return true;
-  if (spin.count() <= 0) return false;
-  const auto end = Clock::now() + spin;
-  do {
-    for (int i = 0; i < 64; ++i) {
-      cpu_relax();
-      if (ready()) return true;
-    }
-    sched_yield();
-  } while (Clock::now() < end);
-  return ready();
-}
 
 // Announce, re-check, sleep on `seq`: the other side bumps `seq` after it moves its
 // position and wakes only when `asleep` is set, so a wake is never missed.
