@@ -112,6 +112,7 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
                               "(partition 0) would compute its statistics on each micro-batch",
         }.items():
             assert refused[name].startswith(message), refused[name]
+        assert got["weights_kept_by_refusals"], f"rank {rank}: a refused fit changed the weights"
     pipelines = 2 if "pipeline 0 of 2" in json.loads((out / "pipeline.rank0.json").read_text())["repr"] else 1
     assert sum(local) == pipelines * ref["count"] and all(n < ref["count"] for n in local)
     assert (out / "w.weights.h5").exists()

@@ -274,6 +274,9 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - the message is the result
                 refused[name] = f"{type(exc).__name__}: {exc}"
         extra["refused"] = refused
+        # a refused step applied no update on any rank (the batch check gates the update)
+        extra["weights_kept_by_refusals"] = all(
+            np.array_equal(a, b) for a, b in zip(model.get_weights(), weights))
         model.save_weights(str(args.out / "w.weights.h5"))
     # BackupAndRestore's resume at the step: one layout (under ALL, the elastic test's
     # restart of a pipelined job resumes from it too: test_elastic_fit)

@@ -17,7 +17,7 @@ import tnt_core
 
 from ..comm.step_reductions import StepReductions
 
-__all__ = ["check_same_batch", "checksum", "checksums"]
+__all__ = ["BatchCheck", "check_same_batch", "checksum", "checksums"]
 
 
 def _words(t: tf.Tensor) -> tf.Tensor:
@@ -73,15 +73,32 @@ def checksum(tensor: Any) -> int:
     return int(checksums([tensor])[0])
 
 
-def check_same_batch(reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
-    """Raise on every rank unless every rank of ``reductions``' backend holds a batch of
-    ``batch`` samples with the same ``x`` and ``y`` (a collective)."""
-    sums = checksums(tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)))
-    words = np.concatenate([[np.float64(batch)], sums.astype(np.float64)])
-    both = np.concatenate([words, -words])
-    extremes = reductions.allreduce(both, "max")
-    if not np.array_equal(extremes[:words.size], -extremes[words.size:]):
-        raise tnt_core.CommError(
+class BatchCheck:
+    """The check that every rank of ``reductions``' backend holds a batch of ``batch``
+    samples with the same ``x`` and ``y``, started (a collective every rank makes at the
+    same point): :meth:`same` waits for its verdict, the same on every rank."""
+
+    def __init__(self, reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
+        sums = checksums(tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)))
+        words = np.concatenate([[np.float64(batch)], sums.astype(np.float64)])
+        self._size = words.size
+        self._pending = reductions.start(np.concatenate([words, -words]), "max")
+
+    def same(self) -> bool:
+        extremes = self._pending.result()
+        return bool(np.array_equal(extremes[:self._size], -extremes[self._size:]))
+
+    @staticmethod
+    def error() -> tnt_core.CommError:
+        return tnt_core.CommError(
             "the ranks of a pipelined model read different batches (their batch sizes or "
             "contents differ): every rank must read the same data in the same order; pass "
             "the same arrays or dataset on every rank and do not shard it by rank")
+
+
+def check_same_batch(reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
+    """Raise on every rank unless every rank of ``reductions``' backend holds a batch of
+    ``batch`` samples with the same ``x`` and ``y`` (a collective)."""
+    check = BatchCheck(reductions, x, y, batch)
+    if not check.same():
+        raise check.error()

@@ -63,6 +63,7 @@ from .micro_batches import pipeline_rows, rows
 from .partition import Partitioning, partition, split_layers
 from .saving import StageSaving
 from .stage import SCHEDULES, StageStep
+from .step_ends import StepEnds
 from .variables import Ownership, hold_own_partition
 
 __all__ = ["PipelinedModel"]
@@ -415,11 +416,15 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def train_step(self, data: Any) -> Any:
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
-        x, y, sample_weight, batch = self._tnt_batch(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch = rows(x)
+        # the batch check and the loss's sum run inside the step (see step_ends)
+        ends = StepEnds(state.reductions(), x, y, batch)  # stage 0 reads x, the last y
         share = self._tnt_share(batch)
-        part = state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
-                                self._tnt_rows(sample_weight, share), global_batch=batch)
-        return self._tnt_logs(x, y, sample_weight, batch, 0.0, loss=self._tnt_sum(part))
+        with ends.refusing_different_batches():
+            state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
+                             self._tnt_rows(sample_weight, share), global_batch=batch, ends=ends)
+        return self._tnt_logs(x, y, sample_weight, batch, 0.0, loss=ends.loss())
 
     def test_step(self, data: Any) -> Any:
         state = self._tnt

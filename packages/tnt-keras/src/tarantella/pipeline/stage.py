@@ -59,12 +59,13 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 import tnt_core
 
 from .._keras_compat import forgetting_custom_gradients
-from ..comm import Channel
+from ..comm import Channel, count, previous, record
 from ..comm.compression import for_fit
 from ..comm.gradients import GradientReducer, reduce_weighted
 from ..comm.sparse_rows import RowKind
@@ -79,6 +80,7 @@ from .partition import Partitioning
 from .passes import InFlight, StagePasses, WeightPass, tensors_in
 from .schedule import Action, Op
 from .shapes import CutShapes, Shapes
+from .step_ends import StepEnds
 
 __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
 
@@ -86,6 +88,15 @@ __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
 _FORWARD, _BACKWARD = 0, 1
 #: the orders of a stage's passes (:mod:`tarantella.pipeline.schedule`), the default first
 SCHEDULES = tuple(schedules.SCHEDULES)
+
+
+class _EndsSlot:
+    """The step ends (:mod:`tarantella.pipeline.step_ends`) of the step running now, for
+    its graph's host calls: they capture this slot, never the :class:`StageStep` (see
+    :mod:`tarantella.pipeline.messages` on what ``numpy_function`` keeps alive)."""
+
+    def __init__(self) -> None:
+        self.current: StepEnds | None = None
 
 
 class StageStep:
@@ -137,6 +148,7 @@ class StageStep:
         self.first, self.last = stage == 0, stage == parts.num_partitions - 1
         self.replicas, self.regularise = replicas, regularise
         self._tokens: list[tf.Tensor] = []
+        self._ends = _EndsSlot()
         # one graph per batch size (static arguments: the micro-batch sizes follow from it)
         self._train_fn = tf.function(self._train_graph, autograph=False, reduce_retracing=False)
         self._forward_fn = tf.function(self._forward_graph, autograph=False)
@@ -213,7 +225,7 @@ class StageStep:
     # -- the step ------------------------------------------------------------------------------
 
     def train(self, x: Any, y: Any, sample_weight: Any = None, *,
-              global_batch: int | None = None) -> float:
+              global_batch: int | None = None, ends: StepEnds | None = None) -> float:
         """One optimizer step on the global batch ``(x, y)`` (``x`` is read by the stages
         whose partitions use model inputs, ``y`` and ``sample_weight`` on the last; every
         stage needs the batch's size from ``y``). Returns this stage's part of the batch's
@@ -225,18 +237,27 @@ class StageStep:
 
         The step is one graph per batch size (traced on the first batch of a size; a
         shorter last batch traces once more), and per shape of what the stage receives
-        (variable-length inputs: :mod:`tarantella.pipeline.shapes`): see :meth:`_train_graph`."""
+        (variable-length inputs: :mod:`tarantella.pipeline.shapes`): see :meth:`_train_graph`.
+
+        ``ends``: the loop's batch check and loss sum over every rank
+        (:mod:`tarantella.pipeline.step_ends`), waited for and started inside the step: the
+        update is applied only if ``ends.update_allowed()``, and this stage's part of the
+        loss goes to ``ends.loss_part`` after its last forward pass."""
         local = rows(y)
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
             self.optimizer.build(self.weights)
         if self.replicas is not None and self._rows is None:
             self._rows = self._sparse_rows(x if self.parts.reads_x(self.stage) else None)
-        with self._span("step"):
-            total, predictions = self._train_fn(
-                x if self.parts.reads_x(self.stage) else None, y if self.last else None,
-                sample_weight if self.last else None, local, batch,
-                self.shapes.received(self.stage, x))
+        self._ends.current = ends
+        try:
+            with self._span("step"):
+                total, predictions = self._train_fn(
+                    x if self.parts.reads_x(self.stage) else None, y if self.last else None,
+                    sample_weight if self.last else None, local, batch,
+                    self.shapes.received(self.stage, x))
+        finally:
+            self._ends.current = None
         if self.replicas is not None:
             self.replicas.record_buckets()
         self.predictions = predictions if self.last else None
@@ -263,6 +284,15 @@ class StageStep:
         accumulated = MicroBatchGradients(self.weights)
         parts: list[tf.Tensor] = []
         actions = self.actions(len(sizes))
+        # the loss is whole after the stage's last forward pass (and its send, not delayed);
+        # a replica with no sample of the batch has no pass: its part is 0 from the start
+        summed_after = max((i for i, a in enumerate(actions) if a.op is Op.FORWARD), default=-1)
+        if 0 <= summed_after < len(actions) - 1 and actions[summed_after + 1].op is Op.SEND_F:
+            summed_after += 1
+        total: tf.Tensor | None = None
+        if summed_after < 0:
+            total = tf.constant(0.0, tf.float64)
+            self._start_loss_sum(total)
         apart = {a.micro_batch for a in actions if a.op is Op.WEIGHT}  # B without the weights'
         weight_passes: dict[int, WeightPass] = {}
         last: list[Any] = []  # what the latest action made: an F or a W starts after it
@@ -277,6 +307,8 @@ class StageStep:
                 flights[k] = self._forward_pass(k, received.pop(k, []), xs[k], ys[k], sws[k], share[k],
                                                 after=last)
                 last = [*flights[k].outputs, *([] if flights[k].loss is None else [flights[k].loss])]
+                if flights[k].loss is not None:
+                    parts.append(tf.cast(flights[k].loss, tf.float64))  # a float64 model's loss
                 if self.last:
                     predictions[k] = flights[k].predictions
             elif action.op is Op.SEND_F:
@@ -287,8 +319,6 @@ class StageStep:
                 returned[k] = last = self._receive(flights[k].outputs, sizes[k], peer, _BACKWARD)
             elif action.op is Op.BACKWARD:
                 flight = flights.pop(k)
-                if flight.loss is not None:
-                    parts.append(tf.cast(flight.loss, tf.float64))  # a float64 model's loss
                 grads, back[k] = self._backward_pass(k, flight, returned.pop(k, None), k in apart,
                                                      after=last)
                 if isinstance(grads, WeightPass):  # B alone (none on the first stage)
@@ -309,9 +339,12 @@ class StageStep:
                 last = self._weight_passes(weight_group, [weight_passes.pop(j) for j in weight_group],
                                            last, accumulated)
                 weight_group = []
-        self._optimizer_step(accumulated)
+            if i == summed_after:
+                total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
+                self._start_loss_sum(total)
+        assert total is not None
+        self._optimizer_step(accumulated, self._update_allowed())
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
-        total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
         with tf.control_dependencies([done]):
             total = tf.identity(total)
         joined = concat([predictions[k] for k in sorted(predictions)]) if self.last else None
@@ -377,10 +410,42 @@ class StageStep:
 
     # -- the gradients to the optimizer -------------------------------------------------------
 
-    def _optimizer_step(self, accumulated: MicroBatchGradients) -> None:
+    def _start_loss_sum(self, total: tf.Tensor) -> None:
+        """Graph op in the chain of the step's collectives (after this stage's last forward
+        pass, on every stage: the ranks start their collectives in one order): hands this
+        stage's part of the loss to the step's ends, which start its sum over the ranks."""
+        slot = self._ends
+
+        def run(part: np.ndarray) -> np.int64:
+            if slot.current is not None:
+                slot.current.loss_part(float(part))
+            return np.int64(0)
+
+        with tf.control_dependencies(previous()):
+            started = tf.numpy_function(run, [total], tf.int64, stateful=True,
+                                        name="tnt_loss_sum_start")
+        count(started)  # it reaches the job's channel (the step ends' reductions)
+        record([started])
+
+    def _update_allowed(self) -> tf.Tensor:
+        """Graph op in the chain, before the update: whether the step's ends allow it (every
+        rank read the same batch; true without ends)."""
+        slot = self._ends
+
+        def run() -> np.bool_:
+            return np.bool_(slot.current is None or slot.current.update_allowed())
+
+        with tf.control_dependencies(previous()):
+            allowed = tf.numpy_function(run, [], tf.bool, stateful=True, name="tnt_update_allowed")
+        allowed.set_shape(())
+        count(allowed)
+        record([allowed])
+        return allowed
+
+    def _optimizer_step(self, accumulated: MicroBatchGradients, allowed: tf.Tensor) -> None:
         """The step's gradients (sparse ones as the batch's rows: :mod:`tarantella.pipeline.batch_gradients`)
         summed over the stage's replicas, agreed on (loss scaling's finiteness,
-        ``global_clipnorm``) over the pipeline's stages, and applied."""
+        ``global_clipnorm``) over the pipeline's stages, and applied if ``allowed``."""
         if self.replicas is None:
             grads = accumulated.whole()
         else:
@@ -392,11 +457,18 @@ class StageStep:
             grads = self._clip_by_global_norm(grads, clipnorm)
             self.optimizer.global_clipnorm = None  # read when traced: clipped once, above
             try:
-                self._apply(grads)
+                self._apply_if(allowed, grads)
             finally:
                 self.optimizer.global_clipnorm = clipnorm
         else:
+            self._apply_if(allowed, grads)
+
+    def _apply_if(self, allowed: tf.Tensor, grads: list[Any]) -> None:
+        def apply() -> tf.Tensor:
             self._apply(grads)
+            return tf.constant(True)
+
+        tf.cond(allowed, apply, lambda: tf.constant(False))
 
     def _sum_over_replicas(self, grads: list[Any]) -> list[Any]:
         """The sum of the stage's replicas' gradients, through the one reduction of DATA's
