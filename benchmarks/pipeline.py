@@ -50,16 +50,16 @@ step). The line above the table gives each stage's ``M x (F + B + W)``, the cut'
 as measured, and ``of passes`` the busier stage's over the step (no optimizer, no
 message: where a rank's ``work`` below undercounts its compute, which runs while one of
 its receives blocks, this one does not). ``check`` and ``sum`` are the parts of ``loop``
-spent in the batch check before the step and in the loss's sum after it (both
-allreduces over the ranks). The row ``zb-h1, old loop`` (``--no-loop-ab`` skips it) is
-ZB-H1 with those two allreduces made as before they were agreed on once (a header
-exchange before each: two round trips instead of one), trained in the same rounds: the
-loop's cut measured under the same load; the row ``zb-h1, F ungated`` is ZB-H1 with its
-forward passes left to the dataflow (each ``F`` not waiting for the action before it); the
-row ``zb-fused, update as TF ops`` is ZB-fused compiled with ``jit_compile=False``, its
-optimizer's update as TensorFlow ops instead of one XLA-compiled function. Then ZB-H1's
-targets (1.35x serial on 1 CPU, 0.90 of its bound), for ZB-H1 and ZB-fused, and the load
-average.
+spent starting the batch check before the step and waiting for the loss's sum after it
+(both allreduces over the ranks, started and waited for inside the step:
+``tarantella.pipeline.step_ends``). The row ``zb-h1, blocking ends`` (``--no-loop-ab``
+skips it) is ZB-H1 with the two as they ran before, blocking, the check before the step
+and the sum after it (barriers between steps), trained in the same rounds; the row
+``zb-h1, F ungated`` is ZB-H1 with its forward passes left to the dataflow (each ``F`` not
+waiting for the action before it); the row ``zb-fused, update as TF ops`` is ZB-fused
+compiled with ``jit_compile=False``, its optimizer's update as TensorFlow ops instead of
+one XLA-compiled function. Then ZB-H1's targets (1.35x serial on 1 CPU, 0.90 of its
+bound), for ZB-H1 and ZB-fused, and the load average.
 ``--priority N`` runs every timed process (the serial ones and each rank) at nice ``N``
 in a scheduling group of its own, so that other work on a shared machine starves it less
 (``benchmarks/throughput_worker.set_priority``).
@@ -253,10 +253,11 @@ ACTIVE: list[Timers] = []  # the timers of the model training now (a pipeline ra
 def instrument_stage_step() -> None:
     """Wrap ``StageStep.train`` with a timer, and read the time its receives waited
     (``StageStep.messages.waited``, kept by the step's receive ops); time the pipelined
-    model's batch check (``_tnt_batch``) and its loss's sum (``_tnt_sum``); behaviour
-    unchanged."""
+    model's batch check (its start: ``StepEnds`` made; blocking: ``_tnt_batch``) and its
+    loss's sum (the wait: ``StepEnds.loss``; blocking: ``_tnt_sum``); behaviour unchanged."""
     from tarantella.pipeline.model import PipelinedModel
     from tarantella.pipeline.stage import StageStep
+    from tarantella.pipeline.step_ends import StepEnds
 
     train = StageStep.train
 
@@ -282,6 +283,8 @@ def instrument_stage_step() -> None:
     StageStep.train = timed_train  # type: ignore[method-assign]
     PipelinedModel._tnt_batch = timed(PipelinedModel._tnt_batch, "check")  # type: ignore[method-assign]
     PipelinedModel._tnt_sum = timed(PipelinedModel._tnt_sum, "sum")  # type: ignore[method-assign]
+    StepEnds.__init__ = timed(StepEnds.__init__, "check")  # type: ignore[method-assign]
+    StepEnds.loss = timed(StepEnds.loss, "sum")  # type: ignore[method-assign]
 
 
 def worker_throughput(args: argparse.Namespace) -> None:
@@ -337,9 +340,8 @@ def worker_throughput(args: argparse.Namespace) -> None:
                                   parallel_strategy=tnt.ParallelStrategy.PIPELINING,
                                   num_micro_batches=m, pipeline_schedule="zb-h1")
                 model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
-                state = model._tnt
-                state.reductions = lambda state=state: HeaderEveryCall(state.channel.backend)
-                configs[schedule_key(args, HEADERS)] = model
+                block_step_ends(model)
+                configs[schedule_key(args, BLOCKING)] = model
                 model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
                                   parallel_strategy=tnt.ParallelStrategy.PIPELINING,
                                   num_micro_batches=m, pipeline_schedule="zb-h1")
@@ -398,23 +400,25 @@ def worker_throughput(args: argparse.Namespace) -> None:
     Path(args.out, f"{args.role}.rank{rank}.json").write_text(json.dumps(result))
 
 
-#: the ZB-H1 row whose loop agrees on a header before each of its two collectives, as the
-#: pipelined loop did before its step's reductions were agreed on once (``--loop-ab``)
-HEADERS = "zb-h1, old loop"
+#: the ZB-H1 row whose batch check and loss sum block around the step, as before they
+#: were started inside it (``--loop-ab``)
+BLOCKING = "zb-h1, blocking ends"
 
 
-class HeaderEveryCall:
-    """The pipelined loop's batch check and loss sum through ``backend.allreduce``, which
-    exchanges a header before each (two round trips each), instead of the model's
-    ``StepReductions`` (agreed once): the same training, for the A/B of the loop."""
+def block_step_ends(model: Any) -> None:
+    """``model``'s training step with the batch check before the stage's step and the loss's
+    sum after it, each a blocking allreduce (barriers between steps), as the pipelined loop
+    ran them before :mod:`tarantella.pipeline.step_ends`: the same training, for the A/B."""
 
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
+    def train_step(data: Any) -> Any:
+        state = model._tnt
+        x, y, sample_weight, batch = model._tnt_batch(data)
+        share = model._tnt_share(batch)
+        part = state.step.train(model._tnt_rows(x, share), model._tnt_rows(y, share),
+                                model._tnt_rows(sample_weight, share), global_batch=batch)
+        return model._tnt_logs(x, y, sample_weight, batch, 0.0, loss=model._tnt_sum(part))
 
-    def allreduce(self, values: Any, op: str = "sum") -> Any:
-        import numpy as np
-
-        return np.array(self.backend.allreduce(np.array(values, np.float64).reshape(-1), op))
+    model.train_step = train_step
 
 
 #: the ZB-fused row whose optimizer update runs as TensorFlow ops (``compile(jit_compile=False)``),
@@ -869,13 +873,13 @@ def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) 
           f"{'of passes':>9s} {'dry-run bubble':>14s} {'dry-run of bound':>16s}")
     measured = schedules.Costs(forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
                                weight=[c["W"] for c in costs])
-    rows = [*args.schedules, *[v for v in (TF_UPDATE, HEADERS, UNGATED)
+    rows = [*args.schedules, *[v for v in (TF_UPDATE, BLOCKING, UNGATED)
                                if schedule_key(args, v) in ranks[0]["configs"]]]
     for s in rows:
         cs = [r["configs"][schedule_key(args, s)] for r in ranks]
         step = statistics.median([c["step"] for c in cs])
         rate, bound = b / step, b / max(c["work"] for c in cs)
-        dry = schedules.dry_run(schedules.build("zb-h1" if s in (HEADERS, UNGATED) else
+        dry = schedules.dry_run(schedules.build("zb-h1" if s in (BLOCKING, UNGATED) else
                                                 "zb-fused" if s == TF_UPDATE else s, P, m), measured)
         pair = {key: " / ".join(f"{c[key] * 1e3:.1f}" for c in cs)
                 for key in ("work", "wait", "loop", "check", "sum")}
