@@ -264,6 +264,9 @@ def main() -> int:
             # each rank reading its own order of the same data (batch_fingerprint)
             "different_batches": lambda: model.fit(np.roll(x, rank, axis=0), np.roll(y, rank, axis=0),
                                                    batch_size=BATCH, shuffle=False, verbose=0),
+            # ... or batches of another size: refused before any message (no rank waits)
+            "different_batch_sizes": lambda: model.fit(x, y, batch_size=BATCH + (rank > 0),
+                                                       shuffle=False, verbose=0),
             # in the first partition only: every rank refuses it, not only the first stage's
             "batch_norm": lambda: tnt.Model(batch_norm_first(args.partitions),
                                             parallel_strategy=strategy, num_micro_batches=MICRO),

@@ -240,9 +240,10 @@ class StageStep:
         (variable-length inputs: :mod:`tarantella.pipeline.shapes`): see :meth:`_train_graph`.
 
         ``ends``: the loop's batch check and loss sum over every rank
-        (:mod:`tarantella.pipeline.step_ends`), waited for and started inside the step: the
-        update is applied only if ``ends.update_allowed()``, and this stage's part of the
-        loss goes to ``ends.loss_part`` after its last forward pass."""
+        (:mod:`tarantella.pipeline.step_ends`), waited for and started inside the step: no
+        message leaves or is received before ``ends.same_batch()`` (the step fails before
+        any if it is false), and this stage's part of the loss goes to ``ends.loss_part``
+        after its last forward pass."""
         local = rows(y)
         batch = global_batch or local
         if not self.optimizer.built:  # its slots are made outside the graph, once
@@ -276,6 +277,7 @@ class StageStep:
         sws = split(sample_weight, sizes) if self.last else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
+        self._check_same_batch()
         received: dict[int, list[tf.Tensor]] = {}
         returned: dict[int, list[tf.Tensor]] = {}
         flights: dict[int, InFlight] = {}
@@ -343,7 +345,7 @@ class StageStep:
                 total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
                 self._start_loss_sum(total)
         assert total is not None
-        self._optimizer_step(accumulated, self._update_allowed())
+        self._optimizer_step(accumulated)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
         with tf.control_dependencies([done]):
             total = tf.identity(total)
@@ -427,25 +429,28 @@ class StageStep:
         count(started)  # it reaches the job's channel (the step ends' reductions)
         record([started])
 
-    def _update_allowed(self) -> tf.Tensor:
-        """Graph op in the chain, before the update: whether the step's ends allow it (every
-        rank read the same batch; true without ends)."""
+    def _check_same_batch(self) -> None:
+        """Graph op, the first of the chain of the step's messages and collectives: the step
+        fails here, before any message, unless every rank read the same batch (the step's
+        ends' check, started before the step; nothing to check without ends). A stage's
+        first forward pass does not wait for it, its first message does: by then the other
+        stages have started the check."""
         slot = self._ends
 
-        def run() -> np.bool_:
-            return np.bool_(slot.current is None or slot.current.update_allowed())
+        def run() -> np.int64:
+            if slot.current is not None and not slot.current.same_batch():
+                raise slot.current.check.error()  # the loop raises it again, as itself
+            return np.int64(0)
 
         with tf.control_dependencies(previous()):
-            allowed = tf.numpy_function(run, [], tf.bool, stateful=True, name="tnt_update_allowed")
-        allowed.set_shape(())
-        count(allowed)
-        record([allowed])
-        return allowed
+            checked = tf.numpy_function(run, [], tf.int64, stateful=True, name="tnt_batch_checked")
+        count(checked)
+        record([checked])
 
-    def _optimizer_step(self, accumulated: MicroBatchGradients, allowed: tf.Tensor) -> None:
+    def _optimizer_step(self, accumulated: MicroBatchGradients) -> None:
         """The step's gradients (sparse ones as the batch's rows: :mod:`tarantella.pipeline.batch_gradients`)
         summed over the stage's replicas, agreed on (loss scaling's finiteness,
-        ``global_clipnorm``) over the pipeline's stages, and applied if ``allowed``."""
+        ``global_clipnorm``) over the pipeline's stages, and applied."""
         if self.replicas is None:
             grads = accumulated.whole()
         else:
@@ -457,18 +462,11 @@ class StageStep:
             grads = self._clip_by_global_norm(grads, clipnorm)
             self.optimizer.global_clipnorm = None  # read when traced: clipped once, above
             try:
-                self._apply_if(allowed, grads)
+                self._apply(grads)
             finally:
                 self.optimizer.global_clipnorm = clipnorm
         else:
-            self._apply_if(allowed, grads)
-
-    def _apply_if(self, allowed: tf.Tensor, grads: list[Any]) -> None:
-        def apply() -> tf.Tensor:
             self._apply(grads)
-            return tf.constant(True)
-
-        tf.cond(allowed, apply, lambda: tf.constant(False))
 
     def _sum_over_replicas(self, grads: list[Any]) -> list[Any]:
         """The sum of the stage's replicas' gradients, through the one reduction of DATA's
@@ -612,6 +610,7 @@ class StageStep:
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
+        self._check_same_batch()
         received: dict[int, list[tf.Tensor]] = {}
         emitted: dict[int, list[Any]] = {}
         predictions: list[Any] = []

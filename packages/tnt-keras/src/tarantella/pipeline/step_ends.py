@@ -8,11 +8,13 @@ around the stage's step they are barriers between steps. The first stage could n
 a step's first forward pass until the last stage had ended the previous step's update and
 loop, and the last then waited for that forward pass: the pipeline's fill was paid after
 every step's drain instead of under it. So the batch check is started before the step and
-waited for inside it, right before the optimizer's update (a step whose ranks read
-different batches applies no update on any rank, then refuses on every rank), and each
-stage starts its part of the loss's sum inside its step after its last forward pass; the
-loop waits for the sum after the step, which on the first stage no longer waits for the
-last stage's backward passes and update.
+waited for inside it, before the stage's first message (so a step whose ranks read
+different batches, of other contents or other sizes, fails on every rank before any
+message leaves or any update is made, and every rank refuses with the check's message;
+the first forward pass, which needs no message, runs meanwhile), and each stage starts its
+part of the loss's sum inside its step after its last forward pass; the loop waits for the
+sum after the step, which on the first stage no longer waits for the last stage's backward
+passes and update.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ class StepEnds:
         self.check = BatchCheck(reductions, x, y, batch)
         self._sum: PendingReduction | None = None
 
-    def update_allowed(self) -> bool:
-        """Whether the step may apply its update: every rank read the same batch (waited
-        for inside the step, before the update)."""
+    def same_batch(self) -> bool:
+        """Whether every rank read the same batch (waited for inside the step, before its
+        first message)."""
         return self.check.same()
 
     def loss_part(self, part: float) -> None:
@@ -56,8 +58,7 @@ class StepEnds:
     @contextlib.contextmanager
     def refusing_different_batches(self) -> Iterator[None]:
         """Around the step: ranks that read different batches refuse on every rank, with
-        the check's message (also when the step failed first: batches of different sizes
-        send messages of different sizes)."""
+        the check's message (the step fails inside on every rank when the check says so)."""
         try:
             yield
         except Exception as exc:
@@ -68,7 +69,5 @@ class StepEnds:
             if not same:
                 raise self.check.error() from exc
             raise
-        if not self.check.same():
-            if self._sum is not None:
-                self._sum.result()  # every rank started it: it ends before the refusal
+        if not self.check.same():  # (the step raises first; without ends it does not wait)
             raise self.check.error()
