@@ -610,7 +610,6 @@ class StageStep:
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
-        self._check_same_batch()
         received: dict[int, list[tf.Tensor]] = {}
         emitted: dict[int, list[Any]] = {}
         predictions: list[Any] = []
