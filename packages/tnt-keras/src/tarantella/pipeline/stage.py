@@ -439,7 +439,7 @@ class StageStep:
 
         def run() -> np.int64:
             if slot.current is not None and not slot.current.same_batch():
-                raise slot.current.check.error()  # the loop raises it again, as itself
+                raise slot.current.refusal()  # the loop raises it again, as itself
             return np.int64(0)
 
         with tf.control_dependencies(previous()):

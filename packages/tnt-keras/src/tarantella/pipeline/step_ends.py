@@ -46,6 +46,10 @@ class StepEnds:
         first message)."""
         return self.check.same()
 
+    def refusal(self) -> Exception:
+        """What every rank raises when the ranks read different batches."""
+        return self.check.error()
+
     def loss_part(self, part: float) -> None:
         """This stage's part of the batch's loss, known: its share of the sum starts."""
         self._sum = self._reductions.start([part], "sum")
@@ -67,7 +71,7 @@ class StepEnds:
             except Exception:  # noqa: BLE001 - the check failed with the step: the step's error
                 same = True
             if not same:
-                raise self.check.error() from exc
+                raise self.refusal() from exc
             raise
         if not self.check.same():  # (the step raises first; without ends it does not wait)
-            raise self.check.error()
+            raise self.refusal()
