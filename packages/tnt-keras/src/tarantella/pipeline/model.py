@@ -394,9 +394,15 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def _tnt_sum(self, value: float) -> float:
         return float(self._tnt.reductions().allreduce([value])[0])
 
-    def _tnt_batch(self, data: Any) -> tuple[Any, Any, Any, int]:
+    @staticmethod
+    def _tnt_unpack(data: Any) -> tuple[Any, Any, Any, int]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = rows(x)
+        return x, y, sample_weight, rows(x)
+
+    def _tnt_batch(self, data: Any) -> tuple[Any, Any, Any, int]:
+        """The batch, checked to be every rank's (blocking; a training step starts the
+        check and waits for it inside: :mod:`tarantella.pipeline.step_ends`)."""
+        x, y, sample_weight, batch = self._tnt_unpack(data)
         check_same_batch(self._tnt.reductions(), x, y, batch)  # stage 0 reads x, the last y
         return x, y, sample_weight, batch
 
@@ -416,8 +422,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def train_step(self, data: Any) -> Any:
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = rows(x)
+        x, y, sample_weight, batch = self._tnt_unpack(data)
         # the batch check and the loss's sum run inside the step (see step_ends)
         ends = StepEnds(state.reductions(), x, y, batch)  # stage 0 reads x, the last y
         share = self._tnt_share(batch)
