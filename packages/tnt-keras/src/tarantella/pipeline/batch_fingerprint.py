@@ -17,7 +17,8 @@ import tnt_core
 
 from ..comm.step_reductions import StepReductions
 
-__all__ = ["BatchCheck", "check_same_batch", "checksum", "checksums"]
+__all__ = ["BatchCheck", "batch_tensors", "check_same_batch", "checksum", "checksums",
+           "fingerprint"]
 
 
 def _words(t: tf.Tensor) -> tf.Tensor:
@@ -36,7 +37,11 @@ def _words(t: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.reduce_sum(words), tf.int64)
 
 
-def _stacked(tensors: list[tf.Tensor]) -> tf.Tensor:
+def fingerprint(tensors: list[tf.Tensor]) -> tf.Tensor:
+    """Every tensor's checksum (int64, one per tensor), as graph ops: traced into the
+    pipelined step, which starts the check with them (:mod:`tarantella.pipeline.step_ends`)."""
+    if not tensors:
+        return tf.zeros([0], tf.int64)
     return tf.stack([_words(t) for t in tensors])
 
 
@@ -53,7 +58,7 @@ def _checksums(tensors: list[tf.Tensor]) -> tf.Tensor:
     traced = _traced.get(key)
     if traced is None:
         specs = [tf.TensorSpec([None] * rank, dtype) for dtype, rank in key]
-        traced = _traced[key] = tf.function(_stacked, autograph=False).get_concrete_function(specs)
+        traced = _traced[key] = tf.function(fingerprint, autograph=False).get_concrete_function(specs)
     return traced(tensors)
 
 
@@ -75,14 +80,19 @@ def checksum(tensor: Any) -> int:
 
 class BatchCheck:
     """The check that every rank of ``reductions``' backend holds a batch of ``batch``
-    samples with the same ``x`` and ``y``, started (a collective every rank makes at the
-    same point): :meth:`same` waits for its verdict, the same on every rank."""
+    samples whose tensors have the checksums ``sums`` (:func:`checksums`, :func:`fingerprint`),
+    started (a collective every rank makes at the same point): :meth:`same` waits for its
+    verdict, the same on every rank."""
 
-    def __init__(self, reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
-        sums = checksums(tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y)))
-        words = np.concatenate([[np.float64(batch)], sums.astype(np.float64)])
+    def __init__(self, reductions: StepReductions, sums: np.ndarray, batch: int) -> None:
+        words = np.concatenate([[np.float64(batch)], np.asarray(sums).astype(np.float64)])
         self._size = words.size
         self._pending = reductions.start(np.concatenate([words, -words]), "max")
+
+    @staticmethod
+    def size(tensors: int) -> int:
+        """The values the check of a batch of ``tensors`` tensors reduces (its buffer)."""
+        return 2 * (1 + tensors)
 
     def same(self) -> bool:
         extremes = self._pending.result()
@@ -96,9 +106,14 @@ class BatchCheck:
             "the same arrays or dataset on every rank and do not shard it by rank")
 
 
+def batch_tensors(x: Any, y: Any) -> list[Any]:
+    """What the check fingerprints of a batch: every tensor of ``x`` and of ``y``."""
+    return tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
+
+
 def check_same_batch(reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
     """Raise on every rank unless every rank of ``reductions``' backend holds a batch of
     ``batch`` samples with the same ``x`` and ``y`` (a collective)."""
-    check = BatchCheck(reductions, x, y, batch)
+    check = BatchCheck(reductions, checksums(batch_tensors(x, y)), batch)
     if not check.same():
         raise check.error()

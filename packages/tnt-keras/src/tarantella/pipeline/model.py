@@ -124,6 +124,29 @@ def _restart_all_on_failure(runtime: tnt_core.Runtime, replicated: bool = False)
                                        "ranks (a stage is held by its ranks alone)")
 
 
+def _eager_step_function(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Keras' step function for a model that runs eagerly (what ``make_train_function``
+    makes with ``run_eagerly``), without the scaffolding Keras keeps there for its graph
+    path: the batch wrapped in an ``Optional`` and unwrapped again, the step run through
+    the default distribution strategy. Why: those are eager ops and Python calls on every
+    step, and a pipelined stage's loop is on its pipeline's critical path (measured on the
+    pipeline benchmark's 2 stages: 0.5-0.8 ms of a 38-41 ms step on each rank). A model
+    compiled with ``steps_per_execution`` 1 (the only one a pipeline takes) runs one step a
+    call, on the iterator's next batch, as Keras' does; a batch that holds ``Optional``
+    values (a missing part of it) hands them to the step as None, as Keras does."""
+
+    def function(iterator: Any) -> Any:
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            data = iterator.get_next()  # OutOfRangeError when the data ends, as Keras'
+        else:  # a list of one batch (train_on_batch) or a Python iterator
+            data = next(iter(iterator))
+        data = keras.tree.map_structure(
+            lambda v: None if isinstance(v, tf.experimental.Optional) else v, data)
+        return step(data)
+
+    return function
+
+
 class _CountingDryCall:
     """Keras' train function of a pipelined model: a call that finds no data left has each
     stage count it as plain Keras' graph step would (:meth:`StageStep.count_dry_step`)."""
@@ -355,7 +378,24 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                          num_micro_batches=state.num_micro_batches, replicas=replicas,
                          regularise=state.replica == 0, timeline=timeline.get(state.runtime),
                          schedule=state.schedule, recompute=state.recompute,
-                         jit_compile=state.jit_compile)
+                         jit_compile=state.jit_compile, log_loss=self._tnt_loss_logs())
+
+    def _tnt_loss_logs(self) -> Callable[[tf.Tensor, int], Any] | None:
+        """When a training step's logs are its loss alone (no metric reads the outputs): the
+        step's graph logs it (:mod:`tarantella.pipeline.step_ends`), updating the loss's
+        tracker as :meth:`_tnt_logs` does and returning its result, the logs Keras' own
+        step returns then. Else None: the loop logs after the step."""
+        if self._tnt_logs_read_outputs():
+            return None
+        tracker = self._tnt_loss_tracker()
+
+        def logs(loss: tf.Tensor, batch: int) -> dict[str, Any]:
+            if tracker is None:
+                return {}
+            tracker.update_state(loss, sample_weight=tf.constant(batch, tf.int32))
+            return {tracker.name: tracker.result()}
+
+        return logs
 
     # -- the steps -------------------------------------------------------------------------------
 
@@ -429,6 +469,8 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         with ends.refusing_different_batches():
             state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
                              self._tnt_rows(sample_weight, share), global_batch=batch, ends=ends)
+        if state.step.logs is not None:  # the loss alone, logged inside the step
+            return state.step.logs
         return self._tnt_logs(x, y, sample_weight, batch, 0.0, loss=ends.loss())
 
     def test_step(self, data: Any) -> Any:
@@ -524,18 +566,21 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         return out
 
     def make_train_function(self, force: bool = False) -> Any:
-        """Keras' step function; it skips its steps while a resumed fit replays, and counts
-        the call that finds the data run out as plain Keras' graph step does
+        """Keras' step function, eager (:func:`_eager_step_function`); it skips its steps
+        while a resumed fit replays, and counts the call that finds the data run out as
+        plain Keras' graph step does
         (:meth:`StageStep.count_dry_step`; not when compile asked for ``run_eagerly``, as
         plain Keras' eager step counts nothing then)."""
-        super().make_train_function(force)
+        if self.train_function is None or force:  # Keras declares it None: typed so
+            self.train_function = _eager_step_function(self.train_step)  # type: ignore[assignment]
         function = self._tnt_skipping("train_function")
         if self._tnt.counts_dry_steps and not isinstance(function.function, _CountingDryCall):
             function.function = _CountingDryCall(self, function.function)
         return function
 
     def make_test_function(self, force: bool = False) -> Any:
-        super().make_test_function(force)
+        if self.test_function is None or force:
+            self.test_function = _eager_step_function(self.test_step)  # type: ignore[assignment]
         return self._tnt_skipping("test_function")
 
     def _tnt_skipping(self, attribute: str) -> Any:

@@ -54,7 +54,7 @@ refused by :func:`~tarantella.pipeline.checks.check_stage_model`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -72,6 +72,7 @@ from ..comm.sparse_rows import RowKind
 from ..data_parallel.compiled_update import CompiledUpdate, wants_compiled_update
 from . import fused_weights
 from . import schedule as schedules
+from .batch_fingerprint import fingerprint
 from .batch_gradients import MicroBatchGradients, Rows, rows_of
 from .checks import check_point_to_point, check_stage_model
 from .messages import StageMessages
@@ -120,6 +121,11 @@ class StageStep:
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
     :param jit_compile: ``compile(jit_compile=...)``: unless False, the optimizer's update is
         one XLA-compiled function (:mod:`tarantella.data_parallel.compiled_update`).
+    :param log_loss: traced into the step when it runs with its ends (``train(ends=...)``):
+        called with the batch's loss (float64, summed over the ranks; the graph waits for
+        the sum after the step's messages) and the batch's size, returns the step's logs
+        (:attr:`logs`), e.g. a ``tnt.Model``'s loss tracker updated and its result
+        (:mod:`tarantella.pipeline.step_ends` says why inside the graph).
     :param recompute: activation recomputation: a micro-batch's forward pass keeps only
         what it was computed from (its inputs), and its backward pass computes it again
         (:meth:`tarantella.pipeline.passes.StagePasses.replay`), where the schedule places
@@ -131,7 +137,8 @@ class StageStep:
                  ranks: Sequence[int] | None = None, replicas: GradientReducer | None = None,
                  regularise: bool = True, timeline: tnt_core.Timeline | None = None,
                  schedule: str = "1f1b", recompute: bool = False,
-                 jit_compile: Any = False) -> None:
+                 jit_compile: Any = False,
+                 log_loss: Callable[[tf.Tensor, int], Any] | None = None) -> None:
         channel = backend if isinstance(backend, Channel) else Channel(tnt_core.init(), backend)
         backend = channel.backend
         check_point_to_point(backend)
@@ -172,6 +179,9 @@ class StageStep:
         self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
+        self.log_loss = log_loss
+        #: what ``log_loss`` returned in the latest step run with its ends (else None)
+        self.logs: Any = None
 
     def _span(self, name: str, waits: bool = False) -> AbstractContextManager[None]:
         if self.timeline is None:
@@ -253,10 +263,11 @@ class StageStep:
         self._ends.current = ends
         try:
             with self._span("step"):
-                total, predictions = self._train_fn(
+                total, predictions, self.logs = self._train_fn(
                     x if self.parts.reads_x(self.stage) else None, y if self.last else None,
                     sample_weight if self.last else None, local, batch,
-                    self.shapes.received(self.stage, x))
+                    self.shapes.received(self.stage, x),
+                    [] if ends is None else ends.fingerprinted, ends is not None)
         finally:
             self._ends.current = None
         if self.replicas is not None:
@@ -265,11 +276,14 @@ class StageStep:
         return float(total)
 
     def _train_graph(self, x: Any, y: Any, sample_weight: Any, local: int,
-                     batch: int, incoming: Shapes = ()) -> tuple[tf.Tensor, Any]:
+                     batch: int, incoming: Shapes = (), fingerprinted: Sequence[Any] = (),
+                     with_ends: bool = False) -> tuple[tf.Tensor, Any, Any]:
         """The step's graph: this stage's actions of the schedule, unrolled (``local``,
         ``batch`` and the ``incoming`` messages' shapes are static, so the micro-batch sizes
         are), the gradients accumulated, summed over the replicas and applied, and the sends
-        completed, in the schedule's order (see the module doc)."""
+        completed, in the schedule's order (see the module doc). ``with_ends``: the step's
+        ends are given (:meth:`train`): the batch check of ``fingerprinted`` starts first,
+        and the logs are made at the end (``log_loss``)."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         share = shares(sizes, batch)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
@@ -277,7 +291,7 @@ class StageStep:
         sws = split(sample_weight, sizes) if self.last else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
-        self._check_same_batch()
+        self._check_same_batch(fingerprinted)
         received: dict[int, list[tf.Tensor]] = {}
         returned: dict[int, list[tf.Tensor]] = {}
         flights: dict[int, InFlight] = {}
@@ -350,7 +364,11 @@ class StageStep:
         with tf.control_dependencies([done]):
             total = tf.identity(total)
         joined = concat([predictions[k] for k in sorted(predictions)]) if self.last else None
-        return total, joined
+        logs = None
+        if with_ends and self.log_loss is not None:
+            with tf.control_dependencies([done]):
+                logs = self.log_loss(self._loss_sum(), batch)
+        return total, joined, logs
 
     def _forward_pass(self, k: int, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
                  share: float, after: Sequence[Any] = ()) -> InFlight:
@@ -429,13 +447,32 @@ class StageStep:
         count(started)  # it reaches the job's channel (the step ends' reductions)
         record([started])
 
-    def _check_same_batch(self) -> None:
-        """Graph op, the first of the chain of the step's messages and collectives: the step
-        fails here, before any message, unless every rank read the same batch (the step's
-        ends' check, started before the step; nothing to check without ends). A stage's
-        first forward pass does not wait for it, its first message does: by then the other
-        stages have started the check."""
+    def _loss_sum(self) -> tf.Tensor:
+        """Graph op: the batch's loss, the sum over the ranks of their parts, waited for
+        (started by :meth:`_start_loss_sum`)."""
         slot = self._ends
+
+        def run() -> np.float64:
+            assert slot.current is not None, "a step with its ends"
+            return np.float64(slot.current.loss())
+
+        summed = tf.numpy_function(run, [], tf.float64, stateful=True, name="tnt_loss_summed")
+        count(summed)
+        return tf.reshape(summed, [])
+
+    def _check_same_batch(self, fingerprinted: Sequence[Any]) -> None:
+        """Graph ops, the first of the chain of the step's messages and collectives: the
+        check that every rank read the same batch starts with the checksums of
+        ``fingerprinted`` (:func:`~tarantella.pipeline.batch_fingerprint.fingerprint`), and
+        the step fails before any message unless it says so (nothing to check without the
+        step's ends). A stage's first forward pass does not wait for the check, its first
+        message does: by then the other stages have started it."""
+        slot = self._ends
+
+        def start(sums: np.ndarray) -> np.int64:
+            if slot.current is not None:
+                slot.current.start_check(sums)
+            return np.int64(0)
 
         def run() -> np.int64:
             if slot.current is not None and not slot.current.same_batch():
@@ -443,8 +480,11 @@ class StageStep:
             return np.int64(0)
 
         with tf.control_dependencies(previous()):
+            started = tf.numpy_function(start, [fingerprint(list(fingerprinted))], tf.int64,
+                                        stateful=True, name="tnt_batch_check_start")
+        with tf.control_dependencies([started]):
             checked = tf.numpy_function(run, [], tf.int64, stateful=True, name="tnt_batch_checked")
-        count(checked)
+        count(started, checked)
         record([checked])
 
     def _optimizer_step(self, accumulated: MicroBatchGradients) -> None:

@@ -7,14 +7,23 @@ Why started, not run, at the ends: both are allreduces over every rank, and run 
 around the stage's step they are barriers between steps. The first stage could not begin
 a step's first forward pass until the last stage had ended the previous step's update and
 loop, and the last then waited for that forward pass: the pipeline's fill was paid after
-every step's drain instead of under it. So the batch check is started before the step and
-waited for inside it, before the stage's first message (so a step whose ranks read
-different batches, of other contents or other sizes, fails on every rank before any
-message leaves or any update is made, and every rank refuses with the check's message;
-the first forward pass, which needs no message, runs meanwhile), and each stage starts its
-part of the loss's sum inside its step after its last forward pass; the loop waits for the
-sum after the step, which on the first stage no longer waits for the last stage's backward
-passes and update.
+every step's drain instead of under it. So the stage's step starts the batch check as the
+first op of its graph (the batch's checksums are graph ops over its tensors) and waits for
+it before the stage's first message (so a step whose ranks read different batches, of
+other contents or other sizes, fails on every rank before any message leaves or any update
+is made, and every rank refuses with the check's message; the first forward pass, which
+needs no message, runs meanwhile), and each stage starts its part of the loss's sum inside
+its step after its last forward pass; the first stage no longer waits for the last stage's
+backward passes and update.
+
+Why inside the step's graph, not in the loop around it: every call into TensorFlow that
+follows a stage's step finds the caches it needs evicted by the step's passes and update,
+and pays for it (``benchmarks/cold_calls.py``: a trivial traced call 0.45-0.62 ms after
+streaming memory, 0.13 ms alone; in the pipeline benchmark's loop the checksums' call took
+0.44-0.54 ms, the loss tracker's update 0.59-0.74). So the loop makes one call per step
+besides reading the batch: the check starts in the graph, and when the logs are the loss
+alone the graph also waits for its sum and updates the loss's tracker
+(``StageStep(log_loss=...)``).
 """
 
 from __future__ import annotations
@@ -24,31 +33,44 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..comm.step_reductions import PendingReduction, StepReductions
-from .batch_fingerprint import BatchCheck
+from .batch_fingerprint import BatchCheck, batch_tensors
 
 __all__ = ["StepEnds"]
 
 
 class StepEnds:
-    """One step's batch check (started when made) and loss sum (started by the stage's step
-    through :meth:`loss_part`), over ``reductions``' backend: every rank of the job."""
+    """One step's batch check and loss sum, over ``reductions``' backend: every rank of the
+    job. The stage's step starts both (:meth:`start_check` with the checksums of
+    :attr:`fingerprinted`, :meth:`loss_part`) and waits for them inside its graph."""
 
     def __init__(self, reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
         self._reductions = reductions
-        # the sum's buffer is agreed on here, where every rank is: inside the step a blocking
+        self.batch = batch
+        #: what the check fingerprints, on every rank: all of ``x`` and ``y`` (stage 0 reads
+        #: x, the last y)
+        self.fingerprinted = batch_tensors(x, y)
+        # the buffers are agreed on here, where every rank is: inside the step a blocking
         # agreement would wait for a stage that waits for this one's messages
         reductions.agree(1, "sum")
-        self.check = BatchCheck(reductions, x, y, batch)
+        reductions.agree(BatchCheck.size(len(self.fingerprinted)), "max")
+        self.check: BatchCheck | None = None
         self._sum: PendingReduction | None = None
+
+    def start_check(self, sums: Any) -> None:
+        """The checksums of :attr:`fingerprinted` (the step's graph computed them): the
+        check starts."""
+        self.check = BatchCheck(self._reductions, sums, self.batch)
 
     def same_batch(self) -> bool:
         """Whether every rank read the same batch (waited for inside the step, before its
         first message)."""
+        assert self.check is not None, "the step starts the check"
         return self.check.same()
 
-    def refusal(self) -> Exception:
+    @staticmethod
+    def refusal() -> Exception:
         """What every rank raises when the ranks read different batches."""
-        return self.check.error()
+        return BatchCheck.error()
 
     def loss_part(self, part: float) -> None:
         """This stage's part of the batch's loss, known: its share of the sum starts."""
@@ -67,11 +89,11 @@ class StepEnds:
             yield
         except Exception as exc:
             try:
-                same = self.check.same()
+                same = self.check is None or self.check.same()
             except Exception:  # noqa: BLE001 - the check failed with the step: the step's error
                 same = True
             if not same:
                 raise self.refusal() from exc
             raise
-        if not self.check.same():  # (the step raises first; without ends it does not wait)
+        if self.check is not None and not self.check.same():  # (the step raises first)
             raise self.refusal()
