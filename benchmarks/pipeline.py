@@ -49,12 +49,17 @@ the weights', by difference of F, F + B, F + B + W), and each schedule's dry run
 step). The line above the table gives each stage's ``M x (F + B + W)``, the cut's balance
 as measured, and ``of passes`` the busier stage's over the step (no optimizer, no
 message: where a rank's ``work`` below undercounts its compute, which runs while one of
-its receives blocks, this one does not). ``check`` and ``sum`` are the parts of ``loop``
-spent starting the batch check before the step and waiting for the loss's sum after it
-(both allreduces over the ranks, started and waited for inside the step:
-``tarantella.pipeline.step_ends``). The row ``zb-h1, blocking ends`` (``--no-loop-ab``
-skips it) is ZB-H1 with the two as they ran before, blocking, the check before the step
-and the sum after it (barriers between steps), trained in the same rounds; the row
+its receives blocks, this one does not). ``check`` and ``sum`` are the time spent making the
+step's ends before the step (the batch check's start, with the checksums, where the loop
+makes it) and waiting for the loss's sum (both allreduces over the ranks, started and
+waited for inside the step: ``tarantella.pipeline.step_ends``; the sum's wait is part of
+``stage`` where the step logs the loss itself). The row ``zb-h1, blocking ends``
+(``--no-loop-ab`` skips it and the rows after it) is ZB-H1 with the two as they ran
+before, blocking, the check before the step and the sum after it (barriers between
+steps), trained in the same rounds; the row ``zb-h1, calls apart`` is ZB-H1 with its loop
+as it ran before the step started the check and logged the loss itself (Keras' own eager
+step function, the checksums and the loss's tracker as calls of their own: four calls
+into TensorFlow a step instead of two); the row
 ``zb-h1, F ungated`` is ZB-H1 with its forward passes left to the dataflow (each ``F`` not
 waiting for the action before it); the row ``zb-fused, update as TF ops`` is ZB-fused
 compiled with ``jit_compile=False``, its optimizer's update as TensorFlow ops instead of
@@ -346,6 +351,12 @@ def worker_throughput(args: argparse.Namespace) -> None:
                                   parallel_strategy=tnt.ParallelStrategy.PIPELINING,
                                   num_micro_batches=m, pipeline_schedule="zb-h1")
                 model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+                separate_calls(keras, model)
+                configs[schedule_key(args, SEPARATE)] = model
+                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                  num_micro_batches=m, pipeline_schedule="zb-h1")
+                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
                 ungate_forward_passes(model._tnt.step)
                 configs[schedule_key(args, UNGATED)] = model
     else:
@@ -419,6 +430,46 @@ def block_step_ends(model: Any) -> None:
         return model._tnt_logs(x, y, sample_weight, batch, 0.0, loss=model._tnt_sum(part))
 
     model.train_step = train_step
+
+
+#: the ZB-H1 row whose loop makes its calls into TensorFlow apart, as before the step made its
+#: batch check's start and its logs itself (``--loop-ab``)
+SEPARATE = "zb-h1, calls apart"
+
+
+def separate_calls(keras: Any, model: Any) -> None:
+    """``model``'s loop as it ran before the stage's step started the batch check and logged
+    the loss itself (``tarantella.pipeline.step_ends``): Keras' own eager step function (the
+    batch through an ``Optional`` and the default strategy), the check's checksums and start
+    as calls of their own before the stage's step, and the loss's tracker updated and read
+    after it: four calls into TensorFlow a step instead of two. The same training, for the A/B."""
+    from tarantella.pipeline.batch_fingerprint import checksums
+    from tarantella.pipeline.step_ends import StepEnds
+
+    class EagerEnds(StepEnds):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)  # timed as "check" (instrument_stage_step), and so is the start
+            t0 = time.perf_counter()
+            StepEnds.start_check(self, checksums(self.fingerprinted))
+            if ACTIVE:
+                ACTIVE[0].now["check"] += time.perf_counter() - t0
+
+        def start_check(self, sums: Any) -> None:
+            pass  # started above, before the step
+
+    def train_step(data: Any) -> Any:
+        state = model._tnt
+        x, y, sample_weight, batch = model._tnt_unpack(data)
+        ends = EagerEnds(state.reductions(), x, y, batch)
+        share = model._tnt_share(batch)
+        with ends.refusing_different_batches():
+            state.step.train(model._tnt_rows(x, share), model._tnt_rows(y, share),
+                             model._tnt_rows(sample_weight, share), global_batch=batch, ends=ends)
+        return model._tnt_logs(x, y, sample_weight, batch, 0.0, loss=ends.loss())
+
+    model.train_step = train_step
+    model._tnt.step.log_loss = None  # before its first trace: the loop logs
+    model.make_train_function = lambda force=False: keras.Model.make_train_function(model, force)
 
 
 #: the ZB-fused row whose optimizer update runs as TensorFlow ops (``compile(jit_compile=False)``),
@@ -873,13 +924,13 @@ def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) 
           f"{'of passes':>9s} {'dry-run bubble':>14s} {'dry-run of bound':>16s}")
     measured = schedules.Costs(forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
                                weight=[c["W"] for c in costs])
-    rows = [*args.schedules, *[v for v in (TF_UPDATE, BLOCKING, UNGATED)
+    rows = [*args.schedules, *[v for v in (TF_UPDATE, BLOCKING, SEPARATE, UNGATED)
                                if schedule_key(args, v) in ranks[0]["configs"]]]
     for s in rows:
         cs = [r["configs"][schedule_key(args, s)] for r in ranks]
         step = statistics.median([c["step"] for c in cs])
         rate, bound = b / step, b / max(c["work"] for c in cs)
-        dry = schedules.dry_run(schedules.build("zb-h1" if s in (BLOCKING, UNGATED) else
+        dry = schedules.dry_run(schedules.build("zb-h1" if s in (BLOCKING, SEPARATE, UNGATED) else
                                                 "zb-fused" if s == TF_UPDATE else s, P, m), measured)
         pair = {key: " / ".join(f"{c[key] * 1e3:.1f}" for c in cs)
                 for key in ("work", "wait", "loop", "check", "sum")}
