@@ -64,7 +64,9 @@ into TensorFlow a step instead of two); the row
 waiting for the action before it); the row ``zb-fused, update as TF ops`` is ZB-fused
 compiled with ``jit_compile=False``, its optimizer's update as TensorFlow ops instead of
 one XLA-compiled function. Then ZB-H1's targets (1.35x serial on 1 CPU, 0.90 of its
-bound), for ZB-H1 and ZB-fused, and the load average.
+bound), for ZB-H1 and ZB-fused, the memory's sharing before and after the pipelined runs
+(``machine_memory.memory_sharing``: on a VM two ranks may get half the bandwidth each), and the
+load average.
 ``--priority N`` runs every timed process (the serial ones and each rank) at nice ``N``
 in a scheduling group of its own, so that other work on a shared machine starves it less
 (``benchmarks/throughput_worker.set_priority``).
@@ -155,6 +157,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+from machine_memory import memory_sharing  # noqa: E402
+
 P = 2  # pipeline stages = ranks
 #: serial Keras on 1 CPU training M micro-batches per optimizer step in one graph
 #: (``gradient_accumulation_steps=M``, ``steps_per_execution=M``): the compute of M
@@ -1258,7 +1263,9 @@ def main() -> int:
         if args.only not in ("memory", "recompute", "larger"):
             serial = run(args, "serial", out, 0)[0]
             serial1 = run(args, "serial-1cpu", out, 0)[0]
+            shared = [memory_sharing(P)]
             ranks = run(args, "pipe", out, P)
+            shared.append(memory_sharing(P))
             (out / "again").mkdir()  # the serial processes again: the machine may have changed
             again = run(args, "serial", out / "again", 0)[0]
             again1 = run(args, "serial-1cpu", out / "again", 0)[0]
@@ -1273,6 +1280,10 @@ def main() -> int:
                   "after / before step time: " + ", ".join(drifts))
             if args.schedules:
                 print_schedules(args, serial1, ranks)
+            print(f"   memory shared (the bandwidth each of {P} CPUs keeps copying at once, of "
+                  f"its own alone: benchmarks/machine_memory.py) before the pipelined runs "
+                  f"{shared[0]:.2f}, after them {shared[1]:.2f}: a 2-rank step slows where it is "
+                  f"low, the serial rows on 1 CPU do not")
             print(f"   load average (1, 5, 15 min) at the end: "
                   f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
             if not args.no_all:
