@@ -263,9 +263,9 @@ ACTIVE: list[Timers] = []  # the timers of the model training now (a pipeline ra
 def instrument_stage_step() -> None:
     """Wrap ``StageStep.train`` with a timer, and read the time its receives waited
     (``StageStep.messages.waited``, kept by the step's receive ops); time the pipelined
-    model's batch check (its start: ``StepEnds`` made; blocking: ``_tnt_batch``) and its
-    loss's sum (the wait: ``StepEnds.loss``; blocking: ``_tnt_sum``); behaviour unchanged."""
-    from tarantella.pipeline.model import PipelinedModel
+    model's batch check (its start: ``StepEnds`` made; blocking: :func:`block_step_ends`'s)
+    and its loss's sum (the wait: ``StepEnds.loss``; blocking: :func:`block_step_ends`'s);
+    behaviour unchanged."""
     from tarantella.pipeline.stage import StageStep
     from tarantella.pipeline.step_ends import StepEnds
 
@@ -291,8 +291,6 @@ def instrument_stage_step() -> None:
         return run
 
     StageStep.train = timed_train  # type: ignore[method-assign]
-    PipelinedModel._tnt_batch = timed(PipelinedModel._tnt_batch, "check")  # type: ignore[method-assign]
-    PipelinedModel._tnt_sum = timed(PipelinedModel._tnt_sum, "sum")  # type: ignore[method-assign]
     StepEnds.__init__ = timed(StepEnds.__init__, "check")  # type: ignore[method-assign]
     StepEnds.loss = timed(StepEnds.loss, "sum")  # type: ignore[method-assign]
 
@@ -426,13 +424,25 @@ def block_step_ends(model: Any) -> None:
     sum after it, each a blocking allreduce (barriers between steps), as the pipelined loop
     ran them before :mod:`tarantella.pipeline.step_ends`: the same training, for the A/B."""
 
+    from tarantella.pipeline.batch_fingerprint import check_same_batch
+
+    def timed(key: str, run: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return run()
+        finally:
+            if ACTIVE:
+                ACTIVE[0].now[key] += time.perf_counter() - t0
+
     def train_step(data: Any) -> Any:
         state = model._tnt
-        x, y, sample_weight, batch = model._tnt_batch(data)
+        x, y, sample_weight, batch = model._tnt_unpack(data)
+        timed("check", lambda: check_same_batch(state.reductions(), x, y, batch))
         share = model._tnt_share(batch)
         part = state.step.train(model._tnt_rows(x, share), model._tnt_rows(y, share),
                                 model._tnt_rows(sample_weight, share), global_batch=batch)
-        return model._tnt_logs(x, y, sample_weight, batch, 0.0, loss=model._tnt_sum(part))
+        loss = timed("sum", lambda: float(state.reductions().allreduce([part])[0]))
+        return model._tnt_logs(x, y, sample_weight, batch, 0.0, loss=loss)
 
     model.train_step = train_step
 

@@ -110,6 +110,8 @@ def test_every_rank_gets_the_serial_history_results_and_weights(runs):
                                      "batches",
                 "different_batch_sizes": "CommError: the ranks of a pipelined model read "
                                          "different batches",
+                "different_batches_evaluate": "CommError: the ranks of a pipelined model read "
+                                              "different batches",
                 "batch_norm": "NotSupportedError: BatchNormalization layer 'bn' "
                               "(partition 0) would compute its statistics on each micro-batch",
         }.items():

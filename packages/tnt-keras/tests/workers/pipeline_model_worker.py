@@ -267,6 +267,9 @@ def main() -> int:
             # ... or batches of another size: refused before any message (no rank waits)
             "different_batch_sizes": lambda: model.fit(x, y, batch_size=BATCH + (rank > 0),
                                                        shuffle=False, verbose=0),
+            # ... and in evaluate (its forward-only step checks the same way)
+            "different_batches_evaluate": lambda: model.evaluate(
+                np.roll(x, rank, axis=0), np.roll(y, rank, axis=0), batch_size=BATCH, verbose=0),
             # in the first partition only: every rank refuses it, not only the first stage's
             "batch_norm": lambda: tnt.Model(batch_norm_first(args.partitions),
                                             parallel_strategy=strategy, num_micro_batches=MICRO),

@@ -56,7 +56,6 @@ from ..reporting.tracebacks import user_facing
 from ..seams.overrides import instance_attributes
 from . import rescue as step_rescue
 from . import saving as stage_saving
-from .batch_fingerprint import check_same_batch
 from .checks import check_compile, check_distribute, check_file_format
 from .groups import pipeline_groups
 from .micro_batches import pipeline_rows, rows
@@ -431,20 +430,10 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         return tf.nest.map_structure(lambda v: None if v is None else v[share.start:share.stop],
                                      values)
 
-    def _tnt_sum(self, value: float) -> float:
-        return float(self._tnt.reductions().allreduce([value])[0])
-
     @staticmethod
     def _tnt_unpack(data: Any) -> tuple[Any, Any, Any, int]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         return x, y, sample_weight, rows(x)
-
-    def _tnt_batch(self, data: Any) -> tuple[Any, Any, Any, int]:
-        """The batch, checked to be every rank's (blocking; a training step starts the
-        check and waits for it inside: :mod:`tarantella.pipeline.step_ends`)."""
-        x, y, sample_weight, batch = self._tnt_unpack(data)
-        check_same_batch(self._tnt.reductions(), x, y, batch)  # stage 0 reads x, the last y
-        return x, y, sample_weight, batch
 
     def _tnt_loss_tracker(self) -> Any:
         return next((m for m in self.metrics if m.name == "loss"), None)
@@ -476,12 +465,14 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def test_step(self, data: Any) -> Any:
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
-        x, y, sample_weight, batch = self._tnt_batch(data)
+        x, y, sample_weight, batch = self._tnt_unpack(data)
+        # the batch check and the regularisation's sum run inside the step (see step_ends)
+        ends = StepEnds(state.reductions(), x, y, batch)  # stage 0 reads x, the last y
         share = self._tnt_share(batch)
-        regularisation = self._tnt_sum(state.step.forward(self._tnt_rows(x, share),
-                                                          share.stop - share.start))
+        with ends.refusing_different_batches():
+            state.step.forward(self._tnt_rows(x, share), share.stop - share.start, ends=ends)
         y_pred = self._tnt_outputs(x, batch)
-        return self._tnt_logs(x, y, sample_weight, batch, regularisation, y_pred)
+        return self._tnt_logs(x, y, sample_weight, batch, ends.loss(), y_pred)
 
     def predict_step(self, data: Any) -> Any:
         state = self._tnt

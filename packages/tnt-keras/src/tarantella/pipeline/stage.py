@@ -633,23 +633,34 @@ class StageStep:
         except tf.errors.OutOfRangeError:
             pass  # as Keras' own call: the data-independent ops ran, the rest did not
 
-    def forward(self, x: Any, batch: int) -> float:
+    def forward(self, x: Any, batch: int, ends: StepEnds | None = None) -> float:
         """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by
         micro-batch through the stages, not training: they are left in
         :attr:`predictions` on the last stage. Returns this stage's weight regularisation
         (the stages' sum is what serial ``model.losses`` adds to the loss). One graph per
-        batch size, as :meth:`train`."""
-        regularisation, predictions = self._forward_fn(
-            x if self.parts.reads_x(self.stage) else None, batch,
-            self.shapes.received(self.stage, x))
+        batch size, as :meth:`train`. ``ends``: as in :meth:`train`, the batch check starts
+        first and is waited for before the first message; this stage's regularisation goes
+        to ``ends.loss_part`` at the end (``ends.loss()`` is then the sum)."""
+        self._ends.current = ends
+        try:
+            regularisation, predictions = self._forward_fn(
+                x if self.parts.reads_x(self.stage) else None, batch,
+                self.shapes.received(self.stage, x),
+                [] if ends is None else ends.fingerprinted, ends is not None)
+        finally:
+            self._ends.current = None
         self.predictions = predictions if self.last else None
         return float(regularisation)
 
-    def _forward_graph(self, x: Any, batch: int, incoming: Shapes = ()) -> tuple[tf.Tensor, Any]:
+    def _forward_graph(self, x: Any, batch: int, incoming: Shapes = (),
+                       fingerprinted: Sequence[Any] = (), with_ends: bool = False
+                       ) -> tuple[tf.Tensor, Any]:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
         self.messages.begin()
+        if with_ends:
+            self._check_same_batch(fingerprinted)
         received: dict[int, list[tf.Tensor]] = {}
         emitted: dict[int, list[Any]] = {}
         predictions: list[Any] = []
@@ -672,4 +683,6 @@ class StageStep:
             else tf.constant(0.0, tf.float64)
         with tf.control_dependencies([done]):
             regularisation = tf.identity(regularisation)
+        if with_ends:
+            self._start_loss_sum(regularisation)
         return regularisation, (concat(predictions) if self.last else None)

@@ -1,7 +1,8 @@
-"""The two ends of a pipelined training step as the loop around it needs them on every
-rank: before it, the check that all ranks read the same batch; after it, the loss's sum
-over the stages (the last computes the loss, every stage adds its weight regularisation,
-and every rank logs the sum, as serial Keras' step does).
+"""The two ends of a pipelined step as the loop around it needs them on every rank: before
+it, the check that all ranks read the same batch; after it, the loss's sum over the stages
+(the last computes the loss, every stage adds its weight regularisation, and every rank
+logs the sum, as serial Keras' step does). An evaluation step has the same two, its sum
+being the stages' weight regularisation, which the loop adds to the compiled loss.
 
 Why started, not run, at the ends: both are allreduces over every rank, and run blocking
 around the stage's step they are barriers between steps. The first stage could not begin
