@@ -483,7 +483,7 @@ def separate_calls(keras: Any, model: Any) -> None:
         return model._tnt_logs(x, y, sample_weight, batch, 0.0, loss=ends.loss())
 
     model.train_step = train_step
-    model._tnt.step.log_loss = None  # before its first trace: the loop logs
+    model._tnt.step.log_step = None  # before its first trace: the loop logs
     model.make_train_function = lambda force=False: keras.Model.make_train_function(model, force)
 
 

@@ -143,6 +143,13 @@ def compiled_loss(model: keras.Model) -> Any:
     return model._compile_loss  # noqa: SLF001
 
 
+def compiled_metrics(model: keras.Model) -> Any:
+    """The metrics ``compile`` made (``Trainer._compile_metrics``, a ``CompileMetrics``, or
+    None without ``metrics``/``weighted_metrics``): one metric in ``model.metrics`` whose
+    variables are all of theirs once built. Checked on Keras 3.15.1."""
+    return model._compile_metrics  # noqa: SLF001
+
+
 def new_compiled_loss(model: keras.Model, loss: Any, loss_weights: Any) -> keras.losses.Loss:
     """A ``CompileLoss`` made as ``model.compile(loss=loss, loss_weights=loss_weights)``
     makes the model's (its own trackers, which nobody reads). Checked on Keras 3.15.1."""

@@ -81,7 +81,7 @@ from .partition import Partitioning
 from .passes import InFlight, StagePasses, WeightPass, tensors_in
 from .schedule import Action, Op
 from .shapes import CutShapes, Shapes
-from .step_ends import StepEnds
+from .step_ends import StepEnds, StepLog
 
 __all__ = ["SCHEDULES", "StageStep", "check_stage_model", "micro_batch_sizes"]
 
@@ -121,11 +121,11 @@ class StageStep:
         wait for a neighbour (``TNT_TIMELINE``; lanes ``stage p`` and ``stage p: waits``).
     :param jit_compile: ``compile(jit_compile=...)``: unless False, the optimizer's update is
         one XLA-compiled function (:mod:`tarantella.data_parallel.compiled_update`).
-    :param log_loss: traced into the step when it runs with its ends (``train(ends=...)``):
-        called with the batch's loss (float64, summed over the ranks; the graph waits for
-        the sum after the step's messages) and the batch's size, returns the step's logs
-        (:attr:`logs`), e.g. a ``tnt.Model``'s loss tracker updated and its result
-        (:mod:`tarantella.pipeline.step_ends` says why inside the graph).
+    :param log_step: traced into the step when it runs with its ends (``train(ends=...)``):
+        called at the end of the step's graph with a :class:`~tarantella.pipeline.step_ends.StepLog`
+        (the batch's loss summed over the ranks, and on the last stage the batch's outputs),
+        returns the step's logs (:attr:`logs`): a ``tnt.Model`` updates its loss tracker and
+        metrics there (:mod:`tarantella.pipeline.step_ends` says why inside the graph).
     :param recompute: activation recomputation: a micro-batch's forward pass keeps only
         what it was computed from (its inputs), and its backward pass computes it again
         (:meth:`tarantella.pipeline.passes.StagePasses.replay`), where the schedule places
@@ -138,7 +138,7 @@ class StageStep:
                  regularise: bool = True, timeline: tnt_core.Timeline | None = None,
                  schedule: str = "1f1b", recompute: bool = False,
                  jit_compile: Any = False,
-                 log_loss: Callable[[tf.Tensor, int], Any] | None = None) -> None:
+                 log_step: Callable[[StepLog], Any] | None = None) -> None:
         channel = backend if isinstance(backend, Channel) else Channel(tnt_core.init(), backend)
         backend = channel.backend
         check_point_to_point(backend)
@@ -179,8 +179,8 @@ class StageStep:
         self._rows: list[Rows | None] | None = None  # which gradients are sparse (replicas)
         #: the last stage's outputs of the latest step, micro-batches joined (else None)
         self.predictions: Any = None
-        self.log_loss = log_loss
-        #: what ``log_loss`` returned in the latest step run with its ends (else None)
+        self.log_step = log_step
+        #: what ``log_step`` returned in the latest step run with its ends (else None)
         self.logs: Any = None
 
     def _span(self, name: str, waits: bool = False) -> AbstractContextManager[None]:
@@ -283,7 +283,7 @@ class StageStep:
         are), the gradients accumulated, summed over the replicas and applied, and the sends
         completed, in the schedule's order (see the module doc). ``with_ends``: the step's
         ends are given (:meth:`train`): the batch check of ``fingerprinted`` starts first,
-        and the logs are made at the end (``log_loss``)."""
+        and the logs are made at the end (``log_step``)."""
         sizes = micro_batch_sizes(local, self.num_micro_batches)
         share = shares(sizes, batch)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
@@ -365,9 +365,13 @@ class StageStep:
             total = tf.identity(total)
         joined = concat([predictions[k] for k in sorted(predictions)]) if self.last else None
         logs = None
-        if with_ends and self.log_loss is not None:
+        if with_ends and self.log_step is not None:
             with tf.control_dependencies([done]):
-                logs = self.log_loss(self._loss_sum(), batch)
+                summed = self._loss_sum()
+            logs = self.log_step(StepLog(
+                loss=summed, batch=batch, last=self.last, y=y if self.last else None,
+                sample_weight=sample_weight if self.last else None, predictions=joined,
+                from_last=lambda values: self._from_last(values, after=summed)))
         return total, joined, logs
 
     def _forward_pass(self, k: int, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
@@ -459,6 +463,21 @@ class StageStep:
         summed = tf.numpy_function(run, [], tf.float64, stateful=True, name="tnt_loss_summed")
         count(summed)
         return tf.reshape(summed, [])
+
+    def _from_last(self, values: tf.Tensor, after: tf.Tensor) -> tf.Tensor:
+        """Graph op, a collective after ``after`` (the loss's sum): ``values`` (a float64
+        vector) as the last stage holds them, on every rank (``StepEnds.from_last``)."""
+        slot, last = self._ends, self.last
+
+        def run(mine: np.ndarray) -> np.ndarray:
+            assert slot.current is not None, "a step with its ends"
+            return slot.current.from_last(mine, last)
+
+        with tf.control_dependencies([*previous(), after]):
+            got = tf.numpy_function(run, [values], tf.float64, stateful=True, name="tnt_from_last")
+        count(got)
+        record([got])
+        return tf.reshape(got, tf.shape(values))
 
     def _check_same_batch(self, fingerprinted: Sequence[Any]) -> None:
         """Graph ops, the first of the chain of the step's messages and collectives: the

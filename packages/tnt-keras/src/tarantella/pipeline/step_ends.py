@@ -30,13 +30,16 @@ alone the graph also waits for its sum and updates the loss's tracker
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..comm.step_reductions import PendingReduction, StepReductions
 from .batch_fingerprint import BatchCheck, batch_tensors
 
-__all__ = ["StepEnds"]
+__all__ = ["StepEnds", "StepLog"]
 
 
 class StepEnds:
@@ -44,9 +47,12 @@ class StepEnds:
     job. The stage's step starts both (:meth:`start_check` with the checksums of
     :attr:`fingerprinted`, :meth:`loss_part`) and waits for them inside its graph."""
 
-    def __init__(self, reductions: StepReductions, x: Any, y: Any, batch: int) -> None:
+    def __init__(self, reductions: StepReductions, x: Any, y: Any, batch: int,
+                 shared: int = 0) -> None:
         self._reductions = reductions
         self.batch = batch
+        #: how many values :meth:`from_last` takes (the step's logs' metric states)
+        self.shared = shared
         #: what the check fingerprints, on every rank: all of ``x`` and ``y`` (stage 0 reads
         #: x, the last y)
         self.fingerprinted = batch_tensors(x, y)
@@ -54,6 +60,8 @@ class StepEnds:
         # agreement would wait for a stage that waits for this one's messages
         reductions.agree(1, "sum")
         reductions.agree(BatchCheck.size(len(self.fingerprinted)), "max")
+        if shared:
+            reductions.agree(shared, "sum")
         self.check: BatchCheck | None = None
         self._sum: PendingReduction | None = None
 
@@ -82,6 +90,15 @@ class StepEnds:
         assert self._sum is not None, "the step starts the sum"
         return float(self._sum.result()[0])
 
+    def from_last(self, values: np.ndarray, last: bool) -> np.ndarray:
+        """``values`` as the last stage holds them, on every rank (a sum over the ranks of
+        the last stage's values and everyone else's zeros: exact; called by every rank's
+        step after the loss's sum, which it waited for: a buffer of one size is one
+        reduction's at a time)."""
+        assert values.size == self.shared, "agreed on when made"
+        mine = values if last else np.zeros_like(values)
+        return self._reductions.start(mine.astype(np.float64), "sum").result()
+
     @contextlib.contextmanager
     def refusing_different_batches(self) -> Iterator[None]:
         """Around the step: ranks that read different batches refuse on every rank, with
@@ -98,3 +115,20 @@ class StepEnds:
             raise
         if self.check is not None and not self.check.same():  # (the step raises first)
             raise self.refusal()
+
+
+@dataclass
+class StepLog:
+    """What a stage's step makes its logs from, inside its graph (``StageStep(log_step=...)``):
+    the batch's loss summed over the ranks and its size, on every stage; the batch's labels,
+    sample weights and outputs (all micro-batches', joined) on the last stage only (None
+    elsewhere); and :attr:`from_last`, which gives a float64 vector as the last stage holds
+    it, on every rank (one collective, after the loss's sum)."""
+
+    loss: Any
+    batch: int
+    last: bool
+    y: Any
+    sample_weight: Any
+    predictions: Any
+    from_last: Callable[[Any], Any]
