@@ -518,11 +518,17 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
         x, y, sample_weight, batch = self._tnt_unpack(data)
-        # the batch check and the regularisation's sum run inside the step (see step_ends)
-        ends = StepEnds(state.reductions(), x, y, batch)  # stage 0 reads x, the last y
+        logged = state.step.log_step is not None and state.num_replicas == 1
+        shared = self._tnt_shared_size(data) if logged else 0
+        # the batch check, the loss's (or regularisation's) sum and the logs run inside the
+        # step (see step_ends)
+        ends = StepEnds(state.reductions(), x, y, batch, shared)  # stage 0 reads x, the last y
         share = self._tnt_share(batch)
         with ends.refusing_different_batches():
-            state.step.forward(self._tnt_rows(x, share), share.stop - share.start, ends=ends)
+            state.step.forward(self._tnt_rows(x, share), share.stop - share.start, ends=ends,
+                               y=y, sample_weight=sample_weight)
+        if state.step.logs is not None:  # logged inside the step
+            return state.step.logs
         y_pred = self._tnt_outputs(x, batch)
         return self._tnt_logs(x, y, sample_weight, batch, ends.loss(), y_pred)
 

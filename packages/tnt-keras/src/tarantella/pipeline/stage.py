@@ -652,28 +652,36 @@ class StageStep:
         except tf.errors.OutOfRangeError:
             pass  # as Keras' own call: the data-independent ops ran, the rest did not
 
-    def forward(self, x: Any, batch: int, ends: StepEnds | None = None) -> float:
+    def forward(self, x: Any, batch: int, ends: StepEnds | None = None, y: Any = None,
+                sample_weight: Any = None) -> float:
         """The model's outputs on ``x`` (a batch of ``batch`` samples), micro-batch by
         micro-batch through the stages, not training: they are left in
         :attr:`predictions` on the last stage. Returns this stage's weight regularisation
         (the stages' sum is what serial ``model.losses`` adds to the loss). One graph per
         batch size, as :meth:`train`. ``ends``: as in :meth:`train`, the batch check starts
         first and is waited for before the first message; this stage's regularisation goes
-        to ``ends.loss_part`` at the end (``ends.loss()`` is then the sum)."""
+        to ``ends.loss_part`` at the end (``ends.loss()`` is then the sum). With ``ends``,
+        ``log_step`` and no replicas, the last stage adds the loss of ``y`` (and
+        ``sample_weight``) to its part and the step's logs are made in the graph, as a
+        training step's (:attr:`logs`)."""
+        logged = ends is not None and self.log_step is not None and self.replicas is None
         self._ends.current = ends
         try:
-            regularisation, predictions = self._forward_fn(
+            regularisation, predictions, self.logs = self._forward_fn(
                 x if self.parts.reads_x(self.stage) else None, batch,
                 self.shapes.received(self.stage, x),
-                [] if ends is None else ends.fingerprinted, ends is not None)
+                [] if ends is None else ends.fingerprinted, ends is not None,
+                y if logged and self.last else None,
+                sample_weight if logged and self.last else None, logged)
         finally:
             self._ends.current = None
         self.predictions = predictions if self.last else None
         return float(regularisation)
 
     def _forward_graph(self, x: Any, batch: int, incoming: Shapes = (),
-                       fingerprinted: Sequence[Any] = (), with_ends: bool = False
-                       ) -> tuple[tf.Tensor, Any]:
+                       fingerprinted: Sequence[Any] = (), with_ends: bool = False,
+                       y: Any = None, sample_weight: Any = None, logged: bool = False
+                       ) -> tuple[tf.Tensor, Any, Any]:
         sizes = micro_batch_sizes(batch, self.num_micro_batches)
         xs = split(x, sizes) if self.parts.reads_x(self.stage) else [None] * len(sizes)
         self._tokens = []
@@ -702,6 +710,17 @@ class StageStep:
             else tf.constant(0.0, tf.float64)
         with tf.control_dependencies([done]):
             regularisation = tf.identity(regularisation)
+        joined = concat(predictions) if self.last else None
+        part = regularisation
+        if logged and self.last:  # the batch's loss, as compile's on the whole outputs
+            part = part + tf.cast(self.loss(y, joined, sample_weight=sample_weight), tf.float64)
         if with_ends:
-            self._start_loss_sum(regularisation)
-        return regularisation, (concat(predictions) if self.last else None)
+            self._start_loss_sum(part)
+        logs = None
+        if logged:
+            assert self.log_step is not None
+            summed = self._loss_sum()
+            logs = self.log_step(StepLog(
+                loss=summed, batch=batch, last=self.last, y=y, sample_weight=sample_weight,
+                predictions=joined, from_last=lambda values: self._from_last(values, after=summed)))
+        return regularisation, joined, logs
