@@ -9,10 +9,12 @@ batches (:mod:`tarantella.pipeline.batch_fingerprint` checks it); the steps run 
 exchange tensors with the neighbouring stages between micro-batches) and hand the batch to
 this rank's stage (:class:`~tarantella.pipeline.stage.StageStep`; the ranks and groups:
 :mod:`tarantella.pipeline.groups`). The last stage differentiates a loss made as ``compile`` makes the model's
-(every output's loss, weighted by ``loss_weights``, summed). After each step the last
-stage's outputs (all of the model's outputs) are broadcast, so that every rank runs Keras'
-compiled loss and metrics on the same values: the per-output losses, metrics, logs and
-History of every rank equal serial Keras'.
+(every output's loss, weighted by ``loss_weights``, summed). The last stage, which holds
+the batch's outputs, updates the compiled metrics inside its step and every rank takes
+their states from it (:meth:`PipelinedModel._tnt_step_logs`); where that cannot be serial,
+the last stage's outputs (all of the model's outputs) are broadcast after each step, so
+that every rank runs Keras' compiled loss and metrics on the same values. Either way the
+per-output losses, metrics, logs and History of every rank equal serial Keras'.
 
 A rank holds only its own partition (:mod:`tarantella.pipeline.variables`): a model built
 without values (``keras.StatelessScope(initialize_variables=False)``) gets values for this
