@@ -200,7 +200,7 @@ class _PipelineState(DistributedState):
         #: PipelinedModel._tnt_rebound)
         self.rebound = False
         self._reductions: StepReductions | None = None
-        #: how many values the training step's metric states are (PipelinedModel._tnt_shared_size)
+        #: how many values a step's metric states are (PipelinedModel._tnt_shared_size)
         self.shared_size: int | None = None
         self._loss_updates: dict[int, tuple[Any, Any]] = {}
 
@@ -385,8 +385,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                          jit_compile=state.jit_compile, log_step=self._tnt_step_logs())
 
     def _tnt_step_logs(self) -> Callable[[StepLog], Any] | None:
-        """The logs of a training step made inside its graph (:mod:`tarantella.pipeline.step_ends`),
-        or None where the loop makes them after the step from the batch's outputs broadcast
+        """The logs of a step (training, evaluation) made inside its graph
+        (:mod:`tarantella.pipeline.step_ends`), or None where the loop makes them after the
+        step from the batch's outputs broadcast
         to every rank (:meth:`_tnt_logs`): a model with a ``compute_metrics`` of its own, with
         metrics of its own or of its layers, or with compiled metrics under ALL (each
         pipeline's last stage holds its rows only).
@@ -432,13 +433,13 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         return logs
 
     def _tnt_shared_variables(self) -> list[Any]:
-        """The variables of the metrics a training step's graph updates on the last stage
+        """The variables of the metrics a step's graph updates on the last stage
         and shares with every rank (:meth:`_tnt_step_logs`): all but the loss's tracker."""
         tracker = self._tnt_loss_tracker()
         return [v for m in self.metrics if m is not tracker for v in m.variables]
 
     def _tnt_shared_size(self, data: Any) -> int:
-        """How many values a training step's metric states are (:meth:`_tnt_step_logs`),
+        """How many values a step's metric states are (:meth:`_tnt_step_logs`),
         their variables built first on every rank alike, from the batch's spec, as Keras
         builds them before a step under a distribution strategy."""
         state = self._tnt
@@ -501,13 +502,19 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         others = any(m is not self._tnt_loss_tracker() for m in self.metrics)
         return several or own or others
 
+    def _tnt_ends(self, data: Any, logged: bool) -> tuple[Any, Any, Any, int, StepEnds]:
+        """The batch and its step's ends: the batch check, the loss's sum and, when the step
+        makes its logs (``logged``), the metric states it shares, all run inside the step
+        (:mod:`tarantella.pipeline.step_ends`)."""
+        x, y, sample_weight, batch = self._tnt_unpack(data)
+        shared = self._tnt_shared_size(data) if logged else 0
+        ends = StepEnds(self._tnt.reductions(), x, y, batch, shared)  # stage 0 reads x, the last y
+        return x, y, sample_weight, batch, ends
+
     def train_step(self, data: Any) -> Any:
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
-        x, y, sample_weight, batch = self._tnt_unpack(data)
-        shared = self._tnt_shared_size(data) if state.step.log_step is not None else 0
-        # the batch check, the loss's sum and the logs run inside the step (see step_ends)
-        ends = StepEnds(state.reductions(), x, y, batch, shared)  # stage 0 reads x, the last y
+        x, y, sample_weight, batch, ends = self._tnt_ends(data, state.step.log_step is not None)
         share = self._tnt_share(batch)
         with ends.refusing_different_batches():
             state.step.train(self._tnt_rows(x, share), self._tnt_rows(y, share),
@@ -519,12 +526,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
     def test_step(self, data: Any) -> Any:
         state = self._tnt
         assert state.step is not None, "compile() makes the stage's step"
-        x, y, sample_weight, batch = self._tnt_unpack(data)
+        # the logs inside the step only with the whole batch on the last stage (StageStep.forward)
         logged = state.step.log_step is not None and state.num_replicas == 1
-        shared = self._tnt_shared_size(data) if logged else 0
-        # the batch check, the loss's (or regularisation's) sum and the logs run inside the
-        # step (see step_ends)
-        ends = StepEnds(state.reductions(), x, y, batch, shared)  # stage 0 reads x, the last y
+        x, y, sample_weight, batch, ends = self._tnt_ends(data, logged)
         share = self._tnt_share(batch)
         with ends.refusing_different_batches():
             state.step.forward(self._tnt_rows(x, share), share.stop - share.start, ends=ends,

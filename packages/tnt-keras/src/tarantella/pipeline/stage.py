@@ -367,11 +367,7 @@ class StageStep:
         logs = None
         if with_ends and self.log_step is not None:
             with tf.control_dependencies([done]):
-                summed = self._loss_sum()
-            logs = self.log_step(StepLog(
-                loss=summed, batch=batch, last=self.last, y=y if self.last else None,
-                sample_weight=sample_weight if self.last else None, predictions=joined,
-                from_last=lambda values: self._from_last(values, after=summed)))
+                logs = self._logs(batch, y, sample_weight, joined)
         return total, joined, logs
 
     def _forward_pass(self, k: int, received: list[tf.Tensor], x: Any, y: Any, sample_weight: Any,
@@ -450,6 +446,16 @@ class StageStep:
                                         name="tnt_loss_sum_start")
         count(started)  # it reaches the job's channel (the step ends' reductions)
         record([started])
+
+    def _logs(self, batch: int, y: Any, sample_weight: Any, predictions: Any) -> Any:
+        """The step's logs: ``log_step`` traced with the loss's sum waited for and, on the
+        last stage, the batch's labels, sample weights and outputs."""
+        assert self.log_step is not None
+        summed = self._loss_sum()
+        return self.log_step(StepLog(
+            loss=summed, batch=batch, last=self.last, y=y if self.last else None,
+            sample_weight=sample_weight if self.last else None, predictions=predictions,
+            from_last=lambda values: self._from_last(values, after=summed)))
 
     def _loss_sum(self) -> tf.Tensor:
         """Graph op: the batch's loss, the sum over the ranks of their parts, waited for
@@ -716,11 +722,5 @@ class StageStep:
             part = part + tf.cast(self.loss(y, joined, sample_weight=sample_weight), tf.float64)
         if with_ends:
             self._start_loss_sum(part)
-        logs = None
-        if logged:
-            assert self.log_step is not None
-            summed = self._loss_sum()
-            logs = self.log_step(StepLog(
-                loss=summed, batch=batch, last=self.last, y=y, sample_weight=sample_weight,
-                predictions=joined, from_last=lambda values: self._from_last(values, after=summed)))
+        logs = self._logs(batch, y, sample_weight, joined) if logged else None
         return regularisation, joined, logs
