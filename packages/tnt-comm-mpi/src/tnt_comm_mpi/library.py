@@ -30,8 +30,8 @@ from tnt_core import ConfigError
 
 from .settings import TNT_MPI_CUDA_AWARE
 
-__all__ = ["load_mpi", "mark_failed", "has_failed", "register_backend", "cuda_support",
-           "host_pmi_server", "loaded", "unlink_shared_memory"]
+__all__ = ["load_mpi", "mark_failed", "has_failed", "ending_with_an_error", "register_backend",
+           "cuda_support", "host_pmi_server", "loaded", "unlink_shared_memory"]
 
 log = logging.getLogger("tnt.mpi")
 
@@ -102,7 +102,7 @@ def has_failed() -> bool:
     return _failed or any(getattr(b, "failed", False) for b in list(_backends))
 
 
-def _ending_with_an_error() -> bool:
+def ending_with_an_error() -> bool:
     """The interpreter ends because of an uncaught exception: Python sets ``sys.last_value``
     when it prints one, before the exit hooks run."""
     return getattr(sys, "last_value", None) is not None
@@ -142,7 +142,7 @@ def _at_exit() -> None:
             backend.close()
         except Exception as exc:  # noqa: BLE001 - exiting anyway; say why
             log.warning("closing %r at exit failed: %s", backend, exc)
-    failed, erred = has_failed(), _ending_with_an_error()
+    failed, erred = has_failed(), ending_with_an_error()
     if not failed and not erred:
         if _owns_finalize:
             MPI.Finalize()
