@@ -77,6 +77,20 @@ def test_environment_contract_and_x_order(run_tnt, h, tmp_path):
         assert names[-4:] == user
         assert env["AA_FIRST"] == "two words" and env["MM_MID"] == "a=b"
     assert len(keys) == 1  # one job, one key
+    # each rank bound to cores of its own (--bind-to core, the default), where there are two
+    cpus = [json.loads((tmp_path / f"cpus.{rank}.json").read_text()) for rank in range(2)]
+    if cores >= 2:
+        assert cpus[0] and cpus[1] and not set(cpus[0]) & set(cpus[1]), cpus
+        assert set(cpus[0]) | set(cpus[1]) <= os.sched_getaffinity(0)
+    else:
+        assert cpus[0] == cpus[1] == sorted(os.sched_getaffinity(0))
+
+
+def test_bind_to_none_leaves_the_ranks_to_the_scheduler(run_tnt, h, tmp_path):
+    assert run_tnt("-n", "2", "--bind-to", "none", "--", h.rank_script("env_dump.py")).returncode == 0
+    for rank in range(2):
+        cpus = json.loads((tmp_path / f"cpus.{rank}.json").read_text())
+        assert cpus == sorted(os.sched_getaffinity(0))
 
 
 def test_each_job_gets_a_new_key(run_tnt, h, tmp_path):

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tnt_cli.agent import numactl_prefix, rank_identity, startup_filter
+from tnt_cli.devices import physical_cores, rank_cpus
 from tnt_cli.errors import UsageError
 from tnt_cli.hostfile import Host, parse_host_list, parse_hostfile
 from tnt_cli.options import parse_run_args
@@ -128,6 +129,46 @@ def test_numactl_prefix():
     assert numactl_prefix(2, True, True, 2) == ["numactl", "--cpunodebind=0", "--membind=0"]
     assert numactl_prefix(1, False, True, 4) == ["numactl", "--membind=1"]
     assert numactl_prefix(0, False, False, 2) == []
+
+
+def _fake_topology(root, cpus):
+    """A sysfs CPU tree: ``cpus`` maps a CPU to (socket, core)."""
+    for cpu, (package, core) in cpus.items():
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+        (topo / "die_id").write_text("0\n")
+    return str(root)
+
+
+def test_ranks_are_bound_to_whole_cores_of_their_own(tmp_path):
+    # 2 sockets x 2 cores x 2 threads, numbered as Linux numbers SMT siblings: cpu n and
+    # n + 4 share a core; core ids repeat on the second socket
+    sysfs = _fake_topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1),
+                                      4: (0, 0), 5: (0, 1), 6: (1, 0), 7: (1, 1)})
+    every = list(range(8))
+    assert physical_cores(every, sysfs) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [rank_cpus(r, 2, every, sysfs) for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [rank_cpus(r, 4, every, sysfs) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # uneven: the first ranks get the extra core; the ranks never share one
+    assert [rank_cpus(r, 3, every, sysfs) for r in range(3)] == [[0, 1, 4, 5], [2, 6], [3, 7]]
+    # within the CPUs this process may use (a cpuset), siblings outside it left out
+    assert rank_cpus(1, 2, [0, 1, 2, 4], sysfs) == [2]
+    # fewer cores than ranks: not bound (siblings are not cores)
+    assert rank_cpus(0, 5, every, sysfs) is None
+    # no topology in sysfs: every CPU is a core
+    assert rank_cpus(1, 2, [0, 1, 2, 3], str(tmp_path / "none")) == [2, 3]
+
+
+def test_bind_to_defaults_to_core_and_gives_way_to_socket_pinning(capsys):
+    assert parse_run_args(["-n", "2", "--", "t.py"]).bind_to == "core"
+    assert parse_run_args(["-n", "2", "--bind-to", "none", "--", "t.py"]).bind_to == "none"
+    assert parse_run_args(["-n", "2", "--pin-to-socket", "--", "t.py"]).bind_to == "none"
+    with pytest.raises(SystemExit) as exit_:
+        parse_run_args(["-n", "2", "--bind-to", "core", "--pin-to-socket", "--", "t.py"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--bind-to core and --pin-to-socket" in err, err
 
 
 def test_the_store_listens_where_the_route_to_the_first_remote_host_leaves():

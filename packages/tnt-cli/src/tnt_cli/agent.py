@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .cleanup import remove_orphan_segments, shm_segments
-from .devices import visible_gpus
+from .devices import rank_cpus, visible_gpus
 
 __all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE",
            "STATUS_PREFIX", "exception_text", "report_failure", "read_failures"]
@@ -198,6 +198,8 @@ class Agent:
         self.grace_s = float(spec.get("grace_s", 3.0))
         self.stop_requested = threading.Event()
         self.proc: subprocess.Popen | None = None
+        #: the CPUs the rank is bound to (None: not bound); set by run()
+        self.cpus: list[int] | None = None
         self.out = _Writer(1)
         self.err = _Writer(2)
         self.tail: collections.deque[bytes] = collections.deque(maxlen=STDERR_TAIL_LINES)
@@ -263,10 +265,21 @@ class Agent:
                 if e.errno != errno.EAGAIN:
                     break
             time.sleep(0.05)
+        if self.cpus:  # before exec: every thread the rank starts inherits it
+            os.sched_setaffinity(0, self.cpus)
         if self._prctl is not None:
             self._prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != self._pid:  # the agent died between fork and prctl
             os._exit(137)
+
+    @staticmethod
+    def binding(spec: Mapping[str, Any], local_rank: int, local_size: int) -> list[int] | None:
+        """The CPUs this rank is bound to (``--bind-to core``), or None: not asked, socket
+        binding asked instead (numactl), or a rank placed by mpirun/srun (whose own
+        binding options apply: Open MPI binds by default)."""
+        if spec.get("bind") != "core" or spec.get("pin_cpu") or spec.get("rank") is None:
+            return None
+        return rank_cpus(local_rank, local_size)
 
     def terminate(self) -> None:
         """SIGTERM the rank's process group, SIGKILL it after the grace period."""
@@ -300,6 +313,7 @@ class Agent:
         spec = self.spec
         env, rank = self.build_env()
         ident_local = int(env.get("TNT_LOCAL_RANK", "0"))
+        self.cpus = self.binding(spec, ident_local, int(env.get("TNT_LOCAL_SIZE", "1")))
         argv = numactl_prefix(ident_local, bool(spec.get("pin_cpu")), bool(spec.get("pin_memory")),
                               _numa_nodes()) + list(spec["argv"])
         output_all, master = bool(spec.get("output_all")), rank == 0

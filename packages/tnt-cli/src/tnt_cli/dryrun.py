@@ -5,10 +5,11 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from .agent import SPEC_ENV, numactl_prefix
+from .agent import SPEC_ENV, Agent, numactl_prefix
 from .devices import numa_nodes
 from .job import Job, Rendezvous
 from .launchers.base import Launcher, ProcessSpec
+from .network import is_local_host
 
 __all__ = ["render_dry_run", "dry_run_rendezvous", "KEY_PLACEHOLDER"]
 
@@ -22,6 +23,24 @@ def dry_run_rendezvous(bind_host: str, port: int) -> Rendezvous:
 
 def _env_words(pairs: Sequence[Sequence[str]]) -> str:
     return " ".join(f"{name}={shlex.quote(value)}" for name, value in pairs)
+
+
+def _binding(spec: dict, local_rank: int | None, slots: Sequence) -> str:
+    """Where the rank runs: its CPUs as its agent would bind it on this machine (the
+    launching one), or the rule, for a host whose cores only its agent sees."""
+    if spec.get("pin_cpu"):
+        return "its socket's (numactl, above)"
+    if local_rank is None:
+        return "as the launcher binds them"
+    if spec.get("bind") != "core":
+        return "not bound (--bind-to none)"
+    slot = slots[spec["rank"]]
+    if not is_local_host(slot.host):
+        return (f"cores of its own: run {local_rank + 1} of {slot.local_size} of {slot.host}'s "
+                "cores, whole cores each")
+    cpus = Agent.binding(spec, local_rank, slot.local_size)
+    return ("not bound: this machine has fewer cores than ranks" if cpus is None
+            else ",".join(map(str, cpus)))
 
 
 def render_dry_run(job: Job, launcher: Launcher, procs: Sequence[ProcessSpec],
@@ -70,4 +89,5 @@ def render_dry_run(job: Job, launcher: Launcher, procs: Sequence[ProcessSpec],
                 else:
                     pin = numactl_prefix(local_rank, spec["pin_cpu"], spec["pin_memory"], numa_nodes())
             lines.append(f"  run:   {shlex.join(pin + list(spec['argv']))}")
+            lines.append(f"  cpus:  {_binding(spec, local_rank, placement.slots)}")
     return "\n".join(lines) + "\n"

@@ -220,10 +220,11 @@ class Job:
 
         ``argv`` command of the rank · ``cwd`` · ``env`` ordered ``[name, value]`` pairs ·
         ``rank`` (None: taken from mpirun/srun variables at run time) · ``size`` · ``host``
-        · ``output_all`` · ``pin_cpu`` / ``pin_memory`` · ``gpus`` GPU ids of a node, mapped
-        by local rank when the rank is known only at run time · ``hide_gpus`` · ``grace_s``
-        · ``status`` (optional, set by the ssh launcher): the agent writes its status lines
-        (``agent.STATUS_PREFIX``).
+        · ``output_all`` · ``pin_cpu`` / ``pin_memory`` · ``bind``: ``"core"`` binds a rank
+        whose local rank is known to cores of its own (``devices.rank_cpus``) · ``gpus`` GPU
+        ids of a node, mapped by local rank when the rank is known only at run time ·
+        ``hide_gpus`` · ``grace_s`` · ``status`` (optional, set by the ssh launcher): the
+        agent writes its status lines (``agent.STATUS_PREFIX``).
         """
         base = self.forwarded_env() if remote else []
         if slot is None:
@@ -241,6 +242,7 @@ class Job:
             "output_all": self.settings().output_all,
             "pin_cpu": self.options.pin_cpu,
             "pin_memory": self.options.pin_memory,
+            "bind": self.options.bind_to,
             "gpus": self.gpus,
             "hide_gpus": self.hide_gpus,
             "grace_s": self.grace_s,

@@ -50,6 +50,8 @@ class RunOptions:
     python: list[str] = field(default_factory=list)  # empty: run the command as a binary
     pin_cpu: bool = False
     pin_memory: bool = False
+    #: "core": each rank of a host bound to cores of its own (devices.rank_cpus); "none"
+    bind_to: str = "core"
     timeout_s: float | None = None
     rendezvous_host: str | None = None
     rendezvous_port: int = 0
@@ -261,6 +263,10 @@ def build_parser(prog: str = "tnt run") -> argparse.ArgumentParser:
     rank.add_argument("--python-interpreter", dest="python", type=_shell_words, metavar="CMD",
                       help="interpreter that runs SCRIPT, may include arguments (default: the "
                            "Python running tnt); an empty string runs SCRIPT as a program")
+    rank.add_argument("--bind-to", dest="bind_to", choices=("core", "none"), default=None,
+                      help="core (the default): bind the ranks of a host to cores of their own, "
+                           "the host's cores shared evenly (whole cores; not when a host has "
+                           "fewer cores than ranks); none: leave them to the scheduler")
     rank.add_argument("--pin-to-socket", dest="pin_cpu", action="store_true",
                       help="bind each rank of a host to its own socket (NUMA node) with numactl")
     rank.add_argument("--pin-memory-to-socket", dest="pin_memory", action="store_true",
@@ -335,12 +341,15 @@ def _validate(ns: argparse.Namespace) -> RunOptions:
     if ns.hosts is not None and len(ns.hosts) > 1:
         raise UsageError("-H is given more than once; name every host in one -H HOST:K,HOST:K")
     _check_elastic(ns)
+    if ns.bind_to == "core" and ns.pin_cpu:
+        raise UsageError("--bind-to core and --pin-to-socket both bind the ranks: give one")
     return RunOptions(
         command=command, nranks=ns.nranks, hostfile=ns.hostfile,
         hosts=None if ns.hosts is None else ns.hosts[0], per_node=ns.per_node,
         no_gpu=ns.no_gpu, launcher=ns.launcher, backend=ns.backend, env=list(ns.env),
         fusion_threshold_kb=ns.fusion_threshold_kb, log_level=ns.log_level, log_all=ns.log_all,
         output_all=ns.output_all, python=python, pin_cpu=ns.pin_cpu, pin_memory=ns.pin_memory,
+        bind_to=ns.bind_to or ("none" if ns.pin_cpu else "core"),
         timeout_s=ns.timeout_s, rendezvous_host=ns.rendezvous_host,
         rendezvous_port=ns.rendezvous_port, ssh_args=ns.ssh_args, dry_run=ns.dry_run,
         cleanup=ns.cleanup, force=ns.force, min_np=ns.min_np, max_np=ns.max_np,

@@ -3,8 +3,10 @@
 * GPU ranks: each rank sees one GPU (``local_rank % local GPUs``) with memory growth on, so
   N ranks on one node share the node's GPUs instead of all allocating GPU 0.
 * CPU ranks: TensorFlow's intra-op thread pool gets ``TNT_NUM_THREADS`` threads, else
-  ``cores / ranks on this node``, so N ranks do not oversubscribe the cores. A user's own
-  choice (``TF_NUM_INTRAOP_THREADS`` or ``tf.config.threading`` calls) is kept.
+  ``cores / ranks on this node``, so N ranks do not oversubscribe the cores; a rank that
+  may use one CPU gets two inter-op threads (:func:`_set_inter_op_threads`). A user's own
+  choice (``TF_NUM_INTRAOP_THREADS``, ``TF_NUM_INTEROP_THREADS`` or ``tf.config.threading``
+  calls) is kept.
 * A fixed global TensorFlow seed when the user has set none, so that an unseeded
   ``Dataset.shuffle`` gives every rank the same order (the Tarantella behaviour: "when no
   seed is given, a fixed default seed is used"). The value is TensorFlow's own
@@ -94,6 +96,26 @@ def _set_cpu_threads(runtime: tnt_core.Runtime) -> None:
             )
 
 
+def _set_inter_op_threads() -> None:
+    """Two inter-op threads for a rank that may use one CPU (``tnt run`` binds each rank of
+    a host with two cores to one of them), unless the user chose a number.
+
+    Why: TensorFlow sizes its inter-op pool by the CPUs the process may use, and a rank's
+    waits for a peer (a pipeline stage's receive, the wait for the gradients' allreduce)
+    are kernels that hold the thread they run on; with one thread the rank's other ops
+    wait behind them instead of running. A 2-stage pipeline, each rank bound to a CPU:
+    7 % slower with one thread than with two (docs/performance.md, "Each rank on cores of
+    its own")."""
+    if os.environ.get("TF_NUM_INTEROP_THREADS") or _cpu_count() >= 2:
+        return
+    if tf.config.threading.get_inter_op_parallelism_threads() != 0:
+        return  # set by the user through tf.config before importing tarantella
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    except RuntimeError:  # TensorFlow already started: its pool stays as it is
+        pass
+
+
 def _set_default_seed() -> None:
     """``DEFAULT_SHUFFLE_SEED`` as the global seed unless the user set another. TensorFlow has
     no public getter of the global seed; ``get_seed`` with an op seed returns it, or
@@ -121,4 +143,5 @@ def configure_process(runtime: tnt_core.Runtime) -> None:
     starting it runs no TensorFlow."""
     if not _place_on_gpu(runtime):
         _set_cpu_threads(runtime)
+        _set_inter_op_threads()
     _set_default_seed()
