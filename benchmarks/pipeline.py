@@ -63,10 +63,18 @@ into TensorFlow a step instead of two); the row
 ``zb-h1, F ungated`` is ZB-H1 with its forward passes left to the dataflow (each ``F`` not
 waiting for the action before it); the row ``zb-fused, update as TF ops`` is ZB-fused
 compiled with ``jit_compile=False``, its optimizer's update as TensorFlow ops instead of
-one XLA-compiled function. Then ZB-H1's targets (1.35x serial on 1 CPU, 0.90 of its
-bound), for ZB-H1 and ZB-fused, the memory's sharing before and after the pipelined runs
+one XLA-compiled function. Then the work bound: the shortest step any schedule could make
+of the passes and the update ``U`` (each stage's optimizer update, timed alone as the
+passes are), messages free: the busiest stage's ``M x (F + B + W) + U`` plus the ``F`` of
+the stages before it (its first input), against serial Keras on 1 CPU; once with the
+passes timed on every rank at once (as the job runs them) and once with each rank timing
+its own alone, held to one CPU while the others wait: their ratio is what the stages cost
+each other by computing at the same time. Then ZB-H1's targets (1.35x serial on 1 CPU,
+0.90 of its bound), for ZB-H1 and ZB-fused, the memory's sharing before and after the pipelined runs
 (``machine_memory.memory_sharing``: on a VM two ranks may get half the bandwidth each), and the
 load average.
+The ranks run as ``tnt run`` binds them (``--bind-to core``, its default: a CPU each on
+a 2-core machine; ``--bind-to none`` leaves them to the scheduler).
 ``--priority N`` runs every timed process (the serial ones and each rank) at nice ``N``
 in a scheduling group of its own, so that other work on a shared machine starves it less
 (``benchmarks/throughput_worker.set_priority``).
@@ -141,6 +149,7 @@ load; the ratio of their median steps (the slower rank's) and of each rank's sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import hashlib
@@ -153,6 +162,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -514,12 +524,40 @@ def schedule_key(args: argparse.Namespace, schedule: str) -> str:
     return f"M={m}" if schedule == "1f1b" and m in args.micro_batches else f"M={m} {schedule}"
 
 
+@contextlib.contextmanager
+def one_cpu(cpu: int) -> Iterator[None]:
+    """Every thread of this process (TensorFlow's pools included) held to CPU ``cpu``,
+    and given back its own CPUs after."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    before = {t: os.sched_getaffinity(t) for t in tids}
+    for t in tids:
+        with contextlib.suppress(OSError):  # the thread ended
+            os.sched_setaffinity(t, {cpu})
+    try:
+        yield
+    finally:
+        for t, cpus in before.items():
+            with contextlib.suppress(OSError):  # the thread ended
+                os.sched_setaffinity(t, cpus)
+
+
 def pass_costs(step: Any, x: Any, y: Any, m: int, repeats: int = 30) -> dict[str, float]:
-    """Seconds of one micro-batch's F, B and W on this rank's stage, alone (no message, no
-    other pass beside it): each a compiled function, median of ``repeats`` calls, B and W by
-    difference (F; F + B, the weights' gradient ops unused and so not run; F + B + W).
-    On the first stage B is empty (no input gradient): its whole backward pass is W."""
+    """Seconds of one micro-batch's F, B and W on this rank's stage, and of the stage's
+    optimizer update U, with no message and no other pass beside it: each a compiled
+    function, median of ``repeats`` calls, B and W by difference (F; F + B, the weights'
+    gradient ops unused and so not run; F + B + W). On the first stage B is empty (no input
+    gradient): its whole backward pass is W.
+
+    Timed twice: with the other ranks timing theirs at the same time (the keys as they are:
+    what the stages' compute costs while every CPU works, as in the job), and one rank at a
+    time while the others wait in a barrier, every thread of the process held to one CPU
+    (``alone`` keys; unheld, a rank alone would run a pass's independent products on both
+    CPUs): their ratio is what the stages cost each other by computing at once (caches and
+    memory bandwidth shared). The update runs on zero gradients after training (its time
+    does not depend on them)."""
     import tensorflow as tf
+
+    import tarantella as tnt
 
     passes, parts, stage = step.passes, step.parts, step.stage
     rows = x.shape[0] // m
@@ -537,18 +575,40 @@ def pass_costs(step: Any, x: Any, y: Any, m: int, repeats: int = 30) -> dict[str
         weights, back = passes.backward_apart(flight, returned, seed)
         return [*made, *(back or [])] if upto == "B" else [*made, *(back or []), *weights.grads]
 
+    zeros = [tf.zeros_like(w) for w in step.weights]
+
+    def update() -> Any:
+        step._apply(zeros)  # the stage's own update, as its step runs it (compiled or ops)
+        return tf.constant(0)
+
     fns = {upto: tf.function(lambda upto=upto: run(upto), autograph=False) for upto in "FBW"}
-    times: dict[str, list[float]] = {upto: [] for upto in fns}
+    fns["U"] = tf.function(update, autograph=False)
     for fn in fns.values():
         fn()
-    for _ in range(repeats):  # the three in turn: a change of the machine's load hits each alike
-        for upto, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[upto].append(time.perf_counter() - start)
-    timed = {upto: statistics.median(t) for upto, t in times.items()}
-    return {"F": timed["F"], "B": max(timed["B"] - timed["F"], 0.0),
-            "W": max(timed["W"] - timed["B"], 0.0)}
+
+    def timed() -> dict[str, float]:
+        times: dict[str, list[float]] = {upto: [] for upto in fns}
+        for _ in range(repeats):  # in turn: a change of the machine's load hits each alike
+            for upto, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                times[upto].append(time.perf_counter() - start)
+        t = {upto: statistics.median(v) for upto, v in times.items()}
+        return {"F": t["F"], "B": max(t["B"] - t["F"], 0.0), "W": max(t["W"] - t["B"], 0.0),
+                "U": t["U"]}
+
+    barrier = tnt.Barrier()
+    barrier()
+    together = timed()
+    alone: dict[str, float] = {}
+    for turn in range(tnt.get_size()):
+        barrier()
+        if turn == tnt.get_rank():
+            cpus = sorted(os.sched_getaffinity(0))
+            with one_cpu(cpus[turn % len(cpus)]):
+                alone = timed()
+    barrier()
+    return {**together, **{f"{k} alone": v for k, v in alone.items()}}
 
 
 def reset_peak() -> bool:
@@ -792,6 +852,7 @@ def launch(args: argparse.Namespace, role: str, out: Path, ranks: int,
     if ranks:
         tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
         cmd = [tnt, "run", "-n", str(ranks), "--backend", args.backend, "--timeout", "120",
+               "--bind-to", args.bind_to,
                "--output-on-all-devices", "--", *worker_args(args, role, out)]
     else:
         cmd = [sys.executable, *worker_args(args, role, out)]
@@ -912,6 +973,36 @@ def best_serial(serial1: dict) -> float:
                if name in ("keras fit", "keras fit, no XLA", "keras fit, XLA"))
 
 
+def work_bound(costs: list[dict], m: int, suffix: str = "") -> float:
+    """The shortest step any schedule can make of these passes: stage ``p`` does all its
+    ``M x (F + B + W)`` and its update ``U``, and cannot start before the first micro-batch
+    has passed the stages before it (their ``F``); messages free."""
+    def at(c: dict, key: str) -> float:
+        return c[f"{key}{suffix}"]
+
+    return max(m * (at(c, "F") + at(c, "B") + at(c, "W")) + at(c, "U")
+               + sum(at(q, "F") for q in costs[:p]) for p, c in enumerate(costs))
+
+
+def print_work_bound(costs: list[dict], m: int, serial_step: float) -> None:
+    """What the machine allows any schedule, from the passes and updates measured with the
+    stages computing at once and one at a time, against serial Keras on 1 CPU: a target
+    above the first is beyond this machine, and the two differ by what the CPUs cost each
+    other when both compute (the VM's memory bandwidth; ``memory shared`` below)."""
+    if "U alone" not in costs[0]:
+        return
+    together, alone = work_bound(costs, m), work_bound(costs, m, " alone")
+    each = "; ".join(
+        f"r{i} U {c['U'] * 1e3:.1f} ms, F+B+W together / alone "
+        f"{(c['F'] + c['B'] + c['W']) / (c['F alone'] + c['B alone'] + c['W alone']):.2f}, "
+        f"U {c['U'] / c['U alone']:.2f}" for i, c in enumerate(costs))
+    print(f"   the work bound (the busiest stage's M x (F + B + W) + its update U + the F of the "
+          f"stages before it; messages free): {together * 1e3:.1f} ms = "
+          f"{serial_step / together:.2f}x serial on 1 CPU with the stages timed at once, "
+          f"{alone * 1e3:.1f} ms = {serial_step / alone:.2f}x with each stage timed alone on one CPU; "
+          f"{each}")
+
+
 def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) -> None:
     """The schedules at one M, trained in the same rounds: measured against serial Keras on
     1 CPU and against each one's own work-only bound, and each one's dry run
@@ -953,6 +1044,7 @@ def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) 
               f"{pair['wait']:>11s} {pair['loop']:>11s} {pair['check']:>11s} {pair['sum']:>11s} "
               f"{bound / base1:5.2f} {rate / bound:8.2f} {max(passes) / step:9.2f} "
               f"{dry.bubble:14.3f} {max(dry.busy) / dry.step_time:16.2f}")
+    print_work_bound(costs, m, best_serial(serial1))
     for name in ("zb-h1", "zb-fused"):
         if name not in args.schedules:
             continue
@@ -1191,6 +1283,8 @@ def source_version() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--backend", default="gloo")
+    p.add_argument("--bind-to", choices=("core", "none"), default="core",
+                   help="tnt run's binding of the ranks (core, its default: a CPU each here)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=6)
@@ -1263,7 +1357,8 @@ def main() -> int:
         worker_load(args)
         return 0
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    print(f"pipeline benchmark, {os.cpu_count()} CPUs, backend {args.backend}, "
+    print(f"pipeline benchmark, {os.cpu_count()} CPUs, backend {args.backend}, ranks bound "
+          f"{'to cores of their own' if args.bind_to == 'core' else 'to nothing'}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, tarantella {source_version()}, "
           f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}"
           + ("" if args.priority is None else f", timed processes at priority {args.priority}"),
