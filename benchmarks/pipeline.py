@@ -528,10 +528,10 @@ def schedule_key(args: argparse.Namespace, schedule: str) -> str:
 def one_cpu(cpu: int) -> Iterator[None]:
     """Every thread of this process (TensorFlow's pools included) held to CPU ``cpu``,
     and given back its own CPUs after."""
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-    before = {t: os.sched_getaffinity(t) for t in tids}
-    for t in tids:
+    before: dict[int, set[int]] = {}
+    for t in map(int, os.listdir("/proc/self/task")):
         with contextlib.suppress(OSError):  # the thread ended
+            before[t] = os.sched_getaffinity(t)
             os.sched_setaffinity(t, {cpu})
     try:
         yield
