@@ -288,6 +288,18 @@ void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
   allreduce_tcp(exec, data, count, dtype, op, algorithm);
 }
 
+void run_allreduce_gather(const Exec& exec, const std::vector<Piece>& pieces, double factor,
+                          void* out, std::size_t count, DType dtype, ReduceOp op,
+                          Algorithm algorithm) {
+  if (count == 0) return;
+  if (exec.shm != nullptr && exec.context->size > 1) {
+    return exec.shm->allreduce_gather(pieces, factor, out, count, dtype, op, exec.timeout);
+  }
+  fill_gathered(static_cast<char*>(out), 0, count, pieces, factor, dtype,
+                [](void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); });
+  run_allreduce(exec, out, count, dtype, op, algorithm);
+}
+
 void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root) {
   if (nbytes == 0 || exec.context->size == 1) return;
   broadcast_tree(exec, data, nbytes, root);

@@ -113,6 +113,12 @@ struct Exec {
 // every one of them waits on buffers that exec.interrupt watches (interruptible.h).
 void run_allreduce(const Exec& exec, void* data, std::size_t count, DType dtype,
                    ReduceOp op, Algorithm algorithm);
+// run_allreduce of the input made of `pieces` times `factor` (fill_gathered, types.h),
+// the result in `out`: through exec.shm the pieces go straight into its slots; any other
+// way they are gathered into `out` first and reduced there.
+void run_allreduce_gather(const Exec& exec, const std::vector<Piece>& pieces, double factor,
+                          void* out, std::size_t count, DType dtype, ReduceOp op,
+                          Algorithm algorithm);
 void run_broadcast(const Exec& exec, void* data, std::size_t nbytes, int root);
 void run_allgather(const Exec& exec, const void* in, void* out, std::size_t nbytes);
 void run_barrier(const Exec& exec);

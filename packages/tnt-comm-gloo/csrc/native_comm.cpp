@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -145,6 +146,76 @@ std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::in
   }
 }
 
+std::int32_t allreduce_gather_async(void* self, const void* const* srcs,
+                                    const std::int64_t* counts, const std::int64_t* offsets,
+                                    std::int32_t nparts, double factor, void* out,
+                                    std::int64_t count, std::int32_t dtype, std::int32_t op,
+                                    tnt_native_done_fn done, void* arg, char* err,
+                                    std::int64_t errlen) noexcept {
+  auto* nc = static_cast<NativeComm*>(self);
+  if (nc == nullptr) return refuse(err, errlen, "native allreduce: self is NULL");
+  std::string operation = "native allreduce";
+  try {
+    DType dt{};
+    ReduceOp rop{};
+    auto refused = [&](const std::string& why) {
+      return refuse(err, errlen, prefix(nc->rank, operation) + why);
+    };
+    if (done == nullptr) return refused("no done callback was given");
+    if (!dtype_of(dtype, &dt)) {
+      return refused("unknown element type " + std::to_string(dtype) + " (tnt_native_dtype: 1 to 5)");
+    }
+    if (!op_of(op, &rop)) {
+      return refused("unknown reduction " + std::to_string(op) + " (tnt_native_op: 0 to 3)");
+    }
+    const auto most = static_cast<std::int64_t>(std::numeric_limits<std::int64_t>::max() /
+                                                 static_cast<std::int64_t>(element_size(dt)));
+    if (count < 0 || count > most) {
+      return refused("element count " + std::to_string(count) + " is out of range");
+    }
+    if (out == nullptr && count > 0) return refused("out is NULL");
+    if (nparts < 0 || (nparts > 0 && (srcs == nullptr || counts == nullptr || offsets == nullptr))) {
+      return refused("the pieces are not given (nparts " + std::to_string(nparts) + ")");
+    }
+    std::vector<Piece> pieces;
+    pieces.reserve(static_cast<std::size_t>(nparts));
+    for (std::int32_t i = 0; i < nparts; ++i) {
+      if (counts[i] < 0 || offsets[i] < 0 || offsets[i] > count - counts[i] ||
+          (srcs[i] == nullptr && counts[i] > 0)) {
+        return refused("piece " + std::to_string(i) + " (" + std::to_string(counts[i]) +
+                       " elements at offset " + std::to_string(offsets[i]) +
+                       ") does not fit " + std::to_string(count) + " elements");
+      }
+      pieces.push_back({srcs[i], static_cast<std::size_t>(offsets[i]),
+                        static_cast<std::size_t>(counts[i])});
+    }
+    std::sort(pieces.begin(), pieces.end(),
+              [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+    for (std::size_t i = 1; i < pieces.size(); ++i) {
+      if (pieces[i - 1].offset + pieces[i - 1].count > pieces[i].offset) {
+        return refused("two pieces overlap at element " + std::to_string(pieces[i].offset));
+      }
+    }
+    const auto n = static_cast<std::size_t>(count);
+    const Algorithm algorithm =
+        algorithm_for(nc->plan, static_cast<std::uint64_t>(n * element_size(dt)));
+    operation += " #" + std::to_string(nc->issued.fetch_add(1) + 1);
+    Work::OnDone on_done =
+        done_caller(done, arg, prefix(nc->rank, operation),
+                    "native allreduce failed (and describing why ran out of memory)");
+    Communicator::submit_to(
+        *nc->shared, operation,
+        [pieces = std::move(pieces), factor, out, n, dt, rop, algorithm](const Exec& exec) {
+          run_allreduce_gather(exec, pieces, factor, out, n, dt, rop, algorithm);
+        },
+        /*inline_ok=*/true, std::move(on_done));
+    return 0;
+  } catch (...) {  // refused by the queue (closed, failed) or out of memory
+    return refuse(err, errlen,
+                  prefix(nc->rank, operation) + describe_exception(std::current_exception()));
+  }
+}
+
 // send_async and recv_async: the checks, then the communicator's point-to-point (p2p.h),
 // beside the collective worker as the Python methods' messages are.
 std::int32_t p2p_async(void* self, bool send, void* data, std::int64_t nbytes,
@@ -236,6 +307,7 @@ tnt_native_comm* make_native_comm(const Communicator& comm, std::vector<Algorith
   nc->table.send_async = &send_async;
   nc->table.recv_async = &recv_async;
   nc->table.abort = &abort_comm;
+  nc->table.allreduce_gather_async = &allreduce_gather_async;
   NativeComm* raw = nc.release();
   raw->table.self = raw;
   return &raw->table;

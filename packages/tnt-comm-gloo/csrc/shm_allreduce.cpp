@@ -643,6 +643,21 @@ void ShmAllreduce::wait_for_peer(int peer, std::uint32_t target, Clock::time_poi
 
 void ShmAllreduce::allreduce(void* data, std::size_t count, DType dtype, ReduceOp op,
                              std::chrono::milliseconds timeout) {
+  run(data, count, dtype, op, timeout, nullptr);
+}
+
+void ShmAllreduce::allreduce_gather(const std::vector<Piece>& pieces, double factor, void* out,
+                                    std::size_t count, DType dtype, ReduceOp op,
+                                    std::chrono::milliseconds timeout) {
+  const Fill fill = [&](char* slot_chunk, std::size_t first, std::size_t n) {
+    fill_gathered(slot_chunk, first, n, pieces, factor, dtype,
+                  [this](void* dst, const void* src, std::size_t bytes) { copy_in(dst, src, bytes); });
+  };
+  run(out, count, dtype, op, timeout, &fill);
+}
+
+void ShmAllreduce::run(void* data, std::size_t count, DType dtype, ReduceOp op,
+                       std::chrono::milliseconds timeout, const Fill* fill) {
   if (count == 0) return;
   const auto reduce = reduce_function(dtype, op);
   const std::size_t es = element_size(dtype);
@@ -662,15 +677,21 @@ void ShmAllreduce::allreduce(void* data, std::size_t count, DType dtype, ReduceO
     const std::uint32_t base = next_seq_;
     next_seq_ += 3;
     char* const out = user + first * es;
-    copy_in(slot(rank_, s), out, n * es);
+    if (fill == nullptr) {
+      copy_in(slot(rank_, s), out, n * es);
+    } else {
+      (*fill)(slot(rank_, s), first, n);
+    }
     publish(base + 1);  // data in
     wait_all(base + 1);
     // Every element is reduced once, in rank order (numpy's order for a reduction over
     // the ranks), by one rank, and copied by the others: bitwise the same everywhere.
-    // This rank's own slot holds what `out` holds: read `out`, still in this core's
-    // cache, rather than the slot (which a streaming copy bypassed).
+    // When `out` holds this rank's input (not gathered), its own slot holds the same:
+    // read `out`, still in this core's cache, rather than the slot (which a streaming
+    // copy bypassed).
+    char* const mine = fill == nullptr ? out : slot(rank_, s);
     if (size_ == 2 || n * es <= kWholeMaxBytes) {
-      reduce(out, rank_ == 0 ? out : slot(0, s), rank_ == 1 ? out : slot(1, s), n);
+      reduce(out, rank_ == 0 ? mine : slot(0, s), rank_ == 1 ? mine : slot(1, s), n);
       for (int r = 2; r < size_; ++r) reduce(out, out, slot(r, s), n);
     } else {
       // Reduce-scatter: rank r reduces part r into its buffer and publishes it in its

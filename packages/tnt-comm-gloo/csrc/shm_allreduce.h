@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -118,6 +119,12 @@ class ShmAllreduce {
   // is poisoned anyway).
   void allreduce(void* data, std::size_t count, DType dtype, ReduceOp op,
                  std::chrono::milliseconds timeout);
+  // The same, its input gathered from `pieces` times `factor` (fill_gathered, types.h)
+  // straight into this rank's slots, the result in `out` (`count` elements): the copy a
+  // caller would make into one buffer first is the slot's copy.
+  void allreduce_gather(const std::vector<Piece>& pieces, double factor, void* out,
+                        std::size_t count, DType dtype, ReduceOp op,
+                        std::chrono::milliseconds timeout);
 
   // The hierarchical allreduce's intra-host steps. The buffer is cut into size()
   // contiguous slices (slice(count, size(), r)); reduce_scatter leaves in slice rank()
@@ -163,6 +170,11 @@ class ShmAllreduce {
   const char* copy_mode() const;
 
  private:
+  // Writes elements [first, first + n) of this rank's input into a slot's chunk.
+  using Fill = std::function<void(char* slot_chunk, std::size_t first, std::size_t n)>;
+  // allreduce's chunks; `fill` null: the input is `data` itself, reduced in place.
+  void run(void* data, std::size_t count, DType dtype, ReduceOp op,
+           std::chrono::milliseconds timeout, const Fill* fill);
   void publish(std::uint32_t value);
   void wait_for_peer(int peer, std::uint32_t target,
                      std::chrono::steady_clock::time_point deadline,

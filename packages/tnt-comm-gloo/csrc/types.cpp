@@ -165,4 +165,36 @@ gloo::AllreduceOptions::Func reduce_function(DType dtype, ReduceOp op) {
   throw GlooError("unsupported dtype");
 }
 
+namespace {
+template <typename T>
+void scale_into(T* dst, const T* src, std::size_t n, T factor) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = src[i] * factor;
+}
+}  // namespace
+
+void scale_copy(DType dtype, void* dst, const void* src, std::size_t n, double factor) {
+  switch (dtype) {
+    case DType::kFloat16:  // computed in float, rounded to nearest-even, as numpy does
+      scale_into(static_cast<_Float16*>(dst), static_cast<const _Float16*>(src), n,
+                 static_cast<_Float16>(factor));
+      return;
+    case DType::kFloat32:
+      scale_into(static_cast<float*>(dst), static_cast<const float*>(src), n,
+                 static_cast<float>(factor));
+      return;
+    case DType::kFloat64:
+      scale_into(static_cast<double*>(dst), static_cast<const double*>(src), n, factor);
+      return;
+    case DType::kInt32:  // frameworks refuse a non-integral factor for integer tensors
+      scale_into(static_cast<std::int32_t*>(dst), static_cast<const std::int32_t*>(src), n,
+                 static_cast<std::int32_t>(factor));
+      return;
+    case DType::kInt64:
+      scale_into(static_cast<std::int64_t*>(dst), static_cast<const std::int64_t*>(src), n,
+                 static_cast<std::int64_t>(factor));
+      return;
+  }
+  throw GlooError("unsupported dtype");
+}
+
 }  // namespace tnt_gloo

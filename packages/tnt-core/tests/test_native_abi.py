@@ -1,6 +1,7 @@
 """tnt_core.native_comm against tables of each ABI version (tnt_native_comm.h), made here
 in ctypes as a backend of that version would: a table of ABI 1 still works, without
-point-to-point; one below ABI 1's size or version is refused."""
+point-to-point and without the allreduce of gathered pieces; one below ABI 1's size or
+version is refused."""
 
 from __future__ import annotations
 
@@ -64,14 +65,20 @@ def test_a_table_of_abi_1_works_without_point_to_point():
         table.recv_async(np.zeros(3, np.float32), 1, 0, seen.append)
     with pytest.raises(tnt_core.TntError, match="ABI 1: it has no abort"):
         table.abort("why")
+    assert not table.has_gather
+    with pytest.raises(tnt_core.TntError, match="ABI 1: it has no allreduce of gathered pieces"):
+        table.allreduce_gather([(np.ones(2, np.float32), 0)], 1.0, np.zeros(3, np.float32), "sum",
+                               seen.append)
+    assert backend.calls == ["allreduce"] and seen == [None]
 
 
-def test_a_table_that_says_abi_2_but_is_too_short_has_no_point_to_point():
-    table = tnt_core.native_comm(TableBackend(2))
-    assert table is not None and not table.has_p2p
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_table_that_says_a_later_abi_but_is_too_short_has_none_of_its_entries(version):
+    table = tnt_core.native_comm(TableBackend(version))
+    assert table is not None and not table.has_p2p and not table.has_gather
 
 
 @pytest.mark.parametrize(("version", "size"), [(0, None), (1, 16)], ids=["version-0", "short"])
 def test_a_table_below_abi_1_is_refused(version, size):
-    with pytest.raises(tnt_core.TntError, match="this tnt-core takes ABI 1 to 2"):
+    with pytest.raises(tnt_core.TntError, match="this tnt-core takes ABI 1 to 3"):
         tnt_core.native_comm(TableBackend(version, size))

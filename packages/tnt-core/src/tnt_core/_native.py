@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -31,14 +31,16 @@ from ._backend import REDUCE_OPS, SUPPORTED_DTYPES, check_op
 from ._errors import TntError
 from ._stall_ledger import Ledger
 
-__all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "MAX_TAG", "OP_CODES", "P2P_ABI_VERSION",
-           "NativeComm", "include_dir", "native_comm"]
+__all__ = ["ABI_VERSION", "CAPSULE_NAME", "DTYPE_CODES", "GATHER_ABI_VERSION", "MAX_TAG",
+           "OP_CODES", "P2P_ABI_VERSION", "NativeComm", "include_dir", "native_comm"]
 
 CAPSULE_NAME = "tnt_native_comm"
 #: the version this tnt-core writes and reads (``TNT_NATIVE_COMM_ABI_VERSION``)
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: the first version with point-to-point (``TNT_NATIVE_COMM_ABI_P2P``)
 P2P_ABI_VERSION = 2
+#: the first version with the allreduce of gathered pieces (``TNT_NATIVE_COMM_ABI_GATHER``)
+GATHER_ABI_VERSION = 3
 #: the largest point-to-point tag of the table (``TNT_NATIVE_MAX_TAG``)
 MAX_TAG = 2**31 - 1
 #: ``tnt_native_dtype``: tnt_core.SUPPORTED_DTYPES numbered from 1
@@ -57,6 +59,11 @@ _SEND_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ct
                             ctypes.c_char_p, ctypes.c_int64)
 _RECV_FN = _SEND_FN
 _ABORT_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p)
+_GATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                              ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
+                              ctypes.c_int32, ctypes.c_double, ctypes.c_void_p, ctypes.c_int64,
+                              ctypes.c_int32, ctypes.c_int32, DONE_FN, ctypes.c_void_p,
+                              ctypes.c_char_p, ctypes.c_int64)
 
 
 class _TableV1(ctypes.Structure):
@@ -71,6 +78,13 @@ class _Table(_TableV1):
     """ABI 2: point-to-point appended (read only when :attr:`NativeComm.has_p2p`)."""
 
     _fields_ = [("send_async", _SEND_FN), ("recv_async", _RECV_FN), ("abort", _ABORT_FN)]
+
+
+class _TableV3(_Table):
+    """ABI 3: the allreduce of gathered pieces appended (read only when
+    :attr:`NativeComm.has_gather`)."""
+
+    _fields_ = [("allreduce_gather_async", _GATHER_FN)]
 
 
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -105,6 +119,8 @@ class NativeComm:
     ABI_VERSION: ClassVar[int] = ABI_VERSION
     #: the first ABI version with point-to-point
     P2P_ABI_VERSION: ClassVar[int] = P2P_ABI_VERSION
+    #: the first ABI version with the allreduce of gathered pieces
+    GATHER_ABI_VERSION: ClassVar[int] = GATHER_ABI_VERSION
     #: the largest point-to-point tag
     MAX_TAG: ClassVar[int] = MAX_TAG
     #: numpy dtype -> ``tnt_native_dtype``
@@ -133,6 +149,13 @@ class NativeComm:
         self.has_p2p = (self.abi_version >= P2P_ABI_VERSION
                         and self.struct_size >= ctypes.sizeof(_Table))
         self._table = _Table.from_address(self.address) if self.has_p2p else head
+        #: whether the table has allreduce_gather_async (ABI 3)
+        self.has_gather = (self.abi_version >= GATHER_ABI_VERSION
+                           and self.struct_size >= ctypes.sizeof(_TableV3)
+                           and bool(ctypes.cast(_TableV3.from_address(self.address)
+                                                .allreduce_gather_async, ctypes.c_void_p).value))
+        if self.has_gather:
+            self._table = _TableV3.from_address(self.address)
         self.rank, self.size = int(head.rank), int(head.size)
         self._pending: dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -164,7 +187,43 @@ class NativeComm:
             raise TntError(f"the {self.backend_name!r} backend refused a native allreduce: "
                            f"{err.value.decode(errors='replace') or f'code {rc}'}")
 
-    def _keep(self, buf: np.ndarray, done: Callable[[str | None], None]) -> tuple[int, Any]:
+    def allreduce_gather(self, pieces: Sequence[tuple[np.ndarray, int]], factor: float,
+                         out: np.ndarray, op: str, done: Callable[[str | None], None]) -> None:
+        """Call the table's ``allreduce_gather_async``: the input is each ``(array,
+        offset)`` of ``pieces`` (of ``out``'s dtype) times ``factor`` at its element
+        offset, zeros elsewhere; the result goes to ``out``. Everything is kept alive until
+        ``done``. For tests and tools, as :meth:`allreduce_async`; raises TntError without
+        ABI 3."""
+        check_op(op)
+        if not self.has_gather:
+            raise TntError(f"the {self.backend_name!r} backend's native table is ABI "
+                           f"{self.abi_version}: it has no allreduce of gathered pieces "
+                           f"(ABI {GATHER_ABI_VERSION})")
+        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+            raise TypeError("the native allreduce takes a writable C-contiguous numpy array")
+        code = DTYPE_CODES.get(out.dtype)
+        if code is None:
+            raise TypeError(f"the native allreduce takes {', '.join(map(str, SUPPORTED_DTYPES))}, "
+                            f"not {out.dtype}")
+        arrays = [np.ascontiguousarray(a, out.dtype) for a, _ in pieces]
+        n = len(arrays)
+        srcs = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+        counts = (ctypes.c_int64 * n)(*[a.size for a in arrays])
+        offsets = (ctypes.c_int64 * n)(*[int(o) for _, o in pieces])
+        key, callback = self._keep((out, arrays), done)
+        err = ctypes.create_string_buffer(512)
+        if self._ledger is not None:
+            self._ledger.enter()
+        rc = self._table.allreduce_gather_async(self._table.self, srcs, counts, offsets, n,
+                                                float(factor), out.ctypes.data, out.size, code,
+                                                OP_CODES[op], callback, None, err, len(err))
+        if rc != 0:
+            with self._lock:
+                self._pending.pop(key, None)
+            raise TntError(f"the {self.backend_name!r} backend refused a native allreduce: "
+                           f"{err.value.decode(errors='replace') or f'code {rc}'}")
+
+    def _keep(self, buf: Any, done: Callable[[str | None], None]) -> tuple[int, Any]:
         """A C callback that runs ``done`` and keeps ``buf`` and itself alive until then."""
         with self._lock:
             key, self._next = self._next, self._next + 1

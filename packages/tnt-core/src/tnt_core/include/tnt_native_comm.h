@@ -1,4 +1,4 @@
-/* tnt_native_comm.h: the native hand-off of the CommBackend contract (optional), ABI 2.
+/* tnt_native_comm.h: the native hand-off of the CommBackend contract (optional), ABI 3.
  *
  * Why: a framework's compiled ops (tnt-keras' TensorFlow op library) hand gradient buffers,
  * and a pipeline's activations and gradients, to the backend with no Python and no GIL in
@@ -26,9 +26,11 @@ extern "C" {
  * versions before it. A consumer takes any version >= 1 whose struct_size covers the fields
  * it reads, and uses an entry only where tnt_native_comm_has_*() says the table has it.
  *   1: allreduce_async
- *   2: send_async, recv_async, abort (point-to-point) */
-#define TNT_NATIVE_COMM_ABI_VERSION 2
+ *   2: send_async, recv_async, abort (point-to-point)
+ *   3: allreduce_gather_async (an allreduce whose input is gathered from pieces) */
+#define TNT_NATIVE_COMM_ABI_VERSION 3
 #define TNT_NATIVE_COMM_ABI_P2P 2
+#define TNT_NATIVE_COMM_ABI_GATHER 3
 
 /* Point-to-point tags are in [0, TNT_NATIVE_MAX_TAG]: the tags of the CommBackend
  * contract's send_async/recv_async (on the gloo backend, its MAX_TAG). */
@@ -114,6 +116,28 @@ typedef struct tnt_native_comm {
    * later one is refused. Never blocks on the network; safe from any thread, also after
    * close. */
   void (*abort)(void* self, const char* reason);
+
+  /* ---- ABI 3: the allreduce of gathered pieces (tnt_native_comm_has_gather) ----
+   *
+   * Start reducing over all ranks, with `op`, the `count` elements of `dtype` made of
+   * `nparts` pieces: piece i is `counts[i]` elements at `srcs[i]` (host memory, read until
+   * `done`, never written), each multiplied by `factor` in the element type (src * (T)factor;
+   * 1.0 copies, 0.0 gives zeros whatever the source holds), at element `offsets[i]`; the
+   * elements no piece covers are zeros. The result goes to `out` (`count` elements, written
+   * until `done`; it may hold anything before). Pieces lie within [0, count), do not
+   * overlap, come in any order; the three arrays are read during the call only. Returns,
+   * `done`, ordering and threads: as allreduce_async. The result is what allreduce_async
+   * gives for a buffer the caller filled that way.
+   *
+   * Why: a framework's gradients are separate tensors; without this entry it copies them
+   * into one buffer first, and the backend copies that buffer again into its transport's
+   * (a shared-memory slot, a send buffer). Given the pieces, the backend makes the one copy
+   * it needs. */
+  int32_t (*allreduce_gather_async)(void* self, const void* const* srcs, const int64_t* counts,
+                                    const int64_t* offsets, int32_t nparts, double factor,
+                                    void* out, int64_t count, int32_t dtype, int32_t op,
+                                    tnt_native_done_fn done, void* arg, char* err,
+                                    int64_t errlen);
 } tnt_native_comm;
 
 /* The size of an ABI 1 table: what every version starts with. */
@@ -123,6 +147,13 @@ typedef struct tnt_native_comm {
 static inline int tnt_native_comm_has_p2p(const tnt_native_comm* t) {
   return t->abi_version >= TNT_NATIVE_COMM_ABI_P2P &&
          t->struct_size >= offsetof(tnt_native_comm, abort) + sizeof(void*);
+}
+
+/* Whether `t` has allreduce_gather_async. */
+static inline int tnt_native_comm_has_gather(const tnt_native_comm* t) {
+  return t->abi_version >= TNT_NATIVE_COMM_ABI_GATHER &&
+         t->struct_size >= offsetof(tnt_native_comm, allreduce_gather_async) + sizeof(void*) &&
+         t->allreduce_gather_async != NULL;
 }
 
 #ifdef __cplusplus

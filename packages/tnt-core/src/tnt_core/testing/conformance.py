@@ -429,6 +429,62 @@ def case_native_allreduce(ctx: Context) -> None:
     assert np.array_equal(buf, np.ones(4, np.float32)), "a refused call touched the buffer"
 
 
+def case_native_gather(ctx: Context) -> None:
+    """The allreduce of gathered pieces (ABI 3, when the table has it): pieces given out of
+    order, with gaps, scaled by 1, a fraction (an integer for integer types) and 0 (zeros
+    also where the source holds NaN), over several transport chunks, gives the reduction of
+    the buffers a caller would have filled; ``out``'s old contents do not matter; pieces
+    that overlap or leave the buffer are refused with a message, no done() and ``out``
+    untouched."""
+    table = _native_table(ctx.backend)
+    if table is None or not table.has_gather:
+        return
+    n = 300_001  # float64: 2.4 MB, several chunks of a shared-memory transport
+    cuts = [(0, 100), (150, 40_000), (40_001, 250_000), (260_000, n)]  # gaps between them
+    dones = _NativeDone()
+    started: list[tuple[str, str, float, np.ndarray]] = []
+    for dtype in DTYPES:
+        integer = np.dtype(dtype).kind == "i"
+        for op in ("sum", "max"):
+            for factor in ((1.0, 3.0, 0.0) if integer else (1.0, 0.5, 0.0)):
+                source = _input(op, ctx.rank, n, dtype)
+                if factor == 0.0 and not integer:
+                    source[::7] = np.nan  # a rank without samples may hold anything
+                pieces = [(source[a:b].copy(), a) for a, b in reversed(cuts)]
+                out = np.full(n, 7, dtype)
+                table.allreduce_gather(pieces, factor, out, op, dones.callback(len(started)))
+                started.append((dtype, op, factor, out))
+    keys = range(len(started))
+    dones.wait(keys)
+    dones.assert_once_ok(keys)
+    for dtype, op, factor, out in started:
+        filled = []
+        for r in range(ctx.size):
+            buf = np.zeros(n, dtype)
+            source = _input(op, r, n, dtype)
+            for a, b in cuts:
+                buf[a:b] = 0 if factor == 0.0 else source[a:b] * np.dtype(dtype).type(factor)
+            filled.append(buf)
+        want = filled[0]
+        for buf in filled[1:]:
+            want = _REDUCE[op](want, buf)
+        assert np.array_equal(out, want), \
+            f"native gather {op} {dtype} x{factor:g}: got {out[:6]}, want {want[:6]}"
+    out = np.full(8, 7, np.float32)
+    refused = dones.callback(-1)
+    for pieces, what in (([(np.ones(4, np.float32), 0), (np.ones(4, np.float32), 2)], "overlapping pieces"),
+                         ([(np.ones(4, np.float32), 6)], "a piece past the end")):
+        try:
+            table.allreduce_gather(pieces, 1.0, out, "sum", refused)
+        except TntError as exc:
+            assert str(exc), f"the refusal of {what} has no message"
+        else:
+            raise AssertionError(f"a native gather with {what} was accepted")
+    ctx.backend.barrier()
+    assert not dones.calls[-1], f"done() was called for a refused gather: {dones.calls[-1]}"
+    assert np.array_equal(out, np.full(8, 7, np.float32)), "a refused gather touched out"
+
+
 def case_native_order(ctx: Context) -> None:
     """Native and Python-path allreduces interleaved: one order on every rank (buffers of
     one shape, different reductions: a rank that swapped two would mix their values). As a
@@ -515,6 +571,7 @@ CASES: dict[str, Callable[[Context], None]] = {
     "async-in-flight": case_async_in_flight,
     "bad-input": case_bad_input,
     "native-allreduce": case_native_allreduce,
+    "native-gather": case_native_gather,
     "native-order": case_native_order,
     "native-after-close": case_native_after_close,
     "p2p-ring": case_p2p_ring,
