@@ -107,6 +107,7 @@ Reducer::Reducer(const tnt_native_comm* comm, tnt_stall_ledger* ledger,
       ledger_(ledger),
       buckets_(std::move(buckets)),
       op_(op),
+      gather_(tnt_native_comm_has_gather(comm) != 0),
       overlap_(overlap),
       timeout_(timeout_s > 0 ? timeout_s : 1e9),
       hooks_(hooks),
@@ -117,6 +118,7 @@ Reducer::Reducer(const tnt_native_comm* comm, tnt_stall_ledger* ledger,
       issued_at_(buckets_.size(), 0.0),
       done_at_(buckets_.size(), 0.0),
       seq_(buckets_.size(), 0) {
+  pieces_.resize(buckets_.size());
   for (const auto& b : buckets_) {
     buffers_.push_back(std::make_shared<Buffer>(static_cast<std::size_t>(b.size) * itemsize(b.dtype)));
   }
@@ -124,7 +126,8 @@ Reducer::Reducer(const tnt_native_comm* comm, tnt_stall_ledger* ledger,
 
 std::string Reducer::push(std::size_t b, const std::vector<const void*>& srcs,
                           const std::vector<std::int64_t>& counts,
-                          const std::vector<std::int64_t>& offsets, double factor) {
+                          const std::vector<std::int64_t>& offsets, double factor,
+                          std::shared_ptr<void> keep) {
   if (b >= buckets_.size()) return "bucket index out of range";
   const BucketSpec& spec = buckets_[b];
   std::shared_ptr<Buffer> buffer;
@@ -154,11 +157,14 @@ std::string Reducer::push(std::size_t b, const std::vector<const void*>& srcs,
       poisoned_ = msg.str();
       return poisoned_;
     }
-    copy_scaled(spec.dtype, buffer->data() + static_cast<std::size_t>(offsets[i]) * isz, srcs[i],
-                counts[i], factor);
+    if (!gather_) {
+      copy_scaled(spec.dtype, buffer->data() + static_cast<std::size_t>(offsets[i]) * isz,
+                  srcs[i], counts[i], factor);
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (gather_) pieces_[b] = Pieces{srcs, counts, offsets, factor, std::move(keep)};
     complete_[b] = 1;
   }
   if (overlap_) issue_ready();
@@ -191,6 +197,7 @@ void Reducer::issue_ready() {
   for (;;) {
     std::size_t b;
     std::shared_ptr<Buffer> buffer;
+    Pieces pieces;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!disagreement.empty() && poisoned_.empty()) poisoned_ = disagreement;
@@ -203,18 +210,27 @@ void Reducer::issue_ready() {
       if (buckets_[b].size == 0) {
         done_[b] = 1;
         done_at_[b] = issued_at_[b];
+        pieces_[b] = Pieces{};
         continue;
       }
       ++in_flight_;
       buffer = buffers_[b];
+      pieces = std::move(pieces_[b]);
+      pieces_[b] = Pieces{};
       // its number among the job's collectives: the ledger's next (tnt_stall_ledger.h)
       seq_[b] = ledger_ == nullptr ? 0 : __atomic_add_fetch(&ledger_->entered, 1, __ATOMIC_RELAXED);
     }
-    auto* completion = new Completion{shared_from_this(), b};
+    auto* completion = new Completion{shared_from_this(), b, pieces.keep};
     char err[1024] = {0};
-    const std::int32_t rc = comm_->allreduce_async(comm_->self, buffer->data(), buckets_[b].size,
-                                                   buckets_[b].dtype, op_, &Reducer::on_done,
-                                                   completion, err, sizeof(err));
+    const std::int32_t rc =
+        gather_ ? comm_->allreduce_gather_async(
+                      comm_->self, pieces.srcs.data(), pieces.counts.data(),
+                      pieces.offsets.data(), static_cast<std::int32_t>(pieces.srcs.size()),
+                      pieces.factor, buffer->data(), buckets_[b].size, buckets_[b].dtype, op_,
+                      &Reducer::on_done, completion, err, sizeof(err))
+                : comm_->allreduce_async(comm_->self, buffer->data(), buckets_[b].size,
+                                         buckets_[b].dtype, op_, &Reducer::on_done, completion,
+                                         err, sizeof(err));
     if (rc != 0) {  // a closed or failed communicator: a communication failure
       delete completion;
       std::lock_guard<std::mutex> lock(mu_);

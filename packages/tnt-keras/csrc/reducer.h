@@ -72,12 +72,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::size_t num_buckets() const { return buckets_.size(); }
   const BucketSpec& bucket(std::size_t b) const { return buckets_[b]; }
 
-  // Copy `srcs[i]` (`counts[i]` elements of the bucket's dtype) to element `offsets[i]` of
-  // bucket `b`, times `factor`; then start every allreduce that is next in line. Returns
-  // "" or the error.
+  // Bucket `b`'s input: `srcs[i]` (`counts[i]` elements of the bucket's dtype) at element
+  // `offsets[i]`, times `factor`; then start every allreduce that is next in line. Returns
+  // "" or the error. With a table that gathers (tnt_native_comm_has_gather) the backend
+  // reads the sources itself, copying them once into its transport: `keep` (owning them)
+  // is then held until the allreduce is done; else they are copied into the bucket here.
   std::string push(std::size_t b, const std::vector<const void*>& srcs,
                    const std::vector<std::int64_t>& counts,
-                   const std::vector<std::int64_t>& offsets, double factor);
+                   const std::vector<std::int64_t>& offsets, double factor,
+                   std::shared_ptr<void> keep = nullptr);
 
   // Wait for every bucket of the step; their buffers in `out`. Returns "" or the error.
   std::string finish(std::vector<std::shared_ptr<Buffer>>* out);
@@ -90,6 +93,14 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   struct Completion {
     std::shared_ptr<Reducer> reducer;
     std::size_t bucket;
+    std::shared_ptr<void> keep;  // the gathered sources, released once the allreduce is done
+  };
+  // A bucket's input as pushed, for a table that gathers.
+  struct Pieces {
+    std::vector<const void*> srcs;
+    std::vector<std::int64_t> counts, offsets;
+    double factor = 1.0;
+    std::shared_ptr<void> keep;
   };
   static void on_done(void* arg, const char* error);
   void issue_ready();
@@ -100,6 +111,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   tnt_stall_ledger* const ledger_;
   const std::vector<BucketSpec> buckets_;
   const std::int32_t op_;
+  const bool gather_;  // the table gathers: sources are handed over, not copied here
   const bool overlap_;
   const std::chrono::duration<double> timeout_;
   const PythonHooks hooks_;
@@ -112,6 +124,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   mutable std::mutex mu_;  // everything below
   std::condition_variable cv_;
   std::vector<std::shared_ptr<Buffer>> buffers_;
+  std::vector<Pieces> pieces_;  // by bucket, while pushed and not yet issued (gather_)
   std::vector<char> pushed_, complete_, done_;
   std::vector<double> pushed_at_, issued_at_, done_at_, last_times_;
   std::vector<std::int64_t> seq_;  // each bucket's number in the stall ledger, this step

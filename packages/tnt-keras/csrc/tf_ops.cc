@@ -3,8 +3,9 @@
 // with no C++ ABI shared with TensorFlow (Horovod's TF ops compile against each release's
 // C++ headers and break with them).
 //
-//   TntPushBucket    copies one bucket's gradients into the bucket, scaled by the rank's
-//                    factor, and starts its allreduce when it is next in line; returns at
+//   TntPushBucket    hands one bucket's gradients, scaled by the rank's factor, to its
+//                    allreduce, started when it is next in line (copied into the bucket
+//                    first, unless the backend gathers them itself: ABI 3); returns at
 //                    once (a token for the finish to wait on).
 //   TntFinishReduce  waits for every bucket of the step and outputs the reduced gradients
 //                    as tensors that wrap the buckets (no copy back).
@@ -177,10 +178,18 @@ void push_compute(void* kernel, TF_OpKernelContext* ctx) {
       counts[i] = TF_TensorElementCount(inputs[i]);
     }
   }
+  // The gradients' tensors, released when the reducer lets go: at once when it copies
+  // them into its bucket, after their allreduce when the backend gathers them itself.
+  std::shared_ptr<void> keep(new std::vector<TF_Tensor*>(std::move(inputs)), [](void* p) {
+    auto* tensors = static_cast<std::vector<TF_Tensor*>*>(p);
+    for (TF_Tensor* t : *tensors) if (t != nullptr) TF_DeleteTensor(t);
+    delete tensors;
+  });
   if (error.empty()) {
-    error = reducer->push(static_cast<std::size_t>(k->bucket), srcs, counts, k->offsets, factor);
+    error = reducer->push(static_cast<std::size_t>(k->bucket), srcs, counts, k->offsets, factor,
+                          keep);
   }
-  for (TF_Tensor* t : inputs) if (t != nullptr) TF_DeleteTensor(t);
+  keep.reset();
   if (!error.empty()) {
     TF_DeleteStatus(status);
     fail(ctx, TF_ABORTED, error);

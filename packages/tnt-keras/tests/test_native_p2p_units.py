@@ -5,13 +5,16 @@
   refuses to make a channel over it;
 * a backend of ABI 2 whose receive never completes: the receive op fails at
   ``TNT_TIMEOUT_S`` with the process's CommError, after aborting the communicator through
-  the table (whose abort then completes the receive).
+  the table (whose abort then completes the receive);
+* the gradient push: into the bucket for an ABI-2 table, handed over (held until the
+  backend is done with it) to an ABI-3 table's allreduce of gathered pieces.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from types import SimpleNamespace
 
@@ -194,3 +197,90 @@ def test_an_op_library_older_than_the_module_falls_back_in_one_line(monkeypatch)
     assert native_ops._load_error.startswith("_tnt_tf_ops.so is older than this tarantella")
     assert "undefined symbol: tnt_channel_create" in native_ops._load_error
     assert "reinstall tnt-keras" in native_ops._load_error
+
+
+# -- the gradient push against an ABI-2 table (copied into the bucket) and an ABI-3 table
+# (the gradients handed over, gathered by the backend) --------------------------------------
+
+_GATHER = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                           ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
+                           ctypes.c_int32, ctypes.c_double, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_int32, ctypes.c_int32, _DONE, ctypes.c_void_p,
+                           ctypes.c_char_p, ctypes.c_int64)
+
+
+class AbiThreeTable(AbiTwoTable):
+    """tnt_native_comm of ABI 3: the allreduce of gathered pieces appended."""
+
+    _fields_ = [("allreduce_gather_async", _GATHER)]
+
+
+class TwinBackend:
+    """A rank whose one peer holds the same gradients: the sum over the ranks is twice this
+    rank's buffer. ABI 2 reduces the bucket it is given in place; ABI 3 gathers the pieces
+    itself, on a thread of its own a moment later (so the sources must outlive the push)."""
+
+    name = "twin"
+    rank, size = 0, 2
+
+    def __init__(self, abi: int) -> None:
+        self.calls: list[str] = []
+        self.threads: list[threading.Thread] = []
+
+        def allreduce(_self, data, count, _dtype, _op, done, arg, _err, _errlen):
+            self.calls.append("allreduce")
+            buf = np.ctypeslib.as_array(ctypes.cast(data, ctypes.POINTER(ctypes.c_float)), (count,))
+            buf *= 2
+            _DONE(done)(arg, None)
+            return 0
+
+        def gather(_self, srcs, counts, offsets, nparts, factor, out, count, _dtype, _op, done,
+                   arg, _err, _errlen):
+            self.calls.append("gather")
+            pieces = [(srcs[i], counts[i], offsets[i]) for i in range(nparts)]
+
+            def later() -> None:
+                time.sleep(0.2)
+                result = np.zeros(count, np.float32)
+                for src, n, at in pieces:
+                    piece = np.ctypeslib.as_array(ctypes.cast(src, ctypes.POINTER(ctypes.c_float)), (n,))
+                    result[at:at + n] = piece * np.float32(factor)
+                ctypes.memmove(out, (2 * result).ctypes.data, result.nbytes)
+                done(arg, None)
+
+            self.threads.append(threading.Thread(target=later))
+            self.threads[-1].start()
+            return 0
+
+        p2p = _P2P(lambda *args: 1)
+        self._fns = [_ALLREDUCE(allreduce), p2p, p2p, _ABORT(lambda *args: None)]
+        if abi == 3:
+            self._fns.append(_GATHER(gather))
+        kind = AbiThreeTable if abi == 3 else AbiTwoTable
+        self.table = kind(abi, ctypes.sizeof(kind), None, 0, 2, *self._fns)
+        self._capsule = _new_capsule(ctypes.addressof(self.table), b"tnt_native_comm", None)
+
+    def native_comm(self):
+        return self._capsule
+
+
+@pytest.mark.parametrize("abi, path", [(2, "allreduce"), (3, "gather")])
+def test_the_push_copies_for_an_abi_2_table_and_hands_the_gradients_to_an_abi_3_one(library, abi, path):
+    backend = TwinBackend(abi)
+    runtime = SimpleNamespace(backend=backend, config=SimpleNamespace(native_ops=True, timeout_s=5.0))
+    grads = [np.arange(6, dtype=np.float32).reshape(2, 3) + 1, np.full(5, -3, np.float32),
+             np.linspace(0, 1, 7, dtype=np.float32)]
+    plan = tnt_core.plan_buckets(grads, threshold_bytes=40, align_bytes=64)  # two buckets, padding
+    reducer = native_ops.NativeReducer(runtime, plan)
+
+    @tf.function
+    def step():  # the gradients exist only inside the step, as a backward pass's do
+        made = [tf.identity(tf.constant(g)) * 1.0 for g in grads]
+        return reducer.reduce(made, tf.constant(0.5, tf.float64))
+
+    out = step()
+    for g, o in zip(grads, out):
+        np.testing.assert_array_equal(o.numpy(), 2 * (g * np.float32(0.5)))
+    assert backend.calls == [path] * len(plan.buckets)
+    for t in backend.threads:
+        t.join(5)
