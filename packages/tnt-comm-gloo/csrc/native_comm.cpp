@@ -95,6 +95,23 @@ Work::OnDone done_caller(tnt_native_done_fn done, void* arg, std::string head,
   };
 }
 
+// Why an allreduce's arguments are refused ("" if they are not): its callback, codes,
+// count and `buffer` (named `name` in the reason); the codes decoded into `dt` and `rop`.
+std::string check_reduction(tnt_native_done_fn done, std::int32_t dtype, std::int32_t op,
+                            std::int64_t count, const void* buffer, const char* name, DType* dt,
+                            ReduceOp* rop) {
+  if (done == nullptr) return "no done callback was given";
+  if (!dtype_of(dtype, dt)) {
+    return "unknown element type " + std::to_string(dtype) + " (tnt_native_dtype: 1 to 5)";
+  }
+  if (!op_of(op, rop)) return "unknown reduction " + std::to_string(op) + " (tnt_native_op: 0 to 3)";
+  const auto most = static_cast<std::int64_t>(std::numeric_limits<std::int64_t>::max() /
+                                              static_cast<std::int64_t>(element_size(*dt)));
+  if (count < 0 || count > most) return "element count " + std::to_string(count) + " is out of range";
+  if (buffer == nullptr && count > 0) return std::string(name) + " is NULL";
+  return "";
+}
+
 std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::int32_t dtype,
                              std::int32_t op, tnt_native_done_fn done, void* arg, char* err,
                              std::int64_t errlen) noexcept {
@@ -104,27 +121,9 @@ std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::in
   try {
     DType dt{};
     ReduceOp rop{};
-    if (done == nullptr) {
-      return refuse(err, errlen, prefix(nc->rank, operation) + "no done callback was given");
-    }
-    if (!dtype_of(dtype, &dt)) {
-      return refuse(err, errlen, prefix(nc->rank, operation) + "unknown element type " +
-                                     std::to_string(dtype) + " (tnt_native_dtype: 1 to 5)");
-    }
-    if (!op_of(op, &rop)) {
-      return refuse(err, errlen, prefix(nc->rank, operation) + "unknown reduction " +
-                                     std::to_string(op) + " (tnt_native_op: 0 to 3)");
-    }
+    const std::string why = check_reduction(done, dtype, op, count, data, "data", &dt, &rop);
+    if (!why.empty()) return refuse(err, errlen, prefix(nc->rank, operation) + why);
     const std::size_t elsize = element_size(dt);
-    const auto most = static_cast<std::int64_t>(
-        std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(elsize));
-    if (count < 0 || count > most) {
-      return refuse(err, errlen, prefix(nc->rank, operation) + "element count " +
-                                     std::to_string(count) + " is out of range");
-    }
-    if (data == nullptr && count > 0) {
-      return refuse(err, errlen, prefix(nc->rank, operation) + "data is NULL");
-    }
     const auto n = static_cast<std::size_t>(count);
     const Algorithm algorithm =
         algorithm_for(nc->plan, static_cast<std::uint64_t>(n * elsize));
@@ -161,19 +160,8 @@ std::int32_t allreduce_gather_async(void* self, const void* const* srcs,
     auto refused = [&](const std::string& why) {
       return refuse(err, errlen, prefix(nc->rank, operation) + why);
     };
-    if (done == nullptr) return refused("no done callback was given");
-    if (!dtype_of(dtype, &dt)) {
-      return refused("unknown element type " + std::to_string(dtype) + " (tnt_native_dtype: 1 to 5)");
-    }
-    if (!op_of(op, &rop)) {
-      return refused("unknown reduction " + std::to_string(op) + " (tnt_native_op: 0 to 3)");
-    }
-    const auto most = static_cast<std::int64_t>(std::numeric_limits<std::int64_t>::max() /
-                                                 static_cast<std::int64_t>(element_size(dt)));
-    if (count < 0 || count > most) {
-      return refused("element count " + std::to_string(count) + " is out of range");
-    }
-    if (out == nullptr && count > 0) return refused("out is NULL");
+    const std::string why = check_reduction(done, dtype, op, count, out, "out", &dt, &rop);
+    if (!why.empty()) return refused(why);
     if (nparts < 0 || (nparts > 0 && (srcs == nullptr || counts == nullptr || offsets == nullptr))) {
       return refused("the pieces are not given (nparts " + std::to_string(nparts) + ")");
     }

@@ -169,23 +169,11 @@ class NativeComm:
         the stall ledger, as a compiled consumer counts its own. For tests and tools: the
         step's path is in C."""
         check_op(op)
-        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
-            raise TypeError("the native allreduce takes a writable C-contiguous numpy array")
-        code = DTYPE_CODES.get(buf.dtype)
-        if code is None:
-            raise TypeError(f"the native allreduce takes {', '.join(map(str, SUPPORTED_DTYPES))}, "
-                            f"not {buf.dtype}")
+        code = _writable_code(buf)
         key, callback = self._keep(buf, done)  # alive until the backend is done with them
-        err = ctypes.create_string_buffer(512)
-        if self._ledger is not None:
-            self._ledger.enter()
-        rc = self._table.allreduce_async(self._table.self, buf.ctypes.data, buf.size, code,
-                                         OP_CODES[op], callback, None, err, len(err))
-        if rc != 0:
-            with self._lock:
-                self._pending.pop(key, None)
-            raise TntError(f"the {self.backend_name!r} backend refused a native allreduce: "
-                           f"{err.value.decode(errors='replace') or f'code {rc}'}")
+        self._start_allreduce(key, lambda err: self._table.allreduce_async(
+            self._table.self, buf.ctypes.data, buf.size, code, OP_CODES[op], callback, None,
+            err, len(err)))
 
     def allreduce_gather(self, pieces: Sequence[tuple[np.ndarray, int]], factor: float,
                          out: np.ndarray, op: str, done: Callable[[str | None], None]) -> None:
@@ -199,24 +187,24 @@ class NativeComm:
             raise TntError(f"the {self.backend_name!r} backend's native table is ABI "
                            f"{self.abi_version}: it has no allreduce of gathered pieces "
                            f"(ABI {GATHER_ABI_VERSION})")
-        if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
-            raise TypeError("the native allreduce takes a writable C-contiguous numpy array")
-        code = DTYPE_CODES.get(out.dtype)
-        if code is None:
-            raise TypeError(f"the native allreduce takes {', '.join(map(str, SUPPORTED_DTYPES))}, "
-                            f"not {out.dtype}")
+        code = _writable_code(out)
         arrays = [np.ascontiguousarray(a, out.dtype) for a, _ in pieces]
         n = len(arrays)
         srcs = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
         counts = (ctypes.c_int64 * n)(*[a.size for a in arrays])
         offsets = (ctypes.c_int64 * n)(*[int(o) for _, o in pieces])
         key, callback = self._keep((out, arrays), done)
+        self._start_allreduce(key, lambda err: self._table.allreduce_gather_async(
+            self._table.self, srcs, counts, offsets, n, float(factor), out.ctypes.data, out.size,
+            code, OP_CODES[op], callback, None, err, len(err)))
+
+    def _start_allreduce(self, key: int, call: Callable[[Any], int]) -> None:
+        """``call(err)`` starts an allreduce through the table: counted in the stall
+        ledger; a refusal forgets ``key``'s buffers and raises TntError with the reason."""
         err = ctypes.create_string_buffer(512)
         if self._ledger is not None:
             self._ledger.enter()
-        rc = self._table.allreduce_gather_async(self._table.self, srcs, counts, offsets, n,
-                                                float(factor), out.ctypes.data, out.size, code,
-                                                OP_CODES[op], callback, None, err, len(err))
+        rc = call(err)
         if rc != 0:
             with self._lock:
                 self._pending.pop(key, None)
@@ -276,6 +264,17 @@ class NativeComm:
             raise TntError(f"the {self.backend_name!r} backend's native table is ABI "
                            f"{self.abi_version}: it has no abort (ABI {P2P_ABI_VERSION})")
         self._table.abort(self._table.self, reason.encode(errors="replace"))
+
+
+def _writable_code(buf: Any) -> int:
+    """The ``tnt_native_dtype`` of ``buf``, an array a native allreduce may write."""
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
+        raise TypeError("the native allreduce takes a writable C-contiguous numpy array")
+    code = DTYPE_CODES.get(buf.dtype)
+    if code is None:
+        raise TypeError(f"the native allreduce takes {', '.join(map(str, SUPPORTED_DTYPES))}, "
+                        f"not {buf.dtype}")
+    return code
 
 
 def native_comm(backend: Any) -> NativeComm | None:
