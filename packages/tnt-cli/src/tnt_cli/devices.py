@@ -105,7 +105,8 @@ def rank_cpus(local_rank: int, local_size: int, cpus: list[int] | None = None,
     Why bind: unbound, the threads of two ranks on one host move between the cores and
     meet on one of them while another idles; each rank's caches go cold with every move.
     Measured on a 2-vCPU machine (docs/performance.md, "Each rank on cores of its own"):
-    2 data-parallel ranks 1.3-1.8x faster bound, a 2-stage pipeline 6-7 %. Whole cores, so
+    2 data-parallel ranks 1.28-1.46x faster bound, a 2-stage pipeline 1.05-1.06x (GPipe, whose
+    idle stage lent its core to the busy one unbound, 0.86x). Whole cores, so
     that no two ranks share the SMT siblings of one core; runs, so that a rank's cores sit
     in one socket where they can."""
     if cpus is None:
