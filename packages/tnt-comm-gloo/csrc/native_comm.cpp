@@ -112,37 +112,81 @@ std::string check_reduction(tnt_native_done_fn done, std::int32_t dtype, std::in
   return "";
 }
 
-std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::int32_t dtype,
-                             std::int32_t op, tnt_native_done_fn done, void* arg, char* err,
-                             std::int64_t errlen) noexcept {
+// The two allreduce entries' shared part: `check(&nbytes)` returns why the arguments are
+// refused ("" if they are not) and the bytes reduced; `task(algorithm)` makes the worker's
+// work; then the operation's number, its done caller, the queue, and the refusals' wording.
+template <typename Check, typename Task>
+std::int32_t submit_allreduce(void* self, tnt_native_done_fn done, void* arg, char* err,
+                              std::int64_t errlen, Check check, Task task) noexcept {
   auto* nc = static_cast<NativeComm*>(self);
   if (nc == nullptr) return refuse(err, errlen, "native allreduce: self is NULL");
   std::string operation = "native allreduce";
   try {
-    DType dt{};
-    ReduceOp rop{};
-    const std::string why = check_reduction(done, dtype, op, count, data, "data", &dt, &rop);
+    std::uint64_t nbytes = 0;
+    const std::string why = check(&nbytes);
     if (!why.empty()) return refuse(err, errlen, prefix(nc->rank, operation) + why);
-    const std::size_t elsize = element_size(dt);
-    const auto n = static_cast<std::size_t>(count);
-    const Algorithm algorithm =
-        algorithm_for(nc->plan, static_cast<std::uint64_t>(n * elsize));
+    const Algorithm algorithm = algorithm_for(nc->plan, nbytes);
     operation += " #" + std::to_string(nc->issued.fetch_add(1) + 1);
     // on_done runs on the worker, once
     Work::OnDone on_done =
         done_caller(done, arg, prefix(nc->rank, operation),
                     "native allreduce failed (and describing why ran out of memory)");
-    Communicator::submit_to(
-        *nc->shared, operation,
-        [data, n, dt, rop, algorithm](const Exec& exec) {
-          run_allreduce(exec, data, n, dt, rop, algorithm);
-        },
-        /*inline_ok=*/true, std::move(on_done));
+    Communicator::submit_to(*nc->shared, operation, task(algorithm), /*inline_ok=*/true,
+                            std::move(on_done));
     return 0;
   } catch (...) {  // refused by the queue (closed, failed) or out of memory
     return refuse(err, errlen,
                   prefix(nc->rank, operation) + describe_exception(std::current_exception()));
   }
+}
+
+std::int32_t allreduce_async(void* self, void* data, std::int64_t count, std::int32_t dtype,
+                             std::int32_t op, tnt_native_done_fn done, void* arg, char* err,
+                             std::int64_t errlen) noexcept {
+  DType dt{};
+  ReduceOp rop{};
+  const auto n = static_cast<std::size_t>(count);
+  return submit_allreduce(
+      self, done, arg, err, errlen,
+      [&](std::uint64_t* nbytes) {
+        std::string why = check_reduction(done, dtype, op, count, data, "data", &dt, &rop);
+        if (why.empty()) *nbytes = static_cast<std::uint64_t>(n * element_size(dt));
+        return why;
+      },
+      [&](Algorithm algorithm) {
+        return [data, n, dt, rop, algorithm](const Exec& exec) {
+          run_allreduce(exec, data, n, dt, rop, algorithm);
+        };
+      });
+}
+
+// The pieces of an allreduce_gather_async, checked (within `count`, not overlapping) and
+// sorted by offset into `pieces`; returns why they are refused, "" if they are not.
+std::string gathered_pieces(const void* const* srcs, const std::int64_t* counts,
+                            const std::int64_t* offsets, std::int32_t nparts, std::int64_t count,
+                            std::vector<Piece>* pieces) {
+  if (nparts < 0 || (nparts > 0 && (srcs == nullptr || counts == nullptr || offsets == nullptr))) {
+    return "the pieces are not given (nparts " + std::to_string(nparts) + ")";
+  }
+  pieces->reserve(static_cast<std::size_t>(nparts));
+  for (std::int32_t i = 0; i < nparts; ++i) {
+    if (counts[i] < 0 || offsets[i] < 0 || offsets[i] > count - counts[i] ||
+        (srcs[i] == nullptr && counts[i] > 0)) {
+      return "piece " + std::to_string(i) + " (" + std::to_string(counts[i]) +
+             " elements at offset " + std::to_string(offsets[i]) + ") does not fit " +
+             std::to_string(count) + " elements";
+    }
+    pieces->push_back({srcs[i], static_cast<std::size_t>(offsets[i]),
+                       static_cast<std::size_t>(counts[i])});
+  }
+  std::sort(pieces->begin(), pieces->end(),
+            [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+  for (std::size_t i = 1; i < pieces->size(); ++i) {
+    if ((*pieces)[i - 1].offset + (*pieces)[i - 1].count > (*pieces)[i].offset) {
+      return "two pieces overlap at element " + std::to_string((*pieces)[i].offset);
+    }
+  }
+  return "";
 }
 
 std::int32_t allreduce_gather_async(void* self, const void* const* srcs,
@@ -151,57 +195,23 @@ std::int32_t allreduce_gather_async(void* self, const void* const* srcs,
                                     std::int64_t count, std::int32_t dtype, std::int32_t op,
                                     tnt_native_done_fn done, void* arg, char* err,
                                     std::int64_t errlen) noexcept {
-  auto* nc = static_cast<NativeComm*>(self);
-  if (nc == nullptr) return refuse(err, errlen, "native allreduce: self is NULL");
-  std::string operation = "native allreduce";
-  try {
-    DType dt{};
-    ReduceOp rop{};
-    auto refused = [&](const std::string& why) {
-      return refuse(err, errlen, prefix(nc->rank, operation) + why);
-    };
-    const std::string why = check_reduction(done, dtype, op, count, out, "out", &dt, &rop);
-    if (!why.empty()) return refused(why);
-    if (nparts < 0 || (nparts > 0 && (srcs == nullptr || counts == nullptr || offsets == nullptr))) {
-      return refused("the pieces are not given (nparts " + std::to_string(nparts) + ")");
-    }
-    std::vector<Piece> pieces;
-    pieces.reserve(static_cast<std::size_t>(nparts));
-    for (std::int32_t i = 0; i < nparts; ++i) {
-      if (counts[i] < 0 || offsets[i] < 0 || offsets[i] > count - counts[i] ||
-          (srcs[i] == nullptr && counts[i] > 0)) {
-        return refused("piece " + std::to_string(i) + " (" + std::to_string(counts[i]) +
-                       " elements at offset " + std::to_string(offsets[i]) +
-                       ") does not fit " + std::to_string(count) + " elements");
-      }
-      pieces.push_back({srcs[i], static_cast<std::size_t>(offsets[i]),
-                        static_cast<std::size_t>(counts[i])});
-    }
-    std::sort(pieces.begin(), pieces.end(),
-              [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
-    for (std::size_t i = 1; i < pieces.size(); ++i) {
-      if (pieces[i - 1].offset + pieces[i - 1].count > pieces[i].offset) {
-        return refused("two pieces overlap at element " + std::to_string(pieces[i].offset));
-      }
-    }
-    const auto n = static_cast<std::size_t>(count);
-    const Algorithm algorithm =
-        algorithm_for(nc->plan, static_cast<std::uint64_t>(n * element_size(dt)));
-    operation += " #" + std::to_string(nc->issued.fetch_add(1) + 1);
-    Work::OnDone on_done =
-        done_caller(done, arg, prefix(nc->rank, operation),
-                    "native allreduce failed (and describing why ran out of memory)");
-    Communicator::submit_to(
-        *nc->shared, operation,
-        [pieces = std::move(pieces), factor, out, n, dt, rop, algorithm](const Exec& exec) {
+  DType dt{};
+  ReduceOp rop{};
+  std::vector<Piece> pieces;
+  const auto n = static_cast<std::size_t>(count);
+  return submit_allreduce(
+      self, done, arg, err, errlen,
+      [&](std::uint64_t* nbytes) {
+        std::string why = check_reduction(done, dtype, op, count, out, "out", &dt, &rop);
+        if (why.empty()) why = gathered_pieces(srcs, counts, offsets, nparts, count, &pieces);
+        if (why.empty()) *nbytes = static_cast<std::uint64_t>(n * element_size(dt));
+        return why;
+      },
+      [&](Algorithm algorithm) {
+        return [pieces = std::move(pieces), factor, out, n, dt, rop, algorithm](const Exec& exec) {
           run_allreduce_gather(exec, pieces, factor, out, n, dt, rop, algorithm);
-        },
-        /*inline_ok=*/true, std::move(on_done));
-    return 0;
-  } catch (...) {  // refused by the queue (closed, failed) or out of memory
-    return refuse(err, errlen,
-                  prefix(nc->rank, operation) + describe_exception(std::current_exception()));
-  }
+        };
+      });
 }
 
 // send_async and recv_async: the checks, then the communicator's point-to-point (p2p.h),
