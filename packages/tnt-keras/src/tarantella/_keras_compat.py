@@ -48,6 +48,10 @@ from keras.src.trainers.compile_utils import CompileLoss
 # shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
 from keras.src.trainers.data_adapters import get_data_adapter
 
+# attr_value_pb2: the proto of a graph op's attribute (set_op_attr; the jit_scope's
+# _XlaCompile).
+from tensorflow.core.framework import attr_value_pb2
+
 # ops._gradient_registry: TensorFlow's process-wide table of gradient functions, where a
 # graph-mode tf.custom_gradient registers its own under a fresh "CustomGradient-<uid>" name
 # and never removes it (forgetting_custom_gradients). Checked on TensorFlow 2.21.0.
@@ -78,6 +82,7 @@ __all__ = [
     "producer",
     "release_value",
     "run_after",
+    "set_op_attr",
     "symbolic_build",
 ]
 
@@ -217,6 +222,13 @@ def run_after(ops: list[Any], after: list[Any]) -> None:
     TensorFlow 2.21.0."""
     for op in ops:
         op._add_control_inputs(after)  # noqa: SLF001
+
+
+def set_op_attr(op: Any, name: str, value: bool) -> None:
+    """Set the boolean attribute ``name`` of the traced graph op ``op`` (what TensorFlow's
+    ``jit_scope`` sets when the op is made, ``Operation._set_attr``). Checked on
+    TensorFlow 2.21.0."""
+    op._set_attr(name, attr_value_pb2.AttrValue(b=value))  # noqa: SLF001
 
 
 def own_variables(layer: keras.layers.Layer) -> list[keras.Variable]:

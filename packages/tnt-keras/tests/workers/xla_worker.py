@@ -283,7 +283,8 @@ def structure(model, kind: str, batch: tuple) -> dict:
             outside |= {node.op for node in f.node_def}
     # ops XLA may cluster (made in a jit_scope), and the collectives that cut the clusters:
     # those a clustered op waits for by a control edge
-    marked = [op for op in graph.get_operations() if "_XlaCompile" in op.node_def.attr]
+    marked = [op for op in graph.get_operations()
+              if "_XlaCompile" in op.node_def.attr and op.node_def.attr["_XlaCompile"].b]
     cuts = {c.type for op in marked for c in op.control_inputs
             if c.type in ("TntPushBucket", "TntFinishReduce", "PyFunc", "EagerPyFunc")}
     return {"compiled": compiled, "inside": sorted(inside), "outside": sorted(outside),

@@ -5,11 +5,13 @@ Why: Keras' optimizers update each weight with a handful of elementwise TensorFl
 streaming a weight-sized tensor through memory. XLA fuses them into one pass over each
 weight: on the development machine, Adam over 3.1 M float32 weights took 14.9 ms per step
 as TensorFlow ops and 5.2 ms compiled (a plain copy of one weight-sized buffer: 2.1 ms).
-Two steps are not compiled as a whole: a pipeline stage's (its messages are ops XLA cannot
-compile), and a data-parallel step when Keras resolves ``jit_compile="auto"`` to False (a
-machine without a GPU). The update is Keras' own ``optimizer.apply``, traced into a
-``tf.function(jit_compile=True)`` called from the step: the same arithmetic, in XLA's
-order of evaluation (differences of round-off). Marking the update's ops for XLA's
+Three steps are not compiled as a whole: a pipeline stage's (its messages are ops XLA
+cannot compile), a data-parallel step when Keras resolves ``jit_compile="auto"`` to False
+(a machine without a GPU), and a data-parallel step with ``jit_compile=True``, which XLA
+compiles in clusters between its collectives (:mod:`tarantella.data_parallel.xla`). The
+update is Keras' own ``optimizer.apply``, traced into a ``tf.function(jit_compile=True)``
+called from the step: the same arithmetic, in XLA's order of evaluation
+(differences of round-off). Marking the update's ops for XLA's
 clustering instead (``tf.xla.experimental.jit_scope``) was measured slower than leaving
 them as ops (``mlp``, one CPU: 3.87-4.21 against 3.51-3.62 CPU ms per step).
 
