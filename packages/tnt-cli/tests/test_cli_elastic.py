@@ -108,6 +108,34 @@ def test_generations_renumber_survivors_replace_and_stop_below_min_np():
         store.close()
 
 
+def test_a_replacement_takes_the_cores_its_predecessor_left():
+    """--bind-to core: a rank keeps its share of its host's cores for the job. A
+    replacement takes the share of the rank it replaces, not the one its local rank (the
+    survivors before it) names, which a survivor holds; a rank on a host first used later
+    takes a share of that host's slots; a rank beyond a host's first count of ranks gets
+    the whole host (unbound)."""
+    with StoreServer("127.0.0.1", 0) as server:
+        store = StoreClient(*server.address, server.key, connect_timeout=5)
+        procs = [ProcessSpec(["agent"], "h", (r,), [{}]) for r in range(3)]
+        made: list[RankSlot] = []
+
+        def make(slot: RankSlot, env: dict[str, str]) -> ProcessSpec:
+            made.append(slot)
+            return ProcessSpec(["agent"], slot.host, (slot.rank,), [{}])
+
+        job = ElasticJob(ElasticLimits(1, 6, 2), procs, store, make, hosts={"h": 3},
+                         slots=tuple(RankSlot(r, "h", r, 3) for r in range(3)))
+        job.change({0: "was killed by signal SIGKILL"})
+        assert (made[-1].local_rank, made[-1].core_share) == (2, (0, 3))
+        job.change({2: "was killed by signal SIGKILL"})
+        assert made[-1].core_share == (2, 3)
+        doomed, started = job.grow_or_shrink({"h": 4, "o": 2})
+        assert doomed == [] and len(started) == 3
+        assert [(s.host, s.core_share) for s in made[2:]] == [
+            ("h", (0, 1)), ("o", (0, 2)), ("o", (1, 2))]
+        store.close()
+
+
 def test_a_stall_verdict_of_an_older_generation_evicts_nobody():
     """A rank that waited in generation 0 blames ranks 0 and 2 (rank 2 died, rank 0 was
     slow) after the survivors went on in generation 1: its numbers are generation 0's, and

@@ -3,6 +3,8 @@ written through tnt_core's declarations (Config.to_env). No processes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tnt_cli.hostfile import Host
@@ -66,6 +68,17 @@ def test_x_wins_over_options_and_comes_last(monkeypatch):
     settings_ = job.settings()
     assert settings_.timeout_s == 7 and settings_.output_all is True
     assert job.agent_spec(None, RDV, remote=False)["output_all"] is True
+
+
+def test_the_agent_binds_a_rank_to_its_slots_share_of_the_host():
+    """The agent spec's ``share``: the local rank among the host's ranks, or the share an
+    elastic job gave a later rank (``RankSlot.cores``)."""
+    job = _job()
+    slot = job.placement.slots[1]
+    assert job.agent_spec(slot, RDV, remote=False)["share"] == [1, 2]
+    moved = dataclasses.replace(slot, cores=(0, 2))
+    assert job.agent_spec(moved, RDV, remote=False)["share"] == [0, 2]
+    assert job.agent_spec(None, RDV, remote=False)["share"] is None  # mpirun/srun's rank
 
 
 @pytest.mark.parametrize("exported, words", [

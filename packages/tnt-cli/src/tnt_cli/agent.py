@@ -273,13 +273,14 @@ class Agent:
             os._exit(137)
 
     @staticmethod
-    def binding(spec: Mapping[str, Any], local_rank: int, local_size: int) -> list[int] | None:
-        """The CPUs this rank is bound to (``--bind-to core``), or None: not asked, socket
-        binding asked instead (numactl), or a rank placed by mpirun/srun (whose own
-        binding options apply: Open MPI binds by default)."""
+    def binding(spec: Mapping[str, Any], share: int, shares: int) -> list[int] | None:
+        """The CPUs this rank is bound to (``--bind-to core``: share ``share`` of the
+        host's cores cut in ``shares``), or None: not asked, socket binding asked instead
+        (numactl), or a rank placed by mpirun/srun (whose own binding options apply: Open
+        MPI binds by default)."""
         if spec.get("bind") != "core" or spec.get("pin_cpu") or spec.get("rank") is None:
             return None
-        return rank_cpus(local_rank, local_size)
+        return rank_cpus(share, shares)
 
     def terminate(self) -> None:
         """SIGTERM the rank's process group, SIGKILL it after the grace period."""
@@ -313,7 +314,8 @@ class Agent:
         spec = self.spec
         env, rank = self.build_env()
         ident_local = int(env.get("TNT_LOCAL_RANK", "0"))
-        self.cpus = self.binding(spec, ident_local, int(env.get("TNT_LOCAL_SIZE", "1")))
+        share, shares = spec.get("share") or (ident_local, int(env.get("TNT_LOCAL_SIZE", "1")))
+        self.cpus = self.binding(spec, share, shares)
         argv = numactl_prefix(ident_local, bool(spec.get("pin_cpu")), bool(spec.get("pin_memory")),
                               _numa_nodes()) + list(spec["argv"])
         output_all, master = bool(spec.get("output_all")), rank == 0

@@ -157,6 +157,10 @@ class ElasticJob:
                     else RankSlot(proc.ranks[0], proc.host, 0, 1))
             self.members.append(proc.ranks[0])
             self.known[proc.ranks[0]] = _Member(slot, proc.label)
+        #: in how many shares each host's cores are cut for binding (``--bind-to core``): its
+        #: generation 0's ranks, or the slots of its first discovery
+        self._shares = {self.known[m].slot.host: self.known[m].slot.core_share[1]
+                        for m in self.members}
         self.next_member = len(procs)
         self.generation = 0
         #: the newest generation published, and every one by number
@@ -295,12 +299,26 @@ class ElasticJob:
             return doomed, self._processes(starting)
 
     def _new_member(self, host: str, gpu: str | None) -> int:
-        """A member starting on ``host`` (with the GPU of the rank it replaces)."""
+        """A member starting on ``host`` (with the GPU of the rank it replaces), bound to
+        the share of the host's cores no live member holds (:meth:`_free_share`)."""
         member = self.next_member
         self.next_member += 1
-        self.known[member] = _Member(RankSlot(member, host, 0, 1, gpu), f"rank {member} on {host}")
+        slot = RankSlot(member, host, 0, 1, gpu, cores=self._free_share(host))
+        self.known[member] = _Member(slot, f"rank {member} on {host}")
         self.pending.append(member)
         return member
+
+    def _free_share(self, host: str) -> tuple[int, int]:
+        """The lowest share of ``host``'s cores that no live member holds: a replacement
+        takes the cores of the rank it replaces, not those of a survivor (its local rank,
+        the survivors' count before it, would name a survivor's share). ``(0, 1)``, the
+        whole host, when every share is held (a host that now has more slots than when it
+        was first used): the rank then runs unbound."""
+        shares = self._shares.setdefault(host, (self.hosts or {}).get(host, 1))
+        held = {self.known[m].slot.core_share[0] for m in self.members + self.pending
+                if self.known[m].slot.host == host and self.known[m].slot.core_share[1] == shares}
+        free = next((i for i in range(shares) if i not in held), None)
+        return (0, 1) if free is None else (free, shares)
 
     def _processes(self, starting: list[int]) -> list[ProcessSpec]:
         """The processes of members starting up. Their rank and size are the place they

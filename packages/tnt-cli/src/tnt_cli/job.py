@@ -221,7 +221,9 @@ class Job:
         ``argv`` command of the rank · ``cwd`` · ``env`` ordered ``[name, value]`` pairs ·
         ``rank`` (None: taken from mpirun/srun variables at run time) · ``size`` · ``host``
         · ``output_all`` · ``pin_cpu`` / ``pin_memory`` · ``bind``: ``"core"`` binds a rank
-        whose local rank is known to cores of its own (``devices.rank_cpus``) · ``gpus`` GPU
+        whose local rank is known to cores of its own (``devices.rank_cpus``) · ``share``:
+        ``[share, shares]`` of the host's cores it is bound to (``RankSlot.core_share``;
+        None: by the local rank of mpirun/srun) · ``gpus`` GPU
         ids of a node, mapped by local rank when the rank is known only at run time ·
         ``hide_gpus`` · ``grace_s`` · ``status`` (optional, set by the ssh launcher): the
         agent writes its status lines (``agent.STATUS_PREFIX``).
@@ -243,6 +245,7 @@ class Job:
             "pin_cpu": self.options.pin_cpu,
             "pin_memory": self.options.pin_memory,
             "bind": self.options.bind_to,
+            "share": None if slot is None else list(slot.core_share),
             "gpus": self.gpus,
             "hide_gpus": self.hide_gpus,
             "grace_s": self.grace_s,

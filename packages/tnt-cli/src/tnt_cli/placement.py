@@ -24,6 +24,14 @@ class RankSlot:
     local_size: int
     #: the GPU this rank uses (an entry of CUDA_VISIBLE_DEVICES), None on CPU
     gpu: str | None = None
+    #: ``(share, shares)``: the share of its host's cores the rank is bound to (``tnt run
+    #: --bind-to core``); None: ``(local_rank, local_size)``. An elastic job's later ranks
+    #: take the share a departed rank left, whatever their local rank.
+    cores: tuple[int, int] | None = None
+
+    @property
+    def core_share(self) -> tuple[int, int]:
+        return self.cores if self.cores is not None else (self.local_rank, self.local_size)
 
 
 @dataclass(frozen=True)
