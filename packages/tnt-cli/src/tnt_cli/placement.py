@@ -31,6 +31,7 @@ class RankSlot:
 
     @property
     def core_share(self) -> tuple[int, int]:
+        """``(share, shares)`` of the host's cores this rank is bound to."""
         return self.cores if self.cores is not None else (self.local_rank, self.local_size)
 
 
