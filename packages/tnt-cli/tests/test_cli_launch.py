@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -343,3 +344,41 @@ def test_a_niced_tnt_run_keeps_its_ranks_niced_in_their_own_sessions(h, tmp_path
     assert res.returncode == 0, res.stderr
     group = "7" if os.path.exists("/proc/self/autogroup") else "none"
     assert sorted(res.stdout.splitlines()) == [f"[{r}] True 7 {group}" for r in range(2)]
+
+
+@pytest.fixture
+def memory_cgroup(tmp_path):
+    """A cgroup with a 1 GiB memory limit (v1's memory controller, or v2 where it is
+    delegated), removed at teardown; skips where this process cannot make one (not root)."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    base = v1 if v1.is_dir() else Path("/sys/fs/cgroup")
+    group = base / f"tnt-test-oom-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / ("memory.limit_in_bytes" if base == v1 else "memory.max")).write_text(str(2**30))
+    except OSError as exc:
+        if group.is_dir():
+            group.rmdir()
+        pytest.skip(f"cannot make a memory-limited cgroup here: {exc}")
+    yield group
+    for _ in range(50):  # its processes are gone once tnt run returned; the kernel lags
+        try:
+            group.rmdir()
+            break
+        except OSError:
+            time.sleep(0.1)
+
+
+def test_a_rank_the_oom_killer_ends_is_named_so(h, tmp_path, memory_cgroup):
+    """A rank the kernel's out-of-memory killer ends (here: at the job's cgroup memory
+    limit, as under Slurm or in a container) dies of SIGKILL without a word; tnt run says
+    that memory ran out and what to change, not only "signal SIGKILL?"."""
+    res = subprocess.run(["sh", "-c", f'echo $$ > {memory_cgroup / "cgroup.procs"} && exec "$@"',
+                          "sh", *h.tnt_executable(), "run", "-n", "2", "--",
+                          h.rank_script("memory_hog.py")],
+                         capture_output=True, text=True, timeout=90, cwd=tmp_path,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 137, res.stderr
+    verdict = res.stderr.strip().splitlines()[-1]
+    assert verdict.startswith("tnt run: rank 1 on localhost failed: exited with code 137"), res.stderr
+    assert "out-of-memory killer ended this rank" in verdict and "fewer ranks per host" in verdict

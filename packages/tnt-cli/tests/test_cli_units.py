@@ -10,6 +10,7 @@ from tnt_cli.agent import numactl_prefix, rank_identity, startup_filter
 from tnt_cli.devices import physical_cores, rank_cpus
 from tnt_cli.errors import UsageError
 from tnt_cli.hostfile import Host, parse_host_list, parse_hostfile
+from tnt_cli.oom import OomCount
 from tnt_cli.options import parse_run_args
 from tnt_cli.placement import place_ranks
 
@@ -159,6 +160,44 @@ def test_ranks_are_bound_to_whole_cores_of_their_own(tmp_path):
     assert rank_cpus(0, 5, every, sysfs) is None
     # no topology in sysfs: every CPU is a core
     assert rank_cpus(1, 2, [0, 1, 2, 3], str(tmp_path / "none")) == [2, 3]
+
+
+def _fake_proc(tmp_path, cgroup: str, vmstat: int | None = 2):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    if vmstat is not None:
+        (proc / "vmstat").write_text(f"pgfault 10\noom_kill {vmstat}\n")
+    return proc
+
+
+def test_the_oom_killers_count_is_read_where_the_rank_runs(tmp_path):
+    """The agent's OomCount: cgroup v2's memory.events of the rank's cgroup (also under a
+    hybrid mount's unified/), else cgroup v1's memory.oom_control, else the machine's
+    /proc/vmstat; a count that grew since the rank started means the OOM killer ran."""
+    root = tmp_path / "cg"
+    job = root / "unified" / "slurm" / "job_7"  # a hybrid host: v2 at unified/
+    job.mkdir(parents=True)
+    (job / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    count = OomCount(_fake_proc(tmp_path, "0::/slurm/job_7\n"), root)
+    assert not count.grew()
+    (job / "memory.events").write_text("oom 2\noom_kill 2\n")
+    assert count.grew()
+    # cgroup v1's memory controller
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "docker" / "c").mkdir(parents=True)
+    (v1 / "memory" / "docker" / "c" / "memory.oom_control").write_text(
+        "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    count = OomCount(_fake_proc(tmp_path / "b", "4:memory:/docker/c\n0::/\n"), v1)
+    (v1 / "memory" / "docker" / "c" / "memory.oom_control").write_text("oom_kill 1\n")
+    assert count.grew()
+    # neither: the machine's count; nothing readable: never claimed
+    proc = _fake_proc(tmp_path / "c", "0::/\n", vmstat=2)
+    count = OomCount(proc, tmp_path / "none")
+    assert not count.grew()
+    (proc / "vmstat").write_text("oom_kill 3\n")
+    assert count.grew()
+    assert not OomCount(_fake_proc(tmp_path / "d", "garbage\n", vmstat=None), tmp_path).grew()
 
 
 def test_bind_to_defaults_to_core_and_gives_way_to_socket_pinning(capsys):

@@ -35,6 +35,7 @@ from typing import Any
 
 from .cleanup import remove_orphan_segments, shm_segments
 from .devices import rank_cpus, visible_gpus
+from .oom import OOM_ADVICE, OomCount
 
 __all__ = ["main", "rank_identity", "SPEC_ENV", "FAILURE_KEY", "PEER_FAILURE_EXIT_CODE",
            "STATUS_PREFIX", "exception_text", "report_failure", "read_failures"]
@@ -321,6 +322,7 @@ class Agent:
         output_all, master = bool(spec.get("output_all")), rank == 0
         prefix = f"[{rank}] ".encode()
         shm_before = shm_segments()
+        oom = OomCount()
 
         def show_out(line: bytes) -> None:
             if output_all:
@@ -400,6 +402,9 @@ class Agent:
                 tail = list(self.tail)[-1:] if code == PEER_FAILURE_EXIT_CODE else self.tail
                 for line in tail:
                     self.err.write(prefix + line)
+            if code == -signal.SIGKILL and oom.grew():  # the rank could not say it
+                self.err.write(prefix + OOM_ADVICE.encode() + b"\n")
+                self.last_exception_line = OOM_ADVICE
             if spec.get("rank") is None:  # under mpirun/srun only the agent can name the rank
                 self.err.write(f"[{rank}] tnt: rank {rank} on {self.host} {describe_exit(code)}\n".encode())
                 report_failure(env, rank, code, self.last_exception_line or self.last_err_line)
