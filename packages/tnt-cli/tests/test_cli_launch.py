@@ -348,14 +348,14 @@ def test_a_niced_tnt_run_keeps_its_ranks_niced_in_their_own_sessions(h, tmp_path
 
 @pytest.fixture
 def memory_cgroup(tmp_path):
-    """A cgroup with a 1 GiB memory limit (v1's memory controller, or v2 where it is
+    """A cgroup with a 512 MiB memory limit (v1's memory controller, or v2 where it is
     delegated), removed at teardown; skips where this process cannot make one (not root)."""
     v1 = Path("/sys/fs/cgroup/memory")
     base = v1 if v1.is_dir() else Path("/sys/fs/cgroup")
     group = base / f"tnt-test-oom-{os.getpid()}"
     try:
         group.mkdir()
-        (group / ("memory.limit_in_bytes" if base == v1 else "memory.max")).write_text(str(2**30))
+        (group / ("memory.limit_in_bytes" if base == v1 else "memory.max")).write_text(str(2**29))
     except OSError as exc:
         if group.is_dir():
             group.rmdir()

@@ -1,5 +1,5 @@
 """Rank 1 touches 3 GiB of memory, which the kernel's out-of-memory killer ends it for inside
-a cgroup limited to 1 GiB (no more: where the limit does not hold, the test fails, the
+a cgroup limited to 512 MiB (no more: where the limit does not hold, the test fails, the
 machine is not starved); rank 0 waits for the launcher to end it."""
 
 import time
