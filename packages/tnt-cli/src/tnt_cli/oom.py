@@ -6,10 +6,9 @@ limit: a Slurm step's cgroup, a container's) ran out of memory, nor what to chan
 kernel counts its kills (``oom_kill``, Linux 4.13 and later): per cgroup, in cgroup v2's
 ``memory.events`` or v1's ``memory.oom_control`` (the kills in the cgroup and below it,
 where the limit of a Slurm step or a container applies), and for the whole machine in
-``/proc/vmstat``. The agent
-reads the count before its rank starts and after it died of SIGKILL: a count that grew
-means the OOM killer ran meanwhile, in the rank's cgroup (or, where only the machine's
-count is readable, on its host).
+``/proc/vmstat``. The agent reads the count before its rank starts and after it died of
+SIGKILL: a count that grew means the OOM killer ran meanwhile, in the rank's cgroup (or,
+where only the machine's count is readable, on its host).
 """
 
 from __future__ import annotations

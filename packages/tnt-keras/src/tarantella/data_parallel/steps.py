@@ -258,7 +258,7 @@ def _reducing_apply(step: StepContext, optimizer: keras.optimizers.Optimizer,
             out, reducer = reduce_gradients(step, optimizer, grads, variables, factor, state)
 
         def update() -> Any:
-            if state.xla is not None:  # the clustered step's update: one XLA function
+            if state.xla is not None and state.xla.overlap:  # clustered: one XLA function
                 result = state.xla.update(optimizer, variables, apply, out)
             elif state.compiled_update and not state.update_as_ops:
                 result = CompiledUpdate(optimizer, variables, apply=apply)(out)
