@@ -77,6 +77,21 @@ def test_batch_size_with_a_dataset_is_refused_with_advice():
     assert _ids(data.dataset) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
+def test_a_rank_on_one_cpu_reads_its_data_without_tf_datas_autotuning(monkeypatch):
+    """On one CPU, tf.data's autotuning thread makes every epoch's new iterator wait up to
+    its period (datasets.without_autotune_on_one_cpu): off there, unless the dataset's
+    options decide."""
+    x = np.zeros((8, 2), np.float32)
+    chosen = tf.data.Options()
+    chosen.autotune.enabled = True
+    theirs = tf.data.Dataset.from_tensor_slices((x, x)).batch(4).with_options(chosen)
+    monkeypatch.setattr(datasets, "cpus_of_this_process", lambda: 1)
+    assert datasets.prepare_data(x, x, batch_size=4).dataset.options().autotune.enabled is False
+    assert datasets.prepare_data(theirs).dataset.options().autotune.enabled is True
+    monkeypatch.setattr(datasets, "cpus_of_this_process", lambda: 2)
+    assert datasets.prepare_data(x, x, batch_size=4).dataset.options().autotune.enabled is None
+
+
 def test_generators_are_accepted_as_keras_accepts_them():
     def gen():
         for i in range(3):

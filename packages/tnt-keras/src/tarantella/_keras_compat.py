@@ -48,6 +48,11 @@ from keras.src.trainers.compile_utils import CompileLoss
 # shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
 from keras.src.trainers.data_adapters import get_data_adapter
 
+# can_convert_arrays: Keras' own test for in-memory data (arrays, tensors, dataframes), which
+# its ArrayDataAdapter batches inside fit(); a pipelined model batches it through
+# get_data_adapter itself (datasets.whole_batches). Checked on Keras 3.15.1.
+from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
+
 # attr_value_pb2: the proto of a graph op's attribute (set_op_attr; the jit_scope's
 # _XlaCompile).
 from tensorflow.core.framework import attr_value_pb2
@@ -65,6 +70,7 @@ from tensorflow.python.framework.config import is_op_determinism_enabled
 __all__ = [
     "all_layers",
     "asks_auto_jit_compile",
+    "can_convert_arrays",
     "batch_norm_moments",
     "compile_owner",
     "compiled_loss",

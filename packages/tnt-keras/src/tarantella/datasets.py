@@ -24,6 +24,7 @@ layer sees an empty batch, while the step weighs its contributions by ``n = 0``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from ._keras_compat import get_data_adapter
+from ._keras_compat import can_convert_arrays, get_data_adapter
 from .data_parallel.steps import BATCH_KEY, pack
 from .errors import DatasetError
 from .reporting.log import logger
@@ -44,11 +45,15 @@ __all__ = [
     "DistributedData",
     "Resharder",
     "class_weights_as_sample_weights",
+    "cpus_of_this_process",
     "mark_undistributed",
     "prepare_data",
     "shard_data",
     "shard_dataset",
     "split_validation",
+    "unpack_validation",
+    "whole_batches",
+    "without_autotune_on_one_cpu",
 ]
 
 #: ``info[1]`` when the data was not distributed by tarantella.
@@ -64,6 +69,48 @@ def shard_data(data: Any, context: tnt_core.ShardContext) -> tf.data.Dataset | N
     if not isinstance(data, tf.data.Dataset):
         return None
     return shard_dataset(data, context)
+
+
+# -- reading on one CPU ---------------------------------------------------------------------
+
+
+def cpus_of_this_process() -> int:
+    """The CPUs this process may run on (its affinity: a bound rank's cores)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+def without_autotune_on_one_cpu(dataset: tf.data.Dataset, cpus: int | None = None) -> tf.data.Dataset:
+    """``dataset`` with tf.data's autotuning off when the process has one CPU (``cpus``, by
+    default :func:`cpus_of_this_process`) and the dataset's options leave it unset; else as
+    it is.
+
+    Why: an iterator with autotuning (tf.data's default) keeps a thread that re-tunes the
+    pipeline in periods doubling from 10 ms up to a minute. Deleting the iterator wakes that
+    thread *before* TensorFlow marks the iterator cancelled (2.21:
+    ``CancellationManager::StartCancelWithStatus`` runs the callbacks, then sets
+    ``is_cancelled_``); on a process held to one CPU the woken thread runs first, finds the
+    iterator not cancelled, sleeps out the rest of its period, and the deletion waits for it.
+    Keras makes an iterator for every epoch, ``evaluate`` and ``predict``, so on a rank bound
+    to one core (``tnt run``'s binding where a host has as many cores as ranks; ``srun
+    --cpu-bind=cores`` with one CPU a task) every epoch began up to a period late, and
+    ``fit`` returned as late (docs/performance.md, "Seconds lost at every epoch"). Plain Keras
+    held to one CPU waits alike.
+
+    On one CPU autotuning has little to choose: the parallel calls it tunes share that CPU
+    (without it an ``AUTOTUNE`` parallelism keeps its start value, at most the threads that
+    run the pipeline), and ``prefetch`` tunes its buffer either way (its own tuner ignores
+    the option). A dataset whose options set ``autotune.enabled`` keeps them.
+    """
+    if (cpus_of_this_process() if cpus is None else cpus) > 1:
+        return dataset
+    if dataset.options().autotune.enabled is not None:  # the user's choice
+        return dataset
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 # -- slicing --------------------------------------------------------------------------------
@@ -223,6 +270,21 @@ def split_validation(x: Any, y: Any, sample_weight: Any,
             keras.tree.map_structure(lambda a: _rows(a, cut, total), arrays))
 
 
+def unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
+    """``fit(validation_data=...)`` as ``(x, y, sample_weight)``, as Keras reads it."""
+    if isinstance(validation_data, (list, tuple)):
+        if len(validation_data) in (2, 3):
+            vx, vy = validation_data[0], validation_data[1]
+            vsw = validation_data[2] if len(validation_data) == 3 else None
+            return vx, vy, vsw
+        raise ValueError(
+            "validation_data must be a dataset, a generator or a tuple (x, y) or "
+            f"(x, y, sample_weight); got a {type(validation_data).__name__} of "
+            f"{len(validation_data)} elements"
+        )
+    return validation_data, None, None
+
+
 def _splittable(a: Any) -> bool:
     return isinstance(a, (np.ndarray, tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) \
         or hasattr(a, "iloc") or hasattr(a, "tocsr") or hasattr(a, "__array__")
@@ -296,6 +358,14 @@ def _global_batches(x: Any, y: Any, sample_weight: Any, batch_size: int | None, 
     return adapter.get_tf_dataset(), adapter
 
 
+def _with_known_length(dataset: tf.data.Dataset, adapter: Any) -> tf.data.Dataset:
+    """Keras' adapter knows its length (arrays, PyDataset): tell Keras' loop too."""
+    known = getattr(adapter, "num_batches", None)
+    if known is not None and int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY:
+        return dataset.apply(tf.data.experimental.assert_cardinality(int(known)))
+    return dataset
+
+
 def prepare_data(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int | None = None,
                  shuffle: bool = False, micro_batch_size: int | None = None,
                  distribute: bool = True, class_weight: Mapping[int, float] | None = None,
@@ -326,10 +396,8 @@ def prepare_data(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size
         )
     dataset, adapter = _global_batches(x, y, sample_weight, batch_size, bool(shuffle), class_weight,
                                        steps, purpose)
-    known = getattr(adapter, "num_batches", None)
-    if known is not None and int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY:
-        # Keras' adapter knows its length (arrays, PyDataset): tell Keras' loop too
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(int(known)))
+    dataset = without_autotune_on_one_cpu(dataset)
+    dataset = _with_known_length(dataset, adapter)
     if global_batches:
         if not distribute:
             raise DatasetError(
@@ -350,6 +418,22 @@ def prepare_data(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size
     if sharded is None:
         raise DatasetError(f"no tnt plugin can distribute a {type(dataset).__name__}")
     return DistributedData(sharded, adapter, True, _steps(adapter, sharded, steps))
+
+
+def whole_batches(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int | None = None,
+                  shuffle: Any = False, class_weight: Mapping[int, float] | None = None,
+                  steps: int | None = None, purpose: str = "training") -> tf.data.Dataset | None:
+    """In-memory data (arrays, tensors, dataframes: what Keras' loop batches itself) as the
+    ``tf.data.Dataset`` of global batches Keras' own adapter makes of them (its batch size,
+    sample and class weights and shuffling in it), read as :func:`prepare_data` reads data
+    (without tf.data's autotuning on a rank with one CPU: :func:`without_autotune_on_one_cpu`),
+    for a loop that hands Keras every batch whole: a pipeline's, where every rank reads the
+    global batch. None for other data."""
+    if isinstance(x, tf.data.Dataset) or not can_convert_arrays((x, y, sample_weight)):
+        return None
+    dataset, adapter = _global_batches(x, y, sample_weight, batch_size, shuffle, class_weight,
+                                       steps, purpose)
+    return without_autotune_on_one_cpu(_with_known_length(dataset, adapter))
 
 
 def _steps(adapter: Any, dataset: tf.data.Dataset, steps: int | None) -> int | None:

@@ -35,6 +35,7 @@ from ..datasets import (
     prepare_data,
     shard_arrays,
     split_validation,
+    unpack_validation,
 )
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
@@ -375,7 +376,7 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
         loops = [train]
         val = None
         if validation_data is not None:
-            vx, vy, vsw = _unpack_validation(validation_data)
+            vx, vy, vsw = unpack_validation(validation_data)
             val = prepare_data(vx, vy, vsw, batch_size=None if isinstance(vx, tf.data.Dataset) else
                                (validation_batch_size or batch_size),
                                micro_batch_size=tnt_validation_micro_batch_size,
@@ -516,20 +517,6 @@ class DataParallelModel(Model, strategies=(ParallelStrategy.DATA,)):
 def _no_function(function: Any) -> bool:
     """Whether Keras must make the step function (none, or an elastic job's emptied one)."""
     return function is None or (isinstance(function, ElasticFunction) and function.keras_function is None)
-
-
-def _unpack_validation(validation_data: Any) -> tuple[Any, Any, Any]:
-    if isinstance(validation_data, (list, tuple)):
-        if len(validation_data) in (2, 3):
-            vx, vy = validation_data[0], validation_data[1]
-            vsw = validation_data[2] if len(validation_data) == 3 else None
-            return vx, vy, vsw
-        raise ValueError(
-            "validation_data must be a dataset, a generator or a tuple (x, y) or "
-            f"(x, y, sample_weight); got a {type(validation_data).__name__} of "
-            f"{len(validation_data)} elements"
-        )
-    return validation_data, None, None
 
 
 def _batch_tuple(x: Any, y: Any, sample_weight: Any) -> tuple:

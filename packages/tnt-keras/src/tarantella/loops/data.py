@@ -28,6 +28,7 @@ import tensorflow as tf
 import tnt_core
 
 from ..data_parallel.steps import BATCH_KEY, INFO_KEY
+from ..datasets import without_autotune_on_one_cpu
 from ..errors import DatasetError, NotSupportedError
 from ..reporting.tracebacks import user_facing
 
@@ -109,7 +110,7 @@ class DistributedDataset:
         sharded = runtime.plugin_manager.hook.tnt_shard_data(data=dataset, context=context)
         if sharded is None:
             raise DatasetError(f"no tnt plugin can distribute a {type(dataset).__name__}")
-        self._dataset: tf.data.Dataset = sharded
+        self._dataset: tf.data.Dataset = without_autotune_on_one_cpu(sharded)  # each pass an iterator
         self._share = batch_share(runtime)
 
     @property

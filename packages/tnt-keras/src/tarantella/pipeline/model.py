@@ -51,6 +51,7 @@ from ..comm import Channel
 from ..comm.gradients import GradientReducer
 from ..comm.step_reductions import StepReductions
 from ..data_parallel.elastic import is_membership_failure
+from ..datasets import split_validation, unpack_validation, whole_batches, without_autotune_on_one_cpu
 from ..errors import NotSupportedError
 from ..model import DistributedState, Model, ParallelStrategy
 from ..reporting.log import logger
@@ -679,13 +680,26 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 "restarts and trains from the start; with one (its backup_dir on a file system "
                 "every rank sees), the survivors back up the step in flight and the restarted "
                 "fit resumes there")
+        if validation_split and validation_data is None and \
+                _keras_compat.can_convert_arrays((x, y, sample_weight)):
+            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
+                                                                      validation_split)
+            validation_split = 0.0
+        # the training batches first, as Keras' fit makes them (a shuffle draws its seed then)
+        train = _read_as_keras(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                               class_weight=class_weight, steps=steps_per_epoch, purpose="training")
+        if validation_data is not None:
+            vx, vy, vsw = unpack_validation(validation_data)
+            read = _read_as_keras(vx, vy, vsw, batch_size=validation_batch_size or batch_size,
+                                  steps=validation_steps, purpose="validation")
+            validation_data = tuple(read[k] for k in ("x", "y", "sample_weight") if read[k] is not None)
+            validation_data = validation_data[0] if len(validation_data) == 1 else validation_data
         try:
             with self._tnt_finalizing_own_weights():
                 return super().fit(
-                    x, y, batch_size=batch_size, epochs=epochs, verbose=verbose if master else 0,
+                    **train, epochs=epochs, verbose=verbose if master else 0,
                     callbacks=loop_callbacks, validation_split=validation_split,
-                    validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
-                    sample_weight=sample_weight, initial_epoch=initial_epoch,
+                    validation_data=validation_data, initial_epoch=initial_epoch,
                     steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                     validation_batch_size=validation_batch_size, validation_freq=validation_freq)
         except Exception as exc:
@@ -743,6 +757,9 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             self._tnt_start()
             callbacks = self._tnt_loop_callbacks(callbacks)
             verbose = verbose if self._tnt.runtime.is_master else 0
+            read = _read_as_keras(x, y, sample_weight, batch_size=batch_size, steps=steps,
+                                  purpose="evaluation")
+            x, y, sample_weight, batch_size = (read[k] for k in ("x", "y", "sample_weight", "batch_size"))
         return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
                                 sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                                 return_dict=return_dict, **kwargs)
@@ -759,6 +776,8 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         callbacks = arguments.check_predict(self, x=x, callbacks=callbacks, batch_size=batch_size,
                                             steps=steps)
         self._tnt_start()
+        read = _read_as_keras(x, batch_size=batch_size, steps=steps, purpose="prediction")
+        x, batch_size = read["x"], read["batch_size"]
         return super().predict(x, batch_size=batch_size,
                                verbose=verbose if self._tnt.runtime.is_master else 0,
                                steps=steps, callbacks=self._tnt_loop_callbacks(callbacks))
@@ -872,3 +891,22 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             "(model.save('m.keras')), load it with keras.saving.load_model in one process, and "
             "export that model")
 
+
+def _read_as_keras(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int | None,
+                   shuffle: Any = False, class_weight: Any = None, steps: int | None = None,
+                   purpose: str) -> dict[str, Any]:
+    """The data arguments of Keras' loop for the user's data, read without tf.data's
+    autotuning on a rank with one CPU (:func:`~tarantella.datasets.without_autotune_on_one_cpu`):
+    in-memory data as the dataset of Keras' own batches
+    (:func:`~tarantella.datasets.whole_batches`), a ``tf.data.Dataset`` as it is; other data
+    (generators, ``PyDataset``) as given."""
+    given = dict(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
+                 class_weight=class_weight)
+    if isinstance(x, tf.data.Dataset):
+        return given | {"x": without_autotune_on_one_cpu(x)}
+    batches = whole_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                            class_weight=class_weight, steps=steps, purpose=purpose)
+    if batches is None:
+        return given
+    return dict(x=batches, y=None, sample_weight=None, batch_size=None, shuffle=False,
+                class_weight=None)
