@@ -10,8 +10,9 @@ on one ``tf.data`` pipeline of in-memory arrays for ``--epochs`` epochs and reco
 epoch, the time from its last batch's end to the next epoch's first batch (the gap), and
 from ``on_train_end`` to ``fit``'s return (the end). Jobs, in interleaved rounds:
 
-* ``keras``: plain Keras in one process held to one CPU, the pipeline's autotuning as
-  TensorFlow leaves it (on), and turned off in the dataset's options;
+* ``keras``: plain Keras in one process held to one CPU (one rank of ``tnt run`` that
+  imports no tarantella), the pipeline's autotuning as TensorFlow leaves it (on), and
+  turned off in the dataset's options;
 * ``tnt data``: 2 data-parallel ranks (``tnt run``, each bound to a CPU of its own on a
   2-core machine), the pipeline's autotuning left to tarantella (off on one CPU), and
   turned on in the dataset's options (TensorFlow's default: every rank before tarantella
@@ -29,15 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import rank_reports
+
 KINDS = ("keras", "tnt data", "tnt pipe")
 #: the dataset's ``autotune.enabled``: "unset" leaves it to TensorFlow (plain Keras) or
 #: tarantella; "on" and "off" set it
@@ -97,34 +97,27 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model.fit(data, epochs=args.epochs, verbose=0, callbacks=[Marks()])
     returned = time.perf_counter()
-    if rank == 0:
-        gaps = [b - e for e, b in zip(marks["end"], marks["begin"][1:])]
-        epochs = [e - b for b, e in zip(marks["begin"], marks["end"])]
-        args.out.write_text(json.dumps({"gaps": gaps, "epochs": epochs, "fit": returned - start,
-                                        "end": returned - marks["train_end"][0],
-                                        "cpus": len(os.sched_getaffinity(0))}))
+    gaps = [b - e for e, b in zip(marks["end"], marks["begin"][1:])]
+    epochs = [e - b for b, e in zip(marks["begin"], marks["end"])]
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({
+        "gaps": gaps, "epochs": epochs, "fit": returned - start,
+        "end": returned - marks["train_end"][0], "cpus": len(os.sched_getaffinity(0))}))
 
 
-def job(args: argparse.Namespace, kind: str, autotune: str, out: Path) -> dict:
-    me = [sys.executable, str(Path(__file__).resolve()), "--role", "worker", "--kind", kind,
-          "--autotune", autotune, "--epochs", str(args.epochs), "--samples", str(args.samples),
-          "--out", str(out)]
-    if kind == "keras":
-        cmd = me
-    else:
-        tnt = shutil.which("tnt", path=str(Path(sys.executable).parent)) or "tnt"
-        cmd = [tnt, "run", "-n", "2", "--backend", args.backend, "--timeout", "120", "--", *me]
-    out.unlink(missing_ok=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if not out.exists():
-        raise RuntimeError(f"{kind} (autotune {autotune}) wrote no result (exit {p.returncode}):\n"
-                           f"{(p.stdout + p.stderr)[-3000:]}")
-    return json.loads(out.read_text())
+def job(args: argparse.Namespace, kind: str, autotune: str) -> dict:
+    """One job of ``kind``; rank 0's report. Plain Keras runs as one rank of ``tnt run``
+    (it imports no tarantella and holds itself to one CPU)."""
+    reports = rank_reports(__file__, 1 if kind == "keras" else 2,
+                           ["--kind", kind, "--autotune", autotune, "--epochs", str(args.epochs),
+                            "--samples", str(args.samples)],
+                           options=[] if kind == "keras" else ["--backend", args.backend],
+                           timeout=args.timeout)
+    return dict(reports[0])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--role", choices=("parent", "worker"), default="parent")
+    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--samples", type=int, default=200_000, help="samples per epoch")
@@ -133,9 +126,9 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--kind", choices=KINDS, help="(worker) the job")
     p.add_argument("--autotune", choices=("unset", "on", "off"), default="unset")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.role == "worker":
+    if args.rank_main:
         worker(args)
         return 0
     kinds = [k for k in args.kinds.split(",") if k]
@@ -143,18 +136,16 @@ def main() -> int:
           f"{args.samples // 64} steps, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"load average {', '.join(f'{v:.1f}' for v in os.getloadavg())}", flush=True)
     runs: dict[tuple[str, str], list[dict]] = {(k, a): [] for k in kinds for a in AUTOTUNE[k]}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for kind in kinds:
-                ways = AUTOTUNE[kind] if r % 2 == 0 else tuple(reversed(AUTOTUNE[kind]))
-                for autotune in ways:
-                    result = job(args, kind, autotune, Path(tmp, "result.json"))
-                    runs[(kind, autotune)].append(result)
-                    print(f"round {r + 1}  {kind:9s} autotune {autotune:5s} fit {result['fit']:6.2f} s"
-                          f"  epochs {' '.join(f'{e:.2f}' for e in result['epochs'])} s"
-                          f"  gaps {' '.join(f'{g:.3f}' for g in result['gaps'])} s"
-                          f"  end {result['end']:.3f} s  (rank 0 on {result['cpus']} CPU)",
-                          flush=True)
+    for r in range(args.rounds):
+        for kind in kinds:
+            ways = AUTOTUNE[kind] if r % 2 == 0 else tuple(reversed(AUTOTUNE[kind]))
+            for autotune in ways:
+                result = job(args, kind, autotune)
+                runs[(kind, autotune)].append(result)
+                print(f"round {r + 1}  {kind:9s} autotune {autotune:5s} fit {result['fit']:6.2f} s"
+                      f"  epochs {' '.join(f'{e:.2f}' for e in result['epochs'])} s"
+                      f"  gaps {' '.join(f'{g:.3f}' for g in result['gaps'])} s"
+                      f"  end {result['end']:.3f} s  (rank 0 on {result['cpus']} CPU)", flush=True)
     print(f"\n{'job':9s} {'autotune':9s} {'gap s':>8s} {'end s':>8s} {'epoch s':>8s} {'fit s':>8s}"
           "   (medians: gap between epochs, fit's end after on_train_end, an epoch's batches)")
     for kind in kinds:
