@@ -74,6 +74,11 @@ def shard_data(data: Any, context: tnt_core.ShardContext) -> tf.data.Dataset | N
 # -- reading on one CPU ---------------------------------------------------------------------
 
 
+#: ``tf.data.Options().autotune``'s settings: a dataset that sets any asks for autotuning
+_AUTOTUNE_SETTINGS = ("enabled", "cpu_budget", "ram_budget", "autotune_algorithm",
+                      "initial_parallelism", "min_parallelism")
+
+
 def cpus_of_this_process() -> int:
     """The CPUs this process may run on (its affinity: a bound rank's cores)."""
     try:
@@ -102,11 +107,12 @@ def without_autotune_on_one_cpu(dataset: tf.data.Dataset, cpus: int | None = Non
     On one CPU autotuning has little to choose: the parallel calls it tunes share that CPU
     (without it an ``AUTOTUNE`` parallelism keeps its start value, at most the threads that
     run the pipeline), and ``prefetch`` tunes its buffer either way (its own tuner ignores
-    the option). A dataset whose options set ``autotune.enabled`` keeps them.
+    the option). A dataset whose options set any of ``autotune``'s settings keeps them.
     """
     if (cpus_of_this_process() if cpus is None else cpus) > 1:
         return dataset
-    if dataset.options().autotune.enabled is not None:  # the user's choice
+    tuning = dataset.options().autotune
+    if any(getattr(tuning, name, None) is not None for name in _AUTOTUNE_SETTINGS):  # the user's
         return dataset
     options = tf.data.Options()
     options.autotune.enabled = False
