@@ -70,8 +70,8 @@ from tensorflow.python.framework.config import is_op_determinism_enabled
 __all__ = [
     "all_layers",
     "asks_auto_jit_compile",
-    "can_convert_arrays",
     "batch_norm_moments",
+    "can_convert_arrays",
     "compile_owner",
     "compiled_loss",
     "forget_uninitialized",

@@ -402,8 +402,7 @@ def prepare_data(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size
         )
     dataset, adapter = _global_batches(x, y, sample_weight, batch_size, bool(shuffle), class_weight,
                                        steps, purpose)
-    dataset = without_autotune_on_one_cpu(dataset)
-    dataset = _with_known_length(dataset, adapter)
+    dataset = without_autotune_on_one_cpu(_with_known_length(dataset, adapter))
     if global_batches:
         if not distribute:
             raise DatasetError(
