@@ -87,7 +87,7 @@ def test_a_rank_on_one_cpu_reads_its_data_without_tf_datas_autotuning(monkeypatc
     theirs = tf.data.Dataset.from_tensor_slices((x, x)).batch(4).with_options(chosen)
     monkeypatch.setattr(datasets, "cpus_of_this_process", lambda: 1)
     assert datasets.prepare_data(x, x, batch_size=4).dataset.options().autotune.enabled is False
-    assert datasets.whole_batches(x, x, batch_size=4).options().autotune.enabled is False  # pipeline
+    assert datasets.whole_batches(x, x, batch_size=4)[0].options().autotune.enabled is False  # pipeline
     assert datasets.prepare_data(theirs).dataset.options().autotune.enabled is True
     budget = tf.data.Options()
     budget.autotune.ram_budget = 2**30  # tuning asked for, though not enabled by name

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 import tnt_core
 
-from ._keras_compat import can_convert_arrays, get_data_adapter
+from ._keras_compat import get_data_adapter
 from .data_parallel.steps import BATCH_KEY, pack
 from .errors import DatasetError
 from .reporting.log import logger
@@ -427,18 +427,18 @@ def prepare_data(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size
 
 def whole_batches(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int | None = None,
                   shuffle: Any = False, class_weight: Mapping[int, float] | None = None,
-                  steps: int | None = None, purpose: str = "training") -> tf.data.Dataset | None:
-    """In-memory data (arrays, tensors, dataframes: what Keras' loop batches itself) as the
-    ``tf.data.Dataset`` of global batches Keras' own adapter makes of them (its batch size,
-    sample and class weights and shuffling in it), read as :func:`prepare_data` reads data
-    (without tf.data's autotuning on a rank with one CPU: :func:`without_autotune_on_one_cpu`),
-    for a loop that hands Keras every batch whole: a pipeline's, where every rank reads the
-    global batch. None for other data."""
-    if isinstance(x, tf.data.Dataset) or not can_convert_arrays((x, y, sample_weight)):
-        return None
+                  steps: int | None = None, purpose: str = "training") -> tuple[tf.data.Dataset, Any]:
+    """What Keras' ``fit`` takes other than a ``tf.data.Dataset`` (arrays, tensors,
+    dataframes, a generator, a ``PyDataset``) as the ``tf.data.Dataset`` of global batches
+    Keras' own adapter makes of it (its batch size, sample and class weights and shuffling in
+    it), read as :func:`prepare_data` reads data (without tf.data's autotuning on a rank with
+    one CPU: :func:`without_autotune_on_one_cpu`), and that adapter, whose epoch hooks the
+    loop's callbacks must call (a ``PyDataset``'s workers start and stop there:
+    ``tarantella.callbacks.distribute_callbacks(adapters=...)``). For a loop that hands Keras
+    every batch whole: a pipeline's, where every rank reads the global batch."""
     dataset, adapter = _global_batches(x, y, sample_weight, batch_size, shuffle, class_weight,
                                        steps, purpose)
-    return without_autotune_on_one_cpu(_with_known_length(dataset, adapter))
+    return without_autotune_on_one_cpu(_with_known_length(dataset, adapter)), adapter
 
 
 def _steps(adapter: Any, dataset: tf.data.Dataset, steps: int | None) -> int | None:

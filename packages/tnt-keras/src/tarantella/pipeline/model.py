@@ -600,15 +600,18 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                     w.assign(value)
             state.needs_broadcast = False
 
-    def _tnt_loop_callbacks(self, callbacks: Any, fit_verbose: Any = None) -> list[Any]:
+    def _tnt_loop_callbacks(self, callbacks: Any, fit_verbose: Any = None,
+                            adapters: list[Any] | None = None) -> list[Any]:
         """The user's callbacks as DATA runs them (writers on the master only, the other
         stages serving their saves; tnt Callback wrappers honoured; a master's stop request
-        stops every rank). In a fit (``fit_verbose``) with a ``BackupAndRestore``, its
-        History and progress bar are given here, so that a resumed fit replays quietly and
-        the backup holds the History."""
+        stops every rank; the epoch hooks of the loop's data ``adapters`` called, training's
+        first: :func:`_read_as_keras`). In a fit (``fit_verbose``) with a
+        ``BackupAndRestore``, its History and progress bar are given here, so that a resumed
+        fit replays quietly and the backup holds the History."""
         callbacks = list(callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList)
                          else callbacks or [])
-        out = distribute_callbacks(callbacks, self, self._tnt.runtime, broadcast_weights=False)
+        out = distribute_callbacks(callbacks, self, self._tnt.runtime, adapters or [],
+                                   broadcast_weights=False)
         backups = [cb for cb in out if isinstance(cb, step_backup.StepBackupAndRestore)]
         if fit_verbose is None or not backups:
             return out
@@ -671,7 +674,24 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             validation_freq=validation_freq)
         self._tnt_start()
         master = self._tnt.runtime.is_master
-        loop_callbacks = self._tnt_loop_callbacks(callbacks, verbose if master else 0)
+        if validation_split and validation_data is None and \
+                _keras_compat.can_convert_arrays((x, y, sample_weight)):
+            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
+                                                                      validation_split)
+            validation_split = 0.0
+        # the training batches first, as Keras' fit makes them (a shuffle draws its seed then)
+        train, adapter = _read_as_keras(x, y, sample_weight, batch_size=batch_size,
+                                        shuffle=shuffle, class_weight=class_weight,
+                                        steps=steps_per_epoch, purpose="training")
+        adapters = [adapter]
+        if validation_data is not None:
+            vx, vy, vsw = unpack_validation(validation_data)
+            read, val_adapter = _read_as_keras(vx, vy, vsw, batch_size=validation_batch_size or batch_size,
+                                               steps=validation_steps, purpose="validation")
+            adapters.append(val_adapter)
+            validation_data = tuple(read[k] for k in ("x", "y", "sample_weight") if read[k] is not None)
+            validation_data = validation_data[0] if len(validation_data) == 1 else validation_data
+        loop_callbacks = self._tnt_loop_callbacks(callbacks, verbose if master else 0, adapters)
         if master and self._tnt.survivors_write_steps() and not any(
                 isinstance(cb, (step_backup.StepBackupAndRestore,
                                 keras.callbacks.BackupAndRestore)) for cb in loop_callbacks):
@@ -680,20 +700,6 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 "restarts and trains from the start; with one (its backup_dir on a file system "
                 "every rank sees), the survivors back up the step in flight and the restarted "
                 "fit resumes there")
-        if validation_split and validation_data is None and \
-                _keras_compat.can_convert_arrays((x, y, sample_weight)):
-            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
-                                                                      validation_split)
-            validation_split = 0.0
-        # the training batches first, as Keras' fit makes them (a shuffle draws its seed then)
-        train = _read_as_keras(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                               class_weight=class_weight, steps=steps_per_epoch, purpose="training")
-        if validation_data is not None:
-            vx, vy, vsw = unpack_validation(validation_data)
-            read = _read_as_keras(vx, vy, vsw, batch_size=validation_batch_size or batch_size,
-                                  steps=validation_steps, purpose="validation")
-            validation_data = tuple(read[k] for k in ("x", "y", "sample_weight") if read[k] is not None)
-            validation_data = validation_data[0] if len(validation_data) == 1 else validation_data
         try:
             with self._tnt_finalizing_own_weights():
                 return super().fit(
@@ -755,11 +761,11 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
                 self, x=x, y=y, sample_weight=sample_weight, callbacks=callbacks,
                 batch_size=batch_size, steps=steps)
             self._tnt_start()
-            callbacks = self._tnt_loop_callbacks(callbacks)
-            verbose = verbose if self._tnt.runtime.is_master else 0
-            read = _read_as_keras(x, y, sample_weight, batch_size=batch_size, steps=steps,
-                                  purpose="evaluation")
+            read, adapter = _read_as_keras(x, y, sample_weight, batch_size=batch_size, steps=steps,
+                                           purpose="evaluation")
             x, y, sample_weight, batch_size = (read[k] for k in ("x", "y", "sample_weight", "batch_size"))
+            callbacks = self._tnt_loop_callbacks(callbacks, adapters=[adapter])
+            verbose = verbose if self._tnt.runtime.is_master else 0
         return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
                                 sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                                 return_dict=return_dict, **kwargs)
@@ -776,11 +782,11 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
         callbacks = arguments.check_predict(self, x=x, callbacks=callbacks, batch_size=batch_size,
                                             steps=steps)
         self._tnt_start()
-        read = _read_as_keras(x, batch_size=batch_size, steps=steps, purpose="prediction")
-        x, batch_size = read["x"], read["batch_size"]
-        return super().predict(x, batch_size=batch_size,
+        read, adapter = _read_as_keras(x, batch_size=batch_size, steps=steps, purpose="prediction")
+        return super().predict(read["x"], batch_size=read["batch_size"],
                                verbose=verbose if self._tnt.runtime.is_master else 0,
-                               steps=steps, callbacks=self._tnt_loop_callbacks(callbacks))
+                               steps=steps, callbacks=self._tnt_loop_callbacks(callbacks,
+                                                                               adapters=[adapter]))
 
     @user_facing
     def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
@@ -894,19 +900,16 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
 
 def _read_as_keras(x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int | None,
                    shuffle: Any = False, class_weight: Any = None, steps: int | None = None,
-                   purpose: str) -> dict[str, Any]:
+                   purpose: str) -> tuple[dict[str, Any], Any]:
     """The data arguments of Keras' loop for the user's data, read without tf.data's
-    autotuning on a rank with one CPU (:func:`~tarantella.datasets.without_autotune_on_one_cpu`):
-    in-memory data as the dataset of Keras' own batches
-    (:func:`~tarantella.datasets.whole_batches`), a ``tf.data.Dataset`` as it is; other data
-    (generators, ``PyDataset``) as given."""
-    given = dict(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
-                 class_weight=class_weight)
+    autotuning on a rank with one CPU (:func:`~tarantella.datasets.without_autotune_on_one_cpu`),
+    and the Keras data adapter whose epoch hooks the loop's callbacks call (None for a
+    ``tf.data.Dataset``, handed on as it is): other data as the dataset of global batches
+    Keras' own adapter makes of it (:func:`~tarantella.datasets.whole_batches`)."""
     if isinstance(x, tf.data.Dataset):
-        return given | {"x": without_autotune_on_one_cpu(x)}
-    batches = whole_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                            class_weight=class_weight, steps=steps, purpose=purpose)
-    if batches is None:
-        return given
+        return dict(x=without_autotune_on_one_cpu(x), y=y, sample_weight=sample_weight,
+                    batch_size=batch_size, shuffle=shuffle, class_weight=class_weight), None
+    batches, adapter = whole_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                                     class_weight=class_weight, steps=steps, purpose=purpose)
     return dict(x=batches, y=None, sample_weight=None, batch_size=None, shuffle=False,
-                class_weight=None)
+                class_weight=None), adapter
