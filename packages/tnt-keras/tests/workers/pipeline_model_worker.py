@@ -160,7 +160,8 @@ def keras_workflow(args: argparse.Namespace, x: np.ndarray) -> dict[str, np.ndar
     """What users do besides fit: predict before compile, a tf.data dataset with sample
     weights and of unknown length (filtered: each epoch ends when it runs out, which plain
     Keras' graph step counts as an optimizer iteration, read by Adam), validation_split
-    with class weights, extra and weighted metrics, the
+    with class weights, a PyDataset with workers (its epoch hooks counted), extra and
+    weighted metrics, the
     single-batch calls, then get_weights; every result, flattened into arrays."""
     import tensorflow as tf
 
@@ -185,6 +186,32 @@ def keras_workflow(args: argparse.Namespace, x: np.ndarray) -> dict[str, np.ndar
     history.update({f"split_{k}": v for k, v in model.fit(
         x, classes, batch_size=10, epochs=2, validation_split=0.25, shuffle=False, verbose=0,
         class_weight={0: 1.0, 1: 2.0, 2: 0.5}).history.items()})
+    hooks = [0, 0]
+
+    class Batches(keras.utils.PyDataset):
+        """Batches of 12 by index, counting its epoch hooks (where a PyDataset's workers
+        start and stop): Keras' loop gets them through tarantella's coordinator."""
+
+        def __init__(self, n: int, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            self.n = n
+
+        def __len__(self) -> int:
+            return -(-self.n // 12)
+
+        def __getitem__(self, i: int) -> tuple:
+            rows = slice(12 * i, min(12 * i + 12, self.n))
+            return x[rows], classes[rows], weights[rows]
+
+        def on_epoch_begin(self) -> None:
+            hooks[0] += 1
+
+        def on_epoch_end(self) -> None:
+            hooks[1] += 1
+
+    history.update({f"pydataset_{k}": v for k, v in model.fit(
+        Batches(len(x), workers=2), epochs=2, validation_data=Batches(24), verbose=0).history.items()})
+    out["pydataset_hooks"] = np.array(hooks)
     out.update({f"history_{k}": np.array(v) for k, v in history.items()})
     out["train_on_batch"] = np.array(model.train_on_batch(x[:13], classes[:13],
                                                           sample_weight=weights[:13]))
