@@ -239,13 +239,6 @@ def test_get_data_adapter_gives_keras_batches():
     assert sizes == [4, 4, 2] and adapter.num_batches == 3
 
 
-def test_can_convert_arrays_tells_in_memory_data_from_datasets_and_generators():
-    x = np.zeros((4, 1), "float32")
-    assert _keras_compat.can_convert_arrays((x, x, None))
-    assert _keras_compat.can_convert_arrays(({"a": x, "b": tf.constant(x)}, x, None))
-    assert not _keras_compat.can_convert_arrays((tf.data.Dataset.from_tensors(x), None, None))
-    assert not _keras_compat.can_convert_arrays((iter([x]), None, None))
-
 
 # -- the replacements, against plain Keras -------------------------------------------------------
 

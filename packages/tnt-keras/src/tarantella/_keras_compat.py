@@ -48,11 +48,6 @@ from keras.src.trainers.compile_utils import CompileLoss
 # shuffling and class weights are serial Keras' own. Checked on Keras 3.14.1, 3.15.1.
 from keras.src.trainers.data_adapters import get_data_adapter
 
-# can_convert_arrays: Keras' own test for in-memory data (arrays, tensors, dataframes), the
-# data fit(validation_split=...) can cut; a pipelined model, which hands Keras' loop a dataset
-# (datasets.whole_batches), cuts it first. Checked on Keras 3.15.1.
-from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
-
 # attr_value_pb2: the proto of a graph op's attribute (set_op_attr; the jit_scope's
 # _XlaCompile).
 from tensorflow.core.framework import attr_value_pb2
@@ -71,7 +66,6 @@ __all__ = [
     "all_layers",
     "asks_auto_jit_compile",
     "batch_norm_moments",
-    "can_convert_arrays",
     "compile_owner",
     "compiled_loss",
     "forget_uninitialized",

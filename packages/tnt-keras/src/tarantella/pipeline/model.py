@@ -674,8 +674,7 @@ class PipelinedModel(Model, strategies=(ParallelStrategy.PIPELINING, ParallelStr
             validation_freq=validation_freq)
         self._tnt_start()
         master = self._tnt.runtime.is_master
-        if validation_split and validation_data is None and \
-                _keras_compat.can_convert_arrays((x, y, sample_weight)):
+        if validation_split and validation_data is None:  # Keras' loop gets a dataset: cut first
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight,
                                                                       validation_split)
             validation_split = 0.0
