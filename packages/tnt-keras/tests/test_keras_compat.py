@@ -239,7 +239,6 @@ def test_get_data_adapter_gives_keras_batches():
     assert sizes == [4, 4, 2] and adapter.num_batches == 3
 
 
-
 # -- the replacements, against plain Keras -------------------------------------------------------
 
 def _pair(build):
