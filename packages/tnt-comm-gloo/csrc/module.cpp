@@ -496,7 +496,7 @@ NB_MODULE(_gloo, m) {
 
   m.def("connect", &connect, "rank"_a, "size"_a, "store"_a.none(), "file_store"_a,
         "prefix"_a, "hostname"_a, "iface"_a, "timeout_s"_a, "shm"_a = "auto",
-        "shm_prefix"_a = "tnt-gloo-", "shm_host_id"_a = "", "shm_chunk_bytes"_a = 1 << 20,
+        "shm_prefix"_a = "tnt-gloo-", "shm_host_id"_a = "", "shm_chunk_bytes"_a = 256 << 10,
         "shm_spin_us"_a = -1, "hierarchy"_a = "auto", "shm_copy"_a = "auto",
         "Build the full TCP mesh (blocking, GIL released) through the store client or the "
         "file store directory; then, collectively, the shared-memory allreduce when every "

@@ -52,7 +52,7 @@ struct ShmOptions {
   std::string host_id;
   // The hierarchical allreduce when the ranks are on several hosts (see setup_shm).
   ShmMode hierarchy = ShmMode::kAuto;
-  std::size_t chunk_bytes = 1 << 20;
+  std::size_t chunk_bytes = 256 << 10;
   // Spin this long before sleeping on the futex; < 0: the default (50 µs).
   int spin_us = -1;
   ShmCopy copy = ShmCopy::kAuto;

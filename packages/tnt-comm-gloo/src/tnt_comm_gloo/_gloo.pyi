@@ -115,7 +115,7 @@ class Communicator:
 def dlpack_nbytes(capsule: object) -> int:
     """Bytes of the tensor in an unconsumed DLPack capsule (checks it too)."""
 
-def connect(rank: int, size: int, store: object | None, file_store: str, prefix: str, hostname: str, iface: str, timeout_s: float, shm: str = 'auto', shm_prefix: str = 'tnt-gloo-', shm_host_id: str = '', shm_chunk_bytes: int = 1048576, shm_spin_us: int = -1, hierarchy: str = 'auto', shm_copy: str = 'auto') -> Communicator:
+def connect(rank: int, size: int, store: object | None, file_store: str, prefix: str, hostname: str, iface: str, timeout_s: float, shm: str = 'auto', shm_prefix: str = 'tnt-gloo-', shm_host_id: str = '', shm_chunk_bytes: int = 262144, shm_spin_us: int = -1, hierarchy: str = 'auto', shm_copy: str = 'auto') -> Communicator:
     """
     Build the full TCP mesh (blocking, GIL released) through the store client or the file store directory; then, collectively, the shared-memory allreduce when every rank is on this host (shm: 'auto', '0' off, '1' try even so; the caller decides what a failure means), or the hierarchical one when the ranks are on several hosts holding as many (>= 2) each (hierarchy: 'auto', '0' off, '1' as auto). shm_copy: how a rank copies into its slots ('stream', 'cache', or 'auto': the faster of the two on its first large copies).
     """

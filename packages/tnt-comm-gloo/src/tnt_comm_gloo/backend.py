@@ -119,8 +119,9 @@ DEFAULT_DOUBLING_MAX_BYTES: int = gloo_settings.TNT_GLOO_DOUBLING_MAX_BYTES.defa
 ALGORITHMS = tuple(c for c, _ in gloo_settings.TNT_GLOO_ALGORITHM.choices)
 #: ``TNT_GLOO_SHM`` values: use shared memory when possible, never, always (or fail).
 SHM_MODES = tuple(c for c, _ in gloo_settings.TNT_GLOO_SHM.choices)
-#: Bytes per shared-memory slot: two per rank, so 4 ranks keep 8 MiB in /dev/shm (Docker's
-#: default /dev/shm is 64 MiB); large enough that the per-chunk synchronisation is noise.
+#: Bytes per shared-memory slot: two per rank, so 4 ranks keep 2 MiB in /dev/shm (Docker's
+#: default /dev/shm is 64 MiB); large enough that the per-chunk synchronisation is noise,
+#: small enough that a chunk's copy, reads and result stay in a core's cache.
 DEFAULT_SHM_CHUNK_BYTES: int = gloo_settings.TNT_GLOO_SHM_CHUNK_BYTES.default
 
 _KDL_CPU = 1  # DLPack device type of host memory
