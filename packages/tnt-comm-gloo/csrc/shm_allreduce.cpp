@@ -42,6 +42,11 @@ constexpr auto kSlice = std::chrono::milliseconds(20);
 // fewer bytes per rank at the cost of a second synchronisation. On 2 ranks the whole
 // reduction reads no more than reduce-scatter and writes less, so 2 ranks always use it.
 constexpr std::size_t kWholeMaxBytes = 32 << 10;
+// A sum of two ranks' float32 or float64 data (gradients) of this size on is written past
+// the caches (stream_sum): larger than a core's second-level cache (1-2 MiB on the
+// machines measured), its result is no longer there when read, and plain stores would
+// first fetch each line of the output from memory only to overwrite it.
+constexpr std::size_t kStreamOutMinBytes = 1 << 20;
 // Spin before sleeping: waking a sleeper costs tens of µs on a VM (its vCPU halts).
 // Measured on the 2-vCPU development VM, two processes passing a flag back and forth:
 // 0.4 µs round trip spinning, 30-46 µs sleeping on a futex; on one shared CPU, 108 µs
@@ -125,6 +130,40 @@ void stream_copy(void* dst, const void* src, std::size_t bytes) {
   }
 #endif
   std::memcpy(dst, src, bytes);
+}
+
+// c[i] = a[i] + b[i] as gloo::sum computes it (one IEEE addition per element, so the same
+// bits), c written with non-temporal stores; the caller fences (store_fence). The loads
+// and stores interleave: measured faster than summing into a cached block and streaming
+// that out (docs/performance.md, "The reduction's memory traffic").
+template <typename T>
+void stream_sum(void* c_, const void* a_, const void* b_, std::size_t n) {
+  T* c = static_cast<T*>(c_);
+  const T* a = static_cast<const T*>(a_);
+  const T* b = static_cast<const T*>(b_);
+  std::size_t i = 0;
+#if defined(__x86_64__)
+  for (; i < n && reinterpret_cast<std::uintptr_t>(c + i) % 16 != 0; ++i) c[i] = a[i] + b[i];
+  constexpr std::size_t kLanes = 16 / sizeof(T);
+  for (; i + kLanes <= n; i += kLanes) {
+    if constexpr (sizeof(T) == 4) {
+      _mm_stream_ps(reinterpret_cast<float*>(c + i),
+                    _mm_add_ps(_mm_loadu_ps(reinterpret_cast<const float*>(a + i)),
+                               _mm_loadu_ps(reinterpret_cast<const float*>(b + i))));
+    } else {
+      _mm_stream_pd(reinterpret_cast<double*>(c + i),
+                    _mm_add_pd(_mm_loadu_pd(reinterpret_cast<const double*>(a + i)),
+                               _mm_loadu_pd(reinterpret_cast<const double*>(b + i))));
+    }
+  }
+#endif
+  for (; i < n; ++i) c[i] = a[i] + b[i];
+}
+
+void store_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 std::string errno_text(int error) { return std::strerror(error); }
@@ -664,6 +703,13 @@ void ShmAllreduce::run(void* data, std::size_t count, DType dtype, ReduceOp op,
   const std::size_t per_chunk = chunk_bytes_ / es;
   const auto deadline = Clock::now() + timeout;
   char* const user = static_cast<char*>(data);
+  // two ranks always reduce whole chunks (below): a large sum of floats is streamed out
+  using Sum = void (*)(void*, const void*, const void*, std::size_t);
+  Sum streamed = nullptr;
+  if (size_ == 2 && op == ReduceOp::kSum && count * es >= kStreamOutMinBytes) {
+    if (dtype == DType::kFloat32) streamed = &stream_sum<float>;
+    if (dtype == DType::kFloat64) streamed = &stream_sum<double>;
+  }
   auto wait_all = [&](std::uint32_t target) {
     for (int k = 1; k < size_; ++k) wait_for_peer((rank_ + k) % size_, target, deadline, timeout);
   };
@@ -689,10 +735,14 @@ void ShmAllreduce::run(void* data, std::size_t count, DType dtype, ReduceOp op,
     // When `out` holds this rank's input (not gathered), its own slot holds the same:
     // read `out`, still in this core's cache, rather than the slot (which a streaming
     // copy bypassed).
+    // (Ranks from 2 on read their own slot: `out` holds the sum of ranks 0 and 1 by then.)
     char* const mine = fill == nullptr ? out : slot(rank_, s);
-    if (size_ == 2 || n * es <= kWholeMaxBytes) {
-      reduce(out, rank_ == 0 ? mine : slot(0, s), rank_ == 1 ? mine : slot(1, s), n);
-      for (int r = 2; r < size_; ++r) reduce(out, out, slot(r, s), n);
+    auto from = [&](int r) -> const char* { return r < 2 && r == rank_ ? mine : slot(r, s); };
+    if (streamed != nullptr) {
+      streamed(out, from(0), from(1), n);
+    } else if (size_ == 2 || n * es <= kWholeMaxBytes) {
+      reduce(out, from(0), from(1), n);
+      for (int r = 2; r < size_; ++r) reduce(out, out, from(r), n);
     } else {
       // Reduce-scatter: rank r reduces part r into its buffer and publishes it in its
       // own slot (nobody else reads part r of that slot until then); then everyone
@@ -717,6 +767,8 @@ void ShmAllreduce::run(void* data, std::size_t count, DType dtype, ReduceOp op,
     }
     publish(base + 3);  // consumed: our reads of this chunk's slots are done
   }
+  // the streamed result visible before the caller learns that the allreduce is done
+  if (streamed != nullptr) store_fence();
 }
 
 std::pair<std::size_t, std::size_t> ShmAllreduce::slice(std::size_t count, int parts,

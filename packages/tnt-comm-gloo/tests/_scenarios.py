@@ -308,14 +308,16 @@ def _shm_input(rank: int, n: int, dtype: str, op: str) -> np.ndarray:
 
 
 def shm_reduce(report: Report, backend, chunk_bytes: int) -> None:
-    """Every dtype x op, sizes around the chunk, against numpy's reduction in rank order
-    (which the shared-memory allreduce follows for every element: bitwise equal)."""
+    """Every dtype x op, sizes around the chunk and one of more than 1 MiB (its result
+    written past the caches), against numpy's reduction in rank order (which the
+    shared-memory allreduce follows for every element: bitwise equal)."""
     _shm_info(report, backend)
     report.check("transport-is-shm", lambda: _expect(backend.allreduce_transport == "shm",
                                                      backend._comm.shm_reason))
     for dtype in _SHM_DTYPES:
         per_chunk = chunk_bytes // np.dtype(dtype).itemsize
-        sizes = (0, 1, 1001, per_chunk + 1, 3 * per_chunk + per_chunk // 2)
+        sizes = (0, 1, 1001, per_chunk + 1, 3 * per_chunk + per_chunk // 2,
+                 (1 << 20) // np.dtype(dtype).itemsize + per_chunk // 3)
         for op, ufunc in _UFUNCS.items():
             def check(dtype=dtype, op=op, ufunc=ufunc, sizes=sizes) -> None:
                 for n in sizes:
@@ -334,8 +336,9 @@ def shm_reduce(report: Report, backend, chunk_bytes: int) -> None:
 
     def unaligned() -> None:
         # a view 4 bytes into its array, of a length no multiple of 16 bytes: copied into
-        # the slots by streaming stores from an unaligned start, with a tail
-        for n in (1025, 3 * (chunk_bytes // 4) + 5):
+        # the slots by streaming stores from an unaligned start, with a tail (and, past 1
+        # MiB, its result streamed out to that start)
+        for n in (1025, 3 * (chunk_bytes // 4) + 5, (1 << 18) + 5):
             base = np.zeros(n + 1, np.float32)
             buf = base[1:]
             buf[:] = _shm_input(backend.rank, n, "float32", "sum")
