@@ -390,7 +390,7 @@ discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
                    "of a short run)",
                 4: "the output of the full-length run above (tests/test_examples.py checks a short run's)"},
     ),
-    "performance.md": Page(skip=dict.fromkeys(range(20), "a benchmark run (minutes of training or of "
+    "performance.md": Page(skip=dict.fromkeys(range(22), "a benchmark run (minutes of training or of "
                                               "allreduces); its output is what the results pages show")),
     "performance_results.md": Page(skip=dict.fromkeys(range(21), "the benchmark runs that produced the "
                                                                 "page's tables (minutes each)")),
