@@ -65,7 +65,7 @@ TNT_GLOO_HIERARCHY = GLOO.declare(
              ("0", "the flat TCP algorithms across hosts"),
              ("1", "hierarchical, else fail")))
 #: two slots per rank, so 4 ranks keep 2 MiB in /dev/shm (Docker's default is 64 MiB); 256
-#: KiB measured faster than 1 MiB (README, "Algorithm")
+#: KiB measured faster than 1 MiB (README, "Why 256 KiB chunks, and the streamed result")
 TNT_GLOO_SHM_CHUNK_BYTES = GLOO.declare(
     "TNT_GLOO_SHM_CHUNK_BYTES", "int", 256 << 10,
     "bytes per shared-memory slot (two per rank), a multiple of 64 in [4096, 64 MiB]; the "
