@@ -130,6 +130,19 @@ def test_zero_bubble_h1_defers_each_weight_pass_by_its_stage_and_cuts_the_bubble
         dry_run(build("1f1b", 2, 4), measured).bubble
 
 
+def test_a_last_stage_that_joins_its_weight_passes_keeps_its_messages_and_holds_every_micro_batch():
+    """``weights_last``: ZB-H1's last stage with every W after its last B (what the stage
+    runs when joining them holds less: ``StageStep._defers_weights``); the messages keep
+    their order, so the dry run of the pipeline still matches, and the stage holds all M
+    micro-batches until their W."""
+    every = build("zb-h1", 2, 4)
+    every[1] = schedule.weights_last(every[1])
+    assert " ".join(map(str, every[1])) == ("RECV_F0<0 F0 B0 SEND_B0>0 RECV_F1<0 F1 B1 SEND_B1>0 "
+                                            "RECV_F2<0 F2 B2 SEND_B2>0 RECV_F3<0 F3 B3 SEND_B3>0 W0 W1 W2 W3")
+    run = dry_run(every, Costs(forward=1, backward=1, weight=1))
+    assert run.peak_in_flight == (2, 4)
+
+
 def test_zero_bubble_fused_puts_weight_passes_together_where_no_stage_waits_for_them():
     """The last stages run every W after their last B (one fused pass), the first stage,
     whose B are empty, all its forward passes first and its W in two runs: the first half's

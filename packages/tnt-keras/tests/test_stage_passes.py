@@ -205,3 +205,31 @@ def test_weight_passes_of_several_micro_batches_are_one_op_over_their_rows(float
     assert all(op.type == "MatMul" and op.get_attr("transpose_a") and not op.outputs[0].consumers()
                for op in seen["kernels"])
     assert fused([[tf.constant(1.0)]]) == [None]  # one micro-batch: nothing to join
+
+
+def test_a_weight_pass_footprint_counts_its_inputs_once_and_its_gradients(float64):
+    """``fused_weights.footprint``, what a last stage weighs to join its ``W``: a ``Dense``
+    layer's ``W`` keeps its input and its output's gradient alive (the bias gradient reads
+    the same output gradient: counted once) and makes the kernel and bias gradients; a
+    gradient that cannot be joined (a ``Conv1D`` filter's) or has no static shape gives
+    no footprint."""
+    from tarantella.pipeline.fused_weights import Footprint, footprint
+
+    dense, conv = keras.layers.Dense(7, activation="tanh"), keras.layers.Conv1D(2, 3)
+    found = {}
+
+    def grads(layer, rows):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(rows))
+        return tape.gradient(loss, layer.trainable_weights)
+
+    @tf.function(autograph=False)
+    def probe(rows, unknown, series):
+        found.update(dense=footprint(grads(dense, rows)), unknown=footprint(grads(dense, unknown)),
+                     conv=footprint(grads(conv, series)))
+        return tf.zeros(())
+
+    probe.get_concrete_function(tf.TensorSpec((4, 5), tf.float64), tf.TensorSpec((None, 5), tf.float64),
+                                tf.TensorSpec((4, 6, 5), tf.float64))
+    assert found["dense"] == Footprint(held=(4 * 5 + 4 * 7) * 8, made=(5 * 7 + 7) * 8)
+    assert found["unknown"] is None and found["conv"] is None

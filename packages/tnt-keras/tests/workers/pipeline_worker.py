@@ -26,11 +26,19 @@ CASES = [(f"p{p}-{opt}-m{m}-{schedule}", p, opt, m, schedule) for p in (3,)
 CASES.append(("p3-adamclip-m3-1f1b", 3, "adamclip", 3, "1f1b"))
 #: mixed_float16: loss scaling, the stages skipping a non-finite step together
 CASES.append(("p3-mixed-m1-1f1b", 3, "mixed", 1, "1f1b"))  # float16 sums: one micro-batch
+#: ZB-H1 with a last partition of wide Dense layers: its stage joins its W after its last B
+#: (their inputs hold less than the weight-sized sums they save: StageStep._defers_weights)
+CASES.append(("p3-adam-m4-zb-h1-wide", 3, "adam", 4, "zb-h1"))
 
 
-def build(partitions: int) -> keras.Model:
+def wide(name: str) -> bool:
+    return name.endswith("-wide")
+
+
+def build(partitions: int, wide: bool = False) -> keras.Model:
     """A model with ``partitions - 1`` cuts: a branch and a merge inside a partition,
-    two tensors across the first cut, weight regularisation after it."""
+    two tensors across the first cut, weight regularisation after it; ``wide``: two
+    Dense layers of 128 units before the output."""
     keras.utils.set_random_seed(11)
     import tarantella as tnt
 
@@ -44,7 +52,9 @@ def build(partitions: int) -> keras.Model:
                            kernel_regularizer=keras.regularizers.L2(1e-3))(h)
     if partitions == 3:
         h = split(name="cut2")(h)
-    h = keras.layers.Dense(8, activation="relu", name="d")(h)
+    h = keras.layers.Dense(128 if wide else 8, activation="relu", name="d")(h)
+    if wide:
+        h = keras.layers.Dense(128, activation="relu", name="e")(h)
     out = keras.layers.Dense(3, name="out")(h)
     return keras.Model(inp, out, name="net")
 
@@ -77,7 +87,7 @@ def batches():
 def serial(out: Path) -> None:
     for name, partitions, opt, _, _ in CASES:
         keras.config.set_dtype_policy("mixed_float16" if opt == "mixed" else "float32")
-        model = build(partitions)
+        model = build(partitions, wide(name))
         model.compile(optimizer=optimizer(opt), loss="mse")
         losses = [float(model.train_on_batch(bx, by)) for bx, by in batches()]
         np.savez(out / f"{name}.npz", **{w.path: np.asarray(w) for w in model.weights})
@@ -96,7 +106,7 @@ def pipeline(out: Path) -> None:
         if partitions != runtime.size:
             continue
         keras.config.set_dtype_policy("mixed_float16" if opt == "mixed" else "float32")
-        model = build(partitions)
+        model = build(partitions, wide(name))
         step = StageStep(partition(model), rank, backend, loss=keras.losses.MeanSquaredError(),
                          optimizer=optimizer(opt), num_micro_batches=micro, schedule=schedule)
         losses = []
@@ -106,7 +116,8 @@ def pipeline(out: Path) -> None:
         local = {w.path: np.asarray(w) for w in step.model.weights}
         np.savez(out / f"{name}.rank{rank}.npz", **local)
         (out / f"{name}.rank{rank}.json").write_text(json.dumps(
-            {"losses": losses, "params": step.parts.param_count(rank)}))
+            {"losses": losses, "params": step.parts.param_count(rank),
+             "joined_weights": step.joined_weights}))
 
 
 def main() -> int:

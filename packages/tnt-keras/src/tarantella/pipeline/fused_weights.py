@@ -20,11 +20,13 @@ before.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["fused"]
+__all__ = ["Footprint", "footprint", "fused"]
 
 
 def _rows_summed(grad: Any) -> tf.Operation | None:
@@ -48,6 +50,46 @@ def _same_kind(ops: Sequence[tf.Operation]) -> bool:
     if first.type == "BiasAddGrad":
         return len({op.get_attr("data_format") for op in ops}) == 1
     return True
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One micro-batch's ``W``, in bytes: what it keeps alive until it runs (the inputs of
+    its ops: for a ``Dense`` layer, the layer's input and the gradient at its output) and
+    what it makes (the weights' gradients)."""
+
+    held: int
+    made: int
+
+
+def _bytes(t: tf.Tensor) -> int | None:
+    shape = t.shape
+    if shape.rank is None or any(d is None for d in shape.as_list()):
+        return None
+    return int(np.prod(shape.as_list(), dtype=np.int64)) * t.dtype.size
+
+
+def footprint(grads: Sequence[Any]) -> Footprint | None:
+    """The :class:`Footprint` of a ``W`` giving ``grads`` when every one of them can be
+    joined with other micro-batches' (:func:`fused`: a sum over rows) and has a static
+    shape; else None."""
+    held: dict[str, int] = {}  # by tensor: a layer's kernel and bias gradients share one
+    made = 0
+    for g in grads:
+        if g is None:
+            continue
+        op = _rows_summed(g)
+        if op is None:
+            return None
+        size = _bytes(g)
+        inputs = [op.inputs[0], op.inputs[1]] if op.type == "MatMul" else [op.inputs[0]]
+        sizes = [_bytes(t) for t in inputs]
+        if size is None or any(n is None for n in sizes):
+            return None
+        made += size
+        for t, n in zip(inputs, sizes):
+            held[t.name] = int(n)  # type: ignore[arg-type]
+    return Footprint(sum(held.values()), made) if made else None
 
 
 def fused(per_micro_batch: Sequence[Sequence[Any]], after: Sequence[tf.Operation] = ()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 __all__ = ["SCHEDULES", "Action", "Costs", "Deadlock", "DryRun", "Op", "ScheduleError",
            "build", "check", "dry_run", "forward_only", "gpipe", "one_f_one_b", "parse",
-           "with_messages", "zero_bubble_fused", "zero_bubble_h1"]
+           "weights_last", "with_messages", "zero_bubble_fused", "zero_bubble_h1"]
 
 
 class Op(enum.Enum):
@@ -181,6 +181,15 @@ def zero_bubble_fused(num_stages: int, num_micro_batches: int) -> list[list[Acti
             actions = actions + weights
         schedules.append(actions)
     return schedules
+
+
+def weights_last(actions: Sequence[Action]) -> list[Action]:
+    """A stage's list with its ``W`` moved after its last action, in their order: what a
+    last stage runs that joins its ``W`` into one pass
+    (:meth:`tarantella.pipeline.stage.StageStep._defers_weights` decides when it is traced,
+    from what the ``W`` hold; its messages keep their order, so the other stages' lists do
+    not change)."""
+    return [a for a in actions if a.op is not Op.WEIGHT] + [a for a in actions if a.op is Op.WEIGHT]
 
 
 def forward_only(num_stages: int, num_micro_batches: int) -> list[list[Action]]:

@@ -182,6 +182,9 @@ class StageStep:
         self.log_step = log_step
         #: what ``log_step`` returned in the latest step run with its ends (else None)
         self.logs: Any = None
+        #: whether the latest traced training step runs this stage's ``W`` joined after its
+        #: last action (:meth:`_defers_weights`); None before one is traced or without ``W``
+        self.joined_weights: bool | None = None
 
     def _span(self, name: str, waits: bool = False) -> AbstractContextManager[None]:
         if self.timeline is None:
@@ -313,6 +316,8 @@ class StageStep:
         weight_passes: dict[int, WeightPass] = {}
         last: list[Any] = []  # what the latest action made: an F or a W starts after it
         weight_group: list[int] = []  # W actions one after the other: one W (fused_weights)
+        deferred: list[int] = []  # the last stage's W, joined after its last action
+        defer: bool | None = None  # decided at the first W (:meth:`_defers_weights`)
         for i, action in enumerate(actions):
             k, peer = action.micro_batch, action.peer
             if action.op is Op.RECV_F:
@@ -349,6 +354,12 @@ class StageStep:
                 last = self._send(sent, peer, _BACKWARD)
             else:
                 assert action.op is Op.WEIGHT, action
+                if defer is None:
+                    defer = self.joined_weights = self._defers_weights(weight_passes[k], sizes, k,
+                                                                       actions)
+                if defer:
+                    deferred.append(k)
+                    continue
                 weight_group.append(k)
                 if i + 1 < len(actions) and actions[i + 1].op is Op.WEIGHT:
                     continue
@@ -358,6 +369,9 @@ class StageStep:
             if i == summed_after:
                 total = tf.add_n(parts) if parts else tf.constant(0.0, tf.float64)
                 self._start_loss_sum(total)
+        if deferred:
+            last = self._weight_passes(deferred, [weight_passes.pop(j) for j in deferred],
+                                       last, accumulated)
         assert total is not None
         self._optimizer_step(accumulated)
         done = self.messages.complete(self._tokens + [tf.convert_to_tensor(self.optimizer.iterations)])
@@ -427,6 +441,37 @@ class StageStep:
             made += [g for g in grads if g is not None]
         self._mark([g for g in made if isinstance(g, tf.Tensor)], name, begin=False)
         return made
+
+    def _defers_weights(self, weight_pass: WeightPass, sizes: Sequence[int], k: int,
+                        actions: Sequence[Action]) -> bool:
+        """Whether the last stage runs every ``W`` of the step after its last action, as one
+        pass over all micro-batches' rows (:mod:`~tarantella.pipeline.fused_weights`),
+        instead of where the schedule places them: when that keeps less alive at its peak,
+        judged from micro-batch ``k``'s ``W`` (the first).
+
+        Why the last stage: its ``B`` go back as soon as they are made either way, and its
+        step ends waiting for the first stage's last ``W``, update and next forward pass
+        (the step's boundary): the ``W`` held back fill that wait. Why memory decides:
+        joined, the ``W`` hold every micro-batch's inputs (``M h`` bytes, twice while they
+        are joined) and make one weight-sized gradient ``G``; in place, they hold those of
+        the ``n`` micro-batches the schedule keeps waiting for their ``W`` and add each
+        micro-batch's gradient to the sum (two weight-sized tensors at once). Joined when
+        ``2 M h + G <= n h + 2 G``: a stage of wide ``Dense`` layers and small micro-batches
+        (whose weights, not activations, fill a rank's memory) saves memory by it, and
+        ``M - 1`` additions of weight-sized tensors and the small products."""
+        if not self.last or self.first or len(sizes) < 2:
+            return False
+        fp = fused_weights.footprint(weight_pass.grads)
+        if fp is None or sizes[k] == 0:
+            return False
+        per_row = fp.held / sizes[k]
+        pending = peak = 0  # the most micro-batches whose B ran and whose W did not
+        for action in actions:
+            pending += {Op.BACKWARD: 1, Op.WEIGHT: -1}.get(action.op, 0)
+            peak = max(peak, pending)
+        joined = 2 * per_row * sum(sizes) + fp.made
+        in_place = per_row * max(sizes) * peak + 2 * fp.made
+        return joined <= in_place
 
     # -- the gradients to the optimizer -------------------------------------------------------
 
