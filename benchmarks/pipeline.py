@@ -61,12 +61,19 @@ as it ran before the step started the check and logged the loss itself (Keras' o
 step function, the checksums and the loss's tracker as calls of their own: four calls
 into TensorFlow a step instead of two); the row
 ``zb-h1, F ungated`` is ZB-H1 with its forward passes left to the dataflow (each ``F`` not
-waiting for the action before it); the row ``zb-fused, update as TF ops`` is ZB-fused
-compiled with ``jit_compile=False``, its optimizer's update as TensorFlow ops instead of
-one XLA-compiled function. Then the work bound: the shortest step any schedule could make
-of the passes and the update ``U`` (each stage's optimizer update, timed alone as the
-passes are), messages free: the busiest stage's ``M x (F + B + W) + U`` plus the ``F`` of
-the stages before it (its first input), against serial Keras on 1 CPU; once with the
+waiting for the action before it); the row ``zb-h1, W in place`` is ZB-H1 with each ``W``
+of its last stage where the schedule places it, the micro-batches' weight gradients added
+one by one, as before that stage joined them after its last ``B`` where that holds less
+memory (``StageStep._defers_weights``; the dry run of a row whose last stage joined them
+runs its ``W`` there too, each timed as one micro-batch's); the row ``zb-fused, update as
+TF ops`` is ZB-fused compiled with ``jit_compile=False``, its optimizer's update as
+TensorFlow ops instead of one XLA-compiled function. Then the work bound: the shortest
+step any schedule could make of the passes and the update ``U`` (each stage's optimizer
+update, timed alone as the passes are) with each micro-batch's ``W`` a pass of its own,
+messages free: the busiest stage's ``M x (F + B + W) + U`` plus the ``F`` of the stages
+before it (its first input), against serial Keras on 1 CPU (a stage that joins its ``W``
+into one pass over all micro-batches' rows does less work than that and can pass it;
+each row's ``of bound`` is against its own ranks' measured work); once with the
 passes timed on every rank at once (as the job runs them) and once with each rank timing
 its own alone, held to one CPU while the others wait: their ratio is what the stages cost
 each other by computing at the same time. Then ZB-H1's targets (1.35x serial on 1 CPU,
@@ -372,6 +379,12 @@ def worker_throughput(args: argparse.Namespace) -> None:
                 model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
                 ungate_forward_passes(model._tnt.step)
                 configs[schedule_key(args, UNGATED)] = model
+                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                  num_micro_batches=m, pipeline_schedule="zb-h1")
+                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+                keep_weights_in_place(model._tnt.step)
+                configs[schedule_key(args, IN_PLACE)] = model
     else:
         for name, kwargs in (("keras fit", {}), ("keras fit, no XLA", {"jit_compile": False}),
                              ("keras fit, XLA", {"jit_compile": True}),
@@ -414,7 +427,8 @@ def worker_throughput(args: argparse.Namespace) -> None:
                          check=statistics.median(t.parts["check"]),
                          sum=statistics.median(t.parts["sum"]),
                          local_params=int(model.local_param_count),
-                         schedule=str(model.pipeline_schedule))
+                         schedule=str(model.pipeline_schedule),
+                         joined_weights=model._tnt.step.joined_weights)
         else:
             entry["jit_compile"] = bool(model.jit_compile)
         result["configs"][name] = entry
@@ -515,6 +529,17 @@ def ungate_forward_passes(step: Any) -> None:
         return StageStep._forward_pass(step, k, received, x, y, sample_weight, share)
 
     step._forward_pass = forward_pass
+
+
+#: the ZB-H1 row whose last stage runs each ``W`` where the schedule places it (``--loop-ab``)
+IN_PLACE = "zb-h1, W in place"
+
+
+def keep_weights_in_place(step: Any) -> None:
+    """``step``'s last stage no longer joins its ``W`` after its last ``B``
+    (``StageStep._defers_weights``), as before: each ``W`` where ZB-H1 places it, the
+    micro-batches' weight gradients added up one by one. The same training, for the A/B."""
+    step._defers_weights = lambda *args: False
 
 
 def schedule_key(args: argparse.Namespace, schedule: str) -> str:
@@ -997,7 +1022,8 @@ def print_work_bound(costs: list[dict], m: int, serial_step: float) -> None:
         f"{(c['F'] + c['B'] + c['W']) / (c['F alone'] + c['B alone'] + c['W alone']):.2f}, "
         f"U {c['U'] / c['U alone']:.2f}" for i, c in enumerate(costs))
     print(f"   the work bound (the busiest stage's M x (F + B + W) + its update U + the F of the "
-          f"stages before it; messages free): {together * 1e3:.1f} ms = "
+          f"stages before it; messages free; each micro-batch's W a pass of its own: W joined "
+          f"over the micro-batches can pass it): {together * 1e3:.1f} ms = "
           f"{serial_step / together:.2f}x serial on 1 CPU with the stages timed at once, "
           f"{alone * 1e3:.1f} ms = {serial_step / alone:.2f}x with each stage timed alone on one CPU; "
           f"{each}")
@@ -1030,14 +1056,18 @@ def print_schedules(args: argparse.Namespace, serial1: dict, ranks: list[dict]) 
           f"{'of passes':>9s} {'dry-run bubble':>14s} {'dry-run of bound':>16s}")
     measured = schedules.Costs(forward=[c["F"] for c in costs], backward=[c["B"] for c in costs],
                                weight=[c["W"] for c in costs])
-    rows = [*args.schedules, *[v for v in (TF_UPDATE, BLOCKING, SEPARATE, UNGATED)
+    rows = [*args.schedules, *[v for v in (TF_UPDATE, BLOCKING, SEPARATE, UNGATED, IN_PLACE)
                                if schedule_key(args, v) in ranks[0]["configs"]]]
     for s in rows:
         cs = [r["configs"][schedule_key(args, s)] for r in ranks]
         step = statistics.median([c["step"] for c in cs])
         rate, bound = b / step, b / max(c["work"] for c in cs)
-        dry = schedules.dry_run(schedules.build("zb-h1" if s in (BLOCKING, SEPARATE, UNGATED) else
-                                                "zb-fused" if s == TF_UPDATE else s, P, m), measured)
+        lists = schedules.build("zb-h1" if s in (BLOCKING, SEPARATE, UNGATED, IN_PLACE) else
+                                "zb-fused" if s == TF_UPDATE else s, P, m)
+        # a stage that joined its W ran them after its last action (as one pass; timed here
+        # as M passes of its W: the dry run does not count what joining saves)
+        lists = [schedules.weights_last(a) if c.get("joined_weights") else a for a, c in zip(lists, cs)]
+        dry = schedules.dry_run(lists, measured)
         pair = {key: " / ".join(f"{c[key] * 1e3:.1f}" for c in cs)
                 for key in ("work", "wait", "loop", "check", "sum")}
         print(f"{s:15s} {rate:9.0f} {rate / base1:8.2f} {step * 1e3:6.1f} {pair['work']:>13s} "
