@@ -360,31 +360,18 @@ def worker_throughput(args: argparse.Namespace) -> None:
                                   num_micro_batches=m, pipeline_schedule="zb-fused")
                 model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=False)
                 configs[schedule_key(args, TF_UPDATE)] = model
-            if args.loop_ab and "zb-h1" in args.schedules:  # the loop as it was, same rounds
-                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
-                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                                  num_micro_batches=m, pipeline_schedule="zb-h1")
-                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
-                block_step_ends(model)
-                configs[schedule_key(args, BLOCKING)] = model
-                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
-                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                                  num_micro_batches=m, pipeline_schedule="zb-h1")
-                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
-                separate_calls(keras, model)
-                configs[schedule_key(args, SEPARATE)] = model
-                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
-                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                                  num_micro_batches=m, pipeline_schedule="zb-h1")
-                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
-                ungate_forward_passes(model._tnt.step)
-                configs[schedule_key(args, UNGATED)] = model
-                model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
-                                  parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                                  num_micro_batches=m, pipeline_schedule="zb-h1")
-                model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
-                keep_weights_in_place(model._tnt.step)
-                configs[schedule_key(args, IN_PLACE)] = model
+            if args.loop_ab and "zb-h1" in args.schedules:  # ZB-H1 as it was, same rounds
+                variants = ((BLOCKING, block_step_ends),
+                            (SEPARATE, lambda model: separate_calls(keras, model)),
+                            (UNGATED, lambda model: ungate_forward_passes(model._tnt.step)),
+                            (IN_PLACE, lambda model: keep_weights_in_place(model._tnt.step)))
+                for row, before in variants:
+                    model = tnt.Model(build(keras, args.width, args.layers, args.width, args.width, True),
+                                      parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                      num_micro_batches=m, pipeline_schedule="zb-h1")
+                    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+                    before(model)  # before its step is first traced
+                    configs[schedule_key(args, row)] = model
     else:
         for name, kwargs in (("keras fit", {}), ("keras fit, no XLA", {"jit_compile": False}),
                              ("keras fit, XLA", {"jit_compile": True}),
