@@ -296,7 +296,10 @@ void run_allreduce_gather(const Exec& exec, const std::vector<Piece>& pieces, do
     return exec.shm->allreduce_gather(pieces, factor, out, count, dtype, op, exec.timeout);
   }
   fill_gathered(static_cast<char*>(out), 0, count, pieces, factor, dtype,
-                [](void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); });
+                [](void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); },
+                [dtype](void* dst, const void* src, std::size_t n, double f) {
+                  scale_copy(dtype, dst, src, n, f);
+                });
   run_allreduce(exec, out, count, dtype, op, algorithm);
 }
 

@@ -132,6 +132,37 @@ void stream_copy(void* dst, const void* src, std::size_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 
+// dst[i] = src[i] * factor as scale_copy computes it (one IEEE multiplication per element,
+// so the same bits), written past the caches as stream_copy writes (the same reason: the
+// peers' caches hold the slot's lines), fenced at the end.
+template <typename T>
+void stream_scale(T* dst, const T* src, std::size_t n, T factor) {
+  std::size_t i = 0;
+#if defined(__x86_64__)
+  if (n * sizeof(T) >= kStreamMinBytes) {
+    for (; i < n && reinterpret_cast<std::uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = src[i] * factor;
+    constexpr std::size_t kLanes = 16 / sizeof(T);
+    if constexpr (sizeof(T) == 4) {
+      const __m128 f = _mm_set1_ps(factor);
+      for (; i + kLanes <= n; i += kLanes) {
+        _mm_stream_ps(reinterpret_cast<float*>(dst + i),
+                      _mm_mul_ps(_mm_loadu_ps(reinterpret_cast<const float*>(src + i)), f));
+      }
+    } else {
+      const __m128d f = _mm_set1_pd(factor);
+      for (; i + kLanes <= n; i += kLanes) {
+        _mm_stream_pd(reinterpret_cast<double*>(dst + i),
+                      _mm_mul_pd(_mm_loadu_pd(reinterpret_cast<const double*>(src + i)), f));
+      }
+    }
+    for (; i < n; ++i) dst[i] = src[i] * factor;
+    _mm_sfence();
+    return;
+  }
+#endif
+  for (; i < n; ++i) dst[i] = src[i] * factor;
+}
+
 // c[i] = a[i] + b[i] as gloo::sum computes it (one IEEE addition per element, so the same
 // bits), c written with non-temporal stores; the caller fences (store_fence). The loads
 // and stores interleave: measured faster than summing into a cached block and streaming
@@ -569,34 +600,56 @@ double median(std::vector<double> values) {
 }
 }  // namespace
 
-void ShmAllreduce::copy_in(void* dst, const void* src, std::size_t bytes) {
+template <typename Stream, typename Cached>
+void ShmAllreduce::write_slot(std::size_t bytes, Stream&& stream, Cached&& cached) {
   const ShmCopy mode = copy_.load(std::memory_order_relaxed);
   if (mode == ShmCopy::kCache) {
-    std::memcpy(dst, src, bytes);
+    cached();
     return;
   }
   if (mode == ShmCopy::kStream || bytes < kTimingMinBytes) {
-    stream_copy(dst, src, bytes);
+    stream();
     return;
   }
   // Timing (kAuto): the two ways in turn, each on its own data, so that both meet the
-  // same load. The copy's own time is what is compared: the peers' reads of the slot
+  // same load. The write's own time is what is compared: the peers' reads of the slot
   // follow the same way (measured by benchmarks/shm_copy.c: memory or another cache).
-  const bool stream = timed_copies_ % 2 == 0;
+  const bool streamed = timed_copies_ % 2 == 0;
   const auto start = Clock::now();
-  if (stream) {
-    stream_copy(dst, src, bytes);
+  if (streamed) {
+    stream();
   } else {
-    std::memcpy(dst, src, bytes);
+    cached();
   }
   const double ns = std::chrono::duration<double, std::nano>(Clock::now() - start).count();
   if (timed_copies_++ < kTimingWarmup) return;
-  timed_[stream ? 0 : 1].push_back(ns / static_cast<double>(bytes));
+  timed_[streamed ? 0 : 1].push_back(ns / static_cast<double>(bytes));
   if (timed_[0].size() >= kTimingSamples && timed_[1].size() >= kTimingSamples) {
     const bool cache = median(timed_[1]) < median(timed_[0]);
     copy_.store(cache ? ShmCopy::kCache : ShmCopy::kStream, std::memory_order_relaxed);
     timed_[0] = {};
     timed_[1] = {};
+  }
+}
+
+void ShmAllreduce::copy_in(void* dst, const void* src, std::size_t bytes) {
+  write_slot(bytes, [&] { stream_copy(dst, src, bytes); }, [&] { std::memcpy(dst, src, bytes); });
+}
+
+void ShmAllreduce::scale_in(void* dst, const void* src, std::size_t n, double factor,
+                            DType dtype) {
+  const auto cached = [&] { scale_copy(dtype, dst, src, n, factor); };
+  if (dtype == DType::kFloat32) {
+    write_slot(n * sizeof(float), [&] {
+      stream_scale(static_cast<float*>(dst), static_cast<const float*>(src), n,
+                   static_cast<float>(factor));
+    }, cached);
+  } else if (dtype == DType::kFloat64) {
+    write_slot(n * sizeof(double), [&] {
+      stream_scale(static_cast<double*>(dst), static_cast<const double*>(src), n, factor);
+    }, cached);
+  } else {
+    cached();
   }
 }
 
@@ -690,7 +743,10 @@ void ShmAllreduce::allreduce_gather(const std::vector<Piece>& pieces, double fac
                                     std::chrono::milliseconds timeout) {
   const Fill fill = [&](char* slot_chunk, std::size_t first, std::size_t n) {
     fill_gathered(slot_chunk, first, n, pieces, factor, dtype,
-                  [this](void* dst, const void* src, std::size_t bytes) { copy_in(dst, src, bytes); });
+                  [this](void* dst, const void* src, std::size_t bytes) { copy_in(dst, src, bytes); },
+                  [this, dtype](void* dst, const void* src, std::size_t count, double f) {
+                    scale_in(dst, src, count, f, dtype);
+                  });
   };
   run(out, count, dtype, op, timeout, &fill);
 }

@@ -187,6 +187,13 @@ class ShmAllreduce {
   // Copy into a slot the way copy_ says; while it says kAuto, time the large copies, the
   // two ways in turn, and settle on the faster (see copy_mode).
   void copy_in(void* dst, const void* src, std::size_t bytes);
+  // The same for `n` elements of `src` times `factor` (scale_copy's result): a gradient
+  // of a mean loss reaches its slot this way, scaled by the rank's share of the batch.
+  void scale_in(void* dst, const void* src, std::size_t n, double factor, DType dtype);
+  // Write `bytes` into a slot by `stream()` (past the caches) or `cached()` (plain stores),
+  // as copy_ says, timing the two in turn while it says kAuto (copy_in, scale_in).
+  template <typename Stream, typename Cached>
+  void write_slot(std::size_t bytes, Stream&& stream, Cached&& cached);
   // One pass over the slices, a piece of every slice per chunk (see reduce_scatter).
   void slices(bool reduce, void* data, std::size_t count, DType dtype, ReduceOp op,
               std::chrono::milliseconds timeout,

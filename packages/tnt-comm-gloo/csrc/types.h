@@ -44,12 +44,12 @@ struct Piece {
 };
 
 // Fill elements [first, first + n) of the input made of `pieces` (sorted by offset, not
-// overlapping) into `dst`: each piece's part times `factor` (0: zeros, 1: `copy`), zeros
-// where no piece is. `copy(dst, src, bytes)` makes the plain copies (a transport's own
-// way, e.g. past the caches).
-template <typename Copy>
+// overlapping) into `dst`: each piece's part times `factor` (0: zeros, 1: `copy`, else
+// `scale`), zeros where no piece is. `copy(dst, src, bytes)` and `scale(dst, src, count,
+// factor)` (scale_copy's result) write the way the transport chooses, e.g. past the caches.
+template <typename Copy, typename Scale>
 void fill_gathered(char* dst, std::size_t first, std::size_t n, const std::vector<Piece>& pieces,
-                   double factor, DType dtype, Copy&& copy) {
+                   double factor, DType dtype, Copy&& copy, Scale&& scale) {
   const std::size_t es = element_size(dtype);
   std::size_t at = first;  // the next element of [first, first + n) not yet written
   const std::size_t end = first + n;
@@ -65,7 +65,7 @@ void fill_gathered(char* dst, std::size_t first, std::size_t n, const std::vecto
     } else if (factor == 0.0) {  // zeros, never 0 * (a stand-in's NaN)
       std::memset(to, 0, (hi - lo) * es);
     } else {
-      scale_copy(dtype, to, from, hi - lo, factor);
+      scale(to, from, hi - lo, factor);
     }
     at = hi;
   }

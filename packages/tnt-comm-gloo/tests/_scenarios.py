@@ -351,6 +351,42 @@ def shm_reduce(report: Report, backend, chunk_bytes: int) -> None:
 
     report.check("unaligned-view", unaligned)
 
+    def scaled() -> None:
+        # the native table's gathered allreduce, pieces times 0.5 (a gradient of a mean
+        # loss arrives so, scaled by the rank's share): written into the slots the way
+        # TNT_GLOO_SHM_COPY says (past the caches for floats under "stream"), pieces at odd
+        # offsets so that a slot's part starts unaligned, against numpy's multiply and sum
+        from tnt_core._native import native_comm
+
+        table = native_comm(backend)
+        assert table is not None and table.has_gather
+        n = 3 * (chunk_bytes // 4) + 1503  # float32 and float64: a last streamed part of
+        cuts = [(0, 3), (5, n // 2 + 1), (n // 2 + 4, n)]  # 1503 elements, a tail
+        for dtype in ("float16", "float32", "float64"):
+            source = _shm_input(backend.rank, n, dtype, "sum")
+            out = np.full(n, 7, dtype)
+            done = threading.Event()
+            errors: list[str | None] = []
+
+            def finished(err: str | None, errors=errors, done=done) -> None:
+                errors.append(err)
+                done.set()
+
+            table.allreduce_gather([(source[a:b].copy(), a) for a, b in cuts], 0.5, out, "sum",
+                                   finished)
+            assert done.wait(60) and errors == [None], (dtype, errors)
+            want = np.zeros(n, dtype)
+            for r in range(backend.size):
+                filled = np.zeros(n, dtype)
+                for a, b in cuts:
+                    filled[a:b] = _shm_input(r, n, dtype, "sum")[a:b] * np.dtype(dtype).type(0.5)
+                want = want + filled if r else filled
+            bits = f"u{np.dtype(dtype).itemsize}"
+            diff = np.flatnonzero(out.view(bits) != want.view(bits))
+            assert diff.size == 0, f"{dtype}: {diff.size} elements differ, e.g. index {diff[0]}"
+
+    report.check("scaled-pieces", scaled)
+
     def interleaved() -> None:
         # allreduces over shared memory, the rest over TCP, all in one queue order
         bufs = [np.full(70_000 + k, backend.rank + k, np.float64) for k in range(8)]
