@@ -356,9 +356,7 @@ def shm_reduce(report: Report, backend, chunk_bytes: int) -> None:
         # loss arrives so, scaled by the rank's share): written into the slots the way
         # TNT_GLOO_SHM_COPY says (past the caches for floats under "stream"), pieces at odd
         # offsets so that a slot's part starts unaligned, against numpy's multiply and sum
-        from tnt_core._native import native_comm
-
-        table = native_comm(backend)
+        table = tnt_core.native_comm(backend)
         assert table is not None and table.has_gather
         n = 3 * (chunk_bytes // 4) + 1503  # float32 and float64: a last streamed part of
         cuts = [(0, 3), (5, n // 2 + 1), (n // 2 + 4, n)]  # 1503 elements, a tail
