@@ -101,6 +101,13 @@ std::size_t segment_bytes(std::size_t chunk_bytes, int size) {
          static_cast<std::size_t>(std::max(size - 1, 0)) * (kRingControlBytes + ring_bytes(size));
 }
 
+// Orders non-temporal stores before the release that publishes what they wrote.
+void store_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
 // Copy this rank's data into a slot its peers read, past the caches (ShmCopy::kStream).
 // The peers read the slots of earlier chunks, so their caches hold the lines a plain
 // memcpy writes: each line must first be taken back from another core (a read for
@@ -125,7 +132,7 @@ void stream_copy(void* dst, const void* src, std::size_t bytes) {
       }
     }
     std::memcpy(d + body, s + body, bytes - body);
-    _mm_sfence();
+    store_fence();
     return;
   }
 #endif
@@ -156,7 +163,7 @@ void stream_scale(T* dst, const T* src, std::size_t n, T factor) {
       }
     }
     for (; i < n; ++i) dst[i] = src[i] * factor;
-    _mm_sfence();
+    store_fence();
     return;
   }
 #endif
@@ -189,12 +196,6 @@ void stream_sum(void* c_, const void* a_, const void* b_, std::size_t n) {
   }
 #endif
   for (; i < n; ++i) c[i] = a[i] + b[i];
-}
-
-void store_fence() {
-#if defined(__x86_64__)
-  _mm_sfence();
-#endif
 }
 
 std::string errno_text(int error) { return std::strerror(error); }
@@ -639,15 +640,16 @@ void ShmAllreduce::copy_in(void* dst, const void* src, std::size_t bytes) {
 void ShmAllreduce::scale_in(void* dst, const void* src, std::size_t n, double factor,
                             DType dtype) {
   const auto cached = [&] { scale_copy(dtype, dst, src, n, factor); };
+  const auto streamed = [&](auto type) {
+    using T = decltype(type);
+    write_slot(n * sizeof(T), [&] {
+      stream_scale(static_cast<T*>(dst), static_cast<const T*>(src), n, static_cast<T>(factor));
+    }, cached);
+  };
   if (dtype == DType::kFloat32) {
-    write_slot(n * sizeof(float), [&] {
-      stream_scale(static_cast<float*>(dst), static_cast<const float*>(src), n,
-                   static_cast<float>(factor));
-    }, cached);
+    streamed(float{});
   } else if (dtype == DType::kFloat64) {
-    write_slot(n * sizeof(double), [&] {
-      stream_scale(static_cast<double*>(dst), static_cast<const double*>(src), n, factor);
-    }, cached);
+    streamed(double{});
   } else {
     cached();
   }
